@@ -1,0 +1,80 @@
+"""The seam between the lane host (plain Python, no torch) and whatever runs the model.
+
+The real backend is rank 0's leader (`tpserve.ranks.leader`), which broadcasts each call to the
+followers and applies it on its own shard; tests use a fake. Every method is called from the lane
+host's single scheduling thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tpserve.ranks.sampling_params import SamplingParams
+
+__all__ = ["Backend", "BackendBroken", "PrefillItem", "DecodeItem", "SamplingParams"]
+
+
+class BackendBroken(RuntimeError):
+    """A decode round failed, a rank was lost or a collective timed out: nothing more can run."""
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """Compute the KV of `token_ids` at positions start..start+len-1 of `lane`.
+
+    When `last` is set this chunk ends the prompt and the backend samples the stream's next token
+    at position start+len (keyed by `sampling`).
+    """
+
+    lane: int
+    start: int
+    token_ids: tuple[int, ...]
+    last: bool
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """Feed `token_id` at `position` of `lane` and sample the token after it."""
+
+    lane: int
+    position: int
+    token_id: int
+    sampling: SamplingParams
+
+
+class Backend(Protocol):
+    num_lanes: int
+    room: int  # KV tokens the ranks can hold in all (the smallest rank's figure)
+    context_size: int  # most tokens (prompt + reply) one stream may reach
+    batches_prompts: bool  # prefill_many is worth calling
+    max_prefill_tokens: int  # most prompt tokens one pass takes (a longer prompt goes in chunks)
+
+    def free_room(self) -> int:
+        """KV tokens not reserved by any open lane."""
+
+    def open(self, lane: int, reserve_tokens: int) -> bool:
+        """Reserve KV for `reserve_tokens` tokens on `lane`. False (nothing held) when they do not fit."""
+
+    def prefill(self, item: PrefillItem) -> int | None:
+        """One prompt chunk on one lane; the sampled token when item.last, else None.
+
+        Raises on failure; the lane then holds no prefilled state and stays open (the host closes it).
+        """
+
+    def prefill_many(self, items: list[PrefillItem]) -> list[int] | None:
+        """Several whole prompts (each item.last, start 0 or a cached start) in one pass.
+
+        Returns one sampled token per item, in order. Returning None or raising leaves none of the
+        lanes prefilled (the failing one included); the host then runs each alone.
+        """
+
+    def decode(self, items: list[DecodeItem]) -> list[int]:
+        """One round over the given live lanes; one sampled token per item, in order.
+
+        Raises BackendBroken when the round failed: the engine cannot go on.
+        """
+
+    def close(self, lane: int) -> None:
+        """Drop the lane's KV and its reservation."""

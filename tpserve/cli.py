@@ -1,0 +1,36 @@
+"""The `tpserve` command: one subcommand per module, each registering its own parser."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tpserve.ranks.errors import UserError
+
+# Each module exposes register(subparsers), which adds its subcommand with set_defaults(run=fn);
+# fn(args) returns the exit code.
+COMMAND_MODULES: list[str] = []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        module = __import__(name, fromlist=["register"])
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
