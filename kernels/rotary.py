@@ -1,0 +1,72 @@
+"""Rotary position embedding tables (with the common scalings) and their application."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpserve.ranks.model_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies [head_dim/2] and the attention scale factor yarn asks for."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling.rope_type
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"unknown rope scaling {kind!r}")
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_context = s.original_max_position_embeddings
+    low_freq_wavelen = old_context / s.low_freq_factor
+    high_freq_wavelen = old_context / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    old_context = s.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(old_context / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), head_dim - 1)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
+    extrapolation = 1 - ramp.clamp(0, 1)
+    interpolated = inv_freq / s.factor
+    mixed = interpolated * (1 - extrapolation) + inv_freq * extrapolation
+    attention_factor = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
+    return mixed, attention_factor
+
+
+class Rotary:
+    """cos/sin tables for positions 0..max_positions-1, shape [max_positions, head_dim] each."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, max_positions: int):
+        inv_freq, factor = inverse_frequencies(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = angles.cos() * factor
+        self.sin = angles.sin() * factor
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D], positions: [T]; the "rotate half" layout of the Hugging Face checkpoints.
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,120 @@
+"""What every rank applies: admissions, prefill passes, decode rounds, releases and cache moves.
+
+Rank 0 and the followers call the same methods with the same arguments in the same order, so
+their bookkeeping (lanes, ranges, cache slots) stays identical. Methods that can fail return False
+and leave nothing changed; the caller votes and, when another rank failed, calls the undo.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.kernels.attention import SpanView
+from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.model import TPModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lane:
+    base: int  # first slot of the lane's range in the KV pool
+    capacity: int  # slots reserved
+    length: int = 0  # tokens whose KV is computed (positions 0..length-1)
+
+
+class EngineError(RuntimeError):
+    """A call the engine refuses (bad lane, position or size): the host sent something inconsistent."""
+
+
+class Engine:
+    def __init__(self, model: TPModel, kv: KVPool, cache_kv: KVPool | None = None):
+        self.model = model
+        self.kv = kv
+        self.cache_kv = cache_kv
+        self.lanes: dict[int, Lane] = {}
+        self.cache_slots: dict[int, tuple[int, int]] = {}  # entry id -> (start, num_tokens)
+
+    # Admission ---------------------------------------------------------------------------------
+    def admit(self, lane: int, reserve_tokens: int) -> bool:
+        if lane in self.lanes or reserve_tokens <= 0:
+            return False
+        base = self.kv.allocator.allocate(reserve_tokens)
+        if base is None:
+            return False
+        self.lanes[lane] = Lane(base, reserve_tokens)
+        return True
+
+    def release(self, lane: int) -> None:
+        state = self.lanes.pop(lane, None)
+        if state is not None:
+            self.kv.allocator.free(state.base)
+
+    # Passes ------------------------------------------------------------------------------------
+    def forward(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
+        """spans: (lane, start, token ids) with start == the lane's length. Computes and stores their
+        KV, advances the lanes, and returns the next-token logits of each span's last token
+        ([num_spans, vocab] float32) on rank 0. On an exception no lane has advanced."""
+        views, token_ids, positions, logit_rows = [], [], [], []
+        for lane, start, tokens in spans:
+            state = self.lanes.get(lane)
+            if state is None:
+                raise EngineError(f"lane {lane} is not open")
+            if start != state.length or not tokens or start + len(tokens) > state.capacity:
+                raise EngineError(
+                    f"lane {lane}: span at {start} of {len(tokens)} tokens does not fit "
+                    f"(length {state.length}, capacity {state.capacity})"
+                )
+            views.append(SpanView(len(token_ids), state.base, start, len(tokens)))
+            token_ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            logit_rows.append(len(token_ids) - 1)
+        with torch.inference_mode():
+            logits = self.model.forward(
+                torch.tensor(token_ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64),
+                views,
+                self.kv,
+                logit_rows,
+            )
+        for lane, _, tokens in spans:
+            self.lanes[lane].length += len(tokens)
+        return logits
+
+    def rewind(self, lengths: dict[int, int]) -> None:
+        """Undo passes: put lanes back to earlier lengths (their later slots are simply ignored)."""
+        for lane, length in lengths.items():
+            if lane in self.lanes:
+                self.lanes[lane].length = length
+
+    def lengths(self, lanes) -> dict[int, int]:
+        return {lane: self.lanes[lane].length for lane in lanes if lane in self.lanes}
+
+    # Prompt-cache states -------------------------------------------------------------------------
+    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
+        state = self.lanes.get(lane)
+        if self.cache_kv is None or state is None or entry_id in self.cache_slots or num_tokens > state.length:
+            return False
+        start = self.cache_kv.allocator.allocate(num_tokens)
+        if start is None:
+            return False
+        self.cache_kv.copy(self.kv, state.base, start, num_tokens)
+        self.cache_slots[entry_id] = (start, num_tokens)
+        return True
+
+    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
+        state = self.lanes.get(lane)
+        slot = self.cache_slots.get(entry_id)
+        if state is None or slot is None or state.length != 0 or num_tokens > min(slot[1], state.capacity):
+            return False
+        self.kv.copy(self.cache_kv, slot[0], state.base, num_tokens)
+        state.length = num_tokens
+        return True
+
+    def evict(self, entry_id: int) -> None:
+        slot = self.cache_slots.pop(entry_id, None)
+        if slot is not None:
+            self.cache_kv.allocator.free(slot[0])

@@ -1,0 +1,32 @@
+"""Builds one rank's model from a model directory: config, sharding plan, weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tpserve.ranks.model import TPModel
+from tpserve.ranks.model_config import ModelConfig, load_model_config
+from tpserve.ranks.sharding import pieces_of_rank
+from tpserve.ranks.weights import read_rank_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_rank_model(
+    model_dir: str | Path,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    dtype: torch.dtype,
+    max_positions: int,
+    group=None,
+    config: ModelConfig | None = None,
+) -> TPModel:
+    config = config or load_model_config(model_dir)
+    pieces = pieces_of_rank(config, tp_rank, tp_size)
+    weights = read_rank_weights(model_dir, config, pieces, dtype)
+    return TPModel(
+        config, weights, pieces, tp_rank=tp_rank, tp_size=tp_size, group=group, max_positions=max_positions
+    )

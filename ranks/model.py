@@ -1,0 +1,135 @@
+"""The tensor-parallel decoder: one rank's pieces of a Llama-family model.
+
+Every layer is computed piece by piece (see sharding.py). Row-parallel partial sums are added in
+float32, then all-reduced across ranks; the embedding is vocab-parallel and all-reduced; the head
+is vocab-parallel and its logits are gathered to rank 0 only. At tp=1 no collective is called.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tpserve.kernels.attention import SpanView, span_attention, write_kv
+from tpserve.kernels.collectives import all_reduce_sum, gather_to_first
+from tpserve.kernels.norms import rms_norm
+from tpserve.kernels.rotary import Rotary
+from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.sharding import Piece, split_evenly
+from tpserve.ranks.weights import RankWeights
+
+
+class PieceLayer:
+    """One layer's weights for one piece: fused q/k/v and gate/up, and the row-parallel halves."""
+
+    def __init__(self, config: ModelConfig, piece: Piece, tensors: dict[str, torch.Tensor], prefix: str):
+        self.num_kv_heads = piece.num_kv_heads()
+        self.num_q_heads = self.num_kv_heads * config.num_queries_per_kv
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        self.w_qkv = torch.cat([tensors[attn + f"{n}_proj.weight"] for n in "qkv"])  # [(Hq+2Hkv)*D, hidden]
+        self.b_qkv = (
+            torch.cat([tensors[attn + f"{n}_proj.bias"] for n in "qkv"]) if config.qkv_bias else None
+        )
+        self.w_o = tensors[attn + "o_proj.weight"]  # [hidden, Hq*D]
+        self.w_gate_up = torch.cat([tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]])
+        self.w_down = tensors[mlp + "down_proj.weight"]  # [hidden, I_piece]
+
+
+class TPModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: RankWeights,
+        pieces: list[Piece],
+        *,
+        tp_rank: int,
+        tp_size: int,
+        group=None,
+        max_positions: int,
+    ):
+        self.config = config
+        self.pieces = pieces
+        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
+        self.replicated = weights.replicated
+        self.dtype = next(iter(weights.replicated.values())).dtype
+        self.layers = [
+            [PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.") for i, piece in enumerate(pieces)]
+            for layer in range(config.num_layers)
+        ]
+        self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
+        head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.head = [w[head_name] for w in weights.pieces]
+        # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
+        rank_vocab = split_evenly(config.vocab_size, tp_size)
+        self.gather_width = max(end - start for start, end in rank_vocab)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
+        self.scale = config.head_dim**-0.5
+
+    def kv_heads_per_piece(self) -> list[int]:
+        return [piece.num_kv_heads() for piece in self.pieces]
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        # partial: [T, hidden] float32, already summed over this rank's pieces.
+        if self.tp_size > 1:
+            all_reduce_sum(partial, self.group)
+        return partial.to(self.dtype)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(token_ids.shape[0], self.config.hidden_size, dtype=torch.float32)
+        for piece, table in zip(self.pieces, self.embed):
+            start, end = piece.vocab
+            owned = (token_ids >= start) & (token_ids < end)
+            local = (token_ids - start).clamp(0, end - start - 1)
+            out += F.embedding(local, table).float() * owned.unsqueeze(1)
+        return self._reduce(out)
+
+    def _attention(self, layer: PieceLayer, x, positions, spans, pool_k, pool_v, qk_norms) -> torch.Tensor:
+        cfg, num_tokens = self.config, x.shape[0]
+        qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+        q_width, kv_width = layer.num_q_heads * cfg.head_dim, layer.num_kv_heads * cfg.head_dim
+        q = qkv[:, :q_width].reshape(num_tokens, layer.num_q_heads, cfg.head_dim)
+        k = qkv[:, q_width : q_width + kv_width].reshape(num_tokens, layer.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_width + kv_width :].reshape(num_tokens, layer.num_kv_heads, cfg.head_dim)
+        if qk_norms is not None:
+            q = rms_norm(q, qk_norms[0], cfg.rms_norm_eps)
+            k = rms_norm(k, qk_norms[1], cfg.rms_norm_eps)
+        q = self.rotary.apply(q, positions)
+        k = self.rotary.apply(k, positions)
+        write_kv(pool_k, pool_v, k, v, spans)
+        return F.linear(span_attention(q, pool_k, pool_v, spans, self.scale), layer.w_o)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, spans: list[SpanView], kv, logit_rows: list[int]
+    ) -> torch.Tensor | None:
+        """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
+        are wanted. Returns float32 logits [len(logit_rows), vocab] on rank 0, None elsewhere."""
+        cfg, rep = self.config, self.replicated
+        h = self._embed(token_ids)  # [T, hidden]
+        for index, pieces in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            qk_norms = None
+            if cfg.qk_norm:
+                qk_norms = (rep[prefix + "self_attn.q_norm.weight"], rep[prefix + "self_attn.k_norm.weight"])
+            x = rms_norm(h, rep[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
+            partial = torch.zeros(h.shape, dtype=torch.float32)
+            for local, layer in enumerate(pieces):
+                if layer.num_kv_heads:
+                    pool_k, pool_v = kv.layer(local, index)
+                    partial += self._attention(layer, x, positions, spans, pool_k, pool_v, qk_norms).float()
+            h = h + self._reduce(partial)
+            x = rms_norm(h, rep[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            partial = torch.zeros(h.shape, dtype=torch.float32)
+            for layer in pieces:
+                gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+                partial += F.linear(F.silu(gate) * up, layer.w_down).float()
+            h = h + self._reduce(partial)
+        last = rms_norm(h[logit_rows], rep["model.norm.weight"], cfg.rms_norm_eps)
+        local = torch.cat([F.linear(last, head).float() for head in self.head], dim=-1)  # [n, V_rank]
+        if self.tp_size == 1:
+            return local
+        padded = F.pad(local, (0, self.gather_width - local.shape[1]))
+        chunks = gather_to_first(padded, self.tp_rank, self.tp_size, self.group)
+        if chunks is None:
+            return None
+        widths = [end - start for start, end in split_evenly(cfg.vocab_size, self.tp_size)]
+        return torch.cat([chunk[:, :width] for chunk, width in zip(chunks, widths)], dim=-1)

@@ -1,0 +1,126 @@
+"""The model's shape and family, read once from a Hugging Face config.json and validated."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpserve.ranks.errors import ModelFileError
+
+# Every family here is a Llama-style decoder; they differ in biases, q/k norms and defaults.
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ModelFileError(model_dir, "not a model directory (run `tpserve prepare` for the default model)")
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelFileError(path, "missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelFileError(path, f"not valid JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ModelFileError(path, "not a JSON object")
+    return parse_model_config(raw, path)
+
+
+def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConfig:
+    architectures = raw.get("architectures") or []
+    family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
+    if family is None:
+        supported = ", ".join(FAMILIES)
+        raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
+
+    def need(key: str, kind: type = int):
+        if key not in raw:
+            raise ModelFileError(path, f"missing {key!r}")
+        value = raw[key]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ModelFileError(path, f"{key!r} must be a positive integer, not {value!r}")
+        if kind is float and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+            raise ModelFileError(path, f"{key!r} must be a positive number, not {value!r}")
+        return value
+
+    hidden_size = need("hidden_size")
+    num_heads = need("num_attention_heads")
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    if num_heads % num_kv_heads:
+        raise ModelFileError(path, f"{num_heads} attention heads do not divide into {num_kv_heads} KV heads")
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        family=family,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rope_scaling=parse_rope_scaling(raw.get("rope_scaling"), path),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def parse_rope_scaling(raw: dict | None, path: str | Path) -> RopeScaling:
+    if not raw:
+        return RopeScaling()
+    rope_type = raw.get("rope_type", raw.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelFileError(path, f"unsupported rope scaling {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+    fields = {k: raw[k] for k in RopeScaling.__dataclass_fields__ if k in raw and k != "rope_type"}
+    return RopeScaling(rope_type=rope_type, **fields)

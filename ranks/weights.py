@@ -1,0 +1,126 @@
+"""Reads one rank's slices of a safetensors checkpoint, applying the sharding table.
+
+Only the rows or columns a rank's pieces own are read from disk; nothing else is materialized.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
+
+
+@dataclass
+class RankWeights:
+    replicated: dict[str, torch.Tensor] = field(default_factory=dict)
+    pieces: list[dict[str, torch.Tensor]] = field(default_factory=list)  # one per local piece
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors or model.safetensors.index.json."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ModelFileError(index, f"not a safetensors index ({error})") from None
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        raise ModelFileError(model_dir, "no model.safetensors or model.safetensors.index.json")
+    with _open(single) as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+def _open(path: Path):
+    if not path.exists():
+        raise ModelFileError(path, "missing (named by the safetensors index)")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ModelFileError(path, f"not a readable safetensors file ({error})") from None
+
+
+def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    key = name.rsplit(".", 2)
+    leaf = ".".join(key[-2:])
+    q_width = config.num_heads * config.head_dim
+    kv_width = config.num_kv_heads * config.head_dim
+    shapes = {
+        "embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "lm_head.weight": (config.vocab_size, config.hidden_size),
+        "q_proj.weight": (q_width, config.hidden_size),
+        "q_proj.bias": (q_width,),
+        "k_proj.weight": (kv_width, config.hidden_size),
+        "k_proj.bias": (kv_width,),
+        "v_proj.weight": (kv_width, config.hidden_size),
+        "v_proj.bias": (kv_width,),
+        "o_proj.weight": (config.hidden_size, q_width),
+        "q_norm.weight": (config.head_dim,),
+        "k_norm.weight": (config.head_dim,),
+        "gate_proj.weight": (config.intermediate_size, config.hidden_size),
+        "up_proj.weight": (config.intermediate_size, config.hidden_size),
+        "down_proj.weight": (config.hidden_size, config.intermediate_size),
+    }
+    return shapes.get(leaf, (config.hidden_size,))
+
+
+def required_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    if config.qkv_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    for layer in range(config.num_layers):
+        names += [f"model.layers.{layer}.{leaf}" for leaf in per_layer]
+    return names
+
+
+def read_rank_weights(
+    model_dir: str | Path, config: ModelConfig, pieces: list[Piece], dtype: torch.dtype
+) -> RankWeights:
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    weights = RankWeights(pieces=[{} for _ in pieces])
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(_open(path)) for path in sorted(set(files.values()))}
+        for name in required_names(config):
+            if name not in files:
+                raise ModelFileError(model_dir, f"checkpoint has no tensor {name!r}")
+            handle = handles[files[name]]
+            tensor_slice = handle.get_slice(name)
+            shape = tuple(tensor_slice.get_shape())
+            if shape != expected_shape(config, name):
+                raise ModelFileError(
+                    files[name], f"tensor {name} has shape {list(shape)}, config.json implies {list(expected_shape(config, name))}"
+                )
+            split, unit = rule_for(name)
+            if split is Split.REPLICATED:
+                weights.replicated[name] = tensor_slice[:].to(dtype)
+                continue
+            for local, piece in enumerate(pieces):
+                start, end = piece_range(config, piece, unit)
+                part = tensor_slice[:, start:end] if split is Split.ROW else tensor_slice[start:end]
+                weights.pieces[local][name] = part.to(dtype).contiguous()
+    return weights
