@@ -1,0 +1,112 @@
+"""What a client asks the lane host for and what it gets back: requests, stream events, usage, refusals.
+
+Plain frozen values shared by the lane host, the gRPC servicer and the tests; nothing here runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpserve.ranks.sampling_params import SamplingParams
+
+__all__ = [
+    "CANCELLED",
+    "ERROR",
+    "FINISH_REASONS",
+    "LENGTH",
+    "STOP",
+    "Event",
+    "Finished",
+    "GenerationRequest",
+    "HostStats",
+    "HostUnavailable",
+    "Prefilled",
+    "QueueFull",
+    "SamplingParams",
+    "TokenDelta",
+    "Usage",
+]
+
+# Finish reasons, as the API reports them.
+STOP = "stop"  # an EOS token or a stop string
+LENGTH = "length"  # max_tokens reached
+CANCELLED = "cancelled"  # the client cancelled, or the host stopped before the reply ended
+ERROR = "error"  # this stream failed (Finished.error says why)
+FINISH_REASONS = (STOP, LENGTH, CANCELLED, ERROR)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One reply to generate from already tokenized prompt ids.
+
+    `background` requests wait behind every foreground one and give their lane up to a waiting
+    foreground request (resuming later without resending anything).
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    background: bool = False
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one reply cost.
+
+    completion_tokens counts every token the model sampled for the reply, the EOS token and the
+    tokens of a matched stop string included (their text is never sent).
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    time_to_first_token_s: float | None  # submit to the first sampled token; None if none came
+    total_s: float  # submit to Finished
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The prompt is in the KV cache (sent once per stream, before its first token)."""
+
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Newly released reply tokens and their text (text held back for stop strings comes later)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of every stream."""
+
+    reason: str  # one of FINISH_REASONS
+    usage: Usage
+    error: str | None = None
+
+
+Event = Prefilled | TokenDelta | Finished
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """A snapshot of the lane host's load (read by metrics at scrape time)."""
+
+    queued: int  # requests waiting for a lane
+    lanes_busy: int  # lanes holding a stream (prefilling or decoding)
+    room_used: int  # KV tokens reserved by open lanes
+    num_lanes: int
+    room: int  # KV tokens the ranks can hold in all
+
+
+class QueueFull(Exception):
+    """Refused at submit: the queue already holds as many requests as it may."""
+
+
+class HostUnavailable(Exception):
+    """Refused at submit: the engine is broken or the host is stopping."""
