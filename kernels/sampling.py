@@ -1,10 +1,12 @@
 """Rank 0's sampler: turns a pass's logits into one token per row, and reads the top logits.
 
-Every draw is position-keyed: a sampled row's noise is a hash of (seed, position, token id), and the
-token is argmax(log_softmax + Gumbel(noise)) over the tokens the filters keep. So a draw depends only
-on (logits row, seed, position, params), never on which row, lane or batch it ran in. Every argmax,
-greedy or sampled, breaks ties toward the lower token id, and every step is written so that a row
-never turns into a NaN decision.
+A sampled row draws with position-keyed noise: token t gets a uniform u(seed, position, t) from an
+integer hash, and the draw is argmax(scaled logits + Gumbel(u)) over the tokens the filters keep. So a
+draw depends only on (logits row, seed, position, params), never on which row, lane or batch it ran
+in. Each row is worked on alone, in float32 on the CPU with numpy: numpy's unsigned arithmetic wraps
+by definition, its reductions do not split a row across threads, and the same logits draw the same
+token whatever device produced them. Every argmax, greedy or sampled, breaks ties toward the lower
+token id, and a row with nothing to draw from keeps its greedy token, so no decision is ever NaN.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tpserve.ranks.sampling_params import SamplingParams
 
 __all__ = ["sample", "top_logits"]
 
-_MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
-_UNIFORM_BITS = 23  # a float32 holds (i + 0.5) / 2**23 exactly for every i < 2**23, and never 0 or 1
+_UNIFORM_BITS = 23  # (i + 0.5) / 2**23 is exact in float32 for every i < 2**23, and never 0 or 1
+# The largest Gumbel value the noise can take (u = 1 - 2**-24). A token more than this below the best
+# perturbed value found so far can never win, so its noise is not worth computing.
+_GUMBEL_MAX = -math.log(-math.log1p(-(2.0 ** -(_UNIFORM_BITS + 1))))
+_FIRST_TOP_P_BLOCK = 64  # tokens sorted first when looking for the top_p cut; grows 8x when short
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
@@ -28,119 +34,114 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
 
     positions[i] is the position of the token row i draws; with params[i].seed it keys the noise.
     """
-    num_rows = logits.shape[0] if logits.dim() == 2 else -1
-    if num_rows < 0 or len(params) != num_rows or len(positions) != num_rows:
+    if logits.dim() != 2 or len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
         raise ValueError(
             f"sample needs logits [num_rows, vocab] and one params and position per row; got logits "
             f"{tuple(logits.shape)}, {len(params)} params, {len(positions)} positions"
         )
-    scores = _as_float32(logits)  # [num_rows, vocab]
-    tokens = _argmax_lowest(scores)  # the greedy choice of every row, [num_rows]
-    sampled = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled:
-        rows = torch.tensor(sampled, device=scores.device)
-        drawn = _draw(
-            scores.index_select(0, rows),
-            [params[row] for row in sampled],
-            [positions[row] for row in sampled],
-            tokens.index_select(0, rows),
-        )
-        tokens.index_copy_(0, rows, drawn)
-    return tokens.tolist()
+    scores = _to_float32(logits)  # [num_rows, vocab]
+    # numpy documents argmax as returning the first occurrence of the maximum: the lower id.
+    tokens = scores.argmax(axis=-1).tolist()
+    for row, (p, position) in enumerate(zip(params, positions)):
+        if not p.greedy:
+            tokens[row] = _draw(scores[row], p, position, greedy_token=tokens[row])
+    return tokens
 
 
 def top_logits(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """Each row's k highest logits as (token id, value), highest first, equal values by lower id."""
-    scores = _as_float32(logits).cpu()  # [num_rows, vocab]
-    k = max(0, min(k, scores.shape[-1]))
-    if k == 0:
-        return [[] for _ in range(scores.shape[0])]
-    # topk's values are exact, but its order among equal values is not promised: keep every token
-    # at or above the k-th value, then order those by value with a stable sort (ids ascend already).
-    kth = scores.topk(k, dim=-1).values[:, -1:]  # [num_rows, 1]
+    scores = _to_float32(logits)  # [num_rows, vocab]
+    ids = np.arange(scores.shape[-1])
     result = []
-    for row, threshold in zip(scores, kth):
-        ids = torch.nonzero(row >= threshold).flatten()
-        order = torch.sort(row[ids], descending=True, stable=True).indices[:k]
-        result.append([(int(i), float(v)) for i, v in zip(ids[order], row[ids[order]])])
+    for row in scores:
+        best_ids, best_values = _best_first(ids, row, max(0, k))
+        result.append([(int(i), float(v)) for i, v in zip(best_ids, best_values)])
     return result
 
 
-def _as_float32(logits: torch.Tensor) -> torch.Tensor:
-    # A NaN logit can never win: it reads as -inf, so no comparison below ever sees a NaN.
-    scores = logits.detach().to(torch.float32)
-    return scores.masked_fill(torch.isnan(scores), -math.inf)
+def _to_float32(logits: torch.Tensor) -> np.ndarray:
+    scores = logits.detach().to(device="cpu", dtype=torch.float32).numpy()
+    if np.isnan(scores).any():
+        # A NaN logit can never win: it reads as -inf (in a copy; the caller's tensor is left alone).
+        scores = np.where(np.isnan(scores), np.float32(-np.inf), scores)
+    return scores
 
 
-def _argmax_lowest(scores: torch.Tensor) -> torch.Tensor:
-    """argmax along the last dim, ties to the lower index (torch.argmax does not promise that)."""
-    vocab_size = scores.shape[-1]
-    ids = torch.arange(vocab_size, device=scores.device)
-    at_max = scores == scores.max(dim=-1, keepdim=True).values  # [rows, vocab]
-    return torch.where(at_max, ids, vocab_size).min(dim=-1).values
+def _draw(row: np.ndarray, p: SamplingParams, position: int, greedy_token: int) -> int:
+    """The sampled token of one row [vocab] (float32, no NaN)."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = row / np.float32(p.temperature)  # [vocab]
+    top = float(scaled[greedy_token])  # the row's max (division by a positive number keeps the order)
+    if not math.isfinite(top):
+        # All -inf, or overflowed to +inf by a tiny temperature: nothing to draw from.
+        return greedy_token
+    key = _row_key(p.seed, position)
+    # Only tokens that could beat the greedy token's perturbed value need noise. The margin keeps the
+    # pruning exact under float32 rounding, so it never changes which token wins.
+    top_perturbed = top + float(_gumbel(key, np.array([greedy_token]))[0])
+    floor = top_perturbed - _GUMBEL_MAX - (0.01 + 1e-5 * abs(top))
+    ids = np.flatnonzero(scaled >= floor)  # ascending, so ties below can go to the lower id
+    values = scaled[ids]
+
+    # Every pruned token sits below every candidate, so the filters' cuts among candidates are exact.
+    if 0 < p.top_k < len(ids):
+        ids, values = _best_first(ids, values, p.top_k)
+    if p.top_p < 1.0:
+        ids, values = _top_p_prefix(ids, values, p.top_p, _kept_mass(scaled, top, p.top_k), top)
+    if p.min_p > 0.0:
+        # p >= min_p * p_max; renormalising the kept set leaves that ratio alone, and the max is `top`.
+        kept = values.astype(np.float64) - top >= math.log(p.min_p)
+        ids, values = ids[kept], values[kept]
+
+    perturbed = values + _gumbel(key, ids)
+    return int(ids[perturbed == perturbed.max()].min())
 
 
-def _draw(
-    scores: torch.Tensor,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int],
-    greedy_tokens: torch.Tensor,
-) -> torch.Tensor:
-    """The sampled token of every row of scores [n, vocab] (float32, no NaN)."""
-    device = scores.device
-    temperatures = torch.tensor([p.temperature for p in params], device=device).unsqueeze(-1)
-    scaled = scores / temperatures  # [n, vocab]
-    # A row whose scaled max is not finite (all -inf, or overflowed to +inf by a tiny temperature)
-    # has no distribution to draw from: it keeps its greedy token.
-    row_ok = torch.isfinite(scaled.max(dim=-1).values)  # [n]
-    scaled = torch.where(row_ok.unsqueeze(-1), scaled, torch.zeros((), device=device))
-    logp = torch.log_softmax(scaled, dim=-1)  # [n, vocab]; -inf only where the logit was -inf
+def _best_first(ids: np.ndarray, values: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The m best of (ids, values): highest value first, equal values in their current order.
 
-    keep = logp > -math.inf
-    if any(p.top_k > 0 for p in params):
-        keep &= _top_k_mask(logp, [p.top_k for p in params])
-    if any(p.top_p < 1.0 for p in params):
-        keep &= _top_p_mask(logp.masked_fill(~keep, -math.inf), [p.top_p for p in params])
-    if any(p.min_p > 0.0 for p in params):
-        # p >= min_p * p_max, read in log space; the max token survives every filter, and renormalising
-        # the kept set does not change the ratio, so the unfiltered log-probs serve.
-        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device)
-        keep &= logp - logp.max(dim=-1, keepdim=True).values >= log_min_p.unsqueeze(-1)
-
-    keys = [_row_key(p.seed, position) for p, position in zip(params, positions)]
-    perturbed = torch.where(keep, logp + _gumbel_noise(keys, scores.shape[-1], device), -math.inf)
-    drawn = _argmax_lowest(perturbed)
-    return torch.where(row_ok & keep.any(dim=-1), drawn, greedy_tokens)
-
-
-def _top_k_mask(logp: torch.Tensor, top_ks: Sequence[int]) -> torch.Tensor:
-    """Keep each row's top_k highest tokens (0 keeps all); among equal values the lower ids go first."""
-    vocab_size = logp.shape[-1]
-    ks = [k if 0 < k < vocab_size else vocab_size for k in top_ks]
-    ks_t = torch.tensor(ks, device=logp.device).unsqueeze(-1)  # [n, 1]
-    top = logp.topk(max(ks), dim=-1).values  # [n, max_k], highest first
-    kth = top.gather(-1, ks_t - 1)  # [n, 1], the k-th highest value of each row
-    above = logp > kth
-    # The k-th value may be shared: fill the places left after the strictly higher tokens with the
-    # lowest ids holding exactly that value.
-    at_kth = logp == kth
-    places_left = ks_t - above.sum(dim=-1, keepdim=True)
-    return above | (at_kth & (torch.cumsum(at_kth, dim=-1) <= places_left))
-
-
-def _top_p_mask(logp: torch.Tensor, top_ps: Sequence[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one; 1.0 keeps all).
-
-    logp [n, vocab] holds -inf for tokens already filtered out; the mass is over the rest, renormalised.
+    Called with ids ascending (or already in this order), so equal values go to the lower id.
     """
-    sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logp, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens strictly ahead of each
-    # 1.0 means off: spelled out, since rounding can make a cumulative sum reach 1 before the tail.
-    thresholds = torch.tensor([p if p < 1.0 else math.inf for p in top_ps], device=logp.device)
-    keep_sorted = mass_before < thresholds.unsqueeze(-1)
-    keep_sorted[:, 0] = True
-    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    if m < len(values):
+        # The m-th highest value is exact from a partition; keep every token tied with it too, so the
+        # stable sort below decides the ties, not the partition.
+        mth = np.partition(values, len(values) - m)[len(values) - m]
+        chosen = np.flatnonzero(values >= mth)
+        ids, values = ids[chosen], values[chosen]
+    order = np.argsort(-values, kind="stable")[:m]
+    return ids[order], values[order]
+
+
+def _kept_mass(scaled: np.ndarray, top: float, top_k: int) -> float:
+    """Sum of exp(scaled - top) over the tokens top_k keeps (all of them when top_k is 0)."""
+    weights = np.exp(scaled - np.float32(top))  # [vocab], float32
+    vocab_size = len(scaled)
+    if not 0 < top_k < vocab_size:
+        return float(weights.sum(dtype=np.float64))
+    kth = np.partition(scaled, vocab_size - top_k)[vocab_size - top_k]
+    above = scaled > kth
+    num_at_kth = top_k - int(above.sum())  # how many of the tokens equal to kth top_k keeps
+    return float(weights[above].sum(dtype=np.float64)) + num_at_kth * float(np.exp(np.float32(kth - top)))
+
+
+def _top_p_prefix(
+    ids: np.ndarray, values: np.ndarray, top_p: float, kept_mass: float, top: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest set of most likely candidates whose mass reaches top_p, at least one.
+
+    Sorts a growing block of the best candidates until the block's mass reaches top_p, rather than
+    sorting the whole vocabulary: the cut falls inside the block, and the cumulative sum over a
+    prefix is the same whatever follows it.
+    """
+    block = _FIRST_TOP_P_BLOCK
+    while True:
+        best_ids, best_values = _best_first(ids, values, block)
+        probs = np.exp(best_values - np.float32(top)).astype(np.float64) / kept_mass
+        mass_through = np.cumsum(probs)  # mass of each token and all ahead of it
+        if mass_through[-1] >= top_p or len(best_ids) == len(ids):
+            num_kept = max(1, int(np.count_nonzero(mass_through - probs < top_p)))
+            return best_ids[:num_kept], best_values[:num_kept]
+        block *= 8
 
 
 def _splitmix64(x: int) -> int:
@@ -151,37 +152,27 @@ def _splitmix64(x: int) -> int:
 
 
 def _row_key(seed: int, position: int) -> int:
-    """The 64-bit key of one draw; exact Python integers, so any seed or position is well defined."""
+    """The 64-bit key of one draw, in exact Python integers, so any seed or position is well defined."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
 
 
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """(x * constant) mod 2**32 for int64 x in [0, 2**32), without ever overflowing int64.
-
-    The constant's top bit is split off: x * 2**31 mod 2**32 is just x's low bit moved to bit 31,
-    and x times the remaining 31 bits stays below 2**63.
-    """
-    low = constant & 0x7FFFFFFF
-    product = x * low
-    if constant >> 31:
-        product += (x & 1) << 31
-    return product & _MASK32
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """Wellons' lowbias32 avalanche mix, in place on a uint32 array (whose products wrap by definition)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche mix (Wellons' lowbias32), on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _gumbel_noise(keys: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Gumbel noise [len(keys), vocab] where entry (r, t) depends only on (keys[r], t)."""
-    key_low = torch.tensor([k & _MASK32 for k in keys], dtype=torch.int64, device=device).unsqueeze(-1)
-    key_high = torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=device).unsqueeze(-1)
-    token_hash = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))  # [vocab]
-    bits = _mix32(_mix32(token_hash ^ key_low) ^ key_high)  # [n, vocab], uniform in [0, 2**32)
-    uniform = ((bits >> (32 - _UNIFORM_BITS)).to(torch.float32) + 0.5) * 2.0**-_UNIFORM_BITS
-    return -torch.log(-torch.log(uniform))
+def _gumbel(key: int, ids: np.ndarray) -> np.ndarray:
+    """Gumbel noise (float32) for the token ids under one draw's key; depends only on (key, id)."""
+    bits = ids.astype(np.uint32) ^ np.uint32(key & 0xFFFFFFFF)
+    bits = _mix32(bits)
+    bits ^= np.uint32(key >> 32)
+    bits = _mix32(bits)
+    uniform = (bits >> np.uint32(32 - _UNIFORM_BITS)).astype(np.float32)
+    uniform += np.float32(0.5)
+    uniform *= np.float32(2.0**-_UNIFORM_BITS)
+    return -np.log(-np.log(uniform))

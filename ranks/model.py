@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, span_attention, write_kv
 from tpserve.kernels.collectives import all_reduce_sum, gather_to_first
+from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
 from tpserve.ranks.model_config import ModelConfig
@@ -46,6 +47,7 @@ class TPModel:
         tp_size: int,
         group=None,
         max_positions: int,
+        min_rows: int = 0,
     ):
         self.config = config
         self.pieces = pieces
@@ -64,6 +66,7 @@ class TPModel:
         self.gather_width = max(end - start for start, end in rank_vocab)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
         self.scale = config.head_dim**-0.5
+        self.min_rows = min_rows  # see kernels/linear.py: batch-invariant products
 
     def kv_heads_per_piece(self) -> list[int]:
         return [piece.num_kv_heads() for piece in self.pieces]
@@ -85,7 +88,7 @@ class TPModel:
 
     def _attention(self, layer: PieceLayer, x, positions, spans, pool_k, pool_v, qk_norms) -> torch.Tensor:
         cfg, num_tokens = self.config, x.shape[0]
-        qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+        qkv = linear(x, layer.w_qkv, layer.b_qkv, self.min_rows)
         q_width, kv_width = layer.num_q_heads * cfg.head_dim, layer.num_kv_heads * cfg.head_dim
         q = qkv[:, :q_width].reshape(num_tokens, layer.num_q_heads, cfg.head_dim)
         k = qkv[:, q_width : q_width + kv_width].reshape(num_tokens, layer.num_kv_heads, cfg.head_dim)
@@ -96,7 +99,7 @@ class TPModel:
         q = self.rotary.apply(q, positions)
         k = self.rotary.apply(k, positions)
         write_kv(pool_k, pool_v, k, v, spans)
-        return F.linear(span_attention(q, pool_k, pool_v, spans, self.scale), layer.w_o)
+        return linear(span_attention(q, pool_k, pool_v, spans, self.scale), layer.w_o, None, self.min_rows)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, spans: list[SpanView], kv, logit_rows: list[int]
@@ -120,11 +123,11 @@ class TPModel:
             x = rms_norm(h, rep[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             partial = torch.zeros(h.shape, dtype=torch.float32)
             for layer in pieces:
-                gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-                partial += F.linear(F.silu(gate) * up, layer.w_down).float()
+                gate, up = linear(x, layer.w_gate_up, None, self.min_rows).chunk(2, dim=-1)
+                partial += linear(F.silu(gate) * up, layer.w_down, None, self.min_rows).float()
             h = h + self._reduce(partial)
         last = rms_norm(h[logit_rows], rep["model.norm.weight"], cfg.rms_norm_eps)
-        local = torch.cat([F.linear(last, head).float() for head in self.head], dim=-1)  # [n, V_rank]
+        local = torch.cat([linear(last, head, None, self.min_rows).float() for head in self.head], dim=-1)  # [n, V_rank]
         if self.tp_size == 1:
             return local
         padded = F.pad(local, (0, self.gather_width - local.shape[1]))

@@ -1,0 +1,291 @@
+"""The wire format: rank 0's typed messages <-> flat int64 tensors that a broadcast can carry.
+
+A message travels as a fixed head of HEAD_SIZE int64s,
+
+    [MAGIC | WIRE_VERSION, kind, sequence number, payload size, payload[:INLINE_SIZE], zero padding]
+
+followed, when the payload is longer than INLINE_SIZE, by an overflow of exactly the rest of the
+payload. The head alone says how long the overflow is, so a follower always knows what to receive
+next. Payloads are ints only; a tensor that is not a well-formed message raises WireError.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+__all__ = [
+    "HEAD_SIZE",
+    "INLINE_SIZE",
+    "MAX_PAYLOAD_SIZE",
+    "WIRE_VERSION",
+    "Admit",
+    "Evict",
+    "Head",
+    "Idle",
+    "Keep",
+    "Message",
+    "Prefill",
+    "Release",
+    "Restore",
+    "Round",
+    "Span",
+    "Step",
+    "Stop",
+    "WireError",
+    "decode",
+    "encode",
+    "read_head",
+]
+
+WIRE_VERSION = 1
+_MAGIC_MASK = ~0xFFFF
+MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
+HEAD_SIZE = 64
+_HEAD_FIELDS = 4  # magic|version, kind, seq, payload size
+INLINE_SIZE = HEAD_SIZE - _HEAD_FIELDS  # a decode round over up to 20 lanes needs no overflow
+# Bounds what a corrupt head can make a follower allocate (128 MiB of int64s).
+MAX_PAYLOAD_SIZE = 1 << 24
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class WireError(ValueError):
+    """A message that cannot be encoded, or a tensor that is not a well-formed message."""
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Open `lane` with a KV reservation of `reserve_tokens` tokens (the ranks vote after)."""
+
+    KIND: ClassVar[int] = 1
+    lane: int
+    reserve_tokens: int
+
+
+@dataclass(frozen=True)
+class Span:
+    """Prompt tokens for positions start..start+len(token_ids)-1 of `lane`."""
+
+    lane: int
+    start: int
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """One packed prefill pass over one or several streams (the ranks vote after)."""
+
+    KIND: ClassVar[int] = 2
+    spans: tuple[Span, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "spans", tuple(self.spans))
+
+
+@dataclass(frozen=True)
+class Step:
+    """Feed `token_id` at `position` of `lane`."""
+
+    lane: int
+    position: int
+    token_id: int
+
+
+@dataclass(frozen=True)
+class Round:
+    """One decode step over the live lanes."""
+
+    KIND: ClassVar[int] = 3
+    steps: tuple[Step, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "steps", tuple(self.steps))
+
+
+@dataclass(frozen=True)
+class Release:
+    """Drop the lane's KV and its reservation."""
+
+    KIND: ClassVar[int] = 4
+    lane: int
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Copy the first `num_tokens` of `lane`'s KV into prompt-cache entry `entry_id` (vote after)."""
+
+    KIND: ClassVar[int] = 5
+    lane: int
+    num_tokens: int
+    entry_id: int
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Copy the first `num_tokens` of cache entry `entry_id` into `lane` (vote after)."""
+
+    KIND: ClassVar[int] = 6
+    lane: int
+    entry_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Free prompt-cache entry `entry_id`."""
+
+    KIND: ClassVar[int] = 7
+    entry_id: int
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Rank 0 is going idle: followers wait on the doorbell, not in a collective, before the next."""
+
+    KIND: ClassVar[int] = 8
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Followers leave their loop and exit 0."""
+
+    KIND: ClassVar[int] = 9
+
+
+Message = Admit | Prefill | Round | Release | Keep | Restore | Evict | Idle | Stop
+_KINDS: dict[int, type] = {cls.KIND: cls for cls in (Admit, Prefill, Round, Release, Keep, Restore, Evict, Idle, Stop)}
+_STEP_SIZE = len(fields(Step))
+_SPAN_HEAD_SIZE = 3  # lane, start, number of tokens
+
+
+@dataclass(frozen=True)
+class Head:
+    """What the fixed head says: the kind, the sequence number and how much overflow follows."""
+
+    kind: int
+    seq: int
+    payload_size: int
+
+    @property
+    def overflow_size(self) -> int:
+        return max(0, self.payload_size - INLINE_SIZE)
+
+
+def encode(msg: Message, seq: int = 0) -> torch.Tensor:
+    """The message as one int64 tensor: the head, then the overflow (if any). Shape [HEAD_SIZE + overflow]."""
+    if type(msg) not in _KINDS.values():
+        raise WireError(f"cannot encode {type(msg).__name__}: not a wire message")
+    if seq < 0:
+        raise WireError(f"negative sequence number {seq}")
+    payload = _payload(msg)
+    if len(payload) > MAX_PAYLOAD_SIZE:
+        raise WireError(f"{type(msg).__name__} payload of {len(payload)} ints exceeds {MAX_PAYLOAD_SIZE}")
+    head = [MAGIC | WIRE_VERSION, msg.KIND, seq, len(payload)]
+    inline = payload[:INLINE_SIZE]
+    values = head + inline + [0] * (INLINE_SIZE - len(inline)) + payload[INLINE_SIZE:]
+    try:
+        checked = [_as_int64(value) for value in values]
+    except (TypeError, OverflowError) as err:
+        raise WireError(f"cannot encode {msg!r}: {err}") from None
+    return torch.tensor(checked, dtype=torch.int64)
+
+
+def read_head(head: torch.Tensor) -> Head:
+    """Check and read a head (the first HEAD_SIZE values of an encoded message)."""
+    _check_tensor(head)
+    if head.numel() < HEAD_SIZE:
+        raise WireError(f"a message head holds {HEAD_SIZE} ints, got {head.numel()}")
+    magic_version, kind, seq, payload_size = head[:_HEAD_FIELDS].tolist()
+    if magic_version & _MAGIC_MASK != MAGIC:
+        raise WireError(f"bad magic {magic_version:#x}: not a tpserve wire message")
+    if magic_version & 0xFFFF != WIRE_VERSION:
+        raise WireError(f"wire version {magic_version & 0xFFFF}, this rank speaks {WIRE_VERSION}")
+    if kind not in _KINDS:
+        raise WireError(f"unknown message kind {kind}")
+    if seq < 0:
+        raise WireError(f"negative sequence number {seq}")
+    if not 0 <= payload_size <= MAX_PAYLOAD_SIZE:
+        raise WireError(f"payload size {payload_size} outside 0..{MAX_PAYLOAD_SIZE}")
+    return Head(kind, seq, payload_size)
+
+
+def decode(tensor: torch.Tensor) -> Message:
+    """The message an `encode` produced: head plus overflow, concatenated."""
+    head = read_head(tensor)
+    expected = HEAD_SIZE + head.overflow_size
+    if tensor.numel() != expected:
+        raise WireError(
+            f"{_KINDS[head.kind].__name__} with a payload of {head.payload_size} ints takes "
+            f"{expected} ints on the wire, got {tensor.numel()}"
+        )
+    values = tensor.tolist()
+    inline_end = _HEAD_FIELDS + min(head.payload_size, INLINE_SIZE)
+    payload = values[_HEAD_FIELDS:inline_end] + values[HEAD_SIZE:]
+    return _from_payload(_KINDS[head.kind], payload)
+
+
+def _payload(msg: Message) -> list:
+    if isinstance(msg, Prefill):
+        payload = [len(msg.spans)]
+        for span in msg.spans:
+            payload += [span.lane, span.start, len(span.token_ids), *span.token_ids]
+        return payload
+    if isinstance(msg, Round):
+        return [value for step in msg.steps for value in (step.lane, step.position, step.token_id)]
+    return [getattr(msg, field.name) for field in fields(msg)]
+
+
+def _from_payload(cls: type, payload: list[int]) -> Message:
+    if cls is Prefill:
+        return Prefill(_spans(payload))
+    if cls is Round:
+        if len(payload) % _STEP_SIZE:
+            raise WireError(f"a Round payload holds {_STEP_SIZE} ints per step, got {len(payload)} ints")
+        return Round(tuple(Step(*payload[i : i + _STEP_SIZE]) for i in range(0, len(payload), _STEP_SIZE)))
+    num_fields = len(fields(cls))
+    if len(payload) != num_fields:
+        raise WireError(f"a {cls.__name__} payload holds {num_fields} ints, got {len(payload)}")
+    return cls(*payload)
+
+
+def _spans(payload: list[int]) -> tuple[Span, ...]:
+    if not payload:
+        raise WireError("a Prefill payload starts with its number of spans, got nothing")
+    num_spans, at = payload[0], 1
+    if num_spans < 0:
+        raise WireError(f"a Prefill with {num_spans} spans")
+    spans = []
+    for index in range(num_spans):
+        if at + _SPAN_HEAD_SIZE > len(payload):
+            raise WireError(f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints")
+        lane, start, num_tokens = payload[at : at + _SPAN_HEAD_SIZE]
+        at += _SPAN_HEAD_SIZE
+        if num_tokens < 0 or at + num_tokens > len(payload):
+            raise WireError(
+                f"Prefill span {index} claims {num_tokens} tokens; the payload has {len(payload) - at} left"
+            )
+        spans.append(Span(lane, start, tuple(payload[at : at + num_tokens])))
+        at += num_tokens
+    if at != len(payload):
+        raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")
+    return tuple(spans)
+
+
+def _as_int64(value) -> int:
+    value = operator.index(value)  # a float or a str raises TypeError rather than being truncated
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise OverflowError(f"{value} does not fit in int64")
+    return value
+
+
+def _check_tensor(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise WireError(f"a wire message is an int64 tensor, got {type(tensor).__name__}")
+    if tensor.dtype != torch.int64 or tensor.dim() != 1:
+        raise WireError(f"a wire message is a 1-D int64 tensor, got {tensor.dtype} of shape {list(tensor.shape)}")
