@@ -44,7 +44,7 @@ def span_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D] (rotated); pool_*: [room, Hkv, D] already holding the spans' keys. Returns [T, Hq*D]."""
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for span in spans:
         rows = slice(span.offset, span.offset + span.length)
         keys = slice(span.base, span.base + span.end)
@@ -54,8 +54,8 @@ def span_attention(
         mask = None
         if span.length > 1:
             # Query i sits at position start+i and sees keys 0..start+i.
-            key_pos = torch.arange(span.end)
-            query_pos = torch.arange(span.start, span.end).unsqueeze(1)
+            key_pos = torch.arange(span.end, device=q.device)
+            query_pos = torch.arange(span.start, span.end, device=q.device).unsqueeze(1)
             mask = key_pos <= query_pos
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o.squeeze(0).transpose(0, 1)

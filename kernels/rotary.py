@@ -56,12 +56,12 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -
 class Rotary:
     """cos/sin tables for positions 0..max_positions-1, shape [max_positions, head_dim] each."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, max_positions: int):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, max_positions: int, device="cpu"):
         inv_freq, factor = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.cos = angles.cos() * factor
-        self.sin = angles.sin() * factor
+        self.cos = (angles.cos() * factor).to(device)
+        self.sin = (angles.sin() * factor).to(device)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D], positions: [T]; the "rotate half" layout of the Hugging Face checkpoints.

@@ -31,8 +31,11 @@ class EngineError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, model: TPModel, kv: KVPool, cache_kv: KVPool | None = None):
+    def __init__(
+        self, model: TPModel, kv: KVPool, cache_kv: KVPool | None = None, *, refuse_token: int | None = None
+    ):
         self.model = model
+        self.refuse_token = refuse_token
         self.kv = kv
         self.cache_kv = cache_kv
         self.lanes: dict[int, Lane] = {}
@@ -54,28 +57,40 @@ class Engine:
             self.kv.allocator.free(state.base)
 
     # Passes ------------------------------------------------------------------------------------
-    def forward(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
-        """spans: (lane, start, token ids) with start == the lane's length. Computes and stores their
-        KV, advances the lanes, and returns the next-token logits of each span's last token
-        ([num_spans, vocab] float32) on rank 0. On an exception no lane has advanced."""
-        views, token_ids, positions, logit_rows = [], [], [], []
+    def check(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> bool:
+        """Whether forward(spans) would be accepted: open lanes, each span at its lane's length, in
+        its reservation, no lane twice."""
+        seen = set()
         for lane, start, tokens in spans:
             state = self.lanes.get(lane)
-            if state is None:
-                raise EngineError(f"lane {lane} is not open")
-            if start != state.length or not tokens or start + len(tokens) > state.capacity:
-                raise EngineError(
-                    f"lane {lane}: span at {start} of {len(tokens)} tokens does not fit "
-                    f"(length {state.length}, capacity {state.capacity})"
-                )
+            if state is None or lane in seen or not tokens or start != state.length:
+                return False
+            if start + len(tokens) > state.capacity:
+                return False
+            seen.add(lane)
+        return True
+
+    def refuses(self, spans) -> bool:
+        """A fault drill: this rank refuses any prompt holding `refuse_token` (tests of rollback)."""
+        return self.refuse_token is not None and any(self.refuse_token in tokens for _, _, tokens in spans)
+
+    def forward(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
+        """spans: (lane, start, token ids) that pass check(). Computes and stores their KV, advances
+        the lanes, and returns the next-token logits of each span's last token ([num_spans, vocab]
+        float32) on rank 0, None elsewhere."""
+        if not self.check(spans):
+            raise EngineError(f"inconsistent pass {[(lane, start, len(t)) for lane, start, t in spans]}")
+        views, token_ids, positions, logit_rows = [], [], [], []
+        for lane, start, tokens in spans:
+            state = self.lanes[lane]
             views.append(SpanView(len(token_ids), state.base, start, len(tokens)))
             token_ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
             logit_rows.append(len(token_ids) - 1)
         with torch.inference_mode():
             logits = self.model.forward(
-                torch.tensor(token_ids, dtype=torch.int64),
-                torch.tensor(positions, dtype=torch.int64),
+                torch.tensor(token_ids, dtype=torch.int64, device=self.model.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.model.device),
                 views,
                 self.kv,
                 logit_rows,
@@ -96,7 +111,12 @@ class Engine:
     # Prompt-cache states -------------------------------------------------------------------------
     def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
         state = self.lanes.get(lane)
-        if self.cache_kv is None or state is None or entry_id in self.cache_slots or num_tokens > state.length:
+        if (
+            self.cache_kv is None
+            or state is None
+            or entry_id in self.cache_slots
+            or num_tokens > state.length
+        ):
             return False
         start = self.cache_kv.allocator.allocate(num_tokens)
         if start is None:

@@ -57,10 +57,22 @@ def kv_bytes_per_token(num_layers: int, kv_heads: list[int], head_dim: int, dtyp
 class KVPool:
     """k/v[piece]: [num_layers, num_slots, Hkv_piece, D]."""
 
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: list[int], head_dim: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: list[int],
+        head_dim: int,
+        dtype: torch.dtype,
+        device="cpu",
+    ):
         self.num_slots = num_slots
-        self.k = [torch.zeros(num_layers, num_slots, h, head_dim, dtype=dtype) for h in kv_heads]
-        self.v = [torch.zeros(num_layers, num_slots, h, head_dim, dtype=dtype) for h in kv_heads]
+        self.k = [
+            torch.zeros(num_layers, num_slots, h, head_dim, dtype=dtype, device=device) for h in kv_heads
+        ]
+        self.v = [
+            torch.zeros(num_layers, num_slots, h, head_dim, dtype=dtype, device=device) for h in kv_heads
+        ]
         self.allocator = RangeAllocator(num_slots)
 
     def layer(self, piece: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,11 +24,18 @@ def load_rank_model(
     group=None,
     config: ModelConfig | None = None,
     min_rows: int = 0,
+    device="cpu",
 ) -> TPModel:
     config = config or load_model_config(model_dir)
     pieces = pieces_of_rank(config, tp_rank, tp_size)
-    weights = read_rank_weights(model_dir, config, pieces, dtype)
+    weights = read_rank_weights(model_dir, config, pieces, dtype, device)
     return TPModel(
-        config, weights, pieces, tp_rank=tp_rank, tp_size=tp_size, group=group, max_positions=max_positions,
+        config,
+        weights,
+        pieces,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        group=group,
+        max_positions=max_positions,
         min_rows=min_rows,
     )

@@ -28,9 +28,7 @@ class PieceLayer:
         self.num_q_heads = self.num_kv_heads * config.num_queries_per_kv
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         self.w_qkv = torch.cat([tensors[attn + f"{n}_proj.weight"] for n in "qkv"])  # [(Hq+2Hkv)*D, hidden]
-        self.b_qkv = (
-            torch.cat([tensors[attn + f"{n}_proj.bias"] for n in "qkv"]) if config.qkv_bias else None
-        )
+        self.b_qkv = torch.cat([tensors[attn + f"{n}_proj.bias"] for n in "qkv"]) if config.qkv_bias else None
         self.w_o = tensors[attn + "o_proj.weight"]  # [hidden, Hq*D]
         self.w_gate_up = torch.cat([tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]])
         self.w_down = tensors[mlp + "down_proj.weight"]  # [hidden, I_piece]
@@ -53,9 +51,13 @@ class TPModel:
         self.pieces = pieces
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.replicated = weights.replicated
-        self.dtype = next(iter(weights.replicated.values())).dtype
+        first = next(iter(weights.replicated.values()))
+        self.dtype, self.device = first.dtype, first.device
         self.layers = [
-            [PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.") for i, piece in enumerate(pieces)]
+            [
+                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.")
+                for i, piece in enumerate(pieces)
+            ]
             for layer in range(config.num_layers)
         ]
         self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
@@ -64,7 +66,9 @@ class TPModel:
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
+        self.rotary = Rotary(
+            config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device
+        )
         self.scale = config.head_dim**-0.5
         self.min_rows = min_rows  # see kernels/linear.py: batch-invariant products
 
@@ -78,7 +82,9 @@ class TPModel:
         return partial.to(self.dtype)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(token_ids.shape[0], self.config.hidden_size, dtype=torch.float32)
+        out = torch.zeros(
+            token_ids.shape[0], self.config.hidden_size, dtype=torch.float32, device=self.device
+        )
         for piece, table in zip(self.pieces, self.embed):
             start, end = piece.vocab
             owned = (token_ids >= start) & (token_ids < end)
@@ -102,7 +108,12 @@ class TPModel:
         return linear(span_attention(q, pool_k, pool_v, spans, self.scale), layer.w_o, None, self.min_rows)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, spans: list[SpanView], kv, logit_rows: list[int]
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        spans: list[SpanView],
+        kv,
+        logit_rows: list[int],
     ) -> torch.Tensor | None:
         """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
         are wanted. Returns float32 logits [len(logit_rows), vocab] on rank 0, None elsewhere."""
@@ -114,20 +125,22 @@ class TPModel:
             if cfg.qk_norm:
                 qk_norms = (rep[prefix + "self_attn.q_norm.weight"], rep[prefix + "self_attn.k_norm.weight"])
             x = rms_norm(h, rep[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
-            partial = torch.zeros(h.shape, dtype=torch.float32)
+            partial = torch.zeros(h.shape, dtype=torch.float32, device=self.device)
             for local, layer in enumerate(pieces):
                 if layer.num_kv_heads:
                     pool_k, pool_v = kv.layer(local, index)
                     partial += self._attention(layer, x, positions, spans, pool_k, pool_v, qk_norms).float()
             h = h + self._reduce(partial)
             x = rms_norm(h, rep[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            partial = torch.zeros(h.shape, dtype=torch.float32)
+            partial = torch.zeros(h.shape, dtype=torch.float32, device=self.device)
             for layer in pieces:
                 gate, up = linear(x, layer.w_gate_up, None, self.min_rows).chunk(2, dim=-1)
                 partial += linear(F.silu(gate) * up, layer.w_down, None, self.min_rows).float()
             h = h + self._reduce(partial)
         last = rms_norm(h[logit_rows], rep["model.norm.weight"], cfg.rms_norm_eps)
-        local = torch.cat([linear(last, head, None, self.min_rows).float() for head in self.head], dim=-1)  # [n, V_rank]
+        local = torch.cat(
+            [linear(last, head, None, self.min_rows).float() for head in self.head], dim=-1
+        )  # [n, V_rank]
         if self.tp_size == 1:
             return local
         padded = F.pad(local, (0, self.gather_width - local.shape[1]))

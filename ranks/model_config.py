@@ -121,6 +121,8 @@ def parse_rope_scaling(raw: dict | None, path: str | Path) -> RopeScaling:
         return RopeScaling()
     rope_type = raw.get("rope_type", raw.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ModelFileError(path, f"unsupported rope scaling {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        raise ModelFileError(
+            path, f"unsupported rope scaling {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+        )
     fields = {k: raw[k] for k in RopeScaling.__dataclass_fields__ if k in raw and k != "rope_type"}
     return RopeScaling(rope_type=rope_type, **fields)

@@ -98,7 +98,7 @@ def required_names(config: ModelConfig) -> list[str]:
 
 
 def read_rank_weights(
-    model_dir: str | Path, config: ModelConfig, pieces: list[Piece], dtype: torch.dtype
+    model_dir: str | Path, config: ModelConfig, pieces: list[Piece], dtype: torch.dtype, device="cpu"
 ) -> RankWeights:
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
@@ -113,14 +113,15 @@ def read_rank_weights(
             shape = tuple(tensor_slice.get_shape())
             if shape != expected_shape(config, name):
                 raise ModelFileError(
-                    files[name], f"tensor {name} has shape {list(shape)}, config.json implies {list(expected_shape(config, name))}"
+                    files[name],
+                    f"tensor {name} has shape {list(shape)}, config.json implies {list(expected_shape(config, name))}",
                 )
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
-                weights.replicated[name] = tensor_slice[:].to(dtype)
+                weights.replicated[name] = tensor_slice[:].to(device=device, dtype=dtype)
                 continue
             for local, piece in enumerate(pieces):
                 start, end = piece_range(config, piece, unit)
                 part = tensor_slice[:, start:end] if split is Split.ROW else tensor_slice[start:end]
-                weights.pieces[local][name] = part.to(dtype).contiguous()
+                weights.pieces[local][name] = part.to(device=device, dtype=dtype).contiguous()
     return weights

@@ -6,18 +6,18 @@ import argparse
 import logging
 import sys
 
+from tpserve import generate, gguf_import, prepare
 from tpserve.ranks.errors import UserError
 
-# Each module exposes register(subparsers), which adds its subcommand with set_defaults(run=fn);
-# fn(args) returns the exit code.
-COMMAND_MODULES: list[str] = []
+# Each module's register(subparsers) adds its subcommand with set_defaults(run=fn); fn(args) returns
+# the exit code.
+COMMANDS = (prepare, gguf_import, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        module = __import__(name, fromlist=["register"])
+    for module in COMMANDS:
         module.register(subparsers)
     return parser
 

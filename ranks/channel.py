@@ -1,0 +1,264 @@
+"""The channel from rank 0 to the followers: messages in order, votes, the idle doorbell, the heartbeat.
+
+Rank 0 broadcasts each message's head (and overflow) on a gloo group; followers receive them in
+sequence. Before rank 0 goes idle it sends Idle, and from then on no rank sits in a collective: a
+follower waits on its wake queue in the store (a blocking pop, no spinning) until rank 0 rings the
+doorbell just ahead of its next message. A collective with a timeout would trip on a long idle
+spell, and a store wait has no such limit, so while rank 0 is idle its heartbeat thread keeps pushing
+a beat into each follower's queue; a follower that hears nothing for `leader_dead_after_s` (rank 0
+dead or hung, while the store lives on in torchrun's agent) or loses the store raises LeaderLost.
+
+Every failure latches: a failed or timed-out collective, a malformed or out-of-order message, a
+lost leader. The channel then raises ChannelBroken on every later call, since the ranks can no
+longer be sure they hold the same state. Calls on one rank come from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tpserve.ranks.wire import HEAD_SIZE, Idle, Message, WireError, decode, encode, read_head
+
+__all__ = ["Channel", "ChannelBroken", "LeaderLost"]
+
+log = logging.getLogger(__name__)
+
+_BEAT = b"beat"
+# A dead follower never pops its queue; rank 0 stops adding beats once this many wait there.
+_MAX_QUEUED_BEATS = 2
+
+
+class ChannelBroken(RuntimeError):
+    """A collective failed or timed out, or the ranks fell out of step: nothing more can run."""
+
+
+class LeaderLost(ChannelBroken):
+    """An idle follower heard nothing from rank 0 (no heartbeat, no doorbell) or lost the store."""
+
+
+class Channel:
+    """One per rank, built by every rank of `group` at the same point (construction is a collective).
+
+    `group` is a gloo process group (None: the default group); the wire is small CPU tensors, so a
+    NCCL deployment gives the channel its own `new_group(backend="gloo")`. `store` is the group's
+    store; the channel works on its own clone so its waits never hold up anyone else's. `timeout_s`
+    bounds every collective, `heartbeat_s` is rank 0's beat interval while idle.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        store: dist.Store,
+        *,
+        rank: int,
+        timeout_s: float,
+        heartbeat_s: float = 2.0,
+        leader_dead_after_s: float = 30.0,
+    ):
+        if dist.get_backend(group) != "gloo":
+            raise ValueError(f"the channel needs a gloo group, got {dist.get_backend(group)}")
+        if rank != dist.get_rank(group):
+            raise ValueError(f"rank {rank} given, but this process is rank {dist.get_rank(group)} of the group")
+        if not 0 < heartbeat_s * 2 <= leader_dead_after_s:
+            raise ValueError(
+                f"leader_dead_after_s ({leader_dead_after_s}) must be at least twice heartbeat_s ({heartbeat_s})"
+            )
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.rank = rank
+        self.world_size = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.leader_dead_after_s = leader_dead_after_s
+        self._group = group
+        self._next_seq = 0  # rank 0: the next to send; followers: the next expected
+        self._idle_seq: int | None = None  # the Idle message that ended the last exchange, if it did
+        self._broken: str | None = None
+        self._idle_lock = threading.Lock()  # rank 0: ringing vs. the heartbeat thread's beats
+        self._heartbeat: threading.Thread | None = None
+        self._stop_heartbeat = threading.Event()
+        self._store = self._own_store(store)
+
+    # --- rank 0 -------------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        """Broadcast `msg` to the followers, first waking them if the last message was Idle."""
+        self._require(self.rank == 0, "send", "rank 0")
+        seq = self._next_seq
+        with self._idle_lock:
+            if self._idle_seq is not None:
+                self._push_to_followers(f"ring:{self._idle_seq}".encode(), f"ring the doorbell for #{seq}")
+                self._idle_seq = None
+        tensor = encode(msg, seq)  # shape [HEAD_SIZE + overflow]
+        what = f"send {type(msg).__name__} #{seq}"
+        self._broadcast(tensor[:HEAD_SIZE], what)
+        if tensor.numel() > HEAD_SIZE:
+            self._broadcast(tensor[HEAD_SIZE:], f"{what} (overflow)")
+        self._next_seq += 1
+        if isinstance(msg, Idle):
+            with self._idle_lock:
+                self._idle_seq = seq
+
+    def start_heartbeat(self) -> None:
+        """Rank 0: beat into each follower's wake queue every heartbeat_s while idle."""
+        self._require(self.rank == 0, "start_heartbeat", "rank 0")
+        if self._heartbeat is not None:
+            return
+        self._stop_heartbeat.clear()
+        # A store client is not shared across threads: the beat gets its own.
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(self._store.clone(),), name="wire-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        if self._heartbeat is None:
+            return
+        self._stop_heartbeat.set()
+        self._heartbeat.join(timeout=self.heartbeat_s + self.timeout_s)
+        self._heartbeat = None
+
+    # --- every rank ---------------------------------------------------------------------------
+
+    def vote(self, ok: bool) -> bool:
+        """All-reduce MIN of an ok flag: True only when every rank is ok. Every rank calls it."""
+        self._require(True, "vote", "every rank")
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        self._collective(
+            f"vote after #{self._next_seq - 1}",
+            "every rank",
+            lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group, async_op=True),
+        )
+        return bool(flag.item())
+
+    # --- followers ----------------------------------------------------------------------------
+
+    def receive(self) -> Message:
+        """The next message from rank 0. Blocks in the broadcast while rank 0 is busy (up to
+        timeout_s), and after an Idle first waits on the doorbell (no collective, no timeout
+        while rank 0's heartbeat goes on)."""
+        self._require(self.rank != 0, "receive", "a follower")
+        if self._idle_seq is not None:
+            self._wait_for_doorbell(self._idle_seq)
+            self._idle_seq = None
+        seq = self._next_seq
+        head = torch.empty(HEAD_SIZE, dtype=torch.int64)
+        self._broadcast(head, f"receive #{seq}")
+        try:
+            info = read_head(head)
+            if info.seq != seq:
+                raise WireError(f"message #{info.seq} arrived where #{seq} was due")
+            tensor = head
+            if info.overflow_size:
+                overflow = torch.empty(info.overflow_size, dtype=torch.int64)
+                self._broadcast(overflow, f"receive #{seq} (overflow)")
+                tensor = torch.cat([head, overflow])
+            msg = decode(tensor)
+        except WireError as err:
+            raise self._break(ChannelBroken, f"rank {self.rank}: receive #{seq} from rank 0: {err}") from err
+        self._next_seq += 1
+        if isinstance(msg, Idle):
+            self._idle_seq = seq
+        return msg
+
+    # --- inside -------------------------------------------------------------------------------
+
+    def _own_store(self, store: dist.Store) -> dist.Store:
+        """A clone of `store` under a prefix fresh to this channel, agreed on by a broadcast."""
+        own = store.clone()
+        generation = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            generation[0] = own.add("tpserve/wire/generation", 1)
+        self._broadcast(generation, "agree on the channel's store prefix")
+        own = dist.PrefixStore(f"tpserve/wire/{generation.item()}/", own)
+        # A follower's blocking pop waits this long for a beat or the doorbell.
+        own.set_timeout(timedelta(seconds=self.leader_dead_after_s))
+        return own
+
+    def _wait_for_doorbell(self, idle_seq: int) -> None:
+        ring = f"ring:{idle_seq}".encode()
+        while True:
+            try:
+                value = self._store.queue_pop(self._wake_key(self.rank), block=True)
+            except dist.DistError as err:
+                raise self._break(
+                    LeaderLost,
+                    f"rank {self.rank}: no heartbeat nor doorbell from rank 0 within "
+                    f"{self.leader_dead_after_s:g}s while idle after #{idle_seq}: {_brief(err)}",
+                ) from err
+            if value == ring:
+                return
+            if value != _BEAT:
+                raise self._break(
+                    ChannelBroken, f"rank {self.rank}: woke to {value!r} while waiting for {ring!r}"
+                )
+
+    def _beat(self, store: dist.Store) -> None:
+        failing = False
+        while not self._stop_heartbeat.wait(self.heartbeat_s):
+            with self._idle_lock:
+                if self._idle_seq is None:
+                    continue
+                try:
+                    for follower in range(1, self.world_size):
+                        if store.queue_len(self._wake_key(follower)) < _MAX_QUEUED_BEATS:
+                            store.queue_push(self._wake_key(follower), _BEAT)
+                except dist.DistError as err:
+                    if not failing:
+                        log.warning("heartbeat: cannot reach the store: %s", _brief(err))
+                    failing = True
+                    continue
+            if failing:
+                log.info("heartbeat: the store answers again")
+                failing = False
+
+    def _push_to_followers(self, value: bytes, what: str) -> None:
+        try:
+            for follower in range(1, self.world_size):
+                self._store.queue_push(self._wake_key(follower), value)
+        except dist.DistError as err:
+            raise self._break(ChannelBroken, f"rank 0: {what}: the store failed: {_brief(err)}") from err
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        peers = "the followers" if self.rank == 0 else "rank 0"
+        self._collective(
+            what, peers, lambda: dist.broadcast(tensor, group=self._group, group_src=0, async_op=True)
+        )
+
+    def _collective(self, what: str, peers: str, start: Callable[[], dist.Work]) -> None:
+        """Run one collective with timeout_s; any failure breaks the channel, naming who failed to answer."""
+        started = time.monotonic()
+        try:
+            start().wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            raise self._break(
+                ChannelBroken,
+                f"rank {self.rank}: {what}: no answer from {peers} "
+                f"after {time.monotonic() - started:.1f}s (timeout {self.timeout_s:g}s): {_brief(err)}",
+            ) from err
+
+    def _break(self, kind: type[ChannelBroken], message: str) -> ChannelBroken:
+        self._broken = message
+        return kind(message)
+
+    def _require(self, allowed: bool, call: str, owner: str) -> None:
+        if not allowed:
+            raise RuntimeError(f"rank {self.rank} called {call}, which only {owner} may call")
+        if self._broken is not None:
+            raise ChannelBroken(f"rank {self.rank}: {call}: the channel broke earlier: {self._broken}")
+
+    @staticmethod
+    def _wake_key(follower: int) -> str:
+        return f"wake/{follower}"
+
+
+def _brief(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(err).__name__

@@ -1,0 +1,116 @@
+"""Rank 0's side of the engine: the Backend the lane host drives.
+
+Each call is sent on the wire, then applied here with the same code the followers run
+(`apply`), and only here are tokens sampled. Any failure of the wire or of a pass whose
+collectives already started latches the leader broken: it cannot know what the followers hold.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tpserve.kernels.sampling import sample, top_logits
+from tpserve.ranks.apply import Refused, apply
+from tpserve.ranks.engine import Engine
+from tpserve.ranks.wire import Admit, Idle, Prefill, Release, Round, Span, Step, Stop
+
+log = logging.getLogger(__name__)
+
+NUM_FEATURES = 8  # top logits kept per step for the recorder
+
+
+class LeaderBroken(RuntimeError):
+    """The wire or a pass failed; the ranks may disagree, so nothing more can run."""
+
+
+class Leader:
+    def __init__(
+        self,
+        engine: Engine,
+        channel,
+        *,
+        num_lanes: int,
+        context_size: int,
+        max_prefill_tokens: int,
+        batches_prompts: bool,
+        broken_error: type[Exception] = LeaderBroken,
+    ):
+        self.engine = engine
+        self.channel = channel
+        self.num_lanes = num_lanes
+        self.room = engine.kv.num_slots
+        self.context_size = context_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.batches_prompts = batches_prompts
+        self.broken: str | None = None
+        self._broken_error = broken_error
+        self._idle = False
+        self._features: dict[int, list[tuple[int, float]]] = {}
+
+    # The Backend protocol ---------------------------------------------------------------------
+    def free_room(self) -> int:
+        return self.room - self.engine.kv.allocator.used
+
+    def open(self, lane: int, reserve_tokens: int) -> bool:
+        try:
+            self._run(Admit(lane, reserve_tokens))
+            return True
+        except Refused:
+            return False
+
+    def prefill(self, item) -> int | None:
+        tokens = self.prefill_many([item])
+        if tokens is None:
+            raise RuntimeError(f"lane {item.lane}: prefill refused")
+        return tokens[0] if item.last else None
+
+    def prefill_many(self, items) -> list[int] | None:
+        msg = Prefill(tuple(Span(i.lane, i.start, tuple(i.token_ids)) for i in items))
+        try:
+            logits = self._run(msg)
+        except Refused:
+            return None
+        return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
+
+    def decode(self, items) -> list[int]:
+        logits = self._run(Round(tuple(Step(i.lane, i.position, i.token_id) for i in items)))
+        return self._sample(logits, items, [i.position + 1 for i in items])
+
+    def close(self, lane: int) -> None:
+        self._features.pop(lane, None)
+        self._run(Release(lane))
+
+    def top_logits(self, lane: int) -> list[tuple[int, float]]:
+        return self._features.get(lane, [])
+
+    # Beyond the protocol -------------------------------------------------------------------------
+    def idle(self) -> None:
+        """Tell the followers no message is coming soon, so they wait off any collective timeout."""
+        if not self._idle and self.broken is None:
+            self._run(Idle())
+            self._idle = True
+
+    def stop(self) -> None:
+        if self.broken is None:
+            self._run(Stop())
+
+    def _run(self, msg):
+        if self.broken is not None:
+            raise self._broken_error(self.broken)
+        try:
+            self.channel.send(msg)
+            self._idle = False
+            return apply(self.engine, self.channel, msg)
+        except Refused:
+            raise
+        except Exception as error:  # the ranks may now disagree: nothing more can be trusted
+            self.broken = f"{type(msg).__name__} failed: {error}"
+            log.error("rank 0: engine broken: %s", self.broken)
+            raise self._broken_error(self.broken) from error
+
+    def _sample(self, logits, items, positions) -> list[int]:
+        # Only sampled items need the position (the token's own position keys its noise).
+        tokens = sample(logits, [i.sampling for i in items], positions)
+        for item, features in zip(items, top_logits(logits, NUM_FEATURES)):
+            self._features[item.lane] = features
+        return tokens

@@ -1,0 +1,43 @@
+"""Runs the followers of a group as child processes of rank 0 on this host (tp=2 without torchrun)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from contextlib import contextmanager
+
+from tpserve.ranks.follow import run_follower
+from tpserve.ranks.settings import EngineSettings
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _follower_process(settings: EngineSettings, rank: int, world_size: int, port: int) -> None:
+    raise SystemExit(run_follower(settings, rank, world_size, "127.0.0.1", port))
+
+
+@contextmanager
+def local_followers(settings: EngineSettings, port: int, join_timeout_s: float = 30.0):
+    """Start ranks 1..tp-1 as spawned processes; on exit wait for them, then kill stragglers.
+
+    Yields the list of processes so the caller can watch them.
+    """
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=_follower_process, args=(settings, rank, settings.tp_size, port), daemon=True)
+        for rank in range(1, settings.tp_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            process.join(join_timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join(5)

@@ -1,0 +1,28 @@
+"""What one rank needs to start: a frozen value built once from the YAML config and flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model_dir: str
+    dtype: str = "float32"
+    tp_size: int = 2
+    num_lanes: int = 8
+    context_size: int = 2048
+    # Bytes of KV memory each rank may use, one figure per rank (tests give the ranks different
+    # budgets); empty: a share of the memory the rank finds free at start-up.
+    kv_budget_bytes: tuple[int, ...] = ()
+    cache_budget_bytes: int = 0
+    max_prefill_tokens: int = 512
+    batch_prefill: bool = True
+    # Pad every product to the BLAS's large-batch kernel so a reply never depends on its batch.
+    batch_invariant: bool = True
+    threads_per_rank: int = 0  # 0: half the cores, so tp=1 and tp=2 run the same kernels
+    init_timeout_s: float = 60.0
+    collective_timeout_s: float = 60.0
+    leader_dead_after_s: float = 30.0
+    # Fault drill for tests: (rank, token id) — that rank refuses any prompt holding the token.
+    refuse_token_on_rank: tuple[int, int] | None = None

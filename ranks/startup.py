@@ -1,0 +1,224 @@
+"""Start-up on every rank: meet the others, agree on flags, load this rank's shard, settle room.
+
+Order matters: ranks meet through a store with a timeout that names whoever did not arrive;
+flags are agreed before any weight is read; room is the minimum over ranks before any KV is
+allocated, so every rank allocates exactly the same pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tpserve import __version__
+from tpserve.ranks.channel import Channel
+from tpserve.ranks.engine import Engine
+from tpserve.ranks.errors import UserError
+from tpserve.ranks.kv_store import KVPool, kv_bytes_per_token
+from tpserve.ranks.loader import DTYPES, load_rank_model
+from tpserve.ranks.memory import free_memory_bytes
+from tpserve.ranks.model_config import ModelConfig, load_model_config
+from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.sharding import pieces_of_rank
+
+log = logging.getLogger(__name__)
+
+KV_SHARE_OF_FREE_MEMORY = 0.5  # of what the rank finds free, after its weights are loaded
+
+
+class StartupError(UserError):
+    """A rank could not start: another never arrived, flags differ, or there is no room."""
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the pair can hold, learned at start-up (the smallest rank's figures)."""
+
+    kv_tokens: int
+    cache_tokens: int
+    kv_bytes_per_token: int  # this rank's
+
+
+@dataclass
+class RankRuntime:
+    rank: int
+    world_size: int
+    config: ModelConfig
+    engine: Engine
+    channel: Channel
+    room: Room
+    store: dist.Store
+
+
+def meet(rank: int, world_size: int, host: str, port: int, timeout_s: float, agent_store: bool) -> dist.Store:
+    """Connect to the store on rank 0 (or torchrun's agent) and wait for every rank to arrive."""
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(
+            host, port, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
+        )
+    except (RuntimeError, dist.DistStoreError) as error:
+        raise StartupError(
+            f"rank {rank}: rank 0's store at {host}:{port} never answered within {timeout_s:.0f}s ({error})"
+        ) from None
+    store.set(f"tpserve/arrived/{rank}", "1")
+    missing = []
+    for other in range(world_size):
+        try:
+            store.wait([f"tpserve/arrived/{other}"], timeout)
+        except (RuntimeError, dist.DistStoreError):
+            missing.append(other)
+    if missing:
+        names = ", ".join(f"rank {other}" for other in missing)
+        raise StartupError(f"rank {rank}: {names} never arrived within {timeout_s:.0f}s")
+    return store
+
+
+def fingerprint(model_dir: str | Path) -> int:
+    """A cheap identity of the model files: config.json's bytes and the weight files' sizes."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return int.from_bytes(digest.digest()[:7], "little")
+
+
+FLAG_NAMES = (
+    "model",
+    "dtype",
+    "tp",
+    "lanes",
+    "context",
+    "cache_budget",
+    "max_prefill",
+    "batch_invariant",
+    "version",
+)
+
+
+def flags_row(settings: EngineSettings) -> list[int]:
+    version = int.from_bytes(hashlib.sha256(__version__.encode()).digest()[:7], "little")
+    return [
+        fingerprint(settings.model_dir),
+        list(DTYPES).index(settings.dtype),
+        settings.tp_size,
+        settings.num_lanes,
+        settings.context_size,
+        settings.cache_budget_bytes,
+        settings.max_prefill_tokens,
+        int(settings.batch_invariant),
+        version,
+    ]
+
+
+def agree_on_flags(settings: EngineSettings, rank: int, world_size: int, group) -> None:
+    mine = torch.tensor(flags_row(settings), dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(rows, mine, group=group)
+    if any(not torch.equal(row, rows[0]) for row in rows):
+        shown = "; ".join(
+            f"rank {r}: " + ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, row.tolist()))
+            for r, row in enumerate(rows)
+        )
+        raise StartupError(
+            f"rank {rank}: the ranks were started with different flags, refusing to serve ({shown})"
+        )
+
+
+def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, device, group) -> Room:
+    """room = MIN over ranks of what each rank's own budget holds, capped at lanes x context."""
+    if settings.kv_budget_bytes:
+        budget = settings.kv_budget_bytes[rank]
+    else:
+        budget = int(free_memory_bytes(device) * KV_SHARE_OF_FREE_MEMORY)
+    wanted = settings.num_lanes * settings.context_size
+    figures = torch.tensor(
+        [min(wanted, budget // bytes_per_token), settings.cache_budget_bytes // bytes_per_token],
+        dtype=torch.int64,
+    )
+    dist.all_reduce(figures, op=dist.ReduceOp.MIN, group=group)
+    kv_tokens, cache_tokens = figures.tolist()
+    if kv_tokens < 16:
+        raise StartupError(f"rank {rank}: room for only {kv_tokens} KV tokens (budget {budget} bytes)")
+    return Room(kv_tokens, cache_tokens, bytes_per_token)
+
+
+def start_rank(
+    settings: EngineSettings, rank: int, world_size: int, host: str, port: int, *, agent_store: bool = False
+) -> RankRuntime:
+    if world_size != settings.tp_size:
+        raise StartupError(f"tp is {settings.tp_size} but {world_size} ranks were started")
+    torch.set_num_threads(settings.threads_per_rank or max(1, (os.cpu_count() or 2) // 2))
+    cuda = torch.cuda.is_available()
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
+        if cuda
+        else torch.device("cpu")
+    )
+    if cuda:
+        torch.cuda.set_device(device)
+    config = load_model_config(settings.model_dir)
+    store = meet(rank, world_size, host, port, settings.init_timeout_s, agent_store)
+    timeout = timedelta(seconds=settings.collective_timeout_s)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    # Wire messages and votes travel on their own CPU group, apart from the model's collectives.
+    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+    agree_on_flags(settings, rank, world_size, control)
+    dtype = DTYPES[settings.dtype]
+    log.info("rank %d: loading %s (%s, tp=%d)", rank, settings.model_dir, settings.dtype, world_size)
+    model = load_rank_model(
+        settings.model_dir,
+        tp_rank=rank,
+        tp_size=world_size,
+        dtype=dtype,
+        max_positions=settings.context_size,
+        group=dist.group.WORLD if world_size > 1 else None,
+        config=config,
+        min_rows=16 if settings.batch_invariant else 0,
+        device=device,
+    )
+    kv_heads = [piece.num_kv_heads() for piece in pieces_of_rank(config, rank, world_size)]
+    per_token = kv_bytes_per_token(config.num_layers, kv_heads, config.head_dim, dtype)
+    room = settle_room(settings, rank, per_token, device, control)
+    log.info(
+        "rank %d: room %d KV tokens (%d bytes each here), cache %d tokens",
+        rank,
+        room.kv_tokens,
+        per_token,
+        room.cache_tokens,
+    )
+    kv = KVPool(config.num_layers, room.kv_tokens, kv_heads, config.head_dim, dtype, device)
+    cache_kv = (
+        KVPool(config.num_layers, room.cache_tokens, kv_heads, config.head_dim, dtype, device)
+        if room.cache_tokens
+        else None
+    )
+    drill = settings.refuse_token_on_rank
+    engine = Engine(model, kv, cache_kv, refuse_token=drill[1] if drill and drill[0] == rank else None)
+    channel = Channel(
+        control,
+        store,
+        rank=rank,
+        timeout_s=settings.collective_timeout_s,
+        leader_dead_after_s=settings.leader_dead_after_s,
+    )
+    return RankRuntime(rank, world_size, config, engine, channel, room, store)
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly (after Stop), so no gloo thread outlives the interpreter."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,97 @@
+"""Two ranks give exactly what one gives: every architecture variant, logits and tokens.
+
+tp=2 runs in two real processes (gloo); tp=1 runs here. Thanks to the piece layout
+(ranks/sharding.py) and batch-invariant products the logits agree bit for bit, so the tokens do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import RankPool
+from tiny_models import VARIANTS, write_tiny_model
+
+from tpserve.kernels.sampling import sample
+from tpserve.ranks.engine import Engine
+from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.loader import load_rank_model
+from tpserve.ranks.sampling_params import SamplingParams
+
+PROMPTS = [(5, 17, 99, 3, 42, 8, 250), tuple(range(20, 60)), (7,)]
+SAMPLINGS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=11),
+    SamplingParams(temperature=1.3, top_k=20, seed=5),
+]
+NUM_STEPS = 12
+
+
+def run_streams(model_dir: str, tp_rank: int, tp_size: int, dtype: str = "float32"):
+    """Prefill PROMPTS in one pass, then NUM_STEPS decode rounds; logits and tokens (rank 0)."""
+    torch.manual_seed(0)
+    model = load_rank_model(
+        model_dir,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=getattr(torch, dtype),
+        max_positions=256,
+        group=dist.group.WORLD if tp_size > 1 else None,
+        min_rows=16,
+    )
+    kv = KVPool(model.config.num_layers, 512, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
+    engine = Engine(model, kv)
+    for lane in range(len(PROMPTS)):
+        assert engine.admit(lane, 100)
+    logits = engine.forward([(lane, 0, prompt) for lane, prompt in enumerate(PROMPTS)])
+    all_logits, tokens = [], []
+    positions = [len(p) for p in PROMPTS]
+    for _ in range(NUM_STEPS):
+        if tp_rank == 0:
+            all_logits.append(logits.clone())
+            step = sample(logits, SAMPLINGS, positions)
+            tokens.append(step)
+        else:
+            step = [0] * len(PROMPTS)
+        # Followers learn the sampled tokens the way the wire would tell them.
+        shared = torch.tensor(step, dtype=torch.int64)
+        if tp_size > 1:
+            dist.broadcast(shared, src=0)
+        logits = engine.forward(
+            [(lane, positions[lane], (int(t),)) for lane, t in enumerate(shared.tolist())]
+        )
+        positions = [p + 1 for p in positions]
+    return (torch.stack(all_logits), tokens) if tp_rank == 0 else None
+
+
+def _tp2(ctx, model_dir, dtype):
+    torch.set_num_threads(1)
+    return run_streams(model_dir, ctx.rank, 2, dtype)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tp2_equals_tp1(pool, tmp_path, variant):
+    model_dir = str(write_tiny_model(tmp_path / variant, variant))
+    torch.set_num_threads(1)
+    solo_logits, solo_tokens = run_streams(model_dir, 0, 1)
+    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", timeout_s=120)[0]
+    assert pair_tokens == solo_tokens
+    torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
+    # The sampled streams really sampled: they left the greedy path somewhere.
+    greedy = [step[0] for step in solo_tokens]
+    assert [step[1] for step in solo_tokens] != greedy or [step[2] for step in solo_tokens] != greedy
+
+
+def test_tp2_equals_tp1_bfloat16(pool, tmp_path):
+    model_dir = str(write_tiny_model(tmp_path / "llama", "llama"))
+    torch.set_num_threads(1)
+    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, "bfloat16")
+    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "bfloat16", timeout_s=120)[0]
+    assert pair_tokens == solo_tokens
+    torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)

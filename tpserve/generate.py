@@ -1,0 +1,134 @@
+"""`tpserve generate`: one prompt, one reply, offline, on tp ranks started here (no server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from tpserve.prepare import default_model_dir
+from tpserve.ranks.errors import UserError
+from tpserve.ranks.leader import Leader
+from tpserve.ranks.local_ranks import free_port, local_followers
+from tpserve.ranks.logs import setup_logging
+from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.startup import shutdown, start_rank
+from tpserve.server.backend import DecodeItem, PrefillItem
+from tpserve.server.tokenizer import Tokenizer
+
+LANE = 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+
+
+def generate_tokens(
+    settings: EngineSettings, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, eos_ids
+) -> Generation:
+    """Start settings.tp_size ranks (followers as child processes), run one stream, stop them."""
+    port = free_port()
+    with local_followers(settings, port):
+        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
+        leader = Leader(
+            runtime.engine,
+            runtime.channel,
+            num_lanes=1,
+            context_size=settings.context_size,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            batches_prompts=False,
+        )
+        try:
+            result = _one_stream(leader, prompt_ids, max_tokens, sampling, eos_ids)
+        finally:
+            leader.stop()
+        shutdown()
+        return result
+
+
+def _one_stream(leader: Leader, prompt_ids, max_tokens, sampling, eos_ids) -> Generation:
+    if not leader.open(LANE, len(prompt_ids) + max_tokens):
+        raise UserError(f"no room for {len(prompt_ids) + max_tokens} tokens (room {leader.room})")
+    chunk = leader.max_prefill_tokens
+    token = None
+    for start in range(0, len(prompt_ids), chunk):
+        part = tuple(prompt_ids[start : start + chunk])
+        last = start + chunk >= len(prompt_ids)
+        token = leader.prefill(PrefillItem(LANE, start, part, last, sampling))
+    out, position = [token], len(prompt_ids)
+    while len(out) < max_tokens and out[-1] not in eos_ids:
+        out.append(leader.decode([DecodeItem(LANE, position, out[-1], sampling)])[0])
+        position += 1
+    leader.close(LANE)
+    reason = "stop" if out[-1] in eos_ids else "length"
+    return Generation(list(prompt_ids), out, reason)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate one reply offline on tp ranks started here")
+    parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=2)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="raw prompt text")
+    source.add_argument("--chat", help="one user message, rendered with the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--no-batch-invariant", action="store_true", help="use the BLAS's fastest kernels")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(0)
+    model_dir = args.model or str(default_model_dir())
+    config = load_model_config(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    if args.chat is not None:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    if args.max_tokens < 1:
+        raise UserError("--max-tokens must be at least 1")
+    context = config.max_position_embeddings
+    if len(prompt_ids) + args.max_tokens > context:
+        raise UserError(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({args.max_tokens}) exceeds the context of {context} tokens"
+        )
+    settings = EngineSettings(
+        model_dir=model_dir,
+        dtype=args.dtype,
+        tp_size=args.tp,
+        num_lanes=1,
+        context_size=len(prompt_ids) + args.max_tokens,
+        batch_invariant=not args.no_batch_invariant,
+    )
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    result = generate_tokens(settings, prompt_ids, args.max_tokens, sampling, tokenizer.eos_ids)
+    text = tokenizer.decode(result.token_ids)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt_ids": result.prompt_ids,
+                    "token_ids": result.token_ids,
+                    "text": text,
+                    "finish_reason": result.finish_reason,
+                }
+            )
+        )
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
