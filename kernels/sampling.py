@@ -26,6 +26,7 @@ _UNIFORM_BITS = 23  # (i + 0.5) / 2**23 is exact in float32 for every i < 2**23,
 # The largest Gumbel value the noise can take (u = 1 - 2**-24). A token more than this below the best
 # perturbed value found so far can never win, so its noise is not worth computing.
 _GUMBEL_MAX = -math.log(-math.log1p(-(2.0 ** -(_UNIFORM_BITS + 1))))
+_NO_CANDIDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
 _FIRST_TOP_P_BLOCK = 64  # tokens sorted first when looking for the top_p cut; grows 8x when short
 
 
@@ -41,20 +42,32 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
         )
     scores = _to_float32(logits)  # [num_rows, vocab]
     # numpy documents argmax as returning the first occurrence of the maximum: the lower id.
-    tokens = scores.argmax(axis=-1).tolist()
-    for row, (p, position) in enumerate(zip(params, positions)):
-        if not p.greedy:
-            tokens[row] = _draw(scores[row], p, position, greedy_token=tokens[row])
-    return tokens
+    tokens = scores.argmax(axis=-1)  # [num_rows], the greedy choice of every row
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return tokens.tolist()
+
+    keys = np.array([_row_key(params[row].seed, positions[row]) for row in sampled], dtype=np.uint64)
+    greedy_noise = _gumbel(keys, tokens[sampled])  # [num_sampled]
+    for i, row in enumerate(sampled):
+        ids, values = _candidates(scores[row], params[row], int(tokens[row]), float(greedy_noise[i]))
+        if len(ids):  # else the row keeps its greedy token
+            # Row by row, so a row's candidates stay in cache while ~25 passes of noise run over them.
+            perturbed = values + _gumbel(keys[i], ids)
+            # Ties between perturbed values go to the lower id, spelled out.
+            tokens[row] = ids[perturbed == perturbed.max()].min()
+    return tokens.tolist()
 
 
 def top_logits(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """Each row's k highest logits as (token id, value), highest first, equal values by lower id."""
     scores = _to_float32(logits)  # [num_rows, vocab]
+    if k <= 0:
+        return [[] for _ in scores]
     ids = np.arange(scores.shape[-1])
     result = []
     for row in scores:
-        best_ids, best_values = _best_first(ids, row, max(0, k))
+        best_ids, best_values = _best_first(ids, row, k)
         result.append([(int(i), float(v)) for i, v in zip(best_ids, best_values)])
     return result
 
@@ -67,34 +80,42 @@ def _to_float32(logits: torch.Tensor) -> np.ndarray:
     return scores
 
 
-def _draw(row: np.ndarray, p: SamplingParams, position: int, greedy_token: int) -> int:
-    """The sampled token of one row [vocab] (float32, no NaN)."""
+def _candidates(
+    row: np.ndarray, p: SamplingParams, greedy_token: int, greedy_noise: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of one row [vocab] (float32, no NaN) that the filters keep and that could win the draw.
+
+    Returns (ids, scaled values); empty when the row has nothing to draw from.
+    """
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         scaled = row / np.float32(p.temperature)  # [vocab]
     top = float(scaled[greedy_token])  # the row's max (division by a positive number keeps the order)
     if not math.isfinite(top):
         # All -inf, or overflowed to +inf by a tiny temperature: nothing to draw from.
-        return greedy_token
-    key = _row_key(p.seed, position)
-    # Only tokens that could beat the greedy token's perturbed value need noise. The margin keeps the
-    # pruning exact under float32 rounding, so it never changes which token wins.
-    top_perturbed = top + float(_gumbel(key, np.array([greedy_token]))[0])
-    floor = top_perturbed - _GUMBEL_MAX - (0.01 + 1e-5 * abs(top))
-    ids = np.flatnonzero(scaled >= floor)  # ascending, so ties below can go to the lower id
+        return _NO_CANDIDATES
+    # The winner must beat the greedy token's perturbed value whenever the filters keep the greedy
+    # token (and when they drop it, only tokens equal to it are left), so a token more than
+    # _GUMBEL_MAX below that value can never win. The margin keeps this pruning exact under float32
+    # rounding: it never changes which token wins.
+    floor = top + greedy_noise - _GUMBEL_MAX - (0.01 + 1e-5 * abs(top))
+    ids = np.flatnonzero(scaled >= floor)  # ascending, so later ties can go to the lower id
     values = scaled[ids]
 
     # Every pruned token sits below every candidate, so the filters' cuts among candidates are exact.
-    if 0 < p.top_k < len(ids):
+    num_candidates = len(ids)
+    if 0 < p.top_k < num_candidates:
         ids, values = _best_first(ids, values, p.top_k)
     if p.top_p < 1.0:
-        ids, values = _top_p_prefix(ids, values, p.top_p, _kept_mass(scaled, top, p.top_k), top)
+        if 0 < p.top_k <= num_candidates:  # all that top_k keeps is among the candidates
+            kept_mass = float(np.exp(values - np.float32(top)).sum(dtype=np.float64))
+        else:
+            kept_mass = _kept_mass(scaled, top, p.top_k)
+        ids, values = _top_p_prefix(ids, values, p.top_p, kept_mass, top)
     if p.min_p > 0.0:
         # p >= min_p * p_max; renormalising the kept set leaves that ratio alone, and the max is `top`.
         kept = values.astype(np.float64) - top >= math.log(p.min_p)
         ids, values = ids[kept], values[kept]
-
-    perturbed = values + _gumbel(key, ids)
-    return int(ids[perturbed == perturbed.max()].min())
+    return ids, values
 
 
 def _best_first(ids: np.ndarray, values: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +160,8 @@ def _top_p_prefix(
         probs = np.exp(best_values - np.float32(top)).astype(np.float64) / kept_mass
         mass_through = np.cumsum(probs)  # mass of each token and all ahead of it
         if mass_through[-1] >= top_p or len(best_ids) == len(ids):
-            num_kept = max(1, int(np.count_nonzero(mass_through - probs < top_p)))
+            mass_before = np.concatenate(([0.0], mass_through[:-1]))  # nondecreasing: a prefix passes
+            num_kept = max(1, int(np.count_nonzero(mass_before < top_p)))
             return best_ids[:num_kept], best_values[:num_kept]
         block *= 8
 
@@ -166,13 +188,19 @@ def _mix32(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _gumbel(key: int, ids: np.ndarray) -> np.ndarray:
-    """Gumbel noise (float32) for the token ids under one draw's key; depends only on (key, id)."""
-    bits = ids.astype(np.uint32) ^ np.uint32(key & 0xFFFFFFFF)
+def _gumbel(keys: np.ndarray | np.uint64, ids: np.ndarray) -> np.ndarray:
+    """Gumbel noise (float32) for token ids[i] under 64-bit draw key keys[i] (or one key for all).
+
+    Each value depends only on its (key, id) pair.
+    """
+    bits = ids.astype(np.uint32) ^ (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     bits = _mix32(bits)
-    bits ^= np.uint32(key >> 32)
+    bits ^= (keys >> np.uint64(32)).astype(np.uint32)
     bits = _mix32(bits)
     uniform = (bits >> np.uint32(32 - _UNIFORM_BITS)).astype(np.float32)
     uniform += np.float32(0.5)
     uniform *= np.float32(2.0**-_UNIFORM_BITS)
-    return -np.log(-np.log(uniform))
+    noise = np.log(uniform, out=uniform)
+    np.negative(noise, out=noise)
+    np.log(noise, out=noise)
+    return np.negative(noise, out=noise)

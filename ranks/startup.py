@@ -145,7 +145,7 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
     )
     dist.all_reduce(figures, op=dist.ReduceOp.MIN, group=group)
     kv_tokens, cache_tokens = figures.tolist()
-    if kv_tokens < 16:
+    if kv_tokens < 1:
         raise StartupError(f"rank {rank}: room for only {kv_tokens} KV tokens (budget {budget} bytes)")
     return Room(kv_tokens, cache_tokens, bytes_per_token)
 
