@@ -1,0 +1,210 @@
+"""Admission: getting waiting jobs from the queue into lanes, up to each one's first sampled token.
+
+Three steps per job, as in the design: take it off the queue (under the host's lock), set it up
+(lane and KV reservation; later a prompt-cache lookup), launch it (its own prefill, chunks of a long
+prompt between decode rounds, or one prefill_many with other jobs). A refusal or failure ends that
+job alone and frees what it held; only BackendBroken goes further (the host latches broken).
+
+A foreground job that cannot get a lane or room makes the newest background stream yield its lane;
+the yielded job goes back to the front of the background line and later re-prefills its prompt and
+the tokens it already produced, so position-keyed sampling continues exactly where it left off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from tpserve.server.backend import Backend, BackendBroken, PrefillItem
+from tpserve.server.job_queue import JobQueue
+from tpserve.server.lane_job import Job
+from tpserve.server.lane_table import LaneTable
+from tpserve.server.requests import CANCELLED, ERROR
+
+log = logging.getLogger(__name__)
+
+MAX_JOINT_PROMPTS = 16  # the most prompts one prefill_many pass takes (the Backend contract)
+
+EndJob = Callable[..., None]  # end(job, reason, error=None): close its lane if held, send Finished
+
+
+class Admission:
+    def __init__(
+        self,
+        backend: Backend,
+        lanes: LaneTable,
+        queue: JobQueue[Job],
+        lock: threading.Condition,
+        *,
+        batch_prefill: bool,
+        first_token: Callable[[Job, int], None],
+        end: EndJob,
+    ):
+        self._backend = backend
+        self._lanes = lanes
+        self._queue = queue
+        self._lock = lock
+        self._first_token = first_token
+        self._end = end
+        self._max_prefill_tokens = backend.max_prefill_tokens
+        batches = batch_prefill and backend.batches_prompts
+        # Halved whenever the backend refuses a pass (returns None): it said it cannot take that many.
+        self.max_joint_prompts = MAX_JOINT_PROMPTS if batches else 1
+        self.chunking: Job | None = None  # the one job whose long prompt goes in chunks
+        self._max_iterations = 2 * lanes.num_lanes + 16  # bounds one admit() however many jobs fail
+
+    def admit(self) -> bool:
+        """Admit waiting jobs while lanes and room allow. True when anything changed."""
+        changed = False
+        for _ in range(self._max_iterations):
+            if self._yield_for_foreground():
+                changed = True
+                continue
+            jobs = self._take_jobs()
+            if not jobs:
+                break
+            changed = True
+            ready = [job for job in jobs if self._setup(job)]
+            if len(ready) >= 2 and self._prefill_together(ready):
+                continue
+            for job in ready:
+                self._launch_alone(job)
+        return changed
+
+    def _needs_chunks(self, job: Job) -> bool:
+        return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
+
+    def _take_jobs(self) -> list[Job]:
+        """Take the head job, or several for one joint pass: only what fits in free lanes and room."""
+        num_free = self._lanes.num_free
+        if num_free == 0:
+            return []
+        free_room = self._backend.free_room()
+        with self._lock:
+            taken: list[Job] = []
+            for job in self._queue.peek_many(min(self.max_joint_prompts, num_free)):
+                long = self._needs_chunks(job)
+                if job.reserve > free_room or (long and (taken or self.chunking is not None)):
+                    break
+                taken.append(job)
+                free_room -= job.reserve
+                if long:
+                    break
+            for _ in taken:
+                self._queue.pop()
+        return taken
+
+    def _setup(self, job: Job) -> bool:
+        """Lane and reservation. False when the job ended instead (cancelled or refused)."""
+        if job.cancel_requested:
+            self._end(job, CANCELLED)
+            return False
+        try:
+            opened = self._lanes.open(job)
+        except BackendBroken:
+            raise
+        except Exception as error:
+            self._end(job, ERROR, f"could not reserve {job.reserve} tokens of KV room: {error}")
+            return False
+        if not opened:
+            self._end(job, ERROR, f"the engine refused to reserve {job.reserve} tokens of KV room")
+            return False
+        job.cached_tokens = 0  # the prompt-cache lookup goes here
+        job.num_prefilled = job.cached_tokens
+        return True
+
+    def _prefill_together(self, jobs: list[Job]) -> bool:
+        """One prefill_many over `jobs`. False when the backend refused or failed (none prefilled)."""
+        items = [self._whole_prompt(job) for job in jobs]
+        try:
+            tokens = self._backend.prefill_many(items)
+        except BackendBroken:
+            raise
+        except Exception as error:
+            log.warning(
+                "a joint prompt pass over %d streams failed (%r); prefilling each alone", len(jobs), error
+            )
+            return False
+        if tokens is None:
+            self.max_joint_prompts = max(2, len(jobs) // 2)
+            log.info(
+                "the engine refused a joint prompt pass over %d streams; prefilling each alone", len(jobs)
+            )
+            return False
+        if len(tokens) != len(jobs):
+            raise BackendBroken(f"prefill_many returned {len(tokens)} tokens for {len(jobs)} prompts")
+        for job, token in zip(jobs, tokens):
+            job.num_prefilled = len(job.feed_ids)
+            self._first_token(job, token)
+        return True
+
+    def _launch_alone(self, job: Job) -> None:
+        if job.cancel_requested:
+            self._end(job, CANCELLED)
+        elif self._needs_chunks(job):
+            self.chunking = job  # its chunks run one per step, between decode rounds
+        else:
+            self._prefill(job, self._whole_prompt(job))
+
+    def prefill_chunk(self) -> bool:
+        """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
+        job = self.chunking
+        if job is None:
+            return False
+        if job.cancel_requested:
+            self._end(job, CANCELLED)
+            return True
+        feed = job.feed_ids
+        start = job.num_prefilled
+        chunk = feed[start : start + self._max_prefill_tokens]
+        item = PrefillItem(job.lane, start, chunk, start + len(chunk) == len(feed), job.request.sampling)
+        self._prefill(job, item)
+        return True
+
+    def _whole_prompt(self, job: Job) -> PrefillItem:
+        start = job.cached_tokens
+        return PrefillItem(job.lane, start, job.feed_ids[start:], True, job.request.sampling)
+
+    def _prefill(self, job: Job, item: PrefillItem) -> None:
+        try:
+            token = self._backend.prefill(item)
+        except BackendBroken:
+            raise
+        except Exception as error:
+            self._end(job, ERROR, f"prefill failed: {error}")
+            return
+        job.num_prefilled = item.start + len(item.token_ids)
+        if not item.last:
+            return
+        if job is self.chunking:
+            self.chunking = None
+        if token is None:
+            self._end(job, ERROR, "the engine sampled no token after the prompt")
+            return
+        self._first_token(job, token)
+
+    def _yield_for_foreground(self) -> bool:
+        """Free the newest background stream's lane for a waiting foreground job that cannot start."""
+        with self._lock:
+            head = self._queue.peek_foreground()
+        if head is None:
+            return False
+        free_room = self._backend.free_room()
+        if self._lanes.num_free > 0 and head.reserve <= free_room:
+            return False
+        background = [job for job in self._lanes.jobs() if job.background]
+        if not background or free_room + sum(job.reserve for job in background) < head.reserve:
+            return False  # yielding could not make it fit: keep the background work
+        victim = max(background, key=lambda job: job.admitted_seq)
+        if victim is self.chunking:
+            self.chunking = None
+        self._lanes.close(victim)
+        with self._lock:
+            cancelled = victim.cancel_requested
+            if not cancelled:
+                self._queue.push_front_background(victim)
+        if cancelled:
+            self._end(victim, CANCELLED)
+        log.debug("background stream yielded its lane after %d tokens", len(victim.produced))
+        return True

@@ -1,0 +1,310 @@
+"""The lane host: rank 0's scheduler, turning queued requests into streams of tokens on the backend's lanes.
+
+One scheduling thread drives the backend (every Backend call happens there); clients submit, read
+and cancel from any thread. The host's lock guards only the queue and the set of unfinished jobs
+and is never held across a backend call, so submit, cancel and stats never wait on the engine.
+
+Each step: end cancelled streams, admit waiting jobs (lane_admit.py), run one chunk of a long
+prompt, then one decode round over every live lane (continuous batching: streams join and leave
+between rounds). A BackendBroken anywhere latches the host broken: every stream ends with an error,
+new work is refused and `on_broken` is called once so the daemon can exit non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from tpserve.server.backend import Backend, BackendBroken, DecodeItem
+from tpserve.server.job_queue import JobQueue
+from tpserve.server.lane_admit import Admission
+from tpserve.server.lane_job import Job
+from tpserve.server.lane_stream import Stream
+from tpserve.server.lane_table import LaneTable
+from tpserve.server.requests import (
+    CANCELLED,
+    ERROR,
+    Finished,
+    GenerationRequest,
+    HostStats,
+    HostUnavailable,
+    Prefilled,
+)
+
+__all__ = ["LaneHost", "Stream", "HostStats"]
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # an idle scheduler re-checks this often even without a wake-up (room can free up)
+JOIN_MARGIN_S = 5.0  # stop() waits this long past the grace period for the scheduler thread
+
+
+class LaneHost:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        detokenize: Callable[[Sequence[int]], str],
+        eos_ids: frozenset[int],
+        queue_size: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+        batch_prefill: bool = True,
+        on_broken: Callable[[str], None] | None = None,
+    ):
+        self._backend = backend
+        self._detokenize = detokenize
+        self._eos_ids = frozenset(eos_ids)
+        self._clock = clock
+        self._on_broken = on_broken
+        self._room = backend.room
+        self._context_size = backend.context_size
+        self._cond = threading.Condition()  # guards _queue, _alive and the flags below
+        self._queue: JobQueue[Job] = JobQueue(queue_size)
+        self._alive: set[Job] = set()  # every job not yet Finished, wherever it is
+        self._broken_reason: str | None = None
+        self._stopping = False
+        self._stop_deadline = 0.0
+        self._wake = False
+        self._step_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._lanes = LaneTable(backend)
+        self._admission = Admission(
+            backend,
+            self._lanes,
+            self._queue,
+            self._cond,
+            batch_prefill=batch_prefill,
+            first_token=self._first_token,
+            end=self._end,
+        )
+
+    # ---- client side (any thread) ----
+
+    @property
+    def broken(self) -> bool:
+        return self._broken_reason is not None
+
+    def submit(self, request: GenerationRequest) -> Stream:
+        """Queue a request. Raises QueueFull, HostUnavailable, or ValueError for a request that cannot run."""
+        self._check(request)
+        reserve = min(len(request.prompt_ids) + request.max_tokens, self._context_size)
+        job = Job(
+            request,
+            reserve=reserve,
+            detokenize=self._detokenize,
+            submitted_at=self._clock(),
+            cancel=self._cancel,
+        )
+        with self._cond:
+            if self._broken_reason is not None:
+                raise HostUnavailable(f"the engine is broken: {self._broken_reason}")
+            if self._stopping:
+                raise HostUnavailable("the server is stopping")
+            never_fits = reserve > self._room
+            if not never_fits:
+                self._queue.push(job, background=request.background)
+            self._alive.add(job)
+            self._wake_scheduler()
+        if never_fits:
+            self._finish(
+                job, ERROR, f"the request needs {reserve} tokens of KV room; the engine holds {self._room}"
+            )
+        return job.stream
+
+    def _check(self, request: GenerationRequest) -> None:
+        num_prompt = len(request.prompt_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if num_prompt + request.max_tokens > self._context_size:
+            raise ValueError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds "
+                f"the context size ({self._context_size} tokens)"
+            )
+
+    def _cancel(self, job: Job) -> None:
+        with self._cond:
+            if job not in self._alive:
+                return
+            queued = self._queue.remove(job)
+            if not queued:
+                job.cancel_requested = True  # the scheduler frees its lane at the next boundary
+                self._wake_scheduler()
+        if queued:
+            self._finish(job, CANCELLED)
+
+    def stats(self) -> HostStats:
+        with self._cond:
+            queued = len(self._queue)
+        return HostStats(
+            queued=queued,
+            lanes_busy=self._lanes.num_busy,
+            room_used=self._lanes.room_used,
+            num_lanes=self._lanes.num_lanes,
+            room=self._room,
+        )
+
+    def _wake_scheduler(self) -> None:
+        """Called with the lock held."""
+        self._wake = True
+        self._cond.notify_all()
+
+    # ---- scheduling (one thread) ----
+
+    def step(self) -> bool:
+        """One scheduling iteration. False when there was nothing it could do."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("step() is already running on another thread")
+        try:
+            if self.broken:
+                return False
+            try:
+                changed = self._end_cancelled()
+                if not self._stopping:
+                    changed = self._admission.admit() or changed
+                changed = self._admission.prefill_chunk() or changed
+                return self._decode_round() or changed
+            except BackendBroken as error:
+                self._latch_broken(str(error))
+                return False
+        finally:
+            self._step_lock.release()
+
+    def _end_cancelled(self) -> bool:
+        cancelled = [job for job in self._lanes.jobs() if job.cancel_requested]
+        for job in cancelled:
+            self._end(job, CANCELLED)
+        return bool(cancelled)
+
+    def _decode_round(self) -> bool:
+        self._end_cancelled()
+        live = [job for job in self._lanes.jobs() if job is not self._admission.chunking]
+        if not live:
+            return False
+        items = [
+            DecodeItem(job.lane, job.next_position, job.produced[-1], job.request.sampling) for job in live
+        ]
+        try:
+            tokens = self._backend.decode(items)
+        except BackendBroken:
+            raise
+        except Exception as error:
+            raise BackendBroken(f"a decode round failed: {error!r}") from error
+        if len(tokens) != len(items):
+            raise BackendBroken(f"a decode round returned {len(tokens)} tokens for {len(items)} lanes")
+        for job, token in zip(live, tokens):
+            self._take_token(job, token)
+        return True
+
+    def _first_token(self, job: Job, token: int) -> None:
+        if not job.prefilled_sent:
+            job.prefilled_sent = True
+            job.stream.put(Prefilled(cached_tokens=job.cached_tokens))
+        self._take_token(job, token)
+
+    def _take_token(self, job: Job, token: int) -> None:
+        try:
+            reason = job.accept(token, self._eos_ids, self._clock())
+        except Exception as error:  # a token the tokenizer cannot decode fails this stream alone
+            self._end(job, ERROR, f"could not decode token {token}: {error}")
+            return
+        if reason is not None:
+            self._end(job, reason)
+
+    def _end(self, job: Job, reason: str, error: str | None = None) -> None:
+        """Close the job's lane if it holds one, then send Finished."""
+        if job is self._admission.chunking:
+            self._admission.chunking = None
+        if job.lane is not None:
+            self._lanes.close(job)
+        self._finish(job, reason, error)
+
+    def _finish(self, job: Job, reason: str, error: str | None = None) -> None:
+        with self._cond:
+            if job not in self._alive:
+                return
+            self._alive.discard(job)
+        job.stream.put(Finished(reason, job.usage(self._clock()), error))
+
+    def _latch_broken(self, reason: str) -> None:
+        with self._cond:
+            if self._broken_reason is not None:
+                return
+            self._broken_reason = reason
+            self._queue.drain()
+            jobs = list(self._alive)
+            self._cond.notify_all()
+        log.error("engine broken: %s; ending %d streams", reason, len(jobs))
+        self._lanes.forget_all()
+        self._admission.chunking = None
+        for job in jobs:
+            self._finish(job, ERROR, f"engine broken: {reason}")
+        if self._on_broken is not None:
+            try:
+                self._on_broken(reason)
+            except Exception:
+                log.exception("the on_broken callback failed")
+
+    # ---- the scheduling thread and shutdown ----
+
+    def start(self) -> None:
+        """Run the scheduler on a daemon thread; it sleeps on a condition when idle."""
+        with self._cond:
+            if self._thread is not None or self._stopping:
+                raise RuntimeError("the lane host was already started or stopped")
+            self._thread = threading.Thread(target=self._run, name="lane-host", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.broken:
+                with self._cond:
+                    self._wake = False
+                    stopping = self._stopping
+                if stopping:
+                    self._drain()
+                    return
+                if not self.step():
+                    with self._cond:
+                        if not (self._wake or self._stopping or self.broken):
+                            self._cond.wait(IDLE_WAIT_S)
+        except BaseException as error:
+            log.exception("the lane host's scheduler failed")
+            self._latch_broken(f"the lane host failed: {error!r}")
+
+    def stop(self, grace_s: float) -> None:
+        """Stop admitting; live streams get grace_s to finish, the rest end cancelled."""
+        with self._cond:
+            self._stopping = True
+            self._stop_deadline = time.monotonic() + grace_s
+            queued = self._queue.drain()
+            self._wake_scheduler()
+            thread = self._thread
+        for job in queued:
+            self._finish(job, CANCELLED)
+        if thread is None:
+            self._drain()
+            return
+        thread.join(timeout=grace_s + JOIN_MARGIN_S)
+        if thread.is_alive():
+            # A backend call is stuck. Its lanes stay held, but no client waits on it any longer.
+            log.error("the lane host's scheduler did not stop within %.1f s", grace_s + JOIN_MARGIN_S)
+            with self._cond:
+                jobs = list(self._alive)
+            for job in jobs:
+                self._finish(job, CANCELLED, "the server stopped while the engine was busy")
+
+    def _drain(self) -> None:
+        """Let live streams run until the stop deadline, then end the rest cancelled."""
+        while self._lanes.num_busy and not self.broken and time.monotonic() < self._stop_deadline:
+            self.step()
+        if self.broken:
+            return
+        try:
+            for job in self._lanes.jobs():
+                self._end(job, CANCELLED)
+        except BackendBroken as error:
+            self._latch_broken(str(error))

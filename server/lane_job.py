@@ -1,0 +1,86 @@
+"""One request inside the lane host: where it stands, what it produced, and the events it sends.
+
+The scheduling thread owns a job once it leaves the queue; the only field another thread writes is
+`cancel_requested` (a note the scheduler reads at its next boundary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tpserve.server.lane_stream import Stream
+from tpserve.server.requests import LENGTH, STOP, GenerationRequest, TokenDelta, Usage
+from tpserve.server.text_stream import TextOut, TextStream
+
+
+class Job:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        *,
+        reserve: int,
+        detokenize: Callable[[Sequence[int]], str],
+        submitted_at: float,
+        cancel: Callable[[Job], None],
+    ):
+        self.request = request
+        self.reserve = reserve  # KV tokens its lane holds: prompt + max_tokens, capped by the context
+        self.stream = Stream(lambda: cancel(self))
+        self.text = TextStream(detokenize, request.stop, context_ids=request.prompt_ids)
+        self.produced: list[int] = []  # every sampled token, sent or held back
+        self.lane: int | None = None
+        self.admitted_seq = 0  # when it last got a lane (the newest background stream yields first)
+        self.cached_tokens = 0  # prompt tokens a cache restore supplied (none until the prompt cache)
+        self.num_prefilled = 0  # tokens of feed_ids already in the lane (chunked prefill progress)
+        self.prefilled_sent = False
+        self.cancel_requested = False
+        self.submitted_at = submitted_at
+        self.first_token_at: float | None = None
+
+    @property
+    def background(self) -> bool:
+        return self.request.background
+
+    @property
+    def feed_ids(self) -> tuple[int, ...]:
+        """What a (re-)prefill puts in the lane: the prompt, then every token produced so far.
+
+        A stream resuming after a yield prefills its own tokens too, so its next sample lands at the
+        position it would have reached without the yield.
+        """
+        return self.request.prompt_ids + tuple(self.produced)
+
+    @property
+    def next_position(self) -> int:
+        """Where the last sampled token goes when a decode round feeds it."""
+        return len(self.request.prompt_ids) + len(self.produced) - 1
+
+    def accept(self, token_id: int, eos_ids: frozenset[int], now: float) -> str | None:
+        """Take one sampled token, send what text it releases; the finish reason when the reply ends."""
+        self.produced.append(token_id)
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if token_id in eos_ids and not self.request.ignore_eos:
+            self._send(self.text.finish())
+            return STOP
+        self._send(self.text.push(token_id))
+        if self.text.stopped:
+            return STOP
+        if len(self.produced) >= self.request.max_tokens:
+            self._send(self.text.finish())
+            return LENGTH
+        return None
+
+    def usage(self, now: float) -> Usage:
+        first = None if self.first_token_at is None else self.first_token_at - self.submitted_at
+        return Usage(
+            prompt_tokens=len(self.request.prompt_ids),
+            completion_tokens=len(self.produced),
+            cached_tokens=self.cached_tokens,
+            time_to_first_token_s=first,
+            total_s=now - self.submitted_at,
+        )
+
+    def _send(self, out: TextOut) -> None:
+        if out:
+            self.stream.put(TokenDelta(out.token_ids, out.text))

@@ -1,0 +1,64 @@
+"""A client's handle on one reply: its events in order (Prefilled, TokenDelta..., Finished) and cancel.
+
+The lane host puts events from its scheduling thread; any thread reads them or cancels. Nothing here
+ever waits on the scheduler: cancel only leaves a note the scheduler acts on at its next boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from tpserve.server.requests import Event, Finished
+
+
+class Stream:
+    def __init__(self, cancel: Callable[[], None]):
+        self._cancel = cancel
+        self._cond = threading.Condition()
+        self._events: deque[Event] = deque()
+        self._finished: Finished | None = None
+        self._final_read = False
+
+    @property
+    def finished(self) -> Finished | None:
+        """The Finished event once the host has sent it (read or not)."""
+        return self._finished
+
+    def put(self, event: Event) -> None:
+        """Called by the lane host. Anything after Finished is dropped, so ending a stream twice is harmless."""
+        with self._cond:
+            if self._finished is not None:
+                return
+            if isinstance(event, Finished):
+                self._finished = event
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def next_event(self, timeout: float | None) -> Event | None:
+        """The next event, or None after `timeout` seconds without one (or once Finished was read)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._events or self._final_read, timeout)
+            if not self._events:
+                return None
+            event = self._events.popleft()
+            if isinstance(event, Finished):
+                self._final_read = True
+            return event
+
+    def events(self, timeout_each: float) -> Iterator[Event]:
+        """Every event up to and including Finished; TimeoutError if the host goes quiet that long."""
+        while True:
+            event = self.next_event(timeout_each)
+            if event is None:
+                if self._final_read:
+                    return
+                raise TimeoutError(f"the lane host sent no event for {timeout_each} s")
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def cancel(self) -> None:
+        """End the reply early (Finished "cancelled"); safe from any thread, returns at once."""
+        self._cancel()

@@ -1,0 +1,343 @@
+"""A fake Backend for the lane host's tests: the exact Protocol, strict about misuse, and a sampler
+whose every token depends on the lane's whole history, so any rollback, position slip or cross-talk
+between lanes changes the reply.
+
+Sampling: a rolling 64-bit hash over every (position, token) fed to the lane picks the token; a
+sampled (non-greedy) request mixes in noise keyed by (seed, position) only, as the real sampler does.
+So a request's reply never depends on its lane, its neighbours, or whether its prompt went alone or
+in a joint pass; `solo_reply` (a fresh fake and host running the request alone) is the oracle.
+
+Failures a test can ask for: prompts whose first token is poisoned (prefill and prefill_many raise,
+or refuse), a joint pass that raises at its first, middle or last participant, a first sampled token
+outside the vocabulary, refused opens, and a decode round that breaks the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.server.backend import BackendBroken, DecodeItem, PrefillItem
+from tpserve.server.lane_host import LaneHost
+from tpserve.server.lane_stream import Stream
+from tpserve.server.requests import Finished, GenerationRequest, Prefilled, TokenDelta
+
+MASK_64 = (1 << 64) - 1
+EOS_ID = 0
+# Token pieces: multi-letter so stop strings can cross token boundaries. Token 0 is EOS.
+PIECES = ("", *[c + v for c in "bdfgklmnprst" for v in "aeiou"][:38], " ")
+VOCAB_SIZE = len(PIECES)
+BAD_TOKEN = VOCAB_SIZE  # outside the vocabulary: fake_detokenize refuses it
+EOS_IDS = frozenset({EOS_ID})
+
+
+def fake_detokenize(ids: Sequence[int]) -> str:
+    for token in ids:
+        if not 0 <= token < VOCAB_SIZE:
+            raise ValueError(f"token {token} is outside the vocabulary")
+    return "".join(PIECES[token] for token in ids)
+
+
+def _mix(value: int) -> int:
+    """splitmix64's finalizer: every input bit moves every output bit."""
+    value = (value + 0x9E3779B97F4A7C15) & MASK_64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK_64
+    return value ^ (value >> 31)
+
+
+class FakeMisuse(AssertionError):
+    """The host broke the Backend contract. Recorded in `misuse` too, since the host may catch it."""
+
+
+class FakeFailure(RuntimeError):
+    """A failure a test asked for."""
+
+
+@dataclass
+class _Lane:
+    reserve: int
+    history: list[int] = field(default_factory=list)  # the token at each position fed so far
+    state: int = 0  # rolling hash of history
+    pending: int | None = None  # the last sampled token, fed next at position len(history)
+    num_samples: int = 0
+    features: list[tuple[int, float]] = field(default_factory=list)
+
+
+class FakeBackend:
+    def __init__(
+        self,
+        *,
+        num_lanes: int = 4,
+        room: int = 4096,
+        context_size: int = 256,
+        max_prefill_tokens: int = 64,
+        batched: bool = False,
+        max_batch_streams: int = 16,
+    ):
+        self.num_lanes = num_lanes
+        self.room = room
+        self.context_size = context_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.batches_prompts = batched
+        self.max_batch_streams = max_batch_streams
+        # Failures to inject.
+        self.poisoned_prompts: set[int] = set()  # first prompt tokens whose prefills fail
+        self.refuse_poisoned_passes = False  # prefill_many returns None for them instead of raising
+        self.raise_in_pass_at: str | None = None  # "first" | "middle" | "last" participant raises
+        self.bad_first_token_prompts: set[int] = set()  # their first sample is BAD_TOKEN
+        self.refused_opens: set[int] = set()  # open calls (numbered from 0) that return False
+        self.break_after_decodes: int | None = None  # decode raises BackendBroken after this many
+        # What happened.
+        self.lanes: dict[int, _Lane] = {}
+        self.num_opens = 0
+        self.num_prefills = 0
+        self.num_decodes = 0
+        self.joint_passes: list[int] = []  # sizes of the prefill_many passes that went through
+        self.refused_passes: list[int] = []
+        self.failed_passes: list[int] = []
+        self.decode_sizes: list[int] = []
+        self.broken = False
+        self.num_calls_after_broken = 0
+        self.misuse: list[str] = []
+
+    # ---- the Backend protocol ----
+
+    def free_room(self) -> int:
+        self._call()
+        return self._free_room()
+
+    def open(self, lane: int, reserve_tokens: int) -> bool:
+        self._call()
+        if not 0 <= lane < self.num_lanes or lane in self.lanes:
+            self._misuse(f"open of lane {lane}, which is out of range or already open")
+        if reserve_tokens < 1:
+            self._misuse(f"open of lane {lane} reserving {reserve_tokens} tokens")
+        number = self.num_opens
+        self.num_opens += 1
+        if number in self.refused_opens or reserve_tokens > self._free_room():
+            return False
+        self.lanes[lane] = _Lane(reserve_tokens)
+        return True
+
+    def prefill(self, item: PrefillItem) -> int | None:
+        self._call()
+        self.num_prefills += 1
+        lane = self._check_prefill(item, max_tokens=self.max_prefill_tokens)
+        if self._first_token_of(lane, item) in self.poisoned_prompts:
+            self._reset(lane)
+            raise FakeFailure(f"the engine refused the prompt on lane {item.lane}")
+        self._feed(lane, item.token_ids)
+        return self._sample(lane, item.sampling) if item.last else None
+
+    def prefill_many(self, items: list[PrefillItem]) -> list[int] | None:
+        self._call()
+        if not self.batches_prompts:
+            self._misuse("prefill_many on a backend that does not batch prompts")
+        if not 2 <= len(items) <= 16 or len({item.lane for item in items}) != len(items):
+            self._misuse(f"prefill_many over {len(items)} items (lanes {[item.lane for item in items]})")
+        lanes = [self._check_prefill(item, max_tokens=self.max_prefill_tokens) for item in items]
+        if any(not item.last for item in items):
+            self._misuse("prefill_many with a prompt that does not end in this pass")
+        poisoned = [
+            i for i, item in enumerate(items) if self._first_token_of(lanes[i], item) in self.poisoned_prompts
+        ]
+        if len(items) > self.max_batch_streams or (poisoned and self.refuse_poisoned_passes):
+            self.refused_passes.append(len(items))
+            return None
+        raise_at = {"first": 0, "middle": len(items) // 2, "last": len(items) - 1}.get(self.raise_in_pass_at)
+        fed: list[_Lane] = []
+        try:
+            for index, (item, lane) in enumerate(zip(items, lanes)):
+                self._feed(lane, item.token_ids)
+                fed.append(lane)
+                if index == raise_at or index in poisoned:
+                    raise FakeFailure(f"the joint prompt pass failed at participant {index}")
+        except FakeFailure:
+            for lane in fed:  # the failing participant included: none may stay prefilled
+                self._reset(lane)
+            self.failed_passes.append(len(items))
+            raise
+        self.joint_passes.append(len(items))
+        return [self._sample(lane, item.sampling) for item, lane in zip(items, lanes)]
+
+    def decode(self, items: list[DecodeItem]) -> list[int]:
+        self._call()
+        if self.break_after_decodes is not None and self.num_decodes >= self.break_after_decodes:
+            self.broken = True
+            raise BackendBroken("fake: the decode round failed (a rank was lost)")
+        self.num_decodes += 1
+        self.decode_sizes.append(len(items))
+        if len({item.lane for item in items}) != len(items):
+            self._misuse(f"decode round with a lane twice: {[item.lane for item in items]}")
+        tokens = []
+        for item in items:
+            lane = self._open_lane(item.lane)
+            if item.position != len(lane.history) or item.token_id != lane.pending:
+                self._misuse(
+                    f"lane {item.lane} fed token {item.token_id} at position {item.position}; "
+                    f"expected token {lane.pending} at position {len(lane.history)}"
+                )
+            if item.position >= lane.reserve:
+                self._misuse(
+                    f"lane {item.lane} wrote position {item.position} past its reserve {lane.reserve}"
+                )
+            self._feed(lane, (item.token_id,))
+            tokens.append(self._sample(lane, item.sampling))
+        return tokens
+
+    def close(self, lane: int) -> None:
+        self._call()
+        if lane not in self.lanes:
+            self._misuse(f"close of lane {lane}, which is not open")
+        del self.lanes[lane]
+
+    def top_logits(self, lane: int) -> list[tuple[int, float]]:
+        """The top logits of the lane's last sampled step (derived from its history)."""
+        return list(self._open_lane(lane).features)
+
+    # ---- checks for tests ----
+
+    def assert_clean(self) -> None:
+        """Everything the host held is returned and it never broke the contract."""
+        assert self.misuse == [], self.misuse
+        assert self.lanes == {}, f"lanes still open: {sorted(self.lanes)}"
+        assert self._free_room() == self.room
+
+    def solo_reply(self, request: GenerationRequest) -> Reply:
+        """The reply `request` gets alone on a fresh fake of the same shape: the oracle."""
+        backend = FakeBackend(
+            num_lanes=self.num_lanes,
+            room=self.room,
+            context_size=self.context_size,
+            max_prefill_tokens=self.max_prefill_tokens,
+        )
+        host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS)
+        (reply,) = run_all(host, [host.submit(request)])
+        backend.assert_clean()
+        return reply
+
+    # ---- internals ----
+
+    def _free_room(self) -> int:
+        return self.room - sum(lane.reserve for lane in self.lanes.values())
+
+    def _call(self) -> None:
+        if self.broken:
+            self.num_calls_after_broken += 1
+
+    def _misuse(self, message: str) -> None:
+        self.misuse.append(message)
+        raise FakeMisuse(message)
+
+    def _open_lane(self, lane: int) -> _Lane:
+        if lane not in self.lanes:
+            self._misuse(f"lane {lane} is not open")
+        return self.lanes[lane]
+
+    def _check_prefill(self, item: PrefillItem, max_tokens: int) -> _Lane:
+        lane = self._open_lane(item.lane)
+        if not item.token_ids or len(item.token_ids) > max_tokens:
+            self._misuse(f"prefill of {len(item.token_ids)} tokens (at most {max_tokens} per pass)")
+        if item.start != len(lane.history):
+            self._misuse(f"prefill on lane {item.lane} starts at {item.start}; it holds {len(lane.history)}")
+        if item.start + len(item.token_ids) > lane.reserve:
+            self._misuse(f"prefill on lane {item.lane} goes past its reserve of {lane.reserve}")
+        return lane
+
+    @staticmethod
+    def _first_token_of(lane: _Lane, item: PrefillItem) -> int:
+        return lane.history[0] if lane.history else item.token_ids[0]
+
+    @staticmethod
+    def _reset(lane: _Lane) -> None:
+        lane.history.clear()
+        lane.state = 0
+        lane.pending = None
+        lane.num_samples = 0
+        lane.features = []
+
+    @staticmethod
+    def _feed(lane: _Lane, token_ids: Sequence[int]) -> None:
+        for token in token_ids:
+            lane.state = _mix(lane.state ^ ((len(lane.history) << 32) | (token & 0xFFFFFFFF)))
+            lane.history.append(token)
+
+    def _sample(self, lane: _Lane, sampling: SamplingParams) -> int:
+        position = len(lane.history)  # where the sampled token will go
+        value = lane.state
+        if not sampling.greedy:
+            value = _mix(value ^ _mix((sampling.seed << 24) ^ position))
+        token = value % VOCAB_SIZE
+        if lane.num_samples == 0 and lane.history[0] in self.bad_first_token_prompts:
+            token = BAD_TOKEN
+        lane.features = [
+            ((value >> (8 * i)) % VOCAB_SIZE, ((value >> (8 * i + 4)) % 1000) / 100) for i in range(3)
+        ]
+        lane.pending = token
+        lane.num_samples += 1
+        return token
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Everything a client read from one stream (timings aside, so replies compare across runs)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    reason: str
+    error: str | None
+    completion_tokens: int
+    num_prefilled_events: int
+    finished: Finished = field(compare=False)
+
+
+def read_reply(stream: Stream) -> Reply:
+    """Read a finished stream's events (they are all there already)."""
+    token_ids: list[int] = []
+    texts: list[str] = []
+    num_prefilled = 0
+    for event in stream.events(timeout_each=0):
+        if isinstance(event, TokenDelta):
+            token_ids += event.token_ids
+            texts.append(event.text)
+        elif isinstance(event, Prefilled):
+            if token_ids:
+                raise AssertionError("Prefilled arrived after a token")
+            num_prefilled += 1
+        elif isinstance(event, Finished):
+            usage = event.usage
+            return Reply(
+                tuple(token_ids),
+                "".join(texts),
+                event.reason,
+                event.error,
+                usage.completion_tokens,
+                num_prefilled,
+                event,
+            )
+    raise AssertionError("the stream ended without Finished")
+
+
+def step_until_finished(host: LaneHost, streams: list[Stream], max_steps: int = 10_000) -> None:
+    """Step the host until every stream has its Finished event."""
+    for _ in range(max_steps):
+        if all(stream.finished is not None for stream in streams):
+            return
+        host.step()
+    raise AssertionError(f"streams still running after {max_steps} steps")
+
+
+def run_all(host: LaneHost, streams: list[Stream], max_steps: int = 10_000) -> list[Reply]:
+    """Step the host until every stream finished; their replies in order."""
+    step_until_finished(host, streams, max_steps)
+    return [read_reply(stream) for stream in streams]
+
+
+def make_request(
+    prompt_ids: Sequence[int], max_tokens: int = 12, *, seed: int | None = None, **kwargs
+) -> GenerationRequest:
+    """A request; greedy unless a seed is given (then sampled, temperature 0.8)."""
+    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
+    return GenerationRequest(tuple(prompt_ids), max_tokens, sampling, **kwargs)
