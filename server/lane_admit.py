@@ -185,17 +185,30 @@ class Admission:
         self._first_token(job, token)
 
     def _yield_for_foreground(self) -> bool:
-        """Free the newest background stream's lane for a waiting foreground job that cannot start."""
+        """Free the newest background stream's lane when waiting foreground jobs cannot all start.
+
+        Counts as many waiting foreground jobs as one admission could take together, but only
+        those that yielding could make fit, so background work is never thrown away for nothing.
+        """
         with self._lock:
-            head = self._queue.peek_foreground()
-        if head is None:
-            return False
-        free_room = self._backend.free_room()
-        if self._lanes.num_free > 0 and head.reserve <= free_room:
-            return False
+            waiting = [job for job in self._queue.peek_many(self.max_joint_prompts) if not job.background]
         background = [job for job in self._lanes.jobs() if job.background]
-        if not background or free_room + sum(job.reserve for job in background) < head.reserve:
-            return False  # yielding could not make it fit: keep the background work
+        if not waiting or not background:
+            return False
+        if self.chunking is not None and self._needs_chunks(waiting[0]):
+            return False  # the head waits for the chunked prefill in progress, not for a lane
+        num_free = self._lanes.num_free
+        free_room = self._backend.free_room()
+        spare_lanes = num_free + len(background)
+        spare_room = free_room + sum(job.reserve for job in background)
+        num_wanted = wanted_room = 0
+        for job in waiting:
+            if num_wanted == spare_lanes or wanted_room + job.reserve > spare_room:
+                break
+            num_wanted += 1
+            wanted_room += job.reserve
+        if num_wanted == 0 or (num_free >= num_wanted and free_room >= wanted_room):
+            return False
         victim = max(background, key=lambda job: job.admitted_seq)
         if victim is self.chunking:
             self.chunking = None
