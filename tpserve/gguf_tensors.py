@@ -1,0 +1,174 @@
+"""The weights side of a GGUF import: Hugging Face names, dequantizing, sharded safetensors.
+
+Every GGUF tensor is mapped to its Hugging Face name and torch shape before anything is written, so
+an unknown tensor or type is refused up front. llama.cpp stores llama-architecture q/k rows permuted
+for its rotary kernel; `unpermute_rotary_rows` undoes that exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from tpserve.ranks.errors import ModelFileError
+
+# Shards stay well under the sizes that make single files awkward to copy or memory-map.
+MAX_SHARD_BYTES = 2 << 30
+
+
+_Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = frozenset(
+    {_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0}
+    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+)
+
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One GGUF tensor and where it goes: its Hugging Face name and torch shape."""
+
+    source: Any  # gguf.ReaderTensor
+    name: str
+    shape: tuple[int, ...]
+    rotary_heads: int  # > 0: undo llama.cpp's q/k permutation over this many heads
+
+    @property
+    def num_bytes(self) -> int:
+        return 4 * int(np.prod(self.shape))
+
+
+def plan_tensors(
+    tensors: list[Any], config: dict[str, Any], permutes_qk: bool, gguf_path: Path
+) -> list[PlannedTensor]:
+    """Map every GGUF tensor to its Hugging Face name, refusing unknown names and types up front."""
+    plan = []
+    for tensor in tensors:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(qtype.name for qtype in SUPPORTED_TYPES))
+            raise ModelFileError(
+                gguf_path,
+                f"tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be imported "
+                f"(supported: {supported})",
+            )
+        name = _hf_name(tensor.name, gguf_path)
+        # GGUF lists dimensions fastest-varying first; torch lists them slowest first.
+        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        rotary_heads = 0
+        if permutes_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            rotary_heads = config["num_attention_heads"]
+        elif permutes_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            rotary_heads = config["num_key_value_heads"]
+        if rotary_heads and shape[0] != rotary_heads * config["head_dim"]:
+            raise ModelFileError(
+                gguf_path,
+                f"tensor {tensor.name} has {shape[0]} rows, not {rotary_heads} heads x {config['head_dim']}",
+            )
+        plan.append(PlannedTensor(tensor, name, shape, rotary_heads))
+    return sorted(plan, key=lambda item: _storage_order(item.name))
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's `permute`.
+
+    llama.cpp stores each head's rows as interleaved pairs (row 0 of the first half, row 0 of the
+    second half, ...); Hugging Face's rotary rotates halves. weight: [num_heads * head_dim, ...].
+    """
+    half = weight.shape[0] // num_heads // 2
+    pairs = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(weight.shape))
+
+
+def read_tensor(planned: PlannedTensor, gguf_path: Path) -> np.ndarray:
+    """The tensor as float32 in torch layout, with llama.cpp's permutation undone."""
+    tensor = planned.source
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if values.size != int(np.prod(planned.shape)):
+        raise ModelFileError(
+            gguf_path, f"tensor {tensor.name} holds {values.size} values, not {planned.shape}"
+        )
+    values = values.reshape(planned.shape).astype(np.float32, copy=False)
+    if planned.rotary_heads:
+        values = unpermute_rotary_rows(values, planned.rotary_heads)
+    return np.ascontiguousarray(values)
+
+
+def _hf_name(gguf_name: str, gguf_path: Path) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise ModelFileError(gguf_path, f"tensor {gguf_name} is not one the importer knows how to place")
+
+
+def _storage_order(name: str) -> tuple[int, int, str]:
+    # Embeddings, then layers in numeric order, then the final norm and head: each shard holds
+    # neighbouring layers.
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if match:
+        return (1, int(match.group(1)), name)
+    return (0 if "embed_tokens" in name else 2, 0, name)
+
+
+def write_weights(
+    plan: list[PlannedTensor], out_dir: Path, gguf_path: Path, progress: bool, max_shard_bytes: int
+) -> None:
+    shards: list[list[PlannedTensor]] = [[]]
+    shard_bytes = 0
+    for planned in plan:
+        if shards[-1] and shard_bytes + planned.num_bytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(planned)
+        shard_bytes += planned.num_bytes
+    num_shards = len(shards)
+    file_names = (
+        ["model.safetensors"]
+        if num_shards == 1
+        else [f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors" for index in range(num_shards)]
+    )
+    weight_map = {}
+    with tqdm(total=len(plan), unit="tensor", desc="import", disable=not progress) as bar:
+        for file_name, shard in zip(file_names, shards):
+            arrays = {}
+            for planned in shard:
+                arrays[planned.name] = read_tensor(planned, gguf_path)
+                weight_map[planned.name] = file_name
+                bar.update(1)
+            save_file(arrays, str(out_dir / file_name), metadata={"format": "pt"})
+    if num_shards > 1:
+        total_size = sum(planned.num_bytes for planned in plan)
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
