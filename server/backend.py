@@ -12,7 +12,7 @@ from typing import Protocol
 
 from tpserve.ranks.sampling_params import SamplingParams
 
-__all__ = ["Backend", "BackendBroken", "PrefillItem", "DecodeItem", "SamplingParams"]
+__all__ = ["Backend", "BackendBroken", "PrefillItem", "DecodeItem", "SamplingParams", "TopLogits"]
 
 
 class BackendBroken(RuntimeError):
@@ -78,3 +78,13 @@ class Backend(Protocol):
 
     def close(self, lane: int) -> None:
         """Drop the lane's KV and its reservation."""
+
+
+class TopLogits(Protocol):
+    """Optional: a backend that also implements this gives `--record` its per-step features."""
+
+    def top_logits(self, lane: int) -> list[tuple[int, float]]:
+        """(token id, logit) pairs with the highest logits at the lane's last sampled step, best first.
+
+        Called right after the prefill or decode round that sampled the lane's latest token.
+        """

@@ -1,0 +1,124 @@
+"""`--record DIR`: a Backend wrapper writing what every stream fed and sampled, one file per stream.
+
+A stream is one open..close of a lane; its file is `stream-NNNN.jsonl`, numbered in open order (a
+background stream that yields and resumes gets a second file). One JSON object per line:
+
+    {"step": "open", "reserve": 40}
+    {"step": "prefill", "start": 0, "token_ids": [...]}                  a chunk that samples nothing
+    {"step": "prefill", "start": 64, "token_ids": [...], "position": 70, "fed": 9, "sampled": 12, "features": [...]}
+    {"step": "decode", "position": 71, "fed": 12, "sampled": 30, "features": [...]}
+
+`position` is where the fed token went; the sampled token goes at position + 1. `features` are the
+inner backend's top logits (server/backend.py TopLogits) when it has them, else absent. A prompt in a
+joint prefill_many is written exactly as after its own prefill, and a pass that was refused or failed
+writes nothing, so a batched run and a solo run can be compared file by file. Every call is forwarded
+unchanged, prefill_many included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO
+
+from tpserve.server.backend import Backend, DecodeItem, PrefillItem
+
+FILE_PATTERN = "stream-*.jsonl"
+
+
+class RecordingBackend:
+    def __init__(self, inner: Backend, out_dir: str | Path):
+        self._inner = inner
+        self._out_dir = Path(out_dir)
+        self._out_dir.mkdir(parents=True, exist_ok=True)
+        if any(self._out_dir.glob(FILE_PATTERN)):
+            raise FileExistsError(f"{self._out_dir} already holds a recording; record into an empty folder")
+        self._top_logits = getattr(inner, "top_logits", None)
+        if self._top_logits is not None:
+            self.top_logits = self._top_logits  # forwarded only when the inner backend has it
+        self._files: dict[int, IO[str]] = {}
+        self._num_streams = 0
+
+    # The inner backend's figures, read through (they are the inner's to change).
+    @property
+    def num_lanes(self) -> int:
+        return self._inner.num_lanes
+
+    @property
+    def room(self) -> int:
+        return self._inner.room
+
+    @property
+    def context_size(self) -> int:
+        return self._inner.context_size
+
+    @property
+    def batches_prompts(self) -> bool:
+        return self._inner.batches_prompts
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self._inner.max_prefill_tokens
+
+    def free_room(self) -> int:
+        return self._inner.free_room()
+
+    def open(self, lane: int, reserve_tokens: int) -> bool:
+        if not self._inner.open(lane, reserve_tokens):
+            return False
+        self._num_streams += 1
+        path = self._out_dir / f"stream-{self._num_streams:04d}.jsonl"
+        self._files[lane] = path.open("w", encoding="utf-8")
+        self._write(lane, {"step": "open", "reserve": reserve_tokens})
+        return True
+
+    def prefill(self, item: PrefillItem) -> int | None:
+        token = self._inner.prefill(item)
+        self._write_prefill(item, token)
+        return token
+
+    def prefill_many(self, items: list[PrefillItem]) -> list[int] | None:
+        tokens = self._inner.prefill_many(items)
+        if tokens is not None:
+            for item, token in zip(items, tokens):
+                self._write_prefill(item, token)
+        return tokens
+
+    def decode(self, items: list[DecodeItem]) -> list[int]:
+        tokens = self._inner.decode(items)
+        for item, token in zip(items, tokens):
+            step = {"step": "decode", "position": item.position, "fed": item.token_id, "sampled": token}
+            self._write(item.lane, self._with_features(item.lane, step))
+        return tokens
+
+    def close(self, lane: int) -> None:
+        try:
+            self._inner.close(lane)
+        finally:
+            file = self._files.pop(lane, None)
+            if file is not None:
+                file.close()
+
+    def close_files(self) -> None:
+        """Close every open stream file (at shutdown, when lanes were never closed)."""
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+    def _write_prefill(self, item: PrefillItem, token: int | None) -> None:
+        step: dict = {"step": "prefill", "start": item.start, "token_ids": list(item.token_ids)}
+        if item.last:
+            position = item.start + len(item.token_ids) - 1
+            step |= {"position": position, "fed": item.token_ids[-1], "sampled": token}
+            step = self._with_features(item.lane, step)
+        self._write(item.lane, step)
+
+    def _with_features(self, lane: int, step: dict) -> dict:
+        if self._top_logits is not None:
+            step["features"] = [list(pair) for pair in self._top_logits(lane)]
+        return step
+
+    def _write(self, lane: int, step: dict) -> None:
+        file = self._files[lane]
+        file.write(json.dumps(step) + "\n")
+        file.flush()  # a crashed run keeps every step up to the crash

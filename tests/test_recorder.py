@@ -1,0 +1,107 @@
+"""--record: recording changes no reply, and a stream's record is the same whether its prompt was
+prefilled alone or in a joint pass (so batched and solo runs compare file by file)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, run_all
+
+from tpserve.server.lane_host import LaneHost
+from tpserve.server.recorder import RecordingBackend
+
+FAKE_SHAPES = {
+    "batched": {"batched": True},
+    "pass-too-big": {"batched": True, "max_batch_streams": 2},
+    "unbatched": {},
+}
+
+
+def requests_from(firsts, max_tokens=6):
+    return [
+        make_request(
+            [first, first + 1, first + 3], max_tokens, ignore_eos=True, seed=None if i % 2 else 10 + i
+        )
+        for i, first in enumerate(firsts)
+    ]
+
+
+def run(requests, out_dir=None, batch_prefill=True, **shape):
+    backend = FakeBackend(**shape)
+    wrapped = backend if out_dir is None else RecordingBackend(backend, out_dir)
+    host = LaneHost(wrapped, detokenize=fake_detokenize, eos_ids=EOS_IDS, batch_prefill=batch_prefill)
+    replies = run_all(host, [host.submit(request) for request in requests])
+    backend.assert_clean()
+    return replies, backend
+
+
+def records(out_dir):
+    """Each stream file's lines, in open order."""
+    return [path.read_text().splitlines() for path in sorted(out_dir.glob("stream-*.jsonl"))]
+
+
+@pytest.mark.parametrize("shape", FAKE_SHAPES.values(), ids=FAKE_SHAPES.keys())
+def test_recorded_and_unrecorded_replies_are_equal(tmp_path, shape):
+    requests = requests_from([1, 5, 9, 13])
+    recorded, _ = run(requests, tmp_path / "rec", **shape)
+    plain, _ = run(requests, **shape)
+    assert recorded == plain
+    assert len(records(tmp_path / "rec")) == 4
+
+
+@pytest.mark.parametrize("shape", FAKE_SHAPES.values(), ids=FAKE_SHAPES.keys())
+def test_each_streams_record_equals_its_solo_record(tmp_path, shape):
+    requests = requests_from([1, 5, 9, 13])
+    _, backend = run(requests, tmp_path / "joint", **shape)
+    if shape == FAKE_SHAPES["batched"]:
+        assert backend.joint_passes == [4]
+    joint = records(tmp_path / "joint")
+    for index, request in enumerate(requests):
+        run([request], tmp_path / f"solo-{index}", **shape)
+        (solo,) = records(tmp_path / f"solo-{index}")
+        assert joint[index] == solo, f"stream {index} recorded differently in the joint run"
+
+
+def test_a_batched_recording_holds_the_same_files_as_an_unbatched_one(tmp_path):
+    requests = requests_from([2, 6, 10, 14, 18])
+    _, batched = run(requests, tmp_path / "batched", batched=True, num_lanes=5)
+    _, unbatched = run(requests, tmp_path / "unbatched", batch_prefill=False, batched=True, num_lanes=5)
+    assert batched.joint_passes == [5] and unbatched.joint_passes == []
+    assert records(tmp_path / "batched") == records(tmp_path / "unbatched")
+
+
+def test_a_record_holds_positions_tokens_and_features_step_by_step(tmp_path):
+    request = make_request([4, 5, 6], 3, ignore_eos=True)
+    (reply,), _ = run([request], tmp_path / "rec", max_prefill_tokens=2)
+    (lines,) = records(tmp_path / "rec")
+    steps = [json.loads(line) for line in lines]
+    assert steps[0] == {"step": "open", "reserve": 6}
+    assert steps[1] == {"step": "prefill", "start": 0, "token_ids": [4, 5]}
+    last_chunk = steps[2]
+    assert (last_chunk["start"], last_chunk["position"], last_chunk["fed"]) == (2, 2, 6)
+    assert [step["sampled"] for step in steps[2:]] == list(reply.token_ids)
+    assert [(step["position"], step["fed"]) for step in steps[3:]] == list(zip((3, 4), reply.token_ids))
+    assert all(len(step["features"]) == 3 for step in steps[2:])
+
+
+def test_a_resumed_background_stream_continues_in_a_new_file(tmp_path):
+    backend = FakeBackend(num_lanes=1)
+    recorder = RecordingBackend(backend, tmp_path)
+    host = LaneHost(recorder, detokenize=fake_detokenize, eos_ids=EOS_IDS)
+    background = host.submit(make_request([1, 2], 8, ignore_eos=True, background=True))
+    host.step()
+    host.step()
+    urgent = host.submit(make_request([3, 4], 2, ignore_eos=True))
+    run_all(host, [background, urgent])
+    files = records(tmp_path)
+    assert len(files) == 3, "background, urgent, background resumed"
+    resumed_prefill = json.loads(files[2][1])
+    assert resumed_prefill["token_ids"][:2] == [1, 2] and len(resumed_prefill["token_ids"]) == 2 + 3
+    backend.assert_clean()
+
+
+def test_recording_into_an_old_recording_is_refused(tmp_path):
+    run(requests_from([1]), tmp_path)
+    with pytest.raises(FileExistsError, match="already holds a recording"):
+        RecordingBackend(FakeBackend(), tmp_path)
