@@ -1,9 +1,9 @@
 """Rank 0's sampler: turns a pass's logits into one token per row, and reads the top logits.
 
 A sampled row draws with position-keyed noise: token t gets a uniform u(seed, position, t) from an
-integer hash, and the draw is argmax(scaled logits + Gumbel(u)) over the tokens the filters keep. So a
-draw depends only on (logits row, seed, position, params), never on which row, lane or batch it ran
-in. Each row is worked on alone, in float32 on the CPU with numpy: numpy's unsigned arithmetic wraps
+integer hash, and the draw is argmax(scaled logits + Gumbel(u)) over the tokens the filters keep (the
+Gumbel-max trick; log_softmax would only shift a row by a constant). So a draw depends only on
+(logits row, seed, position, params), never on which row, lane or batch it ran in. Each row is worked on alone, in float32 on the CPU with numpy: numpy's unsigned arithmetic wraps
 by definition, its reductions do not split a row across threads, and the same logits draw the same
 token whatever device produced them. Every argmax, greedy or sampled, breaks ties toward the lower
 token id, and a row with nothing to draw from keeps its greedy token, so no decision is ever NaN.
@@ -175,7 +175,7 @@ def _splitmix64(x: int) -> int:
 
 def _row_key(seed: int, position: int) -> int:
     """The 64-bit key of one draw, in exact Python integers, so any seed or position is well defined."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(position) & _MASK64))
 
 
 def _mix32(x: np.ndarray) -> np.ndarray:
