@@ -1,0 +1,120 @@
+"""Rank 0's gRPC server: the Serving service, grpc.health.v1 Health and server reflection.
+
+Health reports SERVING while the lane host works and NOT_SERVING once it is broken or the server is
+stopping; a watcher thread keeps it current, so Watch callers see the change too. The lane host's
+own life (start, stop) belongs to whoever built it: stop this server first, then the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tpserve.server.metrics import ServingMetrics
+from tpserve.server.servicer import ServingInfo, ServingServicer
+from tpserve.server.tokenizer import Tokenizer
+from tpserve.v1 import serving_pb2, serving_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
+EXTRA_WORKERS = 16  # threads beyond one per stream that can be live or queued: Tokenize, Info, health
+
+
+class GrpcServer:
+    def __init__(
+        self,
+        lane_host,
+        tokenizer: Tokenizer,
+        info: ServingInfo,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        metrics: ServingMetrics | None = None,
+        queue_size: int = 64,
+        health_poll_s: float = 0.2,
+    ):
+        """port 0 picks a free port (read it from `port` after start)."""
+        self._lane_host = lane_host
+        self._address = f"{host}:{port}"
+        self.metrics = metrics if metrics is not None else ServingMetrics(lane_host.stats)
+        self._servicer = ServingServicer(lane_host, tokenizer, info, self.metrics)
+        self._health = health.HealthServicer()
+        self._health_poll_s = health_poll_s
+        # Each Generate holds a worker thread while its request waits or streams, so the pool must
+        # fit every lane and every queue place; otherwise a queued request would wait inside gRPC
+        # instead of getting a clear RESOURCE_EXHAUSTED from the lane host.
+        self._max_workers = info.num_lanes + queue_size + EXTRA_WORKERS
+        self._server: grpc.Server | None = None
+        self._stop_watching = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.port: int | None = None
+
+    def start(self) -> int:
+        """Binds and starts serving; returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("the gRPC server was already started")
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="grpc"),
+            maximum_concurrent_rpcs=self._max_workers,
+        )
+        serving_pb2_grpc.add_ServingServicer_to_server(self._servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(self._address)
+        if port == 0:
+            raise OSError(f"cannot bind the gRPC server to {self._address}")
+        self._set_health(self._current_health())
+        server.start()
+        self._server = server
+        self.port = port
+        self._watcher = threading.Thread(target=self._watch_health, name="grpc-health", daemon=True)
+        self._watcher.start()
+        log.info("gRPC serving %s on port %d", SERVICE_NAME, port)
+        return port
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Refuses new requests (UNAVAILABLE), gives live calls grace_s, then closes every call."""
+        if self._server is None:
+            return
+        self._servicer.begin_stopping()
+        self._stop_watching.set()
+        self._health.enter_graceful_shutdown()  # NOT_SERVING from now on, whatever else happens
+        done = self._server.stop(grace_s)
+        if not done.wait(timeout=grace_s + 5.0):
+            log.error("the gRPC server did not stop within %.1f s", grace_s + 5.0)
+        if self._watcher is not None:
+            self._watcher.join(timeout=self._health_poll_s + 5.0)
+        self._server = None
+
+    def wait_for_termination(self, timeout_s: float | None = None) -> bool:
+        """Blocks until the server stops; True once it has, False after timeout_s."""
+        if self._server is None:
+            return True
+        timed_out = self._server.wait_for_termination(timeout_s)
+        return not timed_out
+
+    def _current_health(self) -> int:
+        if self._lane_host.broken:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
+
+    def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, status)
+
+    def _watch_health(self) -> None:
+        # Polling (not a callback) keeps the lane host free of any knowledge of gRPC; once broken,
+        # the host stays broken, so the watcher can end there.
+        while not self._stop_watching.wait(self._health_poll_s):
+            if self._lane_host.broken:
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error("the engine is broken: health is NOT_SERVING")
+                return

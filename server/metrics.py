@@ -1,0 +1,111 @@
+"""Prometheus metrics of rank 0: requests, tokens, latencies and the lane host's load.
+
+Everything lives in this object's own CollectorRegistry (never prometheus_client's global one), so
+several servers (or tests) in one process keep separate counts. The lane host's gauges (queue depth,
+lanes busy, room used) are read from `LaneHost.stats()` at scrape time, never pushed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _LaneHostCollector:
+    """Reads the lane host's stats when Prometheus scrapes."""
+
+    def __init__(self, read_stats: Callable[[], Any]):
+        self._read_stats = read_stats
+
+    def describe(self):
+        # Describing nothing keeps registration from calling collect() (and so the lane host) early.
+        return []
+
+    def collect(self):
+        stats = self._read_stats()
+        for name, help_text, value in (
+            ("tpserve_queue_depth", "Requests waiting for a lane", stats.queued),
+            ("tpserve_lanes_busy", "Lanes running a stream", stats.lanes_busy),
+            ("tpserve_lanes", "Lanes in all", stats.num_lanes),
+            ("tpserve_room_used_tokens", "KV tokens reserved by open lanes", stats.room_used),
+            ("tpserve_room_tokens", "KV tokens the ranks can hold in all", stats.room),
+        ):
+            yield GaugeMetricFamily(name, help_text, value=value)
+
+
+class ServingMetrics:
+    """The counters and histograms the servicer updates, plus an HTTP endpoint serving them."""
+
+    def __init__(self, read_stats: Callable[[], Any] | None = None):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tpserve_requests",
+            "Generate calls by outcome: a finish reason (stop, length, cancelled, error) or a refusal's "
+            "status code (invalid_argument, resource_exhausted, ...)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tpserve_prompt_tokens", "Prompt tokens of finished streams", registry=self.registry
+        )
+        self.completion_tokens = Counter(
+            "tpserve_completion_tokens", "Tokens generated", registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "tpserve_cached_prompt_tokens",
+            "Prompt tokens taken from the prompt cache instead of prefilled",
+            registry=self.registry,
+        )
+        self.cache_hits = Counter(
+            "tpserve_prompt_cache_hits", "Streams that reused part of a cached prompt", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "tpserve_time_to_first_token_seconds",
+            "From submission to the first generated token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "tpserve_inter_token_seconds",
+            "Between consecutive token messages of one stream, divided by the tokens they carry",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        if read_stats is not None:
+            self.registry.register(_LaneHostCollector(read_stats))
+        self._http_server = None
+        self._http_thread = None
+
+    def count_outcome(self, outcome: str) -> None:
+        self.requests.labels(outcome=outcome).inc()
+
+    def count_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        if cached_tokens > 0:
+            self.cache_hits.inc()
+
+    def render(self) -> bytes:
+        """The text exposition format, as a scrape would see it."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serves /metrics over HTTP on its own port (0 picks a free one); returns the bound port."""
+        if self._http_server is not None:
+            raise RuntimeError("metrics are already being served")
+        self._http_server, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http_server.server_port
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._http_server is None:
+            return
+        self._http_server.shutdown()
+        self._http_server.server_close()
+        self._http_thread.join(timeout=timeout_s)
+        self._http_server = self._http_thread = None

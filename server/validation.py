@@ -1,0 +1,206 @@
+"""Checks Generate and Tokenize requests before anything reaches the lane host.
+
+This module owns the status code and the exact wording of every refusal of a bad request; the
+wording is frozen in tests/golden/errors/. Checks that need the prompt's token count (the context)
+run after tokenizing, through `max_tokens_for`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from tpserve.ranks.sampling_params import SamplingParams
+
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+MEDIA_TYPES = ("image/", "video/")
+VISION_NEEDED = "image and video inputs need a server started with --vision"
+MAX_SEED = 2**63 - 1  # seeds travel between ranks as int64
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask of this server."""
+
+    context_size: int  # most tokens (prompt + reply) one stream may reach
+    vocab_size: int
+    room: int | None = None  # KV tokens the engine holds in all, when fewer than one context needs
+    vision: bool = False
+    default_max_tokens: int = 256  # when max_tokens is unset (capped by what the context leaves)
+    max_temperature: float = 100.0
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+
+
+class RequestRefused(Exception):
+    """A request this server will not run: the gRPC status code and the message the client sees."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestRefused:
+    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _join_names(names: Sequence[str], last_word: str = "and") -> str:
+    if len(names) == 1:
+        return names[0]
+    return ", ".join(names[:-1]) + f" {last_word} " + names[-1]
+
+
+def _exactly_one(present: dict[str, bool]) -> str:
+    """The one field of `present` that is set; refuses none or several."""
+    names = list(present)
+    chosen = [name for name, is_set in present.items() if is_set]
+    if len(chosen) == 1:
+        return chosen[0]
+    got = "none" if not chosen else _join_names(chosen)
+    raise _invalid(f"exactly one of {_join_names(names, 'or')} must be set (got {got})")
+
+
+def prompt_kind(request) -> str:
+    """Which input a GenerateRequest uses: "prompt", "messages" or "prompt_token_ids"."""
+    kind = _exactly_one(
+        {
+            "prompt": request.HasField("prompt"),
+            "messages": len(request.messages) > 0,
+            "prompt_token_ids": len(request.prompt_token_ids) > 0,
+        }
+    )
+    if kind == "prompt" and not request.prompt:
+        raise _invalid("prompt is empty")
+    return kind
+
+
+def tokenize_kind(request) -> str:
+    """Which input a TokenizeRequest uses: "text" or "messages"."""
+    return _exactly_one({"text": request.HasField("text"), "messages": len(request.messages) > 0})
+
+
+def check_messages(messages, limits: Limits) -> None:
+    """Roles, and parts that are either text or image/video media (the latter only with --vision)."""
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if message.role not in ALLOWED_ROLES:
+            raise _invalid(f"{where}.role {message.role!r} is not one of {', '.join(ALLOWED_ROLES)}")
+        if message.content and len(message.parts) > 0:
+            raise _invalid(f"{where} sets both content and parts; use one")
+        for part_index, part in enumerate(message.parts):
+            part_where = f"{where}.parts[{part_index}]"
+            kind = part.WhichOneof("kind")
+            if kind is None:
+                raise _invalid(f"{part_where} has neither text nor media")
+            if kind == "media":
+                _check_media(part.media, part_where, limits)
+
+
+def _check_media(media, where: str, limits: Limits) -> None:
+    if not media.mime_type.startswith(MEDIA_TYPES):
+        raise _invalid(f"{where}.media.mime_type {media.mime_type!r} is not an image or video type")
+    if not limits.vision:
+        raise RequestRefused(grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
+    if not media.data:
+        raise _invalid(f"{where}.media.data is empty")
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> None:
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise _invalid(f"{field}[{index}] = {token_id} is outside the vocabulary of {vocab_size} tokens")
+
+
+def check_generate(request, limits: Limits) -> str:
+    """Every check that needs no tokenizing; returns the prompt kind (see prompt_kind)."""
+    kind = prompt_kind(request)
+    if kind == "messages":
+        check_messages(request.messages, limits)
+    elif kind == "prompt_token_ids":
+        check_token_ids(request.prompt_token_ids, limits.vocab_size)
+    if request.HasField("max_tokens"):
+        if request.max_tokens < 1:
+            raise _invalid(f"max_tokens must be at least 1 (got {request.max_tokens})")
+        if request.max_tokens > limits.context_size:
+            raise _invalid(
+                f"max_tokens ({request.max_tokens}) exceeds the context of {limits.context_size} tokens"
+            )
+    _check_sampling(request, limits)
+    _check_stop(request.stop, limits)
+    return kind
+
+
+def _check_sampling(request, limits: Limits) -> None:
+    # Written so that NaN fails every range check: comparisons with NaN are all False.
+    if request.HasField("temperature") and not 0.0 <= request.temperature <= limits.max_temperature:
+        raise _invalid(
+            f"temperature must be from 0 to {limits.max_temperature:g} (got {request.temperature:g})"
+        )
+    if request.HasField("top_p") and not 0.0 < request.top_p <= 1.0:
+        raise _invalid(f"top_p must be above 0 and at most 1 (got {request.top_p:g})")
+    if request.HasField("top_k") and request.top_k < 0:
+        raise _invalid(f"top_k must be 0 (off) or more (got {request.top_k})")
+    if request.HasField("min_p") and not 0.0 <= request.min_p <= 1.0:
+        raise _invalid(f"min_p must be from 0 to 1 (got {request.min_p:g})")
+    if request.HasField("seed") and request.seed > MAX_SEED:
+        raise _invalid(f"seed must be below 2**63 (got {request.seed})")
+
+
+def _check_stop(stop: Sequence[str], limits: Limits) -> None:
+    if len(stop) > limits.max_stop_strings:
+        raise _invalid(f"at most {limits.max_stop_strings} stop strings are allowed (got {len(stop)})")
+    for index, text in enumerate(stop):
+        if not text:
+            raise _invalid(f"stop[{index}] is empty")
+        if len(text) > limits.max_stop_chars:
+            raise _invalid(
+                f"stop[{index}] is {len(text)} characters long; the most is {limits.max_stop_chars}"
+            )
+
+
+def sampling_from(request, fresh_seed: int) -> SamplingParams:
+    """The request's sampling fields, server defaults where unset (`fresh_seed` when no seed)."""
+    defaults = SamplingParams()
+    return SamplingParams(
+        temperature=request.temperature if request.HasField("temperature") else defaults.temperature,
+        top_p=request.top_p if request.HasField("top_p") else defaults.top_p,
+        top_k=request.top_k if request.HasField("top_k") else defaults.top_k,
+        min_p=request.min_p if request.HasField("min_p") else defaults.min_p,
+        seed=request.seed if request.HasField("seed") else fresh_seed,
+    )
+
+
+def max_tokens_for(request, num_prompt_tokens: int, limits: Limits) -> int:
+    """The reply's token budget; refuses a prompt that, with it, does not fit the context."""
+    context = limits.context_size
+    if num_prompt_tokens == 0:
+        raise _invalid("prompt has no tokens")
+    if request.HasField("max_tokens"):
+        if num_prompt_tokens + request.max_tokens > context:
+            raise _invalid(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({request.max_tokens}) "
+                f"exceeds the context of {context} tokens"
+            )
+        _check_room(num_prompt_tokens, request.max_tokens, limits)
+        return request.max_tokens
+    if num_prompt_tokens >= context:
+        raise _invalid(
+            f"prompt ({num_prompt_tokens} tokens) leaves no room to reply in the context of {context} tokens"
+        )
+    max_tokens = min(limits.default_max_tokens, context - num_prompt_tokens)
+    if limits.room is not None:
+        # An unset max_tokens shrinks to fit the engine rather than refusing a prompt that fits.
+        max_tokens = min(max_tokens, max(1, limits.room - num_prompt_tokens))
+    _check_room(num_prompt_tokens, max_tokens, limits)
+    return max_tokens
+
+
+def _check_room(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:
+    if limits.room is not None and num_prompt_tokens + max_tokens > limits.room:
+        raise _invalid(
+            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV room "
+            f"than the engine holds ({limits.room} tokens)"
+        )
