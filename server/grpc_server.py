@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.servicer import ServingInfo, ServingServicer
 from tpserve.server.tokenizer import Tokenizer
@@ -29,19 +30,27 @@ EXTRA_WORKERS = 16  # threads beyond one per stream that can be live or queued: 
 class GrpcServer:
     def __init__(
         self,
-        lane_host,
+        lane_host: LaneHost,
         tokenizer: Tokenizer,
         info: ServingInfo,
         *,
         port: int = 0,
         host: str = "127.0.0.1",
         metrics: ServingMetrics | None = None,
+        metrics_port: int | None = None,
         queue_size: int = 64,
         health_poll_s: float = 0.2,
     ):
-        """port 0 picks a free port (read it from `port` after start)."""
+        """port 0 picks a free port (read it from `port` after start).
+
+        metrics_port: serve Prometheus metrics there (on `host`) while this server runs; None
+        serves none (0 picks a free port, read it from `metrics_port` after start). queue_size:
+        the lane host's, which sizes the thread pool.
+        """
         self._lane_host = lane_host
+        self._host = host
         self._address = f"{host}:{port}"
+        self.metrics_port = metrics_port
         self.metrics = metrics if metrics is not None else ServingMetrics(lane_host.stats)
         self._servicer = ServingServicer(lane_host, tokenizer, info, self.metrics)
         self._health = health.HealthServicer()
@@ -78,6 +87,9 @@ class GrpcServer:
         self._watcher = threading.Thread(target=self._watch_health, name="grpc-health", daemon=True)
         self._watcher.start()
         log.info("gRPC serving %s on port %d", SERVICE_NAME, port)
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.metrics_port, self._host)
+            log.info("Prometheus metrics on port %d", self.metrics_port)
         return port
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -92,6 +104,7 @@ class GrpcServer:
             log.error("the gRPC server did not stop within %.1f s", grace_s + 5.0)
         if self._watcher is not None:
             self._watcher.join(timeout=self._health_poll_s + 5.0)
+        self.metrics.stop()
         self._server = None
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:

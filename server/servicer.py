@@ -17,6 +17,7 @@ import grpc
 
 from tpserve import __version__
 from tpserve.ranks.errors import UserError
+from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.requests import (
@@ -74,7 +75,7 @@ class ServingInfo:
 class ServingServicer(serving_pb2_grpc.ServingServicer):
     def __init__(
         self,
-        lane_host,
+        lane_host: LaneHost,
         tokenizer: Tokenizer,
         info: ServingInfo,
         metrics: ServingMetrics | None = None,
@@ -140,10 +141,14 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         except HostUnavailable as error:
             message = ENGINE_BROKEN if self._lane_host.broken else STOPPING
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, message) from error
+        except ValueError as error:
+            # The host's own checks; validation refuses all of these first unless the limits given
+            # to this servicer disagree with the backend's.
+            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
 
     def _relay(self, stream: Stream, context) -> Iterator[serving_pb2.GenerateResponse]:
         finished: Finished | None = None
-        last_delta_at = time.monotonic()
+        last_delta_at: float | None = None  # the first token's wait is time to first token, not this
         give_up_at: float | None = None
         try:
             while finished is None:
@@ -160,7 +165,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     yield serving_pb2.GenerateResponse(prefilled=True, cached_tokens=event.cached_tokens)
                 elif isinstance(event, TokenDelta):
                     now = time.monotonic()
-                    if event.token_ids:
+                    if event.token_ids and last_delta_at is not None:
                         self._metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
                     last_delta_at = now
                     yield serving_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)

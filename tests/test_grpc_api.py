@@ -92,7 +92,9 @@ class Served:
 
 
 @contextmanager
-def serving(backend: FakeBackend, *, vision: bool = False, queue_size: int = 8):
+def serving(
+    backend: FakeBackend, *, vision: bool = False, queue_size: int = 8, metrics_port: int | None = None
+):
     tokenizer = tiny_tokenizer()
     host = LaneHost(backend, detokenize=tokenizer.decode, eos_ids=tokenizer.eos_ids, queue_size=queue_size)
     host.start()
@@ -104,7 +106,9 @@ def serving(backend: FakeBackend, *, vision: bool = False, queue_size: int = 8):
         room=backend.room,
         vision=vision,
     )
-    server = GrpcServer(host, tokenizer, info, queue_size=queue_size, health_poll_s=0.05)
+    server = GrpcServer(
+        host, tokenizer, info, queue_size=queue_size, metrics_port=metrics_port, health_poll_s=0.05
+    )
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
@@ -121,7 +125,7 @@ def serving(backend: FakeBackend, *, vision: bool = False, queue_size: int = 8):
 
 @pytest.fixture(scope="module")
 def served():
-    with serving(SlowBackend(num_lanes=2, context_size=CONTEXT_SIZE)) as served:
+    with serving(SlowBackend(num_lanes=2, context_size=CONTEXT_SIZE), metrics_port=0) as served:
         yield served
 
 
@@ -284,16 +288,13 @@ def test_a_broken_engine_ends_streams_with_an_error_and_turns_health_not_serving
 
 
 def test_metrics_count_requests_tokens_and_read_the_lane_host(served):
-    port = served.server.metrics.serve(0, host="127.0.0.1")
-    try:
-        request = serving_pb2.GenerateRequest(prompt="count me", max_tokens=6, ignore_eos=True)
-        collect(served.stub.Generate(request, timeout=WAIT_S))
-        with pytest.raises(grpc.RpcError):
-            collect(served.stub.Generate(serving_pb2.GenerateRequest(prompt=""), timeout=WAIT_S))
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as page:
-            text = page.read().decode()
-    finally:
-        served.server.metrics.stop()
+    request = serving_pb2.GenerateRequest(prompt="count me", max_tokens=6, ignore_eos=True)
+    collect(served.stub.Generate(request, timeout=WAIT_S))
+    with pytest.raises(grpc.RpcError):
+        collect(served.stub.Generate(serving_pb2.GenerateRequest(prompt=""), timeout=WAIT_S))
+    url = f"http://127.0.0.1:{served.server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=WAIT_S) as page:
+        text = page.read().decode()
     values = {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -10,6 +10,7 @@ import sys
 
 import grpc
 
+from tpserve.ranks.errors import UserError
 from tpserve.v1 import serving_pb2, serving_pb2_grpc
 
 
@@ -49,7 +50,10 @@ def build_request(args: argparse.Namespace) -> serving_pb2.GenerateRequest:
     for field in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
         value = getattr(args, field)
         if value is not None:
-            setattr(request, field, value)
+            try:
+                setattr(request, field, value)
+            except ValueError as error:  # out of the field's range, e.g. a negative seed
+                raise UserError(f"--{field.replace('_', '-')} {value}: {error}") from error
     return request
 
 
