@@ -4,9 +4,10 @@ Rank 0 broadcasts each message's head (and overflow) on a gloo group; followers 
 sequence. Before rank 0 goes idle it sends Idle, and from then on no rank sits in a collective: a
 follower waits on its wake queue in the store (a blocking pop, no spinning) until rank 0 rings the
 doorbell just ahead of its next message. A collective with a timeout would trip on a long idle
-spell, and a store wait has no such limit, so while rank 0 is idle its heartbeat thread keeps pushing
-a beat into each follower's queue; a follower that hears nothing for `leader_dead_after_s` (rank 0
-dead or hung, while the store lives on in torchrun's agent) or loses the store raises LeaderLost.
+spell, and a store wait has no such limit, so while rank 0 is idle its heartbeat thread (started by
+the first Idle, ended by Stop or close) pushes a beat into each follower's queue every heartbeat_s;
+a follower that hears nothing for `leader_dead_after_s` (rank 0 dead or hung, while the store lives
+on in torchrun's agent) or loses the store raises LeaderLost.
 
 Every failure latches: a failed or timed-out collective, a malformed or out-of-order message, a
 lost leader. The channel then raises ChannelBroken on every later call, since the ranks can no
@@ -24,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpserve.ranks.wire import HEAD_SIZE, Idle, Message, WireError, decode, encode, read_head
+from tpserve.ranks.wire import HEAD_SIZE, Idle, Message, Stop, WireError, decode, encode, read_head
 
 __all__ = ["Channel", "ChannelBroken", "LeaderLost"]
 
@@ -65,7 +66,9 @@ class Channel:
         if dist.get_backend(group) != "gloo":
             raise ValueError(f"the channel needs a gloo group, got {dist.get_backend(group)}")
         if rank != dist.get_rank(group):
-            raise ValueError(f"rank {rank} given, but this process is rank {dist.get_rank(group)} of the group")
+            raise ValueError(
+                f"rank {rank} given, but this process is rank {dist.get_rank(group)} of the group"
+            )
         if not 0 < heartbeat_s * 2 <= leader_dead_after_s:
             raise ValueError(
                 f"leader_dead_after_s ({leader_dead_after_s}) must be at least twice heartbeat_s ({heartbeat_s})"
@@ -105,24 +108,16 @@ class Channel:
         if isinstance(msg, Idle):
             with self._idle_lock:
                 self._idle_seq = seq
+            self._start_heartbeat()
+        elif isinstance(msg, Stop):
+            self.close()
 
-    def start_heartbeat(self) -> None:
-        """Rank 0: beat into each follower's wake queue every heartbeat_s while idle."""
-        self._require(self.rank == 0, "start_heartbeat", "rank 0")
-        if self._heartbeat is not None:
-            return
-        self._stop_heartbeat.clear()
-        # A store client is not shared across threads: the beat gets its own.
-        self._heartbeat = threading.Thread(
-            target=self._beat, args=(self._store.clone(),), name="wire-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
-
-    def stop_heartbeat(self) -> None:
+    def close(self) -> None:
+        """Rank 0: stop the heartbeat thread (sending Stop does it too). Idempotent."""
         if self._heartbeat is None:
             return
         self._stop_heartbeat.set()
-        self._heartbeat.join(timeout=self.heartbeat_s + self.timeout_s)
+        self._heartbeat.join(timeout=self.heartbeat_s + self.leader_dead_after_s)
         self._heartbeat = None
 
     # --- every rank ---------------------------------------------------------------------------
@@ -133,7 +128,7 @@ class Channel:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
         self._collective(
             f"vote after #{self._next_seq - 1}",
-            "every rank",
+            "the other ranks",
             lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group, async_op=True),
         )
         return bool(flag.item())
@@ -177,16 +172,33 @@ class Channel:
         if self.rank == 0:
             generation[0] = own.add("tpserve/wire/generation", 1)
         self._broadcast(generation, "agree on the channel's store prefix")
-        own = dist.PrefixStore(f"tpserve/wire/{generation.item()}/", own)
+        own = dist.PrefixStore(f"tpserve/wire/{generation.item()}", own)
         # A follower's blocking pop waits this long for a beat or the doorbell.
         own.set_timeout(timedelta(seconds=self.leader_dead_after_s))
         return own
+
+    def _start_heartbeat(self) -> None:
+        """Beat into each follower's wake queue every heartbeat_s while idle (from the first Idle on)."""
+        if self._heartbeat is not None:
+            return
+        self._stop_heartbeat.clear()
+        # One store client per thread: the beat gets its own.
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(self._store.clone(),), name="wire-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
 
     def _wait_for_doorbell(self, idle_seq: int) -> None:
         ring = f"ring:{idle_seq}".encode()
         while True:
             try:
                 value = self._store.queue_pop(self._wake_key(self.rank), block=True)
+            except dist.DistNetworkError as err:
+                raise self._break(
+                    LeaderLost,
+                    f"rank {self.rank}: lost the store while idle after #{idle_seq} "
+                    f"(rank 0 or the launcher that serves it is gone): {_brief(err)}",
+                ) from err
             except dist.DistError as err:
                 raise self._break(
                     LeaderLost,
@@ -240,8 +252,8 @@ class Channel:
         except RuntimeError as err:
             raise self._break(
                 ChannelBroken,
-                f"rank {self.rank}: {what}: no answer from {peers} "
-                f"after {time.monotonic() - started:.1f}s (timeout {self.timeout_s:g}s): {_brief(err)}",
+                f"rank {self.rank}: {what}: {peers} did not answer "
+                f"({time.monotonic() - started:.1f}s, timeout {self.timeout_s:g}s): {_brief(err)}",
             ) from err
 
     def _break(self, kind: type[ChannelBroken], message: str) -> ChannelBroken:

@@ -159,7 +159,9 @@ class Stop:
 
 
 Message = Admit | Prefill | Round | Release | Keep | Restore | Evict | Idle | Stop
-_KINDS: dict[int, type] = {cls.KIND: cls for cls in (Admit, Prefill, Round, Release, Keep, Restore, Evict, Idle, Stop)}
+_KINDS: dict[int, type] = {
+    cls.KIND: cls for cls in (Admit, Prefill, Round, Release, Keep, Restore, Evict, Idle, Stop)
+}
 _STEP_SIZE = len(fields(Step))
 _SPAN_HEAD_SIZE = 3  # lane, start, number of tokens
 
@@ -263,7 +265,9 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
     spans = []
     for index in range(num_spans):
         if at + _SPAN_HEAD_SIZE > len(payload):
-            raise WireError(f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints")
+            raise WireError(
+                f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints"
+            )
         lane, start, num_tokens = payload[at : at + _SPAN_HEAD_SIZE]
         at += _SPAN_HEAD_SIZE
         if num_tokens < 0 or at + num_tokens > len(payload):
@@ -288,4 +292,6 @@ def _check_tensor(tensor: torch.Tensor) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise WireError(f"a wire message is an int64 tensor, got {type(tensor).__name__}")
     if tensor.dtype != torch.int64 or tensor.dim() != 1:
-        raise WireError(f"a wire message is a 1-D int64 tensor, got {tensor.dtype} of shape {list(tensor.shape)}")
+        raise WireError(
+            f"a wire message is a 1-D int64 tensor, got {tensor.dtype} of shape {list(tensor.shape)}"
+        )

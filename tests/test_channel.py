@@ -1,0 +1,206 @@
+"""The channel between two real ranks (gloo): order, overflow, votes, idling, and losing a peer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from multiproc import RankPool, run_ranks
+
+from tpserve.ranks.channel import Channel, ChannelBroken, LeaderLost
+from tpserve.ranks.wire import (
+    Admit,
+    Evict,
+    Idle,
+    Keep,
+    Prefill,
+    Release,
+    Restore,
+    Round,
+    Span,
+    Step,
+    Stop,
+)
+
+PG_TIMEOUT_S = 3.0
+HEARTBEAT_S = 0.5
+LEADER_DEAD_AFTER_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, pg_timeout_s=PG_TIMEOUT_S) as pool:
+        yield pool
+
+
+def _channel(ctx) -> Channel:
+    return Channel(
+        None,
+        ctx.store,
+        rank=ctx.rank,
+        timeout_s=PG_TIMEOUT_S,
+        heartbeat_s=HEARTBEAT_S,
+        leader_dead_after_s=LEADER_DEAD_AFTER_S,
+    )
+
+
+def _every_kind() -> list:
+    long_prefill = Prefill(tuple(Span(lane, 3 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
+    return [
+        Admit(lane=0, reserve_tokens=4096),
+        Prefill((Span(lane=0, start=0, token_ids=(1, 2, 3)),)),
+        Round((Step(lane=0, position=3, token_id=42),)),
+        Idle(),
+        Admit(lane=1, reserve_tokens=128),
+        long_prefill,
+        Round(tuple(Step(lane, 100 + lane, lane * 7) for lane in range(30))),
+        Keep(lane=0, num_tokens=3, entry_id=5),
+        Idle(),
+        Idle(),
+        Restore(lane=1, entry_id=5, num_tokens=3),
+        Evict(entry_id=5),
+        Release(lane=0),
+        Idle(),
+        Stop(),
+    ]
+
+
+def _send_every_kind(ctx):
+    channel = _channel(ctx)
+    if ctx.rank == 0:
+        for msg in _every_kind():
+            channel.send(msg)
+        return sorted(thread.name for thread in threading.enumerate())
+    received = []
+    while not received or received[-1] != Stop():  # a follower's loop: run until Stop
+        received.append(channel.receive())
+    return received
+
+
+def test_every_kind_arrives_intact_and_in_order_through_idles_and_overflow(pool):
+    rank0_threads, received = pool.run(_send_every_kind, timeout_s=30)
+    assert received == _every_kind()
+    assert "wire-heartbeat" not in rank0_threads  # Stop ended rank 0's heartbeat
+
+
+VOTES = [(True, True), (True, False), (False, True), (False, False)]
+
+
+def _vote(ctx):
+    channel = _channel(ctx)
+    results = []
+    for lane, oks in enumerate(VOTES):
+        if ctx.rank == 0:
+            channel.send(Admit(lane, 16))
+        else:
+            assert channel.receive() == Admit(lane, 16)
+        results.append(channel.vote(oks[ctx.rank]))
+    return results
+
+
+def test_one_rank_saying_no_makes_the_vote_fail_on_both(pool):
+    assert pool.run(_vote, timeout_s=30) == [[True, False, False, False]] * 2
+
+
+IDLE_S = PG_TIMEOUT_S + 1.0  # longer than the group's timeout and than leader_dead_after_s
+
+
+def _idle_then_work(ctx):
+    channel = _channel(ctx)
+    if ctx.rank == 0:
+        channel.send(Idle())
+        time.sleep(IDLE_S)
+        channel.send(Release(lane=3))
+        channel.close()
+        return None
+    assert channel.receive() == Idle()
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    msg = channel.receive()
+    return msg, time.process_time() - cpu_before, time.monotonic() - wall_before
+
+
+def test_an_idle_follower_outlasts_the_group_timeout_without_spinning(pool):
+    _, (msg, cpu_s, wall_s) = pool.run(_idle_then_work, timeout_s=30)
+    assert msg == Release(lane=3)
+    assert wall_s > IDLE_S - 0.5
+    assert cpu_s / wall_s < 0.05, f"the idle follower used {cpu_s:.2f}s of CPU in {wall_s:.1f}s"
+
+
+def _leader_dies_while_follower_idles(ctx):
+    channel = _channel(ctx)
+    if ctx.rank == 0:
+        channel.send(Idle())
+        time.sleep(0.5)
+        os._exit(1)
+    assert channel.receive() == Idle()
+    started = time.monotonic()
+    try:
+        channel.receive()
+    except LeaderLost as err:
+        lost_after, message = time.monotonic() - started, str(err)
+    else:
+        raise AssertionError("receive returned after rank 0 died")
+    with pytest.raises(ChannelBroken, match="broke earlier"):
+        channel.receive()
+    return lost_after, message
+
+
+@pytest.mark.parametrize(
+    "store_on_rank0", [False, True], ids=["store-in-launcher:heartbeat-stops", "store-on-rank0:store-gone"]
+)
+def test_an_idle_follower_learns_that_rank0_died(store_on_rank0):
+    _, (lost_after, message) = run_ranks(
+        _leader_dies_while_follower_idles,
+        may_exit=(0,),
+        timeout_s=40,
+        pg_timeout_s=PG_TIMEOUT_S,
+        store_on_rank0=store_on_rank0,
+    )
+    assert lost_after < LEADER_DEAD_AFTER_S + HEARTBEAT_S + 1.0
+    assert message.startswith("rank 1: ") and "idle after #0" in message
+    assert (
+        "rank 0 or the launcher" if store_on_rank0 else "no heartbeat nor doorbell from rank 0"
+    ) in message
+
+
+def _follower_gives_up_on_a_silent_rank0(ctx):
+    channel = _channel(ctx)
+    if ctx.rank == 1:
+        started = time.monotonic()
+        try:
+            channel.receive()
+        except ChannelBroken as err:
+            waited_s, message = time.monotonic() - started, str(err)
+        else:
+            raise AssertionError("receive returned though rank 0 sent nothing")
+        ctx.store.set("test/follower-gave-up", f"{waited_s}|{message}")
+        os._exit(3)  # as a follower does once its channel broke
+    # Rank 0 stays silent (busy, say) until the follower has given up and exited.
+    waited_s, message = ctx.store.get("test/follower-gave-up").decode().split("|", 1)
+    time.sleep(0.5)
+    started = time.monotonic()
+    try:
+        for position in range(1000):
+            channel.send(Round((Step(0, position, 7),)))
+            channel.vote(True)
+    except ChannelBroken as err:
+        noticed_after, rank0_message = time.monotonic() - started, str(err)
+    else:
+        raise AssertionError("rank 0 went on sending to a dead follower")
+    with pytest.raises(ChannelBroken, match="broke earlier"):
+        channel.vote(True)
+    return float(waited_s), message, noticed_after, rank0_message
+
+
+def test_a_follower_names_a_silent_rank0_and_rank0_learns_of_its_exit_at_the_next_send(pool):
+    # Last in the module: the follower's exit ends the pool.
+    (waited_s, message, noticed_after, rank0_message), exited = pool.run(
+        _follower_gives_up_on_a_silent_rank0, timeout_s=30, may_exit=(1,)
+    )
+    assert exited.code == 3
+    assert waited_s < PG_TIMEOUT_S + 1.5
+    assert message.startswith("rank 1: receive #0: rank 0 did not answer")
+    assert noticed_after < 2.0
+    assert rank0_message.startswith("rank 0: send Round #0: the followers did not answer")

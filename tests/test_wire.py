@@ -1,0 +1,142 @@
+"""Every wire message survives encode -> decode, and a malformed tensor is refused, never misread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpserve.ranks.wire import (
+    HEAD_SIZE,
+    INLINE_SIZE,
+    MAX_PAYLOAD_SIZE,
+    Admit,
+    Evict,
+    Idle,
+    Keep,
+    Prefill,
+    Release,
+    Restore,
+    Round,
+    Span,
+    Step,
+    Stop,
+    WireError,
+    decode,
+    encode,
+    read_head,
+)
+
+int64s = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
+counts = st.integers(min_value=0, max_value=1 << 40)
+token_ids = st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=200).map(tuple)
+spans = st.builds(Span, lane=counts, start=counts, token_ids=token_ids)
+steps = st.builds(Step, lane=counts, position=counts, token_id=int64s)
+
+messages = st.one_of(
+    st.builds(Admit, lane=counts, reserve_tokens=counts),
+    st.builds(Prefill, spans=st.lists(spans, max_size=16).map(tuple)),
+    st.builds(Round, steps=st.lists(steps, max_size=64).map(tuple)),
+    st.builds(Release, lane=counts),
+    st.builds(Keep, lane=counts, num_tokens=counts, entry_id=int64s),
+    st.builds(Restore, lane=counts, entry_id=int64s, num_tokens=counts),
+    st.builds(Evict, entry_id=int64s),
+    st.just(Idle()),
+    st.just(Stop()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(msg=messages, seq=counts)
+def test_every_kind_round_trips(msg, seq):
+    tensor = encode(msg, seq)
+    assert tensor.dtype == torch.int64 and tensor.dim() == 1
+    assert decode(tensor) == msg
+    head = read_head(tensor[:HEAD_SIZE])
+    assert (head.kind, head.seq) == (msg.KIND, seq)
+    assert tensor.numel() == HEAD_SIZE + head.overflow_size
+
+
+def test_a_long_packed_prefill_goes_in_the_overflow():
+    msg = Prefill(tuple(Span(lane, 17 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
+    tensor = encode(msg, seq=9)
+    head = read_head(tensor[:HEAD_SIZE])
+    assert head.payload_size == 1 + 16 * (3 + 500)
+    assert head.overflow_size == head.payload_size - INLINE_SIZE
+    assert decode(tensor) == msg
+
+
+def test_a_payload_that_just_fits_inline_has_no_overflow():
+    msg = Round(tuple(Step(lane, 100 + lane, 7) for lane in range(INLINE_SIZE // 3)))
+    assert encode(msg).numel() == HEAD_SIZE
+    longer = Round((*msg.steps, Step(99, 1, 2)))
+    assert encode(longer).numel() == HEAD_SIZE + 3 * (len(longer.steps)) - INLINE_SIZE
+    assert decode(encode(longer)) == longer
+
+
+def test_lists_are_accepted_and_frozen_as_tuples():
+    msg = Prefill([Span(0, 0, [1, 2, 3])])
+    assert msg == Prefill((Span(0, 0, (1, 2, 3)),))
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "msg, problem",
+    [
+        (Admit(0, 1.5), "integer"),
+        (Release("3"), "integer"),
+        (Evict(1 << 63), "int64"),
+        (Round((Step(0, 0, -(1 << 64)),)), "int64"),
+    ],
+)
+def test_values_that_are_not_int64_are_refused(msg, problem):
+    with pytest.raises(WireError, match=problem):
+        encode(msg)
+
+
+def test_a_non_message_is_refused():
+    with pytest.raises(WireError, match="not a wire message"):
+        encode(Span(0, 0, (1,)))
+    with pytest.raises(WireError, match="negative sequence"):
+        encode(Idle(), seq=-1)
+
+
+def _tampered(msg, index, value):
+    tensor = encode(msg, seq=3).clone()
+    tensor[index] = value
+    return tensor
+
+
+@pytest.mark.parametrize(
+    "tensor, problem",
+    [
+        (_tampered(Idle(), 0, 12345), "bad magic"),
+        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 2"),
+        (_tampered(Idle(), 1, 77), "unknown message kind 77"),
+        (_tampered(Idle(), 2, -4), "negative sequence"),
+        (_tampered(Idle(), 3, MAX_PAYLOAD_SIZE + 1), "payload size"),
+        (_tampered(Release(4), 3, 2), "Release payload holds 1 ints, got 2"),
+        (_tampered(Round((Step(1, 2, 3),)), 3, 4), "3 ints per step"),
+        (_tampered(Prefill((Span(0, 0, (5, 6)),)), 7, 9), "claims 9 tokens"),
+        (_tampered(Prefill((Span(0, 0, (5, 6)),)), 4, 2), "runs past"),
+        (_tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 4), "claims 2 tokens; the payload has 0 left"),
+        (_tampered(Prefill(()), 3, 0), "starts with its number of spans"),
+        (_tampered(Prefill(()), 4, -1), "-1 spans"),
+        (encode(Idle())[: HEAD_SIZE - 1], f"holds {HEAD_SIZE} ints"),
+        (encode(Round(tuple(Step(i, i, i) for i in range(30))))[:-1], "takes .* ints on the wire"),
+        (torch.cat([encode(Idle()), torch.zeros(2, dtype=torch.int64)]), "takes 64 ints on the wire, got 66"),
+        (encode(Idle()).to(torch.int32), "1-D int64"),
+        (encode(Idle()).reshape(8, 8), "1-D int64"),
+    ],
+)
+def test_malformed_tensors_raise_a_clear_wire_error(tensor, problem):
+    with pytest.raises(WireError, match=problem):
+        decode(tensor)
+
+
+def test_a_prefill_with_trailing_ints_is_refused():
+    tensor = encode(Prefill((Span(0, 0, (5, 6)),)))
+    tensor[3] += 1  # one more payload int (inline, so the length still matches)
+    with pytest.raises(WireError, match="1 ints after its 1 spans"):
+        decode(tensor)
