@@ -211,29 +211,33 @@ def test_a_stop_string_ends_the_reply_before_it(served):
     assert last.finish_reason == serving_pb2.FINISH_REASON_STOP
 
 
-def test_cancelling_mid_stream_frees_the_lane(served):
-    served.backend.decode_delay_s = 0.02
+SLOW_DECODE_S = 0.25  # 50 tokens take 12 s at this pace, so only a cancel frees a lane in 2 s
+PROMPT_FREE_S = 2.0
+
+
+def test_cancelling_mid_stream_frees_the_lane_promptly(served):
+    served.backend.decode_delay_s = SLOW_DECODE_S
     try:
         request = serving_pb2.GenerateRequest(prompt="a long one", max_tokens=50, ignore_eos=True)
-        call = served.stub.Generate(request, timeout=WAIT_S)
+        call = served.stub.Generate(request, timeout=30.0)
         for _, response in zip(range(3), call):
             assert not response.finish_reason
         assert served.host.stats().lanes_busy == 1
         call.cancel()
-        wait_until(lambda: served.host.stats().lanes_busy == 0, "the cancelled stream's lane to free")
+        wait_until(lambda: served.host.stats().lanes_busy == 0, "the cancelled stream's lane", PROMPT_FREE_S)
     finally:
         served.backend.decode_delay_s = 0.0
     assert served.backend.lanes == {}
 
 
-def test_a_passed_deadline_frees_the_lane(served):
-    served.backend.decode_delay_s = 0.05
+def test_a_passed_deadline_frees_the_lane_promptly(served):
+    served.backend.decode_delay_s = SLOW_DECODE_S
     try:
         request = serving_pb2.GenerateRequest(prompt="slow", max_tokens=50, ignore_eos=True)
         with pytest.raises(grpc.RpcError) as raised:
             collect(served.stub.Generate(request, timeout=0.5))
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_until(lambda: served.host.stats().lanes_busy == 0, "the timed-out stream's lane to free")
+        wait_until(lambda: served.host.stats().lanes_busy == 0, "the timed-out stream's lane", PROMPT_FREE_S)
     finally:
         served.backend.decode_delay_s = 0.0
 
