@@ -34,6 +34,7 @@ class Leader:
         max_prefill_tokens: int,
         batches_prompts: bool,
         broken_error: type[Exception] = LeaderBroken,
+        record_features: bool = False,
     ):
         self.engine = engine
         self.channel = channel
@@ -46,6 +47,7 @@ class Leader:
         self._broken_error = broken_error
         self._idle = False
         self._features: dict[int, list[tuple[int, float]]] = {}
+        self._record_features = record_features  # top logits per step, for the recorder only
 
     # The Backend protocol ---------------------------------------------------------------------
     def free_room(self) -> int:
@@ -111,6 +113,7 @@ class Leader:
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).
         tokens = sample(logits, [i.sampling for i in items], positions)
-        for item, features in zip(items, top_logits(logits, NUM_FEATURES)):
-            self._features[item.lane] = features
+        if self._record_features:
+            for item, features in zip(items, top_logits(logits, NUM_FEATURES)):
+                self._features[item.lane] = features
         return tokens

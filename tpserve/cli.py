@@ -6,12 +6,12 @@ import argparse
 import logging
 import sys
 
-from tpserve import generate, gguf_import, prepare
+from tpserve import bench, client, generate, gguf_import, prepare, serve
 from tpserve.ranks.errors import UserError
 
 # Each module's register(subparsers) adds its subcommand with set_defaults(run=fn); fn(args) returns
 # the exit code.
-COMMANDS = (prepare, gguf_import, generate)
+COMMANDS = (prepare, gguf_import, generate, serve, client, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,9 +30,9 @@ class Generation:
 
 
 def generate_tokens(
-    settings: EngineSettings, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, eos_ids
-) -> Generation:
-    """Start settings.tp_size ranks (followers as child processes), run one stream, stop them."""
+    settings: EngineSettings, jobs: list[tuple[list[int], SamplingParams]], max_tokens: int, eos_ids
+) -> list[Generation]:
+    """Start settings.tp_size ranks (followers as child processes), run each job alone, stop them."""
     port = free_port()
     with local_followers(settings, port):
         runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
@@ -45,11 +45,11 @@ def generate_tokens(
             batches_prompts=False,
         )
         try:
-            result = _one_stream(leader, prompt_ids, max_tokens, sampling, eos_ids)
+            results = [_one_stream(leader, ids, max_tokens, sampling, eos_ids) for ids, sampling in jobs]
         finally:
             leader.stop()
         shutdown()
-        return result
+        return results
 
 
 def _one_stream(leader: Leader, prompt_ids, max_tokens, sampling, eos_ids) -> Generation:
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         batch_invariant=not args.no_batch_invariant,
     )
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
-    result = generate_tokens(settings, prompt_ids, args.max_tokens, sampling, tokenizer.eos_ids)
+    (result,) = generate_tokens(settings, [(prompt_ids, sampling)], args.max_tokens, tokenizer.eos_ids)
     text = tokenizer.decode(result.token_ids)
     if args.json:
         print(

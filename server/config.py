@@ -1,0 +1,161 @@
+"""The daemon's configuration: YAML plus command-line flags, validated once into frozen values.
+
+Every key has one name, used both in YAML (`context: 4096`) and as a flag (`--context 4096`).
+Flags override the YAML; an unknown key or a bad value is refused by name before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+from tpserve.ranks.errors import UserError
+from tpserve.ranks.settings import EngineSettings
+
+
+class ConfigError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = ""  # empty: the prepared default model
+    dtype: str = "float32"
+    tp: int = 2
+    lanes: int = 8
+    context: int = 2048
+    kv_budget_bytes: tuple[int, ...] = ()
+    cache_budget_bytes: int = 64 << 20
+    max_prefill_tokens: int = 512
+    batch_prefill: bool = True
+    batch_invariant: bool = True
+    threads_per_rank: int = 0
+    queue_size: int = 64
+    default_max_tokens: int = 256
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0  # 0: no metrics endpoint
+    vision: bool = False
+    record: str = ""  # a directory: record every stream there
+    grace_s: float = 10.0
+    init_timeout_s: float = 120.0
+    collective_timeout_s: float = 60.0
+    leader_dead_after_s: float = 30.0
+    rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
+    master: str = ""  # HOST[:PORT] of rank 0, for one process per host
+    refuse_token_on_rank: tuple[int, ...] = ()  # fault drill for tests: (rank, token id)
+
+    def engine_settings(self, model_dir: str) -> EngineSettings:
+        return EngineSettings(
+            model_dir=model_dir,
+            dtype=self.dtype,
+            tp_size=self.tp,
+            num_lanes=self.lanes,
+            context_size=self.context,
+            kv_budget_bytes=self.kv_budget_bytes,
+            cache_budget_bytes=self.cache_budget_bytes,
+            max_prefill_tokens=self.max_prefill_tokens,
+            batch_prefill=self.batch_prefill,
+            batch_invariant=self.batch_invariant,
+            threads_per_rank=self.threads_per_rank,
+            init_timeout_s=self.init_timeout_s,
+            collective_timeout_s=self.collective_timeout_s,
+            leader_dead_after_s=self.leader_dead_after_s,
+            refuse_token_on_rank=tuple(self.refuse_token_on_rank) or None,
+        )
+
+
+_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "tp": (1, 2)}
+_POSITIVE = {
+    "lanes",
+    "context",
+    "max_prefill_tokens",
+    "queue_size",
+    "default_max_tokens",
+    "init_timeout_s",
+    "collective_timeout_s",
+    "leader_dead_after_s",
+    "grace_s",
+}
+
+
+def _field_types() -> dict[str, type]:
+    return {f.name: type(f.default) for f in fields(ServeConfig)}
+
+
+def _coerce(key: str, value, kind: type, origin: str):
+    try:
+        if kind is tuple:
+            items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+            value = tuple(int(item) for item in items)
+        elif kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                value = value.lower() in ("true", "1", "yes")
+            elif not isinstance(value, bool):
+                raise ValueError
+        elif kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            value = int(value)
+        elif kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            value = float(value)
+        else:
+            value = str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{origin}: {key}: {value!r} is not a valid {kind.__name__}") from None
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise ConfigError(f"{origin}: {key}: {value!r} is not one of {', '.join(map(str, _CHOICES[key]))}")
+    if key in _POSITIVE and not value > 0:
+        raise ConfigError(f"{origin}: {key}: must be positive, not {value!r}")
+    return value
+
+
+def load_config(path: str | Path | None, overrides: dict) -> ServeConfig:
+    """Build the config from a YAML file (optional) and flag overrides (None values are unset)."""
+    types = _field_types()
+    values: dict = {}
+    if path:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML ({error})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the config must be a mapping of keys to values")
+        for key, value in raw.items():
+            name = str(key).replace("-", "_")
+            if name not in types:
+                raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(types))})")
+            values[name] = _coerce(name, value, types[name], str(path))
+    for name, value in overrides.items():
+        if value is not None:
+            values[name] = _coerce(name, value, types[name], f"--{name.replace('_', '-')}")
+    config = ServeConfig(**values)
+    if config.rank >= config.tp:
+        raise ConfigError(f"--rank: {config.rank} is not below tp ({config.tp})")
+    if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:
+        raise ConfigError("refuse_token_on_rank: give two numbers, a rank and a token id")
+    return config
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config key, all defaulting to None (unset) so the YAML's value stands."""
+    parser.add_argument("--config", help="YAML config file (flags override its keys)")
+    for f in fields(ServeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool",) or isinstance(f.default, bool):
+            parser.add_argument(flag, nargs="?", const="true", default=None, metavar="BOOL")
+        else:
+            parser.add_argument(flag, default=None)
+
+
+def overrides_from(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(ServeConfig)}

@@ -1,0 +1,101 @@
+"""Rank 0's daemon: the leader, the lane host and the gRPC server, from start to exit code.
+
+Exit codes: 0 after a graceful stop (SIGTERM or SIGINT: admission stops, live streams get the
+grace period, the rest end cancelled, the followers get Stop); 1 when the engine broke (every
+stream ended with an error first), so a supervisor restarts both ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from tpserve.ranks.leader import Leader
+from tpserve.ranks.startup import RankRuntime, shutdown
+from tpserve.server.backend import BackendBroken
+from tpserve.server.config import ServeConfig
+from tpserve.server.grpc_server import GrpcServer
+from tpserve.server.lane_host import LaneHost
+from tpserve.server.recorder import RecordingBackend
+from tpserve.server.servicer import ServingInfo
+from tpserve.server.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+BROKEN_FLUSH_S = 2.0  # time for the error replies to reach clients before a broken daemon exits
+
+
+def serve_rank0(
+    config: ServeConfig, runtime: RankRuntime, model_dir: str, stop: threading.Event | None = None
+) -> int:
+    stop = stop or threading.Event()
+    broken = threading.Event()
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    leader = Leader(
+        runtime.engine,
+        runtime.channel,
+        num_lanes=config.lanes,
+        context_size=config.context,
+        max_prefill_tokens=config.max_prefill_tokens,
+        batches_prompts=config.batch_prefill,
+        broken_error=BackendBroken,
+        record_features=bool(config.record),
+    )
+    backend = RecordingBackend(leader, config.record) if config.record else leader
+    host = LaneHost(
+        backend,
+        detokenize=tokenizer.decode,
+        eos_ids=tokenizer.eos_ids | frozenset(runtime.config.eos_token_ids),
+        queue_size=config.queue_size,
+        batch_prefill=config.batch_prefill,
+        on_broken=lambda reason: broken.set(),
+    )
+    info = ServingInfo(
+        model_name=Path(model_dir).name,
+        tp_size=config.tp,
+        num_lanes=config.lanes,
+        context_size=config.context,
+        room=runtime.room.kv_tokens,
+        vision=config.vision,
+        default_max_tokens=config.default_max_tokens,
+    )
+    server = GrpcServer(
+        host,
+        tokenizer,
+        info,
+        port=config.port,
+        host=config.host,
+        metrics_port=config.metrics_port or None,
+        queue_size=config.queue_size,
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    host.start()
+    port = server.start()
+    log.info(
+        "serving %s on %s:%d (tp=%d, %d lanes, room %d tokens)",
+        info.model_name,
+        config.host,
+        port,
+        config.tp,
+        config.lanes,
+        info.room,
+    )
+    while not (stop.wait(0.2) or broken.is_set()):
+        pass
+    if broken.is_set():
+        log.error("the engine broke; ending every stream and exiting so a supervisor restarts both ranks")
+        server.stop(grace_s=BROKEN_FLUSH_S)
+        host.stop(grace_s=0)
+        return 1
+    log.info("stopping: admission closed, live streams have %.0f s to finish", config.grace_s)
+    server.stop(grace_s=config.grace_s)
+    host.stop(grace_s=config.grace_s)
+    if broken.is_set():
+        return 1
+    leader.stop()
+    shutdown()
+    log.info("stopped")
+    return 0
