@@ -78,8 +78,9 @@ class Admission:
     def _take_jobs(self) -> list[Job]:
         """Take the head job, or several for one joint pass: only what fits in free lanes and room."""
         num_free = self._lanes.num_free
-        if num_free == 0:
-            return []
+        with self._lock:
+            if num_free == 0 or self._queue.peek() is None:
+                return []
         free_room = self._backend.free_room()
         with self._lock:
             taken: list[Job] = []

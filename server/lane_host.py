@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from tpserve.server.backend import Backend, BackendBroken, DecodeItem
 from tpserve.server.job_queue import JobQueue
 from tpserve.server.lane_admit import Admission
-from tpserve.server.lane_job import Job
+from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_stream import Stream
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import (
@@ -53,6 +53,11 @@ class LaneHost:
         batch_prefill: bool = True,
         on_broken: Callable[[str], None] | None = None,
     ):
+        if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
+            raise ValueError(
+                f"the backend needs at least one lane and one prompt token per pass "
+                f"(num_lanes {backend.num_lanes}, max_prefill_tokens {backend.max_prefill_tokens})"
+            )
         self._backend = backend
         self._detokenize = detokenize
         self._eos_ids = frozenset(eos_ids)
@@ -88,8 +93,7 @@ class LaneHost:
 
     def submit(self, request: GenerationRequest) -> Stream:
         """Queue a request. Raises QueueFull, HostUnavailable, or ValueError for a request that cannot run."""
-        self._check(request)
-        reserve = min(len(request.prompt_ids) + request.max_tokens, self._context_size)
+        reserve = reserve_for(request, self._context_size)
         job = Job(
             request,
             reserve=reserve,
@@ -112,18 +116,6 @@ class LaneHost:
                 job, ERROR, f"the request needs {reserve} tokens of KV room; the engine holds {self._room}"
             )
         return job.stream
-
-    def _check(self, request: GenerationRequest) -> None:
-        num_prompt = len(request.prompt_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
-        if num_prompt + request.max_tokens > self._context_size:
-            raise ValueError(
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds "
-                f"the context size ({self._context_size} tokens)"
-            )
 
     def _cancel(self, job: Job) -> None:
         with self._cond:
@@ -288,6 +280,8 @@ class LaneHost:
         if thread is None:
             self._drain()
             return
+        if thread is threading.current_thread():
+            return  # called from on_broken on the scheduler thread: it is about to end by itself
         thread.join(timeout=grace_s + JOIN_MARGIN_S)
         if thread.is_alive():
             # A backend call is stuck. Its lanes stay held, but no client waits on it any longer.

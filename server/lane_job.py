@@ -13,6 +13,21 @@ from tpserve.server.requests import LENGTH, STOP, GenerationRequest, TokenDelta,
 from tpserve.server.text_stream import TextOut, TextStream
 
 
+def reserve_for(request: GenerationRequest, context_size: int) -> int:
+    """The KV tokens a request's lane must hold; ValueError for a request that can never run."""
+    num_prompt = len(request.prompt_ids)
+    if num_prompt == 0:
+        raise ValueError("the prompt is empty")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+    if num_prompt + request.max_tokens > context_size:
+        raise ValueError(
+            f"the prompt ({num_prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds "
+            f"the context size ({context_size} tokens)"
+        )
+    return min(num_prompt + request.max_tokens, context_size)
+
+
 class Job:
     def __init__(
         self,
