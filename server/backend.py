@@ -79,6 +79,9 @@ class Backend(Protocol):
     def close(self, lane: int) -> None:
         """Drop the lane's KV and its reservation."""
 
+    # Optional: `idle()`, called once when the host runs out of work, before it waits. Rank 0's
+    # leader tells the followers to wait off any collective timeout (see ranks/channel.py).
+
 
 class TopLogits(Protocol):
     """Optional: a backend that also implements this gives `--record` its per-step features."""

@@ -260,12 +260,23 @@ class LaneHost:
                     self._drain()
                     return
                 if not self.step():
+                    self._going_idle()
                     with self._cond:
                         if not (self._wake or self._stopping or self.broken):
                             self._cond.wait(IDLE_WAIT_S)
         except BaseException as error:
             log.exception("the lane host's scheduler failed")
             self._latch_broken(f"the lane host failed: {error!r}")
+
+    def _going_idle(self) -> None:
+        # A backend with followers tells them no message is coming soon (see ranks/channel.py),
+        # so they wait off any collective timeout. It sends that once per idle spell.
+        idle = getattr(self._backend, "idle", None)
+        if idle is not None:
+            try:
+                idle()
+            except BackendBroken as error:
+                self._latch_broken(str(error))
 
     def stop(self, grace_s: float) -> None:
         """Stop admitting; live streams get grace_s to finish, the rest end cancelled."""

@@ -99,6 +99,11 @@ class RecordingBackend:
             if file is not None:
                 file.close()
 
+    def idle(self) -> None:
+        idle = getattr(self._inner, "idle", None)
+        if idle is not None:
+            idle()
+
     def close_files(self) -> None:
         """Close every open stream file (at shutdown, when lanes were never closed)."""
         for file in self._files.values():
