@@ -12,13 +12,10 @@ import signal
 import threading
 from pathlib import Path
 
-from tpserve.ranks.leader import Leader
 from tpserve.ranks.startup import RankRuntime, shutdown
-from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
+from tpserve.server.engine_host import build_lane_host
 from tpserve.server.grpc_server import GrpcServer
-from tpserve.server.lane_host import LaneHost
-from tpserve.server.recorder import RecordingBackend
 from tpserve.server.servicer import ServingInfo
 from tpserve.server.tokenizer import Tokenizer
 
@@ -33,23 +30,13 @@ def serve_rank0(
     stop = stop or threading.Event()
     broken = threading.Event()
     tokenizer = Tokenizer.from_model_dir(model_dir)
-    leader = Leader(
-        runtime.engine,
-        runtime.channel,
-        num_lanes=config.lanes,
-        context_size=config.context,
-        max_prefill_tokens=config.max_prefill_tokens,
-        batches_prompts=config.batch_prefill,
-        broken_error=BackendBroken,
-        record_features=bool(config.record),
-    )
-    backend = RecordingBackend(leader, config.record) if config.record else leader
-    host = LaneHost(
-        backend,
-        detokenize=tokenizer.decode,
-        eos_ids=tokenizer.eos_ids | frozenset(runtime.config.eos_token_ids),
+    settings = config.engine_settings(model_dir)
+    host, leader = build_lane_host(
+        runtime,
+        settings,
+        tokenizer,
         queue_size=config.queue_size,
-        batch_prefill=config.batch_prefill,
+        record_dir=config.record,
         on_broken=lambda reason: broken.set(),
     )
     info = ServingInfo(

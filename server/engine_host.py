@@ -1,0 +1,84 @@
+"""Rank 0's serving core: the leader as the lane host's backend (with the recorder when asked).
+
+The daemon builds it behind gRPC; tests and benchmarks build it with `local_engine` (no gRPC).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tpserve.ranks.leader import Leader
+from tpserve.ranks.local_ranks import free_port, local_followers
+from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.startup import RankRuntime, shutdown, start_rank
+from tpserve.server.backend import BackendBroken
+from tpserve.server.lane_host import LaneHost
+from tpserve.server.recorder import RecordingBackend
+from tpserve.server.tokenizer import Tokenizer
+
+
+def build_lane_host(
+    runtime: RankRuntime,
+    settings: EngineSettings,
+    tokenizer: Tokenizer,
+    *,
+    queue_size: int = 64,
+    record_dir: str = "",
+    on_broken: Callable[[str], None] | None = None,
+) -> tuple[LaneHost, Leader]:
+    leader = Leader(
+        runtime.engine,
+        runtime.channel,
+        num_lanes=settings.num_lanes,
+        context_size=settings.context_size,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        batches_prompts=settings.batch_prefill,
+        broken_error=BackendBroken,
+        record_features=bool(record_dir),
+    )
+    backend = RecordingBackend(leader, record_dir) if record_dir else leader
+    host = LaneHost(
+        backend,
+        detokenize=tokenizer.decode,
+        eos_ids=tokenizer.eos_ids | frozenset(runtime.config.eos_token_ids),
+        queue_size=queue_size,
+        batch_prefill=settings.batch_prefill,
+        on_broken=on_broken,
+    )
+    return host, leader
+
+
+@dataclass
+class LocalEngine:
+    host: LaneHost
+    leader: Leader
+    runtime: RankRuntime
+    tokenizer: Tokenizer
+    followers: list  # the follower processes (multiprocessing.Process)
+
+
+@contextmanager
+def local_engine(
+    settings: EngineSettings, *, queue_size: int = 64, record_dir: str = ""
+) -> Iterator[LocalEngine]:
+    """Rank 0 in this process with a started lane host, followers as child processes; all stopped
+    on exit (Stop to the followers unless the engine broke). One per process at a time."""
+    port = free_port()
+    with local_followers(settings, port) as followers:
+        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
+        try:
+            tokenizer = Tokenizer.from_model_dir(settings.model_dir)
+            host, leader = build_lane_host(
+                runtime, settings, tokenizer, queue_size=queue_size, record_dir=record_dir
+            )
+            host.start()
+            try:
+                yield LocalEngine(host, leader, runtime, tokenizer, followers)
+            finally:
+                host.stop(grace_s=0)
+                if leader.broken is None:
+                    leader.stop()
+        finally:
+            shutdown()
