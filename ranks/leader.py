@@ -12,7 +12,7 @@ import logging
 from tpserve.kernels.sampling import sample, top_logits
 from tpserve.ranks.apply import Refused, apply
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Idle, Prefill, Release, Round, Span, Step, Stop
+from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Span, Step, Stop
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,7 @@ class Leader:
         return self.room - self.engine.kv.allocator.used
 
     def open(self, lane: int, reserve_tokens: int) -> bool:
-        try:
-            self._run(Admit(lane, reserve_tokens))
-            return True
-        except Refused:
-            return False
+        return self._voted(Admit(lane, reserve_tokens))
 
     def prefill(self, item) -> int | None:
         tokens = self.prefill_many([item])
@@ -82,6 +78,16 @@ class Leader:
         self._features.pop(lane, None)
         self._run(Release(lane))
 
+    # Prompt-cache storage: states kept in every rank's cache pool, under ids the cache gives.
+    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
+        return self._voted(Keep(lane, num_tokens, entry_id))
+
+    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
+        return self._voted(Restore(lane, entry_id, num_tokens))
+
+    def evict(self, entry_id: int) -> None:
+        self._run(Evict(entry_id))
+
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         return self._features.get(lane, [])
 
@@ -95,6 +101,14 @@ class Leader:
     def stop(self) -> None:
         if self.broken is None:
             self._run(Stop())
+
+    def _voted(self, msg) -> bool:
+        """Send and apply a message every rank votes on; False (nothing changed anywhere) on a no."""
+        try:
+            self._run(msg)
+            return True
+        except Refused:
+            return False
 
     def _run(self, msg):
         if self.broken is not None:
