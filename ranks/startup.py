@@ -118,15 +118,19 @@ def flags_row(settings: EngineSettings) -> list[int]:
     ]
 
 
+def shown_row(row: list[int]) -> str:
+    """A flags row as a person reads it (the dtype by name rather than by its index)."""
+    names = list(DTYPES)
+    values = [names[v] if n == "dtype" and 0 <= v < len(names) else v for n, v in zip(FLAG_NAMES, row)]
+    return ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, values))
+
+
 def agree_on_flags(settings: EngineSettings, rank: int, world_size: int, group) -> None:
     mine = torch.tensor(flags_row(settings), dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(rows, mine, group=group)
     if any(not torch.equal(row, rows[0]) for row in rows):
-        shown = "; ".join(
-            f"rank {r}: " + ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, row.tolist()))
-            for r, row in enumerate(rows)
-        )
+        shown = "; ".join(f"rank {r}: {shown_row(row.tolist())}" for r, row in enumerate(rows))
         raise StartupError(
             f"rank {rank}: the ranks were started with different flags, refusing to serve ({shown})"
         )

@@ -1,0 +1,208 @@
+"""Start-up on real ranks: room is the smallest rank's, differing flags refuse on every rank, and a
+rank that never arrives is named. Each rank is a spawned process running `start_rank` itself.
+
+The tiny "llama" variant has 3 KV heads, split 2+1: rank 0 holds twice rank 1's KV bytes per token
+(512 against 256 in float32), so with equal budgets rank 0's figure is the smaller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import queue
+import time
+import traceback
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_models import write_tiny_model
+
+from tpserve.ranks.local_ranks import free_port
+from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.startup import StartupError, shutdown, start_rank
+
+RANK0_BYTES_PER_TOKEN = 512  # 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes
+RANK1_BYTES_PER_TOKEN = 256  # the same with 1 KV head
+JOIN_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("startup") / "llama", "llama"))
+
+
+def settings_for(model_dir: str, **changes) -> EngineSettings:
+    base = EngineSettings(
+        model_dir=model_dir,
+        num_lanes=4,
+        context_size=256,
+        kv_budget_bytes=(1 << 20, 1 << 20),
+        threads_per_rank=1,
+        init_timeout_s=20.0,
+        collective_timeout_s=20.0,
+    )
+    return replace(base, **changes)
+
+
+def _rank_worker(rank: int, tasks, results) -> None:
+    """One rank for the whole module: start, report what it learned (or the error), leave the group;
+    then the next start. Reusing the process spares a torch import per start."""
+    torch.set_num_threads(1)
+    while (task := _next_task(tasks)) is not None:
+        settings, port = task
+        try:
+            runtime = start_rank(settings, rank, 2, "127.0.0.1", port)
+            report = ("ok", runtime.room, runtime.engine.kv.num_slots)
+        except StartupError as error:
+            report = ("refused", str(error), None)
+        except BaseException:
+            report = ("crashed", traceback.format_exc(), None)
+        shutdown()  # a refusal comes after the group formed: leave it, so the next start can form one
+        results.put((rank, report))
+    results.close()
+    results.join_thread()  # else the last report can be lost at exit
+
+
+def _next_task(tasks):
+    """The next task; None to leave (asked to, or the test process is gone)."""
+    parent = multiprocessing.parent_process()
+    while parent is None or parent.is_alive():
+        with contextlib.suppress(queue.Empty):
+            return tasks.get(timeout=1.0)
+    return None
+
+
+class RankWorkers:
+    """Two spawned processes, each starting its rank on demand with the settings it is given."""
+
+    def __init__(self):
+        context = multiprocessing.get_context("spawn")
+        self.results = context.Queue()
+        self.tasks = [context.Queue() for _ in range(2)]
+        self.processes = [
+            context.Process(target=_rank_worker, args=(rank, tasks, self.results), daemon=True)
+            for rank, tasks in enumerate(self.tasks)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def start_pair(self, rank_settings: list[EngineSettings]) -> dict[int, tuple]:
+        """Both ranks start, each with its own settings; every rank's report.
+
+        Fails the test, naming the rank, when one does not report within JOIN_TIMEOUT_S.
+        """
+        port = free_port()
+        for tasks, settings in zip(self.tasks, rank_settings):
+            tasks.put((settings, port))
+        reports: dict[int, tuple] = {}
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while len(reports) < 2 and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                rank, report = self.results.get(timeout=0.2)
+                reports[rank] = report
+        missing = [rank for rank in (0, 1) if rank not in reports]
+        if missing:
+            self.close()
+            raise AssertionError(
+                f"ranks {missing} hung or died without a report within {JOIN_TIMEOUT_S:.0f}s"
+            )
+        return reports
+
+    def close(self) -> None:
+        for tasks, process in zip(self.tasks, self.processes):
+            if process.is_alive():
+                tasks.put(None)
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    workers = RankWorkers()
+    yield workers
+    workers.close()
+
+
+def test_room_is_the_smaller_ranks_with_the_uneven_split(ranks, model_dir):
+    budget = RANK0_BYTES_PER_TOKEN * 300
+    settings = settings_for(model_dir, kv_budget_bytes=(budget, budget))
+    reports = ranks.start_pair([settings, settings])
+    assert all(report[0] == "ok" for report in reports.values()), reports
+    rooms = {rank: report[1] for rank, report in reports.items()}
+    # Rank 0 holds two KV heads, rank 1 one: the same budget holds half as many tokens on rank 0.
+    assert rooms[0].kv_bytes_per_token == RANK0_BYTES_PER_TOKEN
+    assert rooms[1].kv_bytes_per_token == RANK1_BYTES_PER_TOKEN
+    assert [rooms[rank].kv_tokens for rank in (0, 1)] == [300, 300]
+    assert [reports[rank][2] for rank in (0, 1)] == [300, 300]  # each allocated exactly that pool
+
+
+@pytest.mark.parametrize(
+    ("budgets", "room"),
+    [
+        ((RANK0_BYTES_PER_TOKEN * 900, RANK1_BYTES_PER_TOKEN * 250), 250),  # rank 1's budget is tighter
+        ((RANK0_BYTES_PER_TOKEN * 180, RANK1_BYTES_PER_TOKEN * 700), 180),  # rank 0's budget is tighter
+    ],
+)
+def test_room_follows_configured_per_rank_budgets(ranks, model_dir, budgets, room):
+    settings = settings_for(model_dir, kv_budget_bytes=budgets)
+    reports = ranks.start_pair([settings, settings])
+    assert all(report[0] == "ok" for report in reports.values()), reports
+    assert [reports[rank][1].kv_tokens for rank in (0, 1)] == [room, room]
+    assert [reports[rank][2] for rank in (0, 1)] == [room, room]
+
+
+def test_room_is_capped_at_lanes_times_context(ranks, model_dir):
+    settings = settings_for(model_dir, kv_budget_bytes=(1 << 30, 1 << 30))
+    reports = ranks.start_pair([settings, settings])
+    assert [reports[rank][1].kv_tokens for rank in (0, 1)] == [4 * 256, 4 * 256], reports
+
+
+@pytest.mark.parametrize(
+    ("changes", "shown"),
+    [
+        ({"num_lanes": 2}, ("lanes=4", "lanes=2")),
+        ({"dtype": "bfloat16"}, ("dtype=float32", "dtype=bfloat16")),
+    ],
+)
+def test_differing_flags_refuse_on_both_ranks(ranks, model_dir, changes, shown):
+    started = time.monotonic()
+    reports = ranks.start_pair([settings_for(model_dir), settings_for(model_dir, **changes)])
+    assert time.monotonic() - started < 30
+    for rank in (0, 1):
+        kind, text, _ = reports[rank]
+        assert kind == "refused", f"rank {rank}: {kind}: {text}"
+        assert "different flags" in text
+        # Both rows are printed, so whoever reads either rank's log sees what differs.
+        assert "rank 0: model=" in text and "rank 1: model=" in text
+        assert shown[0] in text and shown[1] in text
+
+
+def test_no_room_refuses_on_both_ranks(ranks, model_dir):
+    # Rank 1's budget holds no token at all: both ranks must refuse, not rank 1 alone.
+    settings = settings_for(model_dir, kv_budget_bytes=(1 << 20, 100))
+    reports = ranks.start_pair([settings, settings])
+    for rank in (0, 1):
+        kind, text, _ = reports[rank]
+        assert kind == "refused", f"rank {rank}: {kind}: {text}"
+        assert "room for only 0 KV tokens" in text
+
+
+def test_rank_0_names_the_rank_that_never_arrived(model_dir):
+    settings = settings_for(model_dir, init_timeout_s=2.0)
+    started = time.monotonic()
+    with pytest.raises(StartupError, match=r"rank 0: rank 1 never arrived within 2s"):
+        start_rank(settings, 0, 2, "127.0.0.1", free_port())
+    assert time.monotonic() - started < 10
+
+
+def test_a_follower_names_rank_0_when_it_never_answers(model_dir):
+    settings = settings_for(model_dir, init_timeout_s=2.0)
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(StartupError, match=rf"rank 1: rank 0's store at 127.0.0.1:{port} never answered"):
+        start_rank(settings, 1, 2, "127.0.0.1", port)
+    assert time.monotonic() - started < 10
