@@ -81,6 +81,13 @@ class Backend(Protocol):
 
     # Optional: `idle()`, called once when the host runs out of work, before it waits. Rank 0's
     # leader tells the followers to wait off any collective timeout (see ranks/channel.py).
+    #
+    # Prompt-cache storage, needed when the host is given a PromptCache (ids come from the cache):
+    #   keep(lane, num_tokens, entry_id) -> bool: save the lane's first num_tokens of KV as the entry;
+    #   restore(lane, entry_id, num_tokens) -> bool: an open, empty lane takes the entry's first
+    #       num_tokens as its prefix;
+    #   evict(entry_id): free the entry (an id never kept is ignored).
+    # False leaves nothing changed anywhere.
 
 
 class TopLogits(Protocol):

@@ -15,6 +15,7 @@ from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown, start_rank
 from tpserve.server.backend import BackendBroken
 from tpserve.server.lane_host import LaneHost
+from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.recorder import RecordingBackend
 from tpserve.server.tokenizer import Tokenizer
 
@@ -39,6 +40,10 @@ def build_lane_host(
         record_features=bool(record_dir),
     )
     backend = RecordingBackend(leader, record_dir) if record_dir else leader
+    cache = None
+    if runtime.room.cache_tokens:
+        per_token = runtime.room.kv_bytes_per_token
+        cache = PromptCache(runtime.room.cache_tokens * per_token, per_token, free_state=leader.evict)
     host = LaneHost(
         backend,
         detokenize=tokenizer.decode,
@@ -46,6 +51,7 @@ def build_lane_host(
         queue_size=queue_size,
         batch_prefill=settings.batch_prefill,
         on_broken=on_broken,
+        prompt_cache=cache,
     )
     return host, leader
 

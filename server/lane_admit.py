@@ -1,13 +1,17 @@
 """Admission: getting waiting jobs from the queue into lanes, up to each one's first sampled token.
 
 Three steps per job, as in the design: take it off the queue (under the host's lock), set it up
-(lane and KV reservation; later a prompt-cache lookup), launch it (its own prefill, chunks of a long
+(lane and KV reservation, then a prompt-cache lookup and restore), launch it (its own prefill, chunks of a long
 prompt between decode rounds, or one prefill_many with other jobs). A refusal or failure ends that
 job alone and frees what it held; only BackendBroken goes further (the host latches broken).
 
 A foreground job that cannot get a lane or room makes the newest background stream yield its lane;
 the yielded job goes back to the front of the background line and later re-prefills its prompt and
 the tokens it already produced, so position-keyed sampling continues exactly where it left off.
+
+With a prompt cache, a job's lookup borrows the entry it found until the restore has reported, so
+no other job's keep can evict it meanwhile; once a prompt is prefilled its state is kept (one point,
+the best `keep_points` offers) for later prompts that start the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tpserve.server.backend import Backend, BackendBroken, PrefillItem
 from tpserve.server.job_queue import JobQueue
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
+from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import CANCELLED, ERROR
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,7 @@ class Admission:
         batch_prefill: bool,
         first_token: Callable[[Job, int], None],
         end: EndJob,
+        prompt_cache: PromptCache | None = None,
     ):
         self._backend = backend
         self._lanes = lanes
@@ -47,6 +53,7 @@ class Admission:
         self._lock = lock
         self._first_token = first_token
         self._end = end
+        self._cache = prompt_cache
         self._max_prefill_tokens = backend.max_prefill_tokens
         batches = batch_prefill and backend.batches_prompts
         # Halved whenever the backend refuses a pass (returns None): it said it cannot take that many.
@@ -111,9 +118,50 @@ class Admission:
         if not opened:
             self._end(job, ERROR, f"the engine refused to reserve {job.reserve} tokens of KV room")
             return False
-        job.cached_tokens = 0  # the prompt-cache lookup goes here
+        job.cached_tokens = self._restore(job)
         job.num_prefilled = job.cached_tokens
         return True
+
+    def _restore(self, job: Job) -> int:
+        """Restore the longest cached prefix of the job's prompt into its lane; the tokens restored."""
+        if self._cache is None:
+            return 0
+        borrow = self._cache.lookup(job.feed_ids)
+        if borrow is None:
+            return 0
+        try:
+            restored = self._backend.restore(job.lane, borrow.entry_id, borrow.num_tokens)
+        except BackendBroken:
+            raise
+        except Exception as error:
+            log.warning("restoring cache entry %d failed (%r); prefilling in full", borrow.entry_id, error)
+            restored = False
+        if not restored:
+            self._cache.restore_failed(borrow)  # lookups miss it now; freed once unborrowed
+            return 0
+        self._cache.release(borrow)
+        return borrow.num_tokens
+
+    def _keep(self, job: Job) -> None:
+        """Keep the job's prefilled prompt for later prompts that start the same way."""
+        if self._cache is None:
+            return
+        for num_tokens in self._cache.keep_points(job.feed_ids, job.request.keep_boundaries):
+            entry_id = self._cache.reserve(num_tokens)  # evicts (EVICT on the wire) to make room
+            if entry_id is None:
+                continue
+            try:
+                kept = self._backend.keep(job.lane, num_tokens, entry_id)
+            except BackendBroken:
+                raise
+            except Exception as error:
+                log.warning("keeping %d prompt tokens failed (%r)", num_tokens, error)
+                kept = False
+            if kept:
+                self._cache.commit(entry_id, job.feed_ids[:num_tokens])
+            else:
+                self._cache.abort(entry_id)
+            return
 
     def _prefill_together(self, jobs: list[Job]) -> bool:
         """One prefill_many over `jobs`. False when the backend refused or failed (none prefilled)."""
@@ -137,6 +185,7 @@ class Admission:
             raise BackendBroken(f"prefill_many returned {len(tokens)} tokens for {len(jobs)} prompts")
         for job, token in zip(jobs, tokens):
             job.num_prefilled = len(job.feed_ids)
+            self._keep(job)
             self._first_token(job, token)
         return True
 
@@ -183,6 +232,7 @@ class Admission:
         if token is None:
             self._end(job, ERROR, "the engine sampled no token after the prompt")
             return
+        self._keep(job)
         self._first_token(job, token)
 
     def _yield_for_foreground(self) -> bool:

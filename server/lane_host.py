@@ -23,6 +23,7 @@ from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_stream import Stream
 from tpserve.server.lane_table import LaneTable
+from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import (
     CANCELLED,
     ERROR,
@@ -52,6 +53,7 @@ class LaneHost:
         clock: Callable[[], float] = time.monotonic,
         batch_prefill: bool = True,
         on_broken: Callable[[str], None] | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -83,7 +85,9 @@ class LaneHost:
             batch_prefill=batch_prefill,
             first_token=self._first_token,
             end=self._end,
+            prompt_cache=prompt_cache,
         )
+        self.prompt_cache = prompt_cache
 
     # ---- client side (any thread) ----
 

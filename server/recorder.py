@@ -4,6 +4,7 @@ A stream is one open..close of a lane; its file is `stream-NNNN.jsonl`, numbered
 background stream that yields and resumes gets a second file). One JSON object per line:
 
     {"step": "open", "reserve": 40}
+    {"step": "restore", "num_tokens": 32}                              a prompt-cache prefix
     {"step": "prefill", "start": 0, "token_ids": [...]}                  a chunk that samples nothing
     {"step": "prefill", "start": 64, "token_ids": [...], "position": 70, "fed": 9, "sampled": 12, "features": [...]}
     {"step": "decode", "position": 71, "fed": 12, "sampled": 30, "features": [...]}
@@ -98,6 +99,20 @@ class RecordingBackend:
             file = self._files.pop(lane, None)
             if file is not None:
                 file.close()
+
+    # Prompt-cache storage, forwarded; a restore is recorded, since the prompt's prefill then
+    # starts at the restored length.
+    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
+        return self._inner.keep(lane, num_tokens, entry_id)
+
+    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
+        restored = self._inner.restore(lane, entry_id, num_tokens)
+        if restored:
+            self._write(lane, {"step": "restore", "num_tokens": num_tokens})
+        return restored
+
+    def evict(self, entry_id: int) -> None:
+        self._inner.evict(entry_id)
 
     def idle(self) -> None:
         idle = getattr(self._inner, "idle", None)

@@ -49,6 +49,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     background: bool = False
+    # Prompt offsets worth keeping in the prompt cache besides the prompt's end (the start of the
+    # last user turn, the end of a system block), from the chat template.
+    keep_boundaries: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

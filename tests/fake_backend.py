@@ -101,6 +101,10 @@ class FakeBackend:
         self.broken = False
         self.num_calls_after_broken = 0
         self.misuse: list[str] = []
+        # Prompt-cache storage: entry id -> the history kept.
+        self.states: dict[int, tuple[int, ...]] = {}
+        self.fail_restores = False  # restore returns False (a test asks for it)
+        self.num_restores = 0
 
     # ---- the Backend protocol ----
 
@@ -147,16 +151,18 @@ class FakeBackend:
             self.refused_passes.append(len(items))
             return None
         raise_at = {"first": 0, "middle": len(items) // 2, "last": len(items) - 1}.get(self.raise_in_pass_at)
-        fed: list[_Lane] = []
+        fed: list[tuple[_Lane, int]] = []
         try:
             for index, (item, lane) in enumerate(zip(items, lanes)):
+                fed.append((lane, len(lane.history)))
                 self._feed(lane, item.token_ids)
-                fed.append(lane)
                 if index == raise_at or index in poisoned:
                     raise FakeFailure(f"the joint prompt pass failed at participant {index}")
         except FakeFailure:
-            for lane in fed:  # the failing participant included: none may stay prefilled
-                self._reset(lane)
+            # The failing participant included, none may keep what this pass fed (a restored
+            # prompt-cache prefix from before the pass stays).
+            for lane, length in fed:
+                self._rewind(lane, length)
             self.failed_passes.append(len(items))
             raise
         self.joint_passes.append(len(items))
@@ -192,6 +198,29 @@ class FakeBackend:
         if lane not in self.lanes:
             self._misuse(f"close of lane {lane}, which is not open")
         del self.lanes[lane]
+
+    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
+        self._call()
+        state = self._open_lane(lane)
+        if entry_id in self.states or not 0 < num_tokens <= len(state.history):
+            self._misuse(f"keep of {num_tokens} tokens of lane {lane} as entry {entry_id}")
+        self.states[entry_id] = tuple(state.history[:num_tokens])
+        return True
+
+    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
+        self._call()
+        state = self._open_lane(lane)
+        if state.history or entry_id not in self.states or num_tokens > len(self.states[entry_id]):
+            self._misuse(f"restore of entry {entry_id} ({num_tokens} tokens) into lane {lane}")
+        if self.fail_restores:
+            return False
+        self.num_restores += 1
+        self._feed(state, self.states[entry_id][:num_tokens])
+        return True
+
+    def evict(self, entry_id: int) -> None:
+        self._call()
+        self.states.pop(entry_id, None)
 
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         """The top logits of the lane's last sampled step (derived from its history)."""
@@ -257,6 +286,12 @@ class FakeBackend:
         lane.pending = None
         lane.num_samples = 0
         lane.features = []
+
+    @classmethod
+    def _rewind(cls, lane: _Lane, length: int) -> None:
+        kept = lane.history[:length]
+        cls._reset(lane)
+        cls._feed(lane, kept)
 
     @staticmethod
     def _feed(lane: _Lane, token_ids: Sequence[int]) -> None:
