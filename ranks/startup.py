@@ -137,20 +137,38 @@ def agree_on_flags(settings: EngineSettings, rank: int, world_size: int, group) 
 
 
 def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, device, group) -> Room:
-    """room = MIN over ranks of what each rank's own budget holds, capped at lanes x context."""
-    if settings.kv_budget_bytes:
-        budget = settings.kv_budget_bytes[rank]
-    else:
+    """room = MIN over ranks of what each rank's own budget holds, capped at lanes x context.
+
+    Every check that can refuse is decided after the all-reduce, so every rank refuses together
+    rather than one leaving the others stuck in the collective.
+    """
+    budgets = settings.kv_budget_bytes
+    has_budget = not budgets or rank < len(budgets)
+    if not budgets:
         budget = int(free_memory_bytes(device) * KV_SHARE_OF_FREE_MEMORY)
+    else:
+        budget = budgets[rank] if has_budget else 0
     wanted = settings.num_lanes * settings.context_size
     figures = torch.tensor(
-        [min(wanted, budget // bytes_per_token), settings.cache_budget_bytes // bytes_per_token],
+        [
+            min(wanted, budget // bytes_per_token),
+            settings.cache_budget_bytes // bytes_per_token,
+            int(has_budget),
+        ],
         dtype=torch.int64,
     )
     dist.all_reduce(figures, op=dist.ReduceOp.MIN, group=group)
-    kv_tokens, cache_tokens = figures.tolist()
+    kv_tokens, cache_tokens, every_rank_has_budget = figures.tolist()
+    if not every_rank_has_budget:
+        raise StartupError(
+            f"rank {rank}: kv_budget_bytes must give one figure per rank, and some rank has none "
+            f"(this rank was given {len(budgets)} for tp {settings.tp_size})"
+        )
     if kv_tokens < 1:
-        raise StartupError(f"rank {rank}: room for only {kv_tokens} KV tokens (budget {budget} bytes)")
+        raise StartupError(
+            f"rank {rank}: room for only {kv_tokens} KV tokens: the smallest rank's KV budget holds "
+            f"none (this rank's: {budget} bytes at {bytes_per_token} bytes per token)"
+        )
     return Room(kv_tokens, cache_tokens, bytes_per_token)
 
 

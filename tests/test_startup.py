@@ -191,6 +191,16 @@ def test_no_room_refuses_on_both_ranks(ranks, model_dir):
         assert "room for only 0 KV tokens" in text
 
 
+def test_a_rank_without_its_own_budget_refuses_on_both_ranks(ranks, model_dir):
+    # One figure for two ranks: rank 1 has none. Both must refuse, neither crash nor hang.
+    settings = settings_for(model_dir, kv_budget_bytes=(1 << 20,))
+    reports = ranks.start_pair([settings, settings])
+    for rank in (0, 1):
+        kind, text, _ = reports[rank]
+        assert kind == "refused", f"rank {rank}: {kind}: {text}"
+        assert "kv_budget_bytes must give one figure per rank" in text
+
+
 def test_rank_0_names_the_rank_that_never_arrived(model_dir):
     settings = settings_for(model_dir, init_timeout_s=2.0)
     started = time.monotonic()
