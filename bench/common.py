@@ -1,0 +1,164 @@
+"""What the benchmarks share: the model, engine settings, prompts, stream watching, timing, reports.
+
+Every benchmark measures the things it compares side by side in one run and reports their ratio,
+because this machine is shared and noisy: absolute times drift from run to run, ratios much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpserve.prepare import prepare
+from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.ranks.settings import EngineSettings
+from tpserve.server.lane_host import LaneHost, Stream
+from tpserve.server.requests import Finished, GenerationRequest, TokenDelta
+from tpserve.server.tokenizer import Tokenizer
+
+GREEDY = SamplingParams()
+THREADS_PER_RANK = 1  # two ranks on a two-core machine: one core each
+STREAM_TIMEOUT_S = 600.0  # a stream that sends nothing this long means the engine hung
+SUBMIT_SWITCH_INTERVAL_S = 1.0
+
+FILLER = (
+    "the lane host admits waiting requests, prefills their prompts and runs decode rounds over "
+    "every live lane while the follower replays each message on its own shard of the weights"
+)
+
+
+def default_model_dir() -> str:
+    """The prepared default model (imported from its GGUF on first use)."""
+    return str(prepare(progress=False))
+
+
+def bench_settings(model_dir: str, **overrides) -> EngineSettings:
+    """Engine settings for a benchmark: one thread per rank unless overridden."""
+    values = {"model_dir": model_dir, "threads_per_rank": THREADS_PER_RANK} | overrides
+    return EngineSettings(**values)
+
+
+def chat_prompt(tokenizer: Tokenizer, index: int) -> list[int]:
+    """A short chat prompt, different for every index."""
+    topics = ("rivers", "bridges", "libraries", "volcanoes", "gardens", "trains", "comets", "bees")
+    topic = topics[index % len(topics)]
+    return tokenizer.encode_chat([{"role": "user", "content": f"Tell me fact {index} about {topic}."}])
+
+
+def text_prompt(tokenizer: Tokenizer, index: int, num_tokens: int) -> list[int]:
+    """A prompt of exactly `num_tokens` ids, different for every index (its opening names it)."""
+    text = f"Request {index}: "
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        text += FILLER + f" (part {len(ids)}). "
+        ids = tokenizer.encode(text)
+    return ids[:num_tokens]
+
+
+def submit_together(host: LaneHost, requests: Sequence[GenerationRequest]) -> list[Stream]:
+    """Submit every request as if they arrived in the same instant.
+
+    Without care the scheduler thread wakes at the first submit and may admit that one alone before
+    the rest are queued. Submitting only appends to the host's queue and never blocks, so keeping
+    the interpreter on this thread for the whole loop (a long GIL switch interval) queues them all
+    before the scheduler looks.
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(SUBMIT_SWITCH_INTERVAL_S)
+    try:
+        return [host.submit(request) for request in requests]
+    finally:
+        sys.setswitchinterval(previous)
+
+
+@dataclass
+class StreamRecord:
+    """What one stream sent: its tokens, when each arrived here, and how it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() per token
+    finished: Finished | None = None
+    error: BaseException | None = None
+
+
+def watch_streams(streams: Sequence[Stream], timeout_s: float = STREAM_TIMEOUT_S) -> list[StreamRecord]:
+    """Read every stream to its end on its own thread, timing each token as it arrives."""
+    records = [StreamRecord() for _ in streams]
+
+    def read(stream: Stream, record: StreamRecord) -> None:
+        try:
+            for event in stream.events(timeout_each=timeout_s):
+                now = time.perf_counter()
+                if isinstance(event, TokenDelta):
+                    record.token_ids.extend(event.token_ids)
+                    record.token_times.extend([now] * len(event.token_ids))
+                elif isinstance(event, Finished):
+                    record.finished = event
+        except BaseException as error:  # reported by the caller, on its own thread
+            record.error = error
+
+    threads = [
+        threading.Thread(target=read, args=(stream, record), daemon=True)
+        for stream, record in zip(streams, records)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    for index, (thread, record) in enumerate(zip(threads, records)):
+        if thread.is_alive():
+            raise TimeoutError(f"stream {index} did not finish within {timeout_s:.0f} s")
+        if record.error is not None:
+            raise RuntimeError(f"stream {index} failed: {record.error!r}") from record.error
+        if record.finished is None or record.finished.error:
+            raise RuntimeError(f"stream {index} ended badly: {record.finished}")
+    return records
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between the nearest ranks."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--json", metavar="FILE", default=None, help="also write the figures to FILE")
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    print(title)
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        print("  ".join(value.rjust(w) for value, w in zip(row, widths)))
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def write_json(path: str | None, report: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"figures written to {path}")

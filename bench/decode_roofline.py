@@ -1,0 +1,324 @@
+"""Single-stream decode speed against the memory-bandwidth roofline, at tp=1 and tp=2 (issue 2).
+
+One decode step of one stream reads every weight of the rank's shard once, so a rank can never
+decode faster than (memory bandwidth) / (weight bytes it reads per token); at tp=2 the rank that
+reads more bounds the pair. The bandwidth is measured here, in rank 0's process with its one thread,
+by summing a buffer larger than the caches before and after every timed decode burst, and each
+burst is set against the bandwidth around it, so both sides of the fraction see the same machine. Each tp runs with batch-invariant products (every product padded to 16 rows,
+replies exact whatever the batch) and without (the BLAS's fastest one-row kernels): their ratio is
+what exactness costs a single stream. Only decode is timed: prefill and a few warm-up steps are not.
+
+    python -m bench.decode_roofline [--tokens N --bursts B --rounds R] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    GREEDY,
+    add_common_args,
+    bench_settings,
+    chat_prompt,
+    default_model_dir,
+    median,
+    print_table,
+    write_json,
+)
+from tpserve.ranks.leader import Leader  # noqa: E402
+from tpserve.ranks.local_ranks import free_port, local_followers  # noqa: E402
+from tpserve.ranks.model import TPModel  # noqa: E402
+from tpserve.ranks.model_config import ModelConfig, load_model_config  # noqa: E402
+from tpserve.ranks.settings import EngineSettings  # noqa: E402
+from tpserve.ranks.sharding import Split, piece_range, pieces_of_rank, rule_for  # noqa: E402
+from tpserve.ranks.startup import shutdown, start_rank  # noqa: E402
+from tpserve.ranks.weights import expected_shape, required_names  # noqa: E402
+from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
+from tpserve.server.tokenizer import Tokenizer  # noqa: E402
+
+LANE = 0
+NUM_WARMUP_TOKENS = 4
+ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Mode:
+    tp_size: int
+    batch_invariant: bool
+
+    @property
+    def name(self) -> str:
+        return f"tp={self.tp_size} {'invariant' if self.batch_invariant else 'fast'}"
+
+
+def weight_bytes_per_token(config: ModelConfig, tp_rank: int, tp_size: int, element_size: int) -> int:
+    """Weight bytes one decode step reads on this rank, from the sharding plan.
+
+    Every layer weight of the rank's pieces, the replicated norms, and its vocabulary slice of the
+    head (read whole to compute the logits; with tied embeddings that is the embedding table). An
+    untied embedding table is only looked up, one row per token.
+    """
+    total = 0
+    for name in required_names(config):
+        shape = expected_shape(config, name)
+        split, unit = rule_for(name)
+        if split is Split.REPLICATED:
+            total += math.prod(shape)
+            continue
+        for piece in pieces_of_rank(config, tp_rank, tp_size):
+            start, end = piece_range(config, piece, unit)
+            if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
+                total += config.hidden_size
+            elif split is Split.ROW:
+                total += shape[0] * (end - start)
+            else:
+                total += (end - start) * math.prod(shape[1:])
+    return total * element_size
+
+
+def loaded_weight_bytes(model: TPModel) -> int:
+    """The same figure counted from the tensors a loaded rank holds (a check on the plan's)."""
+    tensors = [*model.replicated.values(), *model.head]
+    for pieces in model.layers:
+        for layer in pieces:
+            tensors += [layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down]
+            if layer.b_qkv is not None:
+                tensors.append(layer.b_qkv)
+    if not model.config.tie_word_embeddings:
+        tensors += [table[:1] for table in model.embed]
+    unique = {tensor.data_ptr(): tensor.numel() * tensor.element_size() for tensor in tensors}
+    return sum(unique.values())
+
+
+def read_bandwidth(buffer: torch.Tensor) -> float:
+    """Bytes per second one thread reads while summing `buffer` (larger than the caches)."""
+    start = time.perf_counter()
+    buffer.sum()
+    return buffer.numel() * buffer.element_size() / (time.perf_counter() - start)
+
+
+@contextmanager
+def single_stream_leader(settings: EngineSettings) -> Iterator[Leader]:
+    """Rank 0's leader with one lane, followers as child processes; stopped on exit."""
+    port = free_port()
+    with local_followers(settings, port):
+        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
+        try:
+            leader = Leader(
+                runtime.engine,
+                runtime.channel,
+                num_lanes=1,
+                context_size=settings.context_size,
+                max_prefill_tokens=settings.max_prefill_tokens,
+                batches_prompts=False,
+            )
+            try:
+                yield leader
+            finally:
+                if leader.broken is None:
+                    leader.stop()
+        finally:
+            shutdown()
+
+
+@dataclass
+class ModeSamples:
+    """Timed bursts of one mode, possibly over several rounds."""
+
+    tokens_per_s: list[float]
+    bandwidth: list[float]  # bytes/s around each burst: the mean of the samples before and after it
+    token_ids: list[int]
+    loaded_bytes: int
+
+
+def sample_mode(
+    model_dir: str,
+    mode: Mode,
+    *,
+    dtype: str,
+    prompt_ids: Sequence[int],
+    num_bursts: int,
+    burst_tokens: int,
+    bandwidth_bytes: int,
+) -> ModeSamples:
+    """Prefill one prompt, then decode bursts of `burst_tokens`, with a bandwidth sample before each."""
+    num_tokens = NUM_WARMUP_TOKENS + num_bursts * burst_tokens
+    settings = bench_settings(
+        model_dir,
+        dtype=dtype,
+        tp_size=mode.tp_size,
+        num_lanes=1,
+        context_size=len(prompt_ids) + num_tokens + 1,
+        batch_invariant=mode.batch_invariant,
+    )
+    samples = ModeSamples([], [], [], 0)
+    with single_stream_leader(settings) as leader:
+        samples.loaded_bytes = loaded_weight_bytes(leader.engine.model)
+        buffer = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
+        if not leader.open(LANE, len(prompt_ids) + num_tokens + 1):
+            raise RuntimeError(f"no room for one stream of {len(prompt_ids) + num_tokens + 1} tokens")
+        token = leader.prefill(PrefillItem(LANE, 0, tuple(prompt_ids), True, GREEDY))
+        position = len(prompt_ids)
+        for burst in range(-1, num_bursts):  # burst -1: warm-up, untimed
+            count = NUM_WARMUP_TOKENS if burst < 0 else burst_tokens
+            before = read_bandwidth(buffer)
+            start = time.perf_counter()
+            for _ in range(count):
+                (token,) = leader.decode([DecodeItem(LANE, position, token, GREEDY)])
+                position += 1
+                samples.token_ids.append(token)
+            elapsed = time.perf_counter() - start
+            if burst >= 0:
+                samples.tokens_per_s.append(count / elapsed)
+                samples.bandwidth.append((before + read_bandwidth(buffer)) / 2)
+        leader.close(LANE)
+    return samples
+
+
+def run_decode_roofline(
+    model_dir: str,
+    *,
+    tp_sizes: Sequence[int] = (1, 2),
+    dtype: str = "float32",
+    num_bursts: int = 3,
+    burst_tokens: int = 16,
+    num_rounds: int = 1,
+    bandwidth_bytes: int = 512 * 2**20,
+) -> dict:
+    """Every mode (tp x batch_invariant) once per round, in the same order; medians over bursts."""
+    config = load_model_config(model_dir)
+    prompt_ids = chat_prompt(Tokenizer.from_model_dir(model_dir), 0)
+    modes = [Mode(tp, invariant) for tp in tp_sizes for invariant in (True, False)]
+    samples: dict[Mode, ModeSamples] = {}
+    for _ in range(num_rounds):
+        for mode in modes:
+            got = sample_mode(
+                model_dir,
+                mode,
+                dtype=dtype,
+                prompt_ids=prompt_ids,
+                num_bursts=num_bursts,
+                burst_tokens=burst_tokens,
+                bandwidth_bytes=bandwidth_bytes,
+            )
+            if mode in samples:
+                samples[mode].tokens_per_s += got.tokens_per_s
+                samples[mode].bandwidth += got.bandwidth
+            else:
+                samples[mode] = got
+    rows = [_mode_figures(config, mode, samples[mode], ELEMENT_SIZES[dtype]) for mode in modes]
+    return {
+        "model": model_dir,
+        "dtype": dtype,
+        "threads_per_rank": 1,
+        "prompt_tokens": len(prompt_ids),
+        "timed_tokens_per_mode": num_rounds * num_bursts * burst_tokens,
+        "load_average": os.getloadavg()[0],
+        "modes": rows,
+        "ratios": _ratios(rows, tp_sizes),
+    }
+
+
+def _mode_figures(config: ModelConfig, mode: Mode, samples: ModeSamples, element_size: int) -> dict:
+    rank_bytes = [weight_bytes_per_token(config, r, mode.tp_size, element_size) for r in range(mode.tp_size)]
+    if samples.loaded_bytes != rank_bytes[0]:
+        raise RuntimeError(
+            f"{mode.name}: rank 0 holds {samples.loaded_bytes} weight bytes, the plan says {rank_bytes[0]}"
+        )
+    tokens_per_s = median(samples.tokens_per_s)
+    bandwidth = median(samples.bandwidth)
+    # Each burst against the bandwidth measured around it, so that a busy spell of the machine
+    # slows both sides of the fraction alike.
+    fractions = [rate * max(rank_bytes) / bw for rate, bw in zip(samples.tokens_per_s, samples.bandwidth)]
+    return {
+        "mode": mode.name,
+        "tp_size": mode.tp_size,
+        "batch_invariant": mode.batch_invariant,
+        "tokens_per_s": tokens_per_s,
+        "ms_per_token": 1000 / tokens_per_s,
+        "bytes_per_token": max(rank_bytes),
+        "rank_bytes_per_token": rank_bytes,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "roofline_tokens_per_s": bandwidth / max(rank_bytes),
+        "roofline_fraction": median(fractions),
+        "burst_tokens_per_s": samples.tokens_per_s,
+        "burst_bandwidth_gb_s": [bw / 1e9 for bw in samples.bandwidth],
+        "token_ids": samples.token_ids,
+    }
+
+
+def _ratios(rows: list[dict], tp_sizes: Sequence[int]) -> dict:
+    by_key = {(row["tp_size"], row["batch_invariant"]): row for row in rows}
+    ratios = {}
+    for tp in tp_sizes:
+        fast, exact = by_key[(tp, False)], by_key[(tp, True)]
+        ratios[f"tp{tp}_invariant_over_fast"] = exact["tokens_per_s"] / fast["tokens_per_s"]
+    if 1 in tp_sizes and 2 in tp_sizes:
+        for invariant, label in ((True, "invariant"), (False, "fast")):
+            one, two = by_key[(1, invariant)], by_key[(2, invariant)]
+            ratios[f"tp2_over_tp1_{label}"] = two["tokens_per_s"] / one["tokens_per_s"]
+            ratios[f"tp2_tokens_equal_tp1_{label}"] = two["token_ids"] == one["token_ids"]
+    return ratios
+
+
+def print_report(report: dict) -> None:
+    rows = [
+        (
+            row["mode"],
+            row["tokens_per_s"],
+            row["ms_per_token"],
+            row["bytes_per_token"] / 1e6,
+            row["bandwidth_gb_s"],
+            row["roofline_tokens_per_s"],
+            f"{100 * row['roofline_fraction']:.0f}%",
+        )
+        for row in report["modes"]
+    ]
+    print_table(
+        f"single-stream decode, {report['dtype']}, 1 thread per rank, "
+        f"{report['timed_tokens_per_mode']} timed tokens per mode, load average {report['load_average']:.1f}",
+        ("mode", "tok/s", "ms/tok", "MB/tok", "GB/s", "roof tok/s", "of roof"),
+        rows,
+    )
+    for name, value in report["ratios"].items():
+        print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--tp", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    parser.add_argument("--tokens", type=int, default=16, help="decode steps per timed burst")
+    parser.add_argument("--bursts", type=int, default=3, help="timed bursts per mode and round")
+    parser.add_argument("--rounds", type=int, default=1, help="times every mode runs, in turn")
+    parser.add_argument("--bandwidth-mib", type=int, default=512, help="buffer summed to measure bandwidth")
+    args = parser.parse_args(argv)
+    report = run_decode_roofline(
+        args.model or default_model_dir(),
+        tp_sizes=tuple(args.tp),
+        dtype=args.dtype,
+        num_bursts=args.bursts,
+        burst_tokens=args.tokens,
+        num_rounds=args.rounds,
+        bandwidth_bytes=args.bandwidth_mib * 2**20,
+    )
+    print_report(report)
+    write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""The benchmarks run end to end on a tiny model with tiny sizes and report what their READMEs promise.
+
+Speeds are never asserted (the machine is shared); what is checked is the report's shape, the
+weight accounting, and the exactness the benchmarks rely on: tp=2 decodes the tokens of tp=1, and
+batched prefill gives the replies of unbatched prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import write_tiny_model
+
+from bench.batched_prefill import run_batched_prefill
+from bench.common import percentile
+from bench.concurrency import run_concurrency
+from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
+from tpserve.ranks.model_config import load_model_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("bench") / "llama", "llama"))
+
+
+def test_decode_roofline_reports_every_mode_and_tp2_decodes_the_tokens_of_tp1(tiny_model):
+    report = run_decode_roofline(tiny_model, num_bursts=2, burst_tokens=2, bandwidth_bytes=2**20)
+    modes = {(row["tp_size"], row["batch_invariant"]): row for row in report["modes"]}
+    assert set(modes) == {(1, True), (1, False), (2, True), (2, False)}
+    for row in modes.values():
+        assert row["tokens_per_s"] > 0 and row["bandwidth_gb_s"] > 0
+        assert len(row["burst_tokens_per_s"]) == len(row["burst_bandwidth_gb_s"]) == 2
+        fractions = [
+            rate * row["bytes_per_token"] / (gb_s * 1e9)
+            for rate, gb_s in zip(row["burst_tokens_per_s"], row["burst_bandwidth_gb_s"])
+        ]
+        assert math.isclose(row["roofline_fraction"], statistics.median(fractions))
+        assert row["bytes_per_token"] == max(row["rank_bytes_per_token"])
+    # The uneven 2+1 KV split: rank 0 reads more and bounds the pair, yet less than tp=1 reads.
+    tp1, tp2 = modes[(1, True)], modes[(2, True)]
+    assert tp2["rank_bytes_per_token"][0] > tp2["rank_bytes_per_token"][1]
+    assert tp1["bytes_per_token"] / 2 < tp2["bytes_per_token"] < tp1["bytes_per_token"]
+    assert report["ratios"]["tp2_tokens_equal_tp1_invariant"] is True
+    assert report["ratios"]["tp2_tokens_equal_tp1_fast"] is True
+    assert set(report["ratios"]) >= {"tp1_invariant_over_fast", "tp2_invariant_over_fast"}
+
+
+def test_weight_bytes_count_every_weight_once_with_replicated_norms_on_each_rank(tiny_model):
+    config = load_model_config(tiny_model)
+    whole = weight_bytes_per_token(config, 0, 1, 4)
+    halves = [weight_bytes_per_token(config, rank, 2, 4) for rank in (0, 1)]
+    num_norm_params = config.hidden_size * (2 * config.num_layers + 1)
+    assert sum(halves) == whole + 4 * num_norm_params
+
+
+def test_concurrency_reports_each_stream_count_against_the_first(tiny_model):
+    report = run_concurrency(tiny_model, stream_counts=(1, 3), max_tokens=6)
+    assert report["num_lanes"] >= 16
+    assert [level["streams"] for level in report["levels"]] == [1, 3]
+    assert report["levels"][0]["ratio_to_first"] == 1.0
+    for level in report["levels"]:
+        assert level["tokens_per_s"] > 0 and level["ms_per_round"] > 0
+
+
+def test_batched_prefill_gives_the_replies_of_unbatched_prefill(tiny_model):
+    report = run_batched_prefill(tiny_model, num_requests=4, prompt_tokens=24, max_tokens=4)
+    off, on = report["modes"]
+    assert (off["batch_prefill"], on["batch_prefill"]) == (False, True)
+    assert report["replies_identical"] is True and report["differing_requests"] == []
+    assert on["replies"] == off["replies"]
+    assert all(len(reply) == 4 for reply in on["replies"])
+    assert len({tuple(reply) for reply in on["replies"]}) > 1  # distinct prompts, distinct replies
+    for mode in (off, on):
+        assert len(mode["first_token_s"]) == 4
+        assert mode["first_token_p50_s"] <= mode["first_token_p90_s"] <= mode["last_first_token_s"]
+
+
+def test_a_benchmark_runs_as_a_module_and_writes_its_figures(tiny_model, tmp_path):
+    out = tmp_path / "figures.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.concurrency", "--model", tiny_model, "--streams", "1", "2"]
+        + ["--max-tokens", "5", "--json", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "x 1 stream(s)" in done.stdout
+    assert [level["streams"] for level in json.loads(out.read_text())["levels"]] == [1, 2]
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    assert percentile([5.0], 90) == 5.0
