@@ -26,12 +26,25 @@ if [ -z "${args[*]:-}" ] || ! printf '%s\n' "${args[@]}" | grep -q -- '^--config
     args=(--config "$here/configs/default.yaml" "${args[@]}")
 fi
 
+torchrun=("$python" -m torch.distributed.run)
 if [ -n "$master" ]; then
     [ -n "$rank" ] || { echo "launch.sh: --master needs --rank" >&2; exit 2; }
     host=${master%%:*}
     port=29500
     [ "$host" = "$master" ] || port=${master##*:}
-    exec "$python" -m torch.distributed.run --nnodes "$tp" --node-rank "$rank" --nproc-per-node 1 \
-        --master-addr "$host" --master-port "$port" -m tpserve.cli serve "${args[@]}"
+    torchrun+=(--nnodes "$tp" --node-rank "$rank" --nproc-per-node 1 --master-addr "$host" --master-port "$port")
+else
+    torchrun+=(--standalone --nproc-per-node "$tp")
 fi
-exec "$python" -m torch.distributed.run --standalone --nproc-per-node "$tp" -m tpserve.cli serve "${args[@]}"
+
+# A stop signal goes to the ranks, not to torchrun: rank 0 drains and sends the followers Stop,
+# every rank exits 0, and so does torchrun (a signalled torchrun exits 1 whatever its ranks did).
+"${torchrun[@]}" -m tpserve.cli serve "${args[@]}" &
+launcher=$!
+stop_ranks() { kill -TERM $(ps -o pid= --ppid "$launcher") 2>/dev/null || kill -TERM "$launcher" 2>/dev/null || true; }
+trap stop_ranks TERM INT
+while true; do
+    code=0
+    wait "$launcher" || code=$?
+    kill -0 "$launcher" 2>/dev/null || exit "$code"  # else a trapped signal cut the wait short
+done

@@ -2,7 +2,7 @@
 
 Exit codes: 0 after a graceful stop (SIGTERM or SIGINT: admission stops, live streams get the
 grace period, the rest end cancelled, the followers get Stop); 1 when the engine broke (every
-stream ended with an error first), so a supervisor restarts both ranks.
+live stream failed with UNAVAILABLE first), so a supervisor restarts both ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from tpserve.ranks.startup import RankRuntime, shutdown
+from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
 from tpserve.server.engine_host import build_lane_host
 from tpserve.server.grpc_server import GrpcServer
@@ -21,7 +22,8 @@ from tpserve.server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-BROKEN_FLUSH_S = 2.0  # time for the error replies to reach clients before a broken daemon exits
+BROKEN_FLUSH_S = 2.0  # a broken daemon answers "the engine is broken" this long before it exits
+FLUSH_S = 1.0  # for the last messages of ended streams to reach their clients
 
 
 def serve_rank0(
@@ -74,15 +76,25 @@ def serve_rank0(
         pass
     if broken.is_set():
         log.error("the engine broke; ending every stream and exiting so a supervisor restarts both ranks")
-        server.stop(grace_s=BROKEN_FLUSH_S)
+        # The live streams already failed with UNAVAILABLE; for a moment longer new requests
+        # hear why (the engine is broken) instead of finding the port closed.
+        stop.wait(BROKEN_FLUSH_S)
+        server.stop(grace_s=FLUSH_S)
         host.stop(grace_s=0)
         return 1
     log.info("stopping: admission closed, live streams have %.0f s to finish", config.grace_s)
-    server.stop(grace_s=config.grace_s)
+    # Admission closes first with a clear refusal; the gRPC server stays up while the lane host
+    # drains, so live streams keep flowing, then it gets a moment to send their last messages.
+    server.begin_stopping()
     host.stop(grace_s=config.grace_s)
+    server.stop(grace_s=FLUSH_S)
     if broken.is_set():
         return 1
-    leader.stop()
+    try:
+        leader.stop()
+    except BackendBroken as error:  # a follower went away during the drain
+        log.error("could not tell the followers to stop: %s", error)
+        return 1
     shutdown()
     log.info("stopped")
     return 0

@@ -92,13 +92,21 @@ class GrpcServer:
             log.info("Prometheus metrics on port %d", self.metrics_port)
         return port
 
+    def begin_stopping(self) -> None:
+        """Refuses new Generate calls with UNAVAILABLE and reports NOT_SERVING; live calls go on.
+
+        A draining daemon calls this first, so requests arriving during its grace period get the
+        servicer's precise refusal rather than a closed port.
+        """
+        self._servicer.begin_stopping()
+        self._stop_watching.set()
+        self._health.enter_graceful_shutdown()  # NOT_SERVING from now on, whatever else happens
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Refuses new requests (UNAVAILABLE), gives live calls grace_s, then closes every call."""
         if self._server is None:
             return
-        self._servicer.begin_stopping()
-        self._stop_watching.set()
-        self._health.enter_graceful_shutdown()  # NOT_SERVING from now on, whatever else happens
+        self.begin_stopping()
         done = self._server.stop(grace_s)
         if not done.wait(timeout=grace_s + 5.0):
             log.error("the gRPC server did not stop within %.1f s", grace_s + 5.0)

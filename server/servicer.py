@@ -2,7 +2,9 @@
 
 It validates (server/validation.py), tokenizes, submits a GenerationRequest and relays the stream's
 events as GenerateResponse messages. A client that cancels, disconnects or runs past its deadline
-cancels its stream, so its lane is freed at the host's next boundary. Nothing is decided here.
+cancels its stream, so its lane is freed at the host's next boundary. A stream ended by a broken
+engine fails with UNAVAILABLE (a stream's own error ends with finish reason ERROR instead).
+Nothing is decided here.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 
 QUEUE_FULL = "the queue is full; try again later"
 ENGINE_BROKEN = "the engine is broken; the server must be restarted"
+ENGINE_BROKE_MID_REPLY = "the engine broke during this reply; the server must be restarted"
 STOPPING = "the server is stopping"
 NO_MEDIA_MODEL = "this server's model reads no image or video inputs"
 
@@ -117,6 +120,10 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         yield from self._relay(stream, context)
 
     def _submit(self, request) -> Stream:
+        # A broken engine is the news a client can act on (the server needs a restart), so it
+        # comes first, also while the broken daemon is on its way out.
+        if self._lane_host.broken:
+            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, ENGINE_BROKEN)
         if self._stopping:
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         kind = check_generate(request, self._limits)
@@ -171,6 +178,13 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     yield serving_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
                 elif isinstance(event, Finished):
                     finished = event
+                    if event.reason == ERROR and self._lane_host.broken:
+                        # Not this request's fault: the whole server is down, so the call fails
+                        # the way unreachable servers fail (clients retry UNAVAILABLE elsewhere).
+                        self._metrics.count_outcome(grpc.StatusCode.UNAVAILABLE.name.lower())
+                        context.abort(
+                            grpc.StatusCode.UNAVAILABLE, f"{ENGINE_BROKE_MID_REPLY} ({event.error})"
+                        )
                     self._count_finished(event)
                     yield _final_response(event)
         finally:

@@ -278,13 +278,16 @@ def test_health_is_serving_and_reflection_lists_the_services(served):
     assert generate.name == "tpserve/v1/serving.proto"
 
 
-def test_a_broken_engine_ends_streams_with_an_error_and_turns_health_not_serving():
+def test_a_broken_engine_fails_live_streams_with_unavailable_and_turns_health_not_serving():
     with serving(broken_backend()) as served:
         assert served.health() == health_pb2.HealthCheckResponse.SERVING
         request = serving_pb2.GenerateRequest(prompt="boom", max_tokens=5)
-        _, _, last, _ = collect(served.stub.Generate(request, timeout=WAIT_S))
-        assert last.finish_reason == serving_pb2.FINISH_REASON_ERROR
-        assert "engine broken" in last.error
+        with pytest.raises(grpc.RpcError) as raised:
+            collect(served.stub.Generate(request, timeout=WAIT_S))
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert raised.value.details().startswith(
+            "the engine broke during this reply; the server must be restarted (engine broken: "
+        )
         wait_until(
             lambda: served.health() == health_pb2.HealthCheckResponse.NOT_SERVING,
             "health to turn NOT_SERVING",
@@ -331,7 +334,8 @@ def server_in_state(state: str, default_served: Served):
             yield served
     elif state == "broken":
         with serving(broken_backend()) as served:
-            collect(served.stub.Generate(serving_pb2.GenerateRequest(prompt="break"), timeout=WAIT_S))
+            with pytest.raises(grpc.RpcError):
+                collect(served.stub.Generate(serving_pb2.GenerateRequest(prompt="break"), timeout=WAIT_S))
             assert served.host.broken
             yield served
     elif state == "host_stopped":

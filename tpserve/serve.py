@@ -1,13 +1,19 @@
 """`tpserve serve`: one rank of the daemon, placed by torchrun's environment or by --rank/--master.
 
 Without either, it serves alone at tp=1, or at tp=2 starts the follower here as a child process.
+Stop signals are rank 0's to act on: it drains and then sends the followers Stop, so a follower
+never ends on a signal while rank 0 may still need it.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-from contextlib import nullcontext
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from tpserve.prepare import prepare
@@ -18,7 +24,10 @@ from tpserve.ranks.startup import start_rank
 from tpserve.server.config import ConfigError, add_config_flags, load_config, overrides_from
 from tpserve.server.daemon import serve_rank0
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MASTER_PORT = 29500
+FOLLOWER_MARGIN_S = 10.0  # past rank 0's grace period, for its last messages and Stop
 
 
 @dataclass(frozen=True)
@@ -64,9 +73,16 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides_from(args))
     placement = place(config)
     setup_logging(placement.rank)
+    if config.vision:
+        # Every rank refuses alike, so none waits for a partner that will never come.
+        raise ConfigError(
+            "--vision: no model family tpserve serves has a vision tower yet, so image and video "
+            "inputs cannot be read; start without --vision"
+        )
     model_dir = config.model or str(prepare(progress=placement.rank == 0))
     settings = config.engine_settings(model_dir)
     if placement.rank > 0:
+        wait_for_stop_on_signals(placement.rank, config.grace_s + FOLLOWER_MARGIN_S)
         return run_follower(
             settings,
             placement.rank,
@@ -75,8 +91,12 @@ def run(args: argparse.Namespace) -> int:
             placement.port,
             placement.agent_store,
         )
-    followers = local_followers(settings, placement.port) if placement.spawn_followers else nullcontext()
-    with followers:
+    with ExitStack() as stack:
+        if placement.spawn_followers:
+            # The followers inherit ignored stop signals: Ctrl-C reaches this whole process group,
+            # and rank 0 alone decides when they stop (Stop after the drain, or its own death).
+            with ignoring(signal.SIGINT, signal.SIGTERM):
+                stack.enter_context(local_followers(settings, placement.port))
         runtime = start_rank(
             settings,
             0,
@@ -86,3 +106,44 @@ def run(args: argparse.Namespace) -> int:
             agent_store=placement.agent_store,
         )
         return serve_rank0(config, runtime, model_dir)
+
+
+@contextmanager
+def ignoring(*signums: int) -> Iterator[None]:
+    """Ignore the signals inside; processes started inside keep ignoring them (POSIX exec rule,
+    which Python honours for SIGINT too)."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def wait_for_stop_on_signals(rank: int, patience_s: float) -> None:
+    """A follower leaves when rank 0 sends Stop. torchrun forwards SIGTERM and SIGINT to every rank
+    at once, and rank 0 first drains its live streams, which need this follower; so a signal here
+    starts a countdown instead, which ends the process only if rank 0's Stop never comes."""
+    countdown: list[threading.Timer] = []
+
+    def give_up() -> None:
+        log.error("rank %d: no Stop from rank 0 within %.0f s of the stop signal; exiting", rank, patience_s)
+        logging.shutdown()
+        os._exit(1)
+
+    def on_signal(signum, frame) -> None:
+        if countdown:
+            return
+        log.warning(
+            "rank %d: got %s; waiting up to %.0f s for rank 0 to drain and send Stop",
+            rank,
+            signal.Signals(signum).name,
+            patience_s,
+        )
+        timer = threading.Timer(patience_s, give_up)
+        timer.daemon = True
+        timer.start()
+        countdown.append(timer)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
