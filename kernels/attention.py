@@ -2,6 +2,13 @@
 
 Spans are computed one at a time over exactly their own keys, so a stream's numbers never depend
 on what else is in the batch (no padding, no shared softmax).
+
+With `min_rows` set (batch-invariant mode) attention is computed as plain products padded to the
+BLAS's large-batch kernel, so a row's result depends only on its own query and keys: not on how
+many rows were computed with it, nor on how many keys lay beyond its position. Then a prompt
+prefilled in chunks, or after a prompt-cache restore, gives the very numbers of a whole prefill,
+and the first token of a prefill matches a decode step's. The fused kernel (`min_rows` 0) blocks
+rows and keys by the pass's shape, and rounds differently for each.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def span_attention(
-    q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, spans, scale: float
+    q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, spans, scale: float, min_rows: int = 0
 ) -> torch.Tensor:
     """q: [T, Hq, D] (rotated); pool_*: [room, Hkv, D] already holding the spans' keys. Returns [T, Hq*D]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -48,6 +55,9 @@ def span_attention(
     for span in spans:
         rows = slice(span.offset, span.offset + span.length)
         keys = slice(span.base, span.base + span.end)
+        if min_rows:
+            out[rows] = invariant_attention(q[rows], pool_k[keys], pool_v[keys], span.start, scale, min_rows)
+            continue
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         ks = pool_k[keys].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         vs = pool_v[keys].transpose(0, 1).unsqueeze(0)
@@ -60,3 +70,28 @@ def span_attention(
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def invariant_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float, min_rows: int
+) -> torch.Tensor:
+    """q: [n, Hq, D] at positions start..start+n-1; keys, values: [L, Hkv, D], L >= start+n.
+
+    Returns [n, Hq, D]. Query heads are grouped under their KV head (head h reads KV head h // g),
+    and the positions are padded so each product has at least min_rows rows.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
+    group = num_heads // num_kv_heads
+    padded = max(num_rows, -(-min_rows // group))
+    grouped = q.reshape(num_rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+    grouped = F.pad(grouped, (0, 0, 0, padded - num_rows)).reshape(num_kv_heads, group * padded, head_dim)
+    scores = torch.matmul(grouped, keys.permute(1, 2, 0)).float() * scale  # [Hkv, g*rows, L]
+    # Padding rows sit at the last real position, so no row is wholly masked.
+    positions = (start + torch.arange(padded, device=q.device)).clamp(max=start + num_rows - 1)
+    hidden = torch.arange(num_keys, device=q.device) > positions.unsqueeze(1)  # [rows, L]
+    scores = scores.view(num_kv_heads, group, padded, num_keys).masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads, group * padded, num_keys)
+    out = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, g*rows, D]
+    out = out.view(num_kv_heads, group, padded, head_dim)[:, :, :num_rows]
+    return out.permute(2, 0, 1, 3).reshape(num_rows, num_heads, head_dim)

@@ -105,7 +105,12 @@ class TPModel:
         q = self.rotary.apply(q, positions)
         k = self.rotary.apply(k, positions)
         write_kv(pool_k, pool_v, k, v, spans)
-        return linear(span_attention(q, pool_k, pool_v, spans, self.scale), layer.w_o, None, self.min_rows)
+        return linear(
+            span_attention(q, pool_k, pool_v, spans, self.scale, self.min_rows),
+            layer.w_o,
+            None,
+            self.min_rows,
+        )
 
     def forward(
         self,
