@@ -17,6 +17,7 @@ longer be sure they hold the same state. Calls on one rank come from one thread.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from tpserve.ranks.wire import HEAD_SIZE, Idle, Message, Stop, WireError, decode, encode, read_head
 
-__all__ = ["Channel", "ChannelBroken", "LeaderLost"]
+__all__ = ["Channel", "ChannelBroken", "LeaderLost", "brief"]
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +198,13 @@ class Channel:
                 raise self._break(
                     LeaderLost,
                     f"rank {self.rank}: lost the store while idle after #{idle_seq} "
-                    f"(rank 0 or the launcher that serves it is gone): {_brief(err)}",
+                    f"(rank 0 or the launcher that serves it is gone): {brief(err)}",
                 ) from err
             except dist.DistError as err:
                 raise self._break(
                     LeaderLost,
                     f"rank {self.rank}: no heartbeat nor doorbell from rank 0 within "
-                    f"{self.leader_dead_after_s:g}s while idle after #{idle_seq}: {_brief(err)}",
+                    f"{self.leader_dead_after_s:g}s while idle after #{idle_seq}: {brief(err)}",
                 ) from err
             if value == ring:
                 return
@@ -224,7 +225,7 @@ class Channel:
                             store.queue_push(self._wake_key(follower), _BEAT)
                 except dist.DistError as err:
                     if not failing:
-                        log.warning("heartbeat: cannot reach the store: %s", _brief(err))
+                        log.warning("heartbeat: cannot reach the store: %s", brief(err))
                     failing = True
                     continue
             if failing:
@@ -236,7 +237,7 @@ class Channel:
             for follower in range(1, self.world_size):
                 self._store.queue_push(self._wake_key(follower), value)
         except dist.DistError as err:
-            raise self._break(ChannelBroken, f"rank 0: {what}: the store failed: {_brief(err)}") from err
+            raise self._break(ChannelBroken, f"rank 0: {what}: the store failed: {brief(err)}") from err
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         peers = "the followers" if self.rank == 0 else "rank 0"
@@ -253,7 +254,7 @@ class Channel:
             raise self._break(
                 ChannelBroken,
                 f"rank {self.rank}: {what}: {peers} did not answer "
-                f"({time.monotonic() - started:.1f}s, timeout {self.timeout_s:g}s): {_brief(err)}",
+                f"({time.monotonic() - started:.1f}s, timeout {self.timeout_s:g}s): {brief(err)}",
             ) from err
 
     def _break(self, kind: type[ChannelBroken], message: str) -> ChannelBroken:
@@ -271,6 +272,8 @@ class Channel:
         return f"wake/{follower}"
 
 
-def _brief(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return " ".join(lines[:2]) if lines else type(err).__name__
+def brief(err: BaseException) -> str:
+    """The gist of a gloo or store error: its first lines, without source paths or sign-offs."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and "GLHF" not in line]
+    text = " ".join(lines[:2]) if lines else type(err).__name__
+    return re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)

@@ -11,6 +11,7 @@ import logging
 
 from tpserve.kernels.sampling import sample, top_logits
 from tpserve.ranks.apply import Refused, apply
+from tpserve.ranks.channel import ChannelBroken, brief
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Span, Step, Stop
 
@@ -119,8 +120,14 @@ class Leader:
             return apply(self.engine, self.channel, msg)
         except Refused:
             raise
-        except Exception as error:  # the ranks may now disagree: nothing more can be trusted
+        except ChannelBroken as error:  # names the rank that did not answer
             self.broken = f"{type(msg).__name__} failed: {error}"
+            log.error("rank 0: engine broken: %s", self.broken)
+            raise self._broken_error(self.broken) from error
+        except Exception as error:  # the ranks may now disagree: nothing more can be trusted
+            peers = ", ".join(str(rank) for rank in range(1, self.channel.world_size))
+            where = f" (a collective with rank {peers} failed or timed out)" if peers else ""
+            self.broken = f"{type(msg).__name__} failed{where}: {brief(error)}"
             log.error("rank 0: engine broken: %s", self.broken)
             raise self._broken_error(self.broken) from error
 
