@@ -38,29 +38,31 @@ class SpanView:
 
 
 def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans) -> None:
-    # pool_*: [room, Hkv, D]; k, v: [T, Hkv, D]
+    # pool_*: [Hkv, room, D]; k, v: [T, Hkv, D]
     for span in spans:
         rows = slice(span.offset, span.offset + span.length)
         slots = slice(span.base + span.start, span.base + span.end)
-        pool_k[slots] = k[rows]
-        pool_v[slots] = v[rows]
+        pool_k[:, slots] = k[rows].transpose(0, 1)
+        pool_v[:, slots] = v[rows].transpose(0, 1)
 
 
 def span_attention(
     q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, spans, scale: float, min_rows: int = 0
 ) -> torch.Tensor:
-    """q: [T, Hq, D] (rotated); pool_*: [room, Hkv, D] already holding the spans' keys. Returns [T, Hq*D]."""
+    """q: [T, Hq, D] (rotated); pool_*: [Hkv, room, D] already holding the spans' keys. Returns [T, Hq*D]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for span in spans:
         rows = slice(span.offset, span.offset + span.length)
         keys = slice(span.base, span.base + span.end)
         if min_rows:
-            out[rows] = invariant_attention(q[rows], pool_k[keys], pool_v[keys], span.start, scale, min_rows)
+            out[rows] = invariant_attention(
+                q[rows], pool_k[:, keys], pool_v[:, keys], span.start, scale, min_rows
+            )
             continue
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        ks = pool_k[keys].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        vs = pool_v[keys].transpose(0, 1).unsqueeze(0)
+        ks = pool_k[:, keys].unsqueeze(0)  # [1, Hkv, L, D]
+        vs = pool_v[:, keys].unsqueeze(0)
         mask = None
         if span.length > 1:
             # Query i sits at position start+i and sees keys 0..start+i.
@@ -75,23 +77,23 @@ def span_attention(
 def invariant_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float, min_rows: int
 ) -> torch.Tensor:
-    """q: [n, Hq, D] at positions start..start+n-1; keys, values: [L, Hkv, D], L >= start+n.
+    """q: [n, Hq, D] at positions start..start+n-1; keys, values: [Hkv, L, D], L >= start+n.
 
     Returns [n, Hq, D]. Query heads are grouped under their KV head (head h reads KV head h // g),
     and the positions are padded so each product has at least min_rows rows.
     """
     num_rows, num_heads, head_dim = q.shape
-    num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
+    num_kv_heads, num_keys = keys.shape[0], keys.shape[1]
     group = num_heads // num_kv_heads
     padded = max(num_rows, -(-min_rows // group))
     grouped = q.reshape(num_rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
     grouped = F.pad(grouped, (0, 0, 0, padded - num_rows)).reshape(num_kv_heads, group * padded, head_dim)
-    scores = torch.matmul(grouped, keys.permute(1, 2, 0)).float() * scale  # [Hkv, g*rows, L]
+    scores = torch.matmul(grouped, keys.transpose(1, 2)).float() * scale  # [Hkv, g*rows, L]
     # Padding rows sit at the last real position, so no row is wholly masked.
     positions = (start + torch.arange(padded, device=q.device)).clamp(max=start + num_rows - 1)
     hidden = torch.arange(num_keys, device=q.device) > positions.unsqueeze(1)  # [rows, L]
     scores = scores.view(num_kv_heads, group, padded, num_keys).masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads, group * padded, num_keys)
-    out = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, g*rows, D]
+    out = torch.matmul(probs, values)  # [Hkv, g*rows, D]
     out = out.view(num_kv_heads, group, padded, head_dim)[:, :, :num_rows]
     return out.permute(2, 0, 1, 3).reshape(num_rows, num_heads, head_dim)

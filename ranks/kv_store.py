@@ -55,7 +55,7 @@ def kv_bytes_per_token(num_layers: int, kv_heads: list[int], head_dim: int, dtyp
 
 
 class KVPool:
-    """k/v[piece]: [num_layers, num_slots, Hkv_piece, D]."""
+    """k/v[piece]: [num_layers, Hkv_piece, num_slots, D]: head-major, so a lane's keys are a view."""
 
     def __init__(
         self,
@@ -68,10 +68,10 @@ class KVPool:
     ):
         self.num_slots = num_slots
         self.k = [
-            torch.zeros(num_layers, num_slots, h, head_dim, dtype=dtype, device=device) for h in kv_heads
+            torch.zeros(num_layers, h, num_slots, head_dim, dtype=dtype, device=device) for h in kv_heads
         ]
         self.v = [
-            torch.zeros(num_layers, num_slots, h, head_dim, dtype=dtype, device=device) for h in kv_heads
+            torch.zeros(num_layers, h, num_slots, head_dim, dtype=dtype, device=device) for h in kv_heads
         ]
         self.allocator = RangeAllocator(num_slots)
 
@@ -83,4 +83,4 @@ class KVPool:
         src = slice(source_start, source_start + num_tokens)
         dst = slice(target_start, target_start + num_tokens)
         for mine, theirs in zip(self.k + self.v, source.k + source.v):
-            mine[:, dst] = theirs[:, src]
+            mine[:, :, dst] = theirs[:, :, src]

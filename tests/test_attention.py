@@ -15,7 +15,12 @@ NUM_KEYS = 700
 def qkv():
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(NUM_KEYS, h, 64, generator=gen) for h in (6, 2, 2))
+    q, k, v = (torch.randn(NUM_KEYS, h, 64, generator=gen) for h in (6, 2, 2))
+    return (
+        q,
+        k.transpose(0, 1).contiguous(),
+        v.transpose(0, 1).contiguous(),
+    )  # keys head-major, as in the pool
 
 
 def test_matches_the_reference_attention(qkv):
@@ -23,8 +28,9 @@ def test_matches_the_reference_attention(qkv):
     ours = invariant_attention(q, k, v, 0, 0.125, 16)
     mask = torch.arange(NUM_KEYS) <= torch.arange(NUM_KEYS).unsqueeze(1)
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=0.125, enable_gqa=True
-    ).transpose(0, 1)
+        q.transpose(0, 1), k, v, attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    ref = ref.transpose(0, 1)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -36,14 +42,33 @@ def test_rows_equal_the_whole_prefill_bit_for_bit(qkv, start, num_rows):
     q, k, v = qkv
     whole = invariant_attention(q, k, v, 0, 0.125, 16)
     end = start + num_rows
-    part = invariant_attention(q[start:end], k[:end], v[:end], start, 0.125, 16)
+    part = invariant_attention(q[start:end], k[:, :end], v[:, :end], start, 0.125, 16)
     assert torch.equal(part, whole[start:end])
 
 
 def test_span_attention_reads_each_span_from_its_own_lane(qkv):
     q, k, v = qkv
-    pool_k = torch.cat([k[:300], torch.randn(100, 2, 64), k[:300]])
-    pool_v = torch.cat([v[:300], torch.randn(100, 2, 64), v[:300]])
+    pool_k = torch.cat([k[:, :300], torch.randn(2, 100, 64), k[:, :300]], dim=1)
+    pool_v = torch.cat([v[:, :300], torch.randn(2, 100, 64), v[:, :300]], dim=1)
     spans = [SpanView(0, 0, 290, 10), SpanView(10, 400, 290, 10)]
     out = span_attention(torch.cat([q[290:300], q[290:300]]), pool_k, pool_v, spans, 0.125, 16)
     assert torch.equal(out[:10], out[10:])
+
+
+def test_a_decode_round_equals_each_lane_alone_and_the_whole_prefill(qkv):
+    # Lanes at different lengths in one round: each row as if computed alone, bit for bit, and as
+    # in the whole prefill.
+    q, k, v = qkv
+    whole = invariant_attention(q, k, v, 0, 0.125, 16)
+    lengths = [1, 17, 300, 699, 64]
+    pool_k = torch.cat([k] * len(lengths), dim=1)
+    pool_v = torch.cat([v] * len(lengths), dim=1)
+    steps = [SpanView(i, i * 700, n - 1, 1) for i, n in enumerate(lengths)]
+    queries = torch.stack([q[n - 1] for n in lengths])
+    together = span_attention(queries, pool_k, pool_v, steps, 0.125, 16)
+    for i, n in enumerate(lengths):
+        alone = span_attention(
+            queries[i : i + 1], pool_k, pool_v, [SpanView(0, i * 700, n - 1, 1)], 0.125, 16
+        )
+        assert torch.equal(together[i], alone[0])
+        assert torch.equal(together[i].view(6, 64), whole[n - 1])
