@@ -7,7 +7,7 @@ the time from submission to the last first token (the figure the feature exists 
 most half with batching) and the p50/p90 time to each first token. Every reply must be identical
 between the modes (half of the requests greedy, half sampled with a seed); the run exits 1 otherwise.
 
-    python -m bench.batched_prefill [--requests 16 --prompt-tokens 256 --max-tokens N] [--json FILE]
+    python -m bench.batched_prefill [--requests 16 --prompt-tokens 256 --max-tokens N --rounds R] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from bench.common import (  # noqa: E402
     add_common_args,
     bench_settings,
     default_model_dir,
+    median,
     percentile,
     print_table,
     submit_together,
@@ -53,7 +54,8 @@ def make_requests(tokenizer: Tokenizer, num_requests: int, prompt_tokens: int, m
 
 def run_mode(
     model_dir: str, requests: Sequence[GenerationRequest], *, batch_prefill: bool, dtype: str
-) -> dict:
+) -> tuple[list[float], list[list[int]]]:
+    """One engine, the requests submitted together: each one's time to first token and its reply."""
     longest = max(len(request.prompt_ids) + request.max_tokens for request in requests)
     settings = bench_settings(
         model_dir,
@@ -67,14 +69,7 @@ def run_mode(
     with local_engine(settings) as engine:
         records = watch_streams(submit_together(engine.host, requests))
     first_token_s = [record.finished.usage.time_to_first_token_s for record in records]
-    return {
-        "batch_prefill": batch_prefill,
-        "last_first_token_s": max(first_token_s),
-        "first_token_p50_s": percentile(first_token_s, 50),
-        "first_token_p90_s": percentile(first_token_s, 90),
-        "first_token_s": first_token_s,
-        "replies": [record.token_ids for record in records],
-    }
+    return first_token_s, [record.token_ids for record in records]
 
 
 def run_batched_prefill(
@@ -83,13 +78,35 @@ def run_batched_prefill(
     num_requests: int = 16,
     prompt_tokens: int = 256,
     max_tokens: int = 8,
+    num_rounds: int = 1,
     dtype: str = "float32",
 ) -> dict:
-    """Both modes, one after the other, on the same requests."""
+    """Both modes in turn, `num_rounds` times, on the same requests; medians over rounds.
+
+    The on/off ratio is taken per round (runs a few seconds apart) before its median.
+    """
     tokenizer = Tokenizer.from_model_dir(model_dir)
     requests = make_requests(tokenizer, num_requests, prompt_tokens, max_tokens)
-    off, on = (run_mode(model_dir, requests, batch_prefill=mode, dtype=dtype) for mode in MODES)
-    differing = [i for i, (a, b) in enumerate(zip(off["replies"], on["replies"])) if a != b]
+    first_tokens: dict[bool, list[list[float]]] = {mode: [] for mode in MODES}
+    differing: set[int] = set()
+    expected = None
+    for _ in range(num_rounds):
+        for mode in MODES:
+            first_token_s, replies = run_mode(model_dir, requests, batch_prefill=mode, dtype=dtype)
+            first_tokens[mode].append(first_token_s)
+            expected = expected or replies
+            differing |= {i for i, (a, b) in enumerate(zip(expected, replies)) if a != b}
+    modes = [
+        {
+            "batch_prefill": mode,
+            "last_first_token_s": median([max(run) for run in first_tokens[mode]]),
+            "first_token_p50_s": median([percentile(run, 50) for run in first_tokens[mode]]),
+            "first_token_p90_s": median([percentile(run, 90) for run in first_tokens[mode]]),
+            "round_first_token_s": first_tokens[mode],
+        }
+        for mode in MODES
+    ]
+    ratios = [max(on) / max(off) for off, on in zip(first_tokens[False], first_tokens[True])]
     return {
         "model": model_dir,
         "dtype": dtype,
@@ -98,18 +115,22 @@ def run_batched_prefill(
         "num_requests": num_requests,
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
+        "rounds": num_rounds,
         "load_average": os.getloadavg()[0],
-        "modes": [off, on],
-        "last_first_token_ratio": on["last_first_token_s"] / off["last_first_token_s"],
+        "modes": modes,
+        "last_first_token_ratio": median(ratios),
+        "round_last_first_token_ratios": ratios,
+        "replies": expected,
         "replies_identical": not differing,
-        "differing_requests": differing,
+        "differing_requests": sorted(differing),
     }
 
 
 def print_report(report: dict) -> None:
     print_table(
         f"{report['num_requests']} requests x {report['prompt_tokens']}-token prompts arriving together, "
-        f"2 ranks, {report['dtype']}, 1 thread per rank, load average {report['load_average']:.1f}",
+        f"2 ranks, {report['dtype']}, 1 thread per rank, {report['rounds']} round(s), "
+        f"load average {report['load_average']:.1f}",
         ("batch_prefill", "last first token s", "p50 s", "p90 s"),
         [
             (m["batch_prefill"], m["last_first_token_s"], m["first_token_p50_s"], m["first_token_p90_s"])
@@ -126,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests arriving together (2 to 16)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=8, help="reply length, compared between modes")
+    parser.add_argument("--rounds", type=int, default=1, help="times both modes run, in turn")
     args = parser.parse_args(argv)
     if not 2 <= args.requests <= 16:
         parser.error("--requests must be between 2 and 16 (one joint pass takes at most 16 prompts)")
@@ -134,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_requests=args.requests,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
+        num_rounds=args.rounds,
         dtype=args.dtype,
     )
     print_report(report)
