@@ -390,6 +390,7 @@ class Reply:
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    prefilled: bool = False  # the first message (prompt in the KV cache) arrived
     num_token_messages: int = 0
     finish_reason: int = 0  # serving_pb2.FinishReason; 0 when the call failed instead
     last: object = None  # the final GenerateResponse
@@ -402,17 +403,21 @@ class Reply:
         return self.code is None
 
 
-def read_reply(call, reply: Reply | None = None) -> Reply:
-    """Reads a Generate call to its end into `reply` (which another thread may watch grow)."""
+def read_reply(call, reply: Reply | None = None, on_response=None) -> Reply:
+    """Reads a Generate call to its end into `reply` (which another thread may watch grow);
+    `on_response(reply)` runs after each message (a test may cancel the call there)."""
     reply = reply if reply is not None else Reply()
     try:
         for response in call:
+            reply.prefilled = reply.prefilled or response.prefilled
             if response.token_ids:
                 reply.num_token_messages += 1
             reply.token_ids += response.token_ids
             reply.text += response.text
             if response.finish_reason:
                 reply.finish_reason, reply.last = response.finish_reason, response
+            if on_response is not None:
+                on_response(reply)
     except grpc.RpcError as error:
         reply.code, reply.details = error.code(), error.details()
     reply.ended_at = time.monotonic()

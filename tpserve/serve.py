@@ -11,10 +11,13 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from tpserve.prepare import prepare
 from tpserve.ranks.follow import run_follower
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     settings = config.engine_settings(model_dir)
     if placement.rank > 0:
         wait_for_stop_on_signals(placement.rank, config.grace_s + FOLLOWER_MARGIN_S)
-        return run_follower(
+        code = run_follower(
             settings,
             placement.rank,
             placement.world_size,
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             placement.port,
             placement.agent_store,
         )
+        return leave_if_failed(code)
     with ExitStack() as stack:
         if placement.spawn_followers:
             # The followers inherit ignored stop signals: Ctrl-C reaches this whole process group,
@@ -105,7 +109,20 @@ def run(args: argparse.Namespace) -> int:
             placement.port,
             agent_store=placement.agent_store,
         )
-        return serve_rank0(config, runtime, model_dir)
+        code = serve_rank0(config, runtime, model_dir)
+    return leave_if_failed(code)
+
+
+def leave_if_failed(code: int) -> int:
+    """A rank whose group failed (a lost peer, a broken engine) cannot tear that group down: the
+    interpreter's exit would meet gloo's still-running threads and abort ("terminate called",
+    SIGABRT). So it leaves at once, with its own exit code, after flushing its logs."""
+    if code != 0 and dist.is_initialized():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 @contextmanager
