@@ -127,10 +127,12 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         if self._stopping:
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         kind = check_generate(request, self._limits)
+        boundaries: tuple[int, ...] = ()
         if kind == "prompt":
             prompt_ids = self._tokenizer.encode(request.prompt)
         elif kind == "messages":
             prompt_ids = self._encode_chat(request.messages)
+            boundaries = self._chat_boundaries(request.messages, prompt_ids)
         else:
             prompt_ids = list(request.prompt_token_ids)
         job = GenerationRequest(
@@ -140,6 +142,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             stop=tuple(request.stop),
             ignore_eos=request.ignore_eos,
             background=request.background,
+            keep_boundaries=boundaries,
         )
         try:
             return self._lane_host.submit(job)
@@ -227,7 +230,24 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             default_max_tokens=info.default_max_tokens,
         )
 
-    def _encode_chat(self, messages) -> list[int]:
+    def _chat_boundaries(self, messages, prompt_ids: list[int]) -> tuple[int, ...]:
+        """Where later chats are likely to share this one's prefix: the end of a leading system
+        message, and the start of the last message (the history before it). Offsets only where the
+        template renders that part of the chat as a prefix of the whole."""
+        cuts = {len(messages) - 1}
+        if messages[0].role == "system":
+            cuts.add(1)
+        boundaries = []
+        for cut in sorted(c for c in cuts if 0 < c < len(messages)):
+            try:
+                head = self._encode_chat(messages[:cut], add_generation_prompt=False)
+            except RequestRefused:
+                continue
+            if head and prompt_ids[: len(head)] == head:
+                boundaries.append(len(head))
+        return tuple(boundaries)
+
+    def _encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
         """Checked messages -> token ids through the model's chat template."""
         chat = []
         for message in messages:
@@ -237,7 +257,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             content = "".join(part.text for part in message.parts) if message.parts else message.content
             chat.append({"role": message.role, "content": content})
         try:
-            return self._tokenizer.encode_chat(chat)
+            return self._tokenizer.encode_chat(chat, add_generation_prompt=add_generation_prompt)
         except UserError as error:  # the template refused the conversation, or there is none
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
 
