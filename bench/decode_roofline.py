@@ -18,8 +18,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,13 +37,10 @@ from bench.common import (  # noqa: E402
     print_table,
     write_json,
 )
-from tpserve.ranks.leader import Leader  # noqa: E402
-from tpserve.ranks.local_ranks import free_port, local_followers  # noqa: E402
+from tpserve.generate import single_stream_leader  # noqa: E402
 from tpserve.ranks.model import TPModel  # noqa: E402
 from tpserve.ranks.model_config import ModelConfig, load_model_config  # noqa: E402
-from tpserve.ranks.settings import EngineSettings  # noqa: E402
 from tpserve.ranks.sharding import Split, piece_range, pieces_of_rank, rule_for  # noqa: E402
-from tpserve.ranks.startup import shutdown, start_rank  # noqa: E402
 from tpserve.ranks.weights import expected_shape, required_names  # noqa: E402
 from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
@@ -108,30 +104,6 @@ def read_bandwidth(buffer: torch.Tensor) -> float:
     start = time.perf_counter()
     buffer.sum()
     return buffer.numel() * buffer.element_size() / (time.perf_counter() - start)
-
-
-@contextmanager
-def single_stream_leader(settings: EngineSettings) -> Iterator[Leader]:
-    """Rank 0's leader with one lane, followers as child processes; stopped on exit."""
-    port = free_port()
-    with local_followers(settings, port):
-        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
-        try:
-            leader = Leader(
-                runtime.engine,
-                runtime.channel,
-                num_lanes=1,
-                context_size=settings.context_size,
-                max_prefill_tokens=settings.max_prefill_tokens,
-                batches_prompts=False,
-            )
-            try:
-                yield leader
-            finally:
-                if leader.broken is None:
-                    leader.stop()
-        finally:
-            shutdown()
 
 
 @dataclass

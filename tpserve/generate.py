@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tpserve.prepare import default_model_dir
@@ -29,27 +31,36 @@ class Generation:
     finish_reason: str
 
 
+@contextmanager
+def single_stream_leader(settings: EngineSettings) -> Iterator[Leader]:
+    """Rank 0's leader with one lane, followers as child processes; stopped on exit."""
+    port = free_port()
+    with local_followers(settings, port):
+        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
+        try:
+            leader = Leader(
+                runtime.engine,
+                runtime.channel,
+                num_lanes=1,
+                context_size=settings.context_size,
+                max_prefill_tokens=settings.max_prefill_tokens,
+                batches_prompts=False,
+            )
+            try:
+                yield leader
+            finally:
+                if leader.broken is None:
+                    leader.stop()
+        finally:
+            shutdown()
+
+
 def generate_tokens(
     settings: EngineSettings, jobs: list[tuple[list[int], SamplingParams]], max_tokens: int, eos_ids
 ) -> list[Generation]:
     """Start settings.tp_size ranks (followers as child processes), run each job alone, stop them."""
-    port = free_port()
-    with local_followers(settings, port):
-        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
-        leader = Leader(
-            runtime.engine,
-            runtime.channel,
-            num_lanes=1,
-            context_size=settings.context_size,
-            max_prefill_tokens=settings.max_prefill_tokens,
-            batches_prompts=False,
-        )
-        try:
-            results = [_one_stream(leader, ids, max_tokens, sampling, eos_ids) for ids, sampling in jobs]
-        finally:
-            leader.stop()
-        shutdown()
-        return results
+    with single_stream_leader(settings) as leader:
+        return [_one_stream(leader, ids, max_tokens, sampling, eos_ids) for ids, sampling in jobs]
 
 
 def _one_stream(leader: Leader, prompt_ids, max_tokens, sampling, eos_ids) -> Generation:
