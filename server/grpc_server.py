@@ -51,7 +51,9 @@ class GrpcServer:
         self._host = host
         self._address = f"{host}:{port}"
         self.metrics_port = metrics_port
-        self.metrics = metrics if metrics is not None else ServingMetrics(lane_host.stats)
+        self.metrics = (
+            metrics if metrics is not None else ServingMetrics(lane_host.stats, lane_host.prompt_cache)
+        )
         self._servicer = ServingServicer(lane_host, tokenizer, info, self.metrics)
         self._health = health.HealthServicer()
         self._health_poll_s = health_poll_s

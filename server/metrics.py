@@ -2,7 +2,9 @@
 
 Everything lives in this object's own CollectorRegistry (never prometheus_client's global one), so
 several servers (or tests) in one process keep separate counts. The lane host's gauges (queue depth,
-lanes busy, room used) are read from `LaneHost.stats()` at scrape time, never pushed.
+lanes busy, room used) are read from `LaneHost.stats()` at scrape time, never pushed; so are the prompt
+cache's counters and gauges (lookups, hit tokens, keeps, evictions, held bytes, entries) from
+`PromptCache.stats()`, when the server has a cache.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tpserve.server.prompt_cache import PromptCache
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -38,10 +42,62 @@ class _LaneHostCollector:
             yield GaugeMetricFamily(name, help_text, value=value)
 
 
+class _PromptCacheCollector:
+    """Reads the prompt cache's counters and gauges when Prometheus scrapes (one consistent snapshot)."""
+
+    def __init__(self, prompt_cache: PromptCache):
+        self._cache = prompt_cache
+
+    def describe(self):
+        return []  # as for the lane host: no early collect() at registration
+
+    def collect(self):
+        stats = self._cache.stats()
+        lookups = CounterMetricFamily(
+            "tpserve_prompt_cache_lookups",
+            "Prompt-cache lookups by result: hit (a kept prefix was borrowed) or miss",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], stats.hits)
+        lookups.add_metric(["miss"], stats.misses)
+        yield lookups
+        for name, help_text, value in (
+            ("tpserve_prompt_cache_hit_tokens", "Prompt tokens the cache's hits offered", stats.hit_tokens),
+            ("tpserve_prompt_cache_keeps", "Prompt states kept", stats.keeps),
+            (
+                "tpserve_prompt_cache_keeps_refused",
+                "Keeps refused: the rest of the budget was borrowed or pending",
+                stats.keeps_refused,
+            ),
+            ("tpserve_prompt_cache_evictions", "Kept states evicted to make room", stats.evictions),
+            (
+                "tpserve_prompt_cache_restore_failures",
+                "Restores that failed (the prompt was prefilled in full)",
+                stats.restore_failures,
+            ),
+        ):
+            yield CounterMetricFamily(name, help_text, value=value)
+        for name, help_text, value in (
+            (
+                "tpserve_prompt_cache_held_bytes",
+                "KV bytes charged to kept states, at rank 0's bytes per token",
+                stats.held_bytes,
+            ),
+            ("tpserve_prompt_cache_budget_bytes", "The prompt cache's byte budget", stats.budget_bytes),
+            ("tpserve_prompt_cache_entries", "Kept states a lookup can find", stats.num_entries),
+            (
+                "tpserve_prompt_cache_dead_entries",
+                "Removed states still borrowed (freed at their last release)",
+                stats.num_dead,
+            ),
+        ):
+            yield GaugeMetricFamily(name, help_text, value=value)
+
+
 class ServingMetrics:
     """The counters and histograms the servicer updates, plus an HTTP endpoint serving them."""
 
-    def __init__(self, read_stats: Callable[[], Any] | None = None):
+    def __init__(self, read_stats: Callable[[], Any] | None = None, prompt_cache: PromptCache | None = None):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tpserve_requests",
@@ -78,6 +134,8 @@ class ServingMetrics:
         )
         if read_stats is not None:
             self.registry.register(_LaneHostCollector(read_stats))
+        if prompt_cache is not None:
+            self.registry.register(_PromptCacheCollector(prompt_cache))
         self._http_server = None
         self._http_thread = None
 

@@ -31,9 +31,11 @@ from tiny_models import write_tiny_model
 
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.engine_host import LocalEngine, local_engine
+from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.lane_stream import Stream
 from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import Finished, GenerationRequest, TokenDelta
+from tpserve.server.servicer import ServingInfo
 from tpserve.server.tokenizer import Tokenizer
 
 EVENT_TIMEOUT_S = 30.0
@@ -284,3 +286,23 @@ class TestSmallCache:
         assert sum(cached > 0 for _, cached in served) >= 1  # B's entry survived until they set up
         assert pair.cache.stats().evictions >= 4
         assert_books_balance(pair)
+
+    def test_metrics_read_the_cache_at_scrape_time(self, pair, tokenizer):
+        pair.serve_alone(SMALL_BUDGET_RUN[:2])  # B's keep evicts A's, whatever ran before
+        info = ServingInfo("tiny", tp_size=2, num_lanes=8, context_size=256, room=pair.engine.leader.room)
+        page = GrpcServer(pair.engine.host, tokenizer, info).metrics.render().decode()  # never started
+        values = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line and not line.startswith("#")
+        }
+        stats = pair.cache.stats()
+        assert stats.evictions >= 1 and stats.hits >= 1 and stats.misses >= 1
+        assert values['tpserve_prompt_cache_lookups_total{result="hit"}'] == stats.hits
+        assert values['tpserve_prompt_cache_lookups_total{result="miss"}'] == stats.misses
+        assert values["tpserve_prompt_cache_hit_tokens_total"] == stats.hit_tokens
+        assert values["tpserve_prompt_cache_evictions_total"] == stats.evictions
+        assert values["tpserve_prompt_cache_keeps_total"] == stats.keeps
+        assert values["tpserve_prompt_cache_held_bytes"] == stats.held_bytes > 0
+        assert values["tpserve_prompt_cache_budget_bytes"] == SMALL_CACHE_TOKENS * RANK0_BYTES_PER_TOKEN
+        assert values["tpserve_prompt_cache_entries"] == stats.num_entries == 1
