@@ -29,6 +29,7 @@ from test_engine_pair import (
 )
 from tiny_models import write_tiny_model
 
+from bench.prompt_cache import run_prompt_cache
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.engine_host import LocalEngine, local_engine
 from tpserve.server.grpc_server import GrpcServer
@@ -306,3 +307,16 @@ class TestSmallCache:
         assert values["tpserve_prompt_cache_held_bytes"] == stats.held_bytes > 0
         assert values["tpserve_prompt_cache_budget_bytes"] == SMALL_CACHE_TOKENS * RANK0_BYTES_PER_TOKEN
         assert values["tpserve_prompt_cache_entries"] == stats.num_entries == 1
+
+
+def test_the_benchmark_restores_the_history_and_finds_the_replies_identical(model_dir):
+    # bench/prompt_cache.py end to end on the tiny model: speed is not asserted (a shared machine).
+    report = run_prompt_cache(model_dir, history_tokens=100, max_tokens=6, num_rounds=2, cache_bytes=1 << 20)
+    off, on = report["modes"]
+    assert (off["cache_budget_bytes"], on["cache_budget_bytes"]) == (0, 1 << 20)
+    assert report["replies_identical"] is True and report["differing_rounds"] == []
+    for cold_round, warm_round in zip(off["rounds"], on["rounds"]):
+        assert cold_round["second_cached_tokens"] == 0
+        assert warm_round["second_cached_tokens"] >= warm_round["first_prompt_tokens"] - 1
+        assert len(warm_round["second_reply"]) == 6
+    assert on["cache_hits"] == 2 and report["second_first_token_ratio"] > 0
