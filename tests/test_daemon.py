@@ -306,9 +306,11 @@ def test_launch_sh_serves_with_torchrun_and_drains_on_sigterm(model_dir, tmp_pat
         live = BackgroundReply(served.stub, long_request(max_tokens=100))
         live.wait_tokens(1)
         served.signal_launcher(signal.SIGTERM)
+        signalled_at = time.monotonic()
         done = live.join(timeout_s=30)
         assert done.ok and len(done.token_ids) == 100
         assert served.wait_exits() == {"launch": 0}
+        print(f"SIGTERM to launch.sh: drained and exited {time.monotonic() - signalled_at:.2f} s after it")
         wait_until(lambda: served.leftovers() == [], "every process of the daemon to end", 10)
     logs = served.logs()
     assert "follower: stop received" in logs and "rank0 INFO tpserve.server.daemon: stopped" in logs

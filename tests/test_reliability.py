@@ -26,6 +26,7 @@ from daemon import (
     BackgroundReply,
     Reply,
     daemon_env,
+    is_alive,
     read_reply,
     running_daemon,
     wait_until,
@@ -137,23 +138,49 @@ def test_follower_killed_mid_stream_fails_every_stream_with_unavailable(model_di
     assert codes["rank0"] == 1  # the broken engine's exit code, not an abort at teardown
 
 
-@pytest.mark.parametrize("busy", [True, False], ids=["mid-stream", "idle"])
-def test_rank0_killed_the_follower_exits_non_zero(model_dir, tmp_path, busy):
-    with running_daemon("ranks", model_dir, tmp_path, "--context", str(CONTEXT)) as served:
+@pytest.mark.parametrize(
+    ("layout", "busy"),
+    [
+        ("ranks", True),
+        ("ranks", False),
+        ("spawn", True),
+        # torchrun keeps the store alive, so the idle follower hears of it only from torchrun's
+        # SIGTERM, and waits out rank 0's drain time (grace_s + 10 s) before it gives up.
+        pytest.param("launch", False, marks=pytest.mark.slow),
+    ],
+    ids=["mid-stream", "idle", "spawned-follower-mid-stream", "torchrun-idle"],
+)
+def test_rank0_killed_the_follower_exits_non_zero(model_dir, tmp_path, layout, busy):
+    with running_daemon(layout, model_dir, tmp_path, "--context", str(CONTEXT)) as served:
+        follower = served.ranks()[1]
         live = BackgroundReply(served.stub, long_request()) if busy else None
         if live is not None:
             live.wait_tokens(2)
         killed_at = served.signal(0, signal.SIGKILL) and time.monotonic()
-        codes = served.wait_exits(["rank1"], timeout_s=FOLLOWER_EXITS_WITHIN_S)
+        if layout == "ranks":
+            codes = served.wait_exits(["rank1"], timeout_s=FOLLOWER_EXITS_WITHIN_S)
+        else:  # a grandchild of the test: its exit code is not ours to read
+            wait_until(lambda: not is_alive(follower), "the follower to exit", FOLLOWER_EXITS_WITHIN_S)
+            codes = served.wait_exits(["launch"]) if layout == "launch" else {}
         exited_after = time.monotonic() - killed_at
         wait_until(lambda: served.leftovers() == [], "no process of the daemon left", 10)
         if live is not None:
             assert live.join().code == grpc.StatusCode.UNAVAILABLE
     figures(
-        "rank 0 SIGKILL", busy=busy, follower_exit_code=codes["rank1"], follower_exit_s=round(exited_after, 3)
+        "rank 0 SIGKILL",
+        layout=layout,
+        busy=busy,
+        exit_codes=codes,
+        follower_exit_s=round(exited_after, 3),
     )
-    assert codes["rank1"] == 1  # its own failure exit, not a signal or an abort at teardown
-    assert "follower stopping" in served.logs()
+    assert exited_after < FOLLOWER_EXITS_WITHIN_S
+    if layout == "ranks":
+        assert codes["rank1"] == 1  # its own failure exit, not a signal or an abort at teardown
+    if layout == "launch":
+        assert codes["launch"] != 0
+        assert "rank 1: no Stop from rank 0 within 20 s of the stop signal; exiting" in served.logs()
+    else:
+        assert "follower stopping" in served.logs()
 
 
 @pytest.mark.parametrize(

@@ -140,27 +140,40 @@ def ignoring(*signums: int) -> Iterator[None]:
 def wait_for_stop_on_signals(rank: int, patience_s: float) -> None:
     """A follower leaves when rank 0 sends Stop. torchrun forwards SIGTERM and SIGINT to every rank
     at once, and rank 0 first drains its live streams, which need this follower; so a signal here
-    starts a countdown instead, which ends the process only if rank 0's Stop never comes."""
+    starts a countdown instead, which ends the process only if rank 0's Stop never comes (rank 0
+    died while this rank waited, idle, on the store)."""
+    signums = {signal.SIGINT, signal.SIGTERM}
     countdown: list[threading.Timer] = []
+    lock = threading.RLock()  # the main thread's handler may run inside it
 
     def give_up() -> None:
         log.error("rank %d: no Stop from rank 0 within %.0f s of the stop signal; exiting", rank, patience_s)
         logging.shutdown()
         os._exit(1)
 
-    def on_signal(signum, frame) -> None:
-        if countdown:
-            return
+    def start_countdown(signum: int) -> None:
+        with lock:
+            if countdown:
+                return
+            timer = threading.Timer(patience_s, give_up)
+            timer.daemon = True
+            timer.start()
+            countdown.append(timer)
         log.warning(
             "rank %d: got %s; waiting up to %.0f s for rank 0 to drain and send Stop",
             rank,
             signal.Signals(signum).name,
             patience_s,
         )
-        timer = threading.Timer(patience_s, give_up)
-        timer.daemon = True
-        timer.start()
-        countdown.append(timer)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
+    def watch() -> None:
+        while True:
+            start_countdown(signal.sigwait(signums))
+
+    # Python runs signal handlers on the main thread only, between bytecodes, and a follower's
+    # main thread sits for long spells in a collective or a store wait. Blocked there (and in
+    # every thread started from now on), the signals reach the watcher, which hears them at once.
+    signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+    for signum in signums:  # should one land on a thread started earlier
+        signal.signal(signum, lambda received, frame: start_countdown(received))
