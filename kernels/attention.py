@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+KEY_BLOCK = 256  # keys summed per product in invariant attention
+
 
 @dataclass(frozen=True)
 class SpanView:
@@ -94,6 +96,10 @@ def invariant_attention(
     hidden = torch.arange(num_keys, device=q.device) > positions.unsqueeze(1)  # [rows, L]
     scores = scores.view(num_kv_heads, group, padded, num_keys).masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads, group * padded, num_keys)
-    out = torch.matmul(probs, values)  # [Hkv, g*rows, D]
+    # The BLAS splits a long sum over keys by its length; summing fixed blocks in order keeps a row's
+    # rounding the same however many (masked, zero-weight) keys follow its position.
+    out = torch.matmul(probs[..., :KEY_BLOCK], values[:, :KEY_BLOCK])  # [Hkv, g*rows, D]
+    for first in range(KEY_BLOCK, num_keys, KEY_BLOCK):
+        out = out + torch.matmul(probs[..., first : first + KEY_BLOCK], values[:, first : first + KEY_BLOCK])
     out = out.view(num_kv_heads, group, padded, head_dim)[:, :, :num_rows]
     return out.permute(2, 0, 1, 3).reshape(num_rows, num_heads, head_dim)

@@ -72,3 +72,24 @@ def test_a_decode_round_equals_each_lane_alone_and_the_whole_prefill(qkv):
         )
         assert torch.equal(together[i], alone[0])
         assert torch.equal(together[i].view(6, 64), whole[n - 1])
+
+
+@pytest.mark.parametrize("num_keys", [400, 700, 1100])
+def test_long_rows_equal_the_whole_prefill_bit_for_bit(num_keys):
+    # Past a few hundred keys the BLAS splits the sum over keys by its length; rows must not care.
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(num_keys, 6, 64, generator=gen)
+    k, v = (torch.randn(2, num_keys, 64, generator=gen) for _ in range(2))
+    whole = invariant_attention(q, k, v, 0, 0.125, 16)
+    cuts = [
+        (0, 300),
+        (300, num_keys - 300),
+        (num_keys - 1, 1),
+        (num_keys - 40, 40),
+        (num_keys // 2, 17),
+        (128, 256),
+    ]
+    for start, num_rows in cuts:
+        end = start + num_rows
+        part = invariant_attention(q[start:end], k[:, :end], v[:, :end], start, 0.125, 16)
+        assert torch.equal(part, whole[start:end]), (start, num_rows)

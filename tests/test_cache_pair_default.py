@@ -1,7 +1,6 @@
 """The prompt cache on the shipped default model (SmolLM2-135M-Instruct), two ranks, no gRPC: a chat's
 second turn restores the first turn's prompt (a history of several hundred tokens) and its replies,
-greedy and sampled, equal those of a pair with no cache token for token. (Logit for logit they do
-not yet: see the xfail below.)
+greedy and sampled, equal those of a pair with no cache token for token and logit for logit.
 
 The helpers are those of test_cache_pair.py (tiny model).
 """
@@ -107,12 +106,6 @@ def test_a_chat_second_turn_restores_its_history_and_replies_as_cold(chat):
     assert_books_balance(chat.pair)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attention's probs @ values reduces over every key the pass holds, and MKL blocks that "
-    "reduction by its length past ~384 keys: a restored (or chunked) prompt's rows sum in another "
-    "order than a whole prefill's, so logits differ by ~1e-5 (tokens still agree here)",
-)
 def test_a_chat_second_turn_has_the_cold_logits_bit_for_bit(chat):
     for turn, (outcome, _) in zip(chat.turns, chat.served):
         assert outcome.steps == chat.cold[turn].steps
