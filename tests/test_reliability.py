@@ -203,27 +203,21 @@ def test_a_rank_that_never_starts_is_named_at_the_start_up_timeout(model_dir, tm
 # ---- cancel storm ----
 
 
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "tensor")
+
+
+def stream_phase(reply) -> str:
+    """How far a stream had come, as its client saw it."""
+    if reply.token_ids:
+        return "decoding"
+    return "prefilled" if reply.prefilled else "queued/prefill"
+
+
 def storm_specs(tokenizer, num_specs: int, rng: random.Random) -> list[serving_pb2.GenerateRequest]:
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "the",
-        "lazy",
-        "dog",
-        "hello",
-        "world",
-        "tensor",
-        "parallel",
-        "serving",
-    ]
     specs = []
     for index in range(num_specs):
         request = serving_pb2.GenerateRequest(max_tokens=rng.randint(8, 40), ignore_eos=index % 3 != 0)
-        text = " ".join(rng.choices(words, k=rng.randint(2, 60)))
+        text = " ".join(rng.choices(WORDS, k=rng.randint(2, 60)))
         if index % 4 == 0:
             request.messages.add(role="user", content=text)
         elif index % 4 == 1:
@@ -265,13 +259,7 @@ def test_cancel_storm_leaves_every_other_reply_exact_and_frees_everything(daemon
 
                 def cancel(call=call, reply=reply, seen=seen) -> None:
                     if "phase" not in seen:  # what the stream had reached when cancelled
-                        seen["phase"] = (
-                            "decoding"
-                            if reply.token_ids
-                            else "prefilled"
-                            if reply.prefilled
-                            else "queued/prefill"
-                        )
+                        seen["phase"] = stream_phase(reply)
                         call.cancel()
 
                 timer = threading.Timer(delay_s, cancel) if moment == "after a delay" else None
