@@ -88,6 +88,8 @@ class Channel:
         self._idle_lock = threading.Lock()  # rank 0: ringing vs. the heartbeat thread's beats
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
+        # Rank 0: set by the heartbeat thread when an idle follower stops answering.
+        self.lost_follower: str | None = None
         self._store = self._own_store(store)
 
     # --- rank 0 -------------------------------------------------------------------------------
@@ -215,14 +217,27 @@ class Channel:
 
     def _beat(self, store: dist.Store) -> None:
         failing = False
+        backlog_since: dict[int, float] = {}  # follower -> when its beats started piling up
         while not self._stop_heartbeat.wait(self.heartbeat_s):
             with self._idle_lock:
                 if self._idle_seq is None:
+                    backlog_since.clear()
                     continue
                 try:
                     for follower in range(1, self.world_size):
                         if store.queue_len(self._wake_key(follower)) < _MAX_QUEUED_BEATS:
                             store.queue_push(self._wake_key(follower), _BEAT)
+                            backlog_since.pop(follower, None)
+                            continue
+                        # An idle follower pops every beat at once; one that lets them pile up for
+                        # leader_dead_after_s is dead or hung, and rank 0 learns it while idle.
+                        since = backlog_since.setdefault(follower, time.monotonic())
+                        if time.monotonic() - since > self.leader_dead_after_s and self.lost_follower is None:
+                            self.lost_follower = (
+                                f"rank {follower} took no heartbeat for {self.leader_dead_after_s:g}s while idle"
+                                " (dead or hung)"
+                            )
+                            log.error("rank 0: %s", self.lost_follower)
                 except dist.DistError as err:
                     if not failing:
                         log.warning("heartbeat: cannot reach the store: %s", brief(err))

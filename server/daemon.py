@@ -73,7 +73,8 @@ def serve_rank0(
         info.room,
     )
     while not (stop.wait(0.2) or broken.is_set()):
-        pass
+        if runtime.channel.lost_follower is not None:
+            host.fail(runtime.channel.lost_follower)  # its on_broken sets `broken`
     if broken.is_set():
         log.error("the engine broke; ending every stream and exiting so a supervisor restarts both ranks")
         # The live streams already failed with UNAVAILABLE; for a moment longer new requests

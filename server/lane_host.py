@@ -72,6 +72,7 @@ class LaneHost:
         self._alive: set[Job] = set()  # every job not yet Finished, wherever it is
         self._broken_reason: str | None = None
         self._stopping = False
+        self._failure: str | None = None  # set by fail(), latched by the scheduler thread
         self._stop_deadline = 0.0
         self._wake = False
         self._step_lock = threading.Lock()
@@ -260,17 +261,29 @@ class LaneHost:
                 with self._cond:
                     self._wake = False
                     stopping = self._stopping
+                    failure = self._failure
+                if failure is not None:
+                    self._latch_broken(failure)
+                    return
                 if stopping:
                     self._drain()
                     return
                 if not self.step():
                     self._going_idle()
                     with self._cond:
-                        if not (self._wake or self._stopping or self.broken):
+                        if not (self._wake or self._stopping or self.broken or self._failure):
                             self._cond.wait(IDLE_WAIT_S)
         except BaseException as error:
             log.exception("the lane host's scheduler failed")
             self._latch_broken(f"the lane host failed: {error!r}")
+
+    def fail(self, reason: str) -> None:
+        """From any thread: the engine is gone (a rank lost while idle); the scheduler latches broken."""
+        with self._cond:
+            self._failure = reason
+            self._wake_scheduler()
+        if self._thread is None:
+            self._latch_broken(reason)
 
     def _going_idle(self) -> None:
         # A backend with followers tells them no message is coming soon (see ranks/channel.py),

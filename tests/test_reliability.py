@@ -138,6 +138,30 @@ def test_follower_killed_mid_stream_fails_every_stream_with_unavailable(model_di
     assert codes["rank0"] == 1  # the broken engine's exit code, not an abort at teardown
 
 
+def test_follower_killed_while_idle_is_noticed_without_a_request(model_dir, tmp_path):
+    # An idle follower no longer takes rank 0's heartbeat: rank 0 learns it with no request in flight.
+    dead_after_s = 4.0  # at least twice rank 0's heartbeat interval (2 s)
+    args = ("--context", str(CONTEXT), "--lanes", "2", "--leader-dead-after-s", str(dead_after_s))
+    with running_daemon("ranks", model_dir, tmp_path, *args) as served:
+        read_reply(served.stub.Generate(serving_pb2.GenerateRequest(prompt="idle soon", max_tokens=2)))
+        time.sleep(1.0)  # rank 0 has gone idle and the follower waits on the doorbell
+        watch = HealthWatch(served)
+        killed_at = served.signal(1, signal.SIGKILL) and time.monotonic()
+        codes = served.wait_exits(["rank0"])
+        exited_at = time.monotonic()
+        watch.stop()
+        wait_until(lambda: served.leftovers() == [], "no process of the daemon left", 10)
+    figures(
+        "follower SIGKILL while idle",
+        not_serving_s=round(watch.first_not_serving - killed_at, 3) if watch.first_not_serving else None,
+        rank0_exit_s=round(exited_at - killed_at, 3),
+        rank0_exit_code=codes["rank0"],
+    )
+    assert watch.first_not_serving is not None, "health never read NOT_SERVING before the daemon exited"
+    assert watch.first_not_serving - killed_at < UNAVAILABLE_WITHIN_S
+    assert codes["rank0"] == 1
+
+
 @pytest.mark.parametrize(
     ("layout", "busy"),
     [
