@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from tpserve.ranks.follow import run_follower
 from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.startup import leave_if_failed
 
 
 def free_port() -> int:
@@ -17,7 +18,7 @@ def free_port() -> int:
 
 
 def _follower_process(settings: EngineSettings, rank: int, world_size: int, port: int) -> None:
-    raise SystemExit(run_follower(settings, rank, world_size, "127.0.0.1", port))
+    raise SystemExit(leave_if_failed(run_follower(settings, rank, world_size, "127.0.0.1", port)))
 
 
 @contextmanager

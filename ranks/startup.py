@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -244,3 +245,15 @@ def shutdown() -> None:
     """Leave the process group cleanly (after Stop), so no gloo thread outlives the interpreter."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_if_failed(code: int) -> int:
+    """A rank whose group failed (a lost peer, a broken engine) cannot tear that group down: the
+    interpreter's exit would meet gloo's still-running threads and abort ("terminate called",
+    SIGABRT). So it leaves at once, with its own exit code, after flushing its logs."""
+    if code != 0 and dist.is_initialized():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

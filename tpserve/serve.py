@@ -11,19 +11,16 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from tpserve.prepare import prepare
 from tpserve.ranks.follow import run_follower
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.logs import setup_logging
-from tpserve.ranks.startup import start_rank
+from tpserve.ranks.startup import leave_if_failed, start_rank
 from tpserve.server.config import ConfigError, add_config_flags, load_config, overrides_from
 from tpserve.server.daemon import serve_rank0
 
@@ -111,18 +108,6 @@ def run(args: argparse.Namespace) -> int:
         )
         code = serve_rank0(config, runtime, model_dir)
     return leave_if_failed(code)
-
-
-def leave_if_failed(code: int) -> int:
-    """A rank whose group failed (a lost peer, a broken engine) cannot tear that group down: the
-    interpreter's exit would meet gloo's still-running threads and abort ("terminate called",
-    SIGABRT). So it leaves at once, with its own exit code, after flushing its logs."""
-    if code != 0 and dist.is_initialized():
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
 
 
 @contextmanager
