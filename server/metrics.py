@@ -90,6 +90,7 @@ class _PromptCacheCollector:
                 "Removed states still borrowed (freed at their last release)",
                 stats.num_dead,
             ),
+            ("tpserve_prompt_cache_pending_entries", "States being kept right now", stats.num_pending),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
 
