@@ -106,10 +106,11 @@ class HealthWatch:
 
 
 def test_follower_killed_mid_stream_fails_every_stream_with_unavailable(model_dir, tmp_path):
-    args = ("--context", str(CONTEXT), "--lanes", "4")
+    # Replies long enough (4,000 tokens) that none can finish before the kill, however fast.
+    args = ("--context", "4096", "--lanes", "4")
     with running_daemon("ranks", model_dir, tmp_path, *args) as served:
         # Four decoding, two queued behind them.
-        replies = [BackgroundReply(served.stub, long_request()) for _ in range(6)]
+        replies = [BackgroundReply(served.stub, long_request(4000)) for _ in range(6)]
         wait_until(lambda: served.metrics()["tpserve_queue_depth"] == 2, "two queued requests", 20)
         for reply in replies[:4]:
             reply.wait_tokens(2)
