@@ -23,9 +23,6 @@ class RangeAllocator:
     def used(self) -> int:
         return sum(self._sizes.values())
 
-    def can_allocate(self, size: int) -> bool:
-        return self._find(size) is not None
-
     def allocate(self, size: int) -> int | None:
         start = self._find(size)
         if start is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve import __version__
+from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import UserError
@@ -210,7 +211,7 @@ def start_rank(
         max_positions=settings.context_size,
         group=dist.group.WORLD if world_size > 1 else None,
         config=config,
-        min_rows=16 if settings.batch_invariant else 0,
+        min_rows=BATCH_INVARIANT_ROWS if settings.batch_invariant else 0,
         device=device,
     )
     kv_heads = [piece.num_kv_heads() for piece in pieces_of_rank(config, rank, world_size)]

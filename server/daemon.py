@@ -12,6 +12,7 @@ import signal
 import threading
 from pathlib import Path
 
+from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
@@ -26,13 +27,11 @@ BROKEN_FLUSH_S = 2.0  # a broken daemon answers "the engine is broken" this long
 FLUSH_S = 1.0  # for the last messages of ended streams to reach their clients
 
 
-def serve_rank0(
-    config: ServeConfig, runtime: RankRuntime, model_dir: str, stop: threading.Event | None = None
-) -> int:
-    stop = stop or threading.Event()
+def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> int:
+    model_dir = settings.model_dir
+    stop = threading.Event()
     broken = threading.Event()
     tokenizer = Tokenizer.from_model_dir(model_dir)
-    settings = config.engine_settings(model_dir)
     host, leader = build_lane_host(
         runtime,
         settings,

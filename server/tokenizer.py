@@ -137,10 +137,6 @@ class Tokenizer:
         """
         return self._backend.decode(list(ids), skip_special_tokens=True)
 
-    def token_text(self, token_id: int) -> str | None:
-        """The vocabulary spelling of one id (byte-level form), or None outside the vocabulary."""
-        return self._backend.id_to_token(token_id)
-
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as the prompt text the model was trained on."""
         if self._template is None:

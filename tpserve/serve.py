@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             placement.port,
             agent_store=placement.agent_store,
         )
-        code = serve_rank0(config, runtime, model_dir)
+        code = serve_rank0(config, runtime, settings)
     return leave_if_failed(code)
 
 
