@@ -232,9 +232,9 @@ def test_golden_error(path, daemon, one_lane_daemon, model_dir, tmp_path):
     elif state == "full":
         # The one lane busy with a long reply, the one queue place taken by a second request.
         running = BackgroundReply(one_lane_daemon.stub, long_request())
+        running.wait_tokens(1)  # admitted: the one queue place is free for the second request
         waiting = BackgroundReply(one_lane_daemon.stub, long_request())
         try:
-            running.wait_tokens(1)
             wait_until(lambda: one_lane_daemon.metrics()["tpserve_queue_depth"] == 1, "a queued request", 10)
             assert send_golden(one_lane_daemon, rpc, request) == expected
         finally:
