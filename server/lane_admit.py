@@ -11,7 +11,9 @@ the tokens it already produced, so position-keyed sampling continues exactly whe
 
 With a prompt cache, a job's lookup borrows the entry it found until the restore has reported, so
 no other job's keep can evict it meanwhile; once a prompt is prefilled its state is kept (one point,
-the best `keep_points` offers) for later prompts that start the same way.
+the best `keep_points` offers) for later prompts that start the same way. Whether a prompt needs
+chunks is judged at take time by what the cache would restore, so a mostly cached prompt can join
+a joint pass; one whose restore then fails launches alone.
 """
 
 from __future__ import annotations
@@ -73,14 +75,28 @@ class Admission:
                 break
             changed = True
             ready = [job for job in jobs if self._setup(job)]
-            if len(ready) >= 2 and self._prefill_together(ready):
-                continue
+            # A job taken as short can turn out long when its restore failed: it launches alone.
+            whole = [job for job in ready if not self._needs_chunks(job)]
+            if len(whole) >= 2 and self._prefill_together(whole):
+                ready = [job for job in ready if job not in whole]
             for job in ready:
                 self._launch_alone(job)
         return changed
 
     def _needs_chunks(self, job: Job) -> bool:
+        """After setup: whether the prompt left past the restored prefix takes more than one pass."""
         return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
+
+    def _expects_chunks(self, job: Job) -> bool:
+        """Before setup: `_needs_chunks`, counting the prefix the prompt cache would restore now.
+
+        A forecast only (setup's restore may still fail); `_launch_alone` copes when it was wrong.
+        """
+        feed = job.feed_ids
+        if len(feed) <= self._max_prefill_tokens:
+            return False
+        hit = 0 if self._cache is None else self._cache.cached_length(feed)
+        return len(feed) - hit > self._max_prefill_tokens
 
     def _take_jobs(self) -> list[Job]:
         """Take the head job, or several for one joint pass: only what fits in free lanes and room."""
@@ -92,8 +108,10 @@ class Admission:
         with self._lock:
             taken: list[Job] = []
             for job in self._queue.peek_many(min(self.max_joint_prompts, num_free)):
-                long = self._needs_chunks(job)
-                if job.reserve > free_room or (long and (taken or self.chunking is not None)):
+                if job.reserve > free_room:
+                    break
+                long = self._expects_chunks(job)
+                if long and (taken or self.chunking is not None):
                     break
                 taken.append(job)
                 free_room -= job.reserve
@@ -192,10 +210,25 @@ class Admission:
     def _launch_alone(self, job: Job) -> None:
         if job.cancel_requested:
             self._end(job, CANCELLED)
-        elif self._needs_chunks(job):
+        elif not self._needs_chunks(job):
+            self._prefill(job, self._whole_prompt(job))
+        elif self.chunking is None:
             self.chunking = job  # its chunks run one per step, between decode rounds
         else:
-            self._prefill(job, self._whole_prompt(job))
+            self._prefill_all_chunks(job)
+
+    def _prefill_all_chunks(self, job: Job) -> None:
+        """Every chunk now: a job taken as short whose restore failed while another job chunks.
+
+        Safe: no pass exceeds max_prefill_tokens, only one job is ever `chunking`, and the job has its
+        first token before a decode round sees its lane. The price (this step's decode round waits)
+        is paid only after a failed restore; requeueing it would need a foreground front place.
+        """
+        while job.lane is not None:  # _prefill ends the job (closing its lane) when a chunk fails
+            item = self._next_chunk(job)
+            self._prefill(job, item)
+            if item.last:
+                return
 
     def prefill_chunk(self) -> bool:
         """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
@@ -205,12 +238,14 @@ class Admission:
         if job.cancel_requested:
             self._end(job, CANCELLED)
             return True
+        self._prefill(job, self._next_chunk(job))
+        return True
+
+    def _next_chunk(self, job: Job) -> PrefillItem:
         feed = job.feed_ids
         start = job.num_prefilled
         chunk = feed[start : start + self._max_prefill_tokens]
-        item = PrefillItem(job.lane, start, chunk, start + len(chunk) == len(feed), job.request.sampling)
-        self._prefill(job, item)
-        return True
+        return PrefillItem(job.lane, start, chunk, start + len(chunk) == len(feed), job.request.sampling)
 
     def _whole_prompt(self, job: Job) -> PrefillItem:
         start = job.cached_tokens
@@ -246,7 +281,7 @@ class Admission:
         background = [job for job in self._lanes.jobs() if job.background]
         if not waiting or not background:
             return False
-        if self.chunking is not None and self._needs_chunks(waiting[0]):
+        if self.chunking is not None and self._expects_chunks(waiting[0]):
             return False  # the head waits for the chunked prefill in progress, not for a lane
         num_free = self._lanes.num_free
         free_room = self._backend.free_room()

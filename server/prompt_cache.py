@@ -17,6 +17,7 @@ lookup finds the live entry sharing the longest prefix with the prompt (see pref
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -111,8 +112,8 @@ class PromptCache:
         """
         tokens = to_tokens(prompt_ids)
         with self._lock:
-            match = self._index.longest_match(tokens, limit=len(tokens) - 1)
-            if match is None or match[1] < self._min_tokens:
+            match = self._restorable_locked(tokens)
+            if match is None:
                 self._counts["misses"] += 1
                 return None
             entry, num_tokens = self._entries[match[0]], match[1]
@@ -123,6 +124,17 @@ class PromptCache:
             self._counts["hits"] += 1
             self._counts["hit_tokens"] += num_tokens
             return Borrow(entry.entry_id, num_tokens, self._next_borrow_id)
+
+    def cached_length(self, prompt_ids: Sequence[int]) -> int:
+        """The prompt tokens a lookup would restore now (0 for a miss); counts nothing, borrows nothing.
+
+        Only a forecast for the scheduler: the entry may be gone, or its restore may fail, by the time
+        the real lookup runs.
+        """
+        tokens = to_tokens(prompt_ids)
+        with self._lock:
+            match = self._restorable_locked(tokens)
+        return 0 if match is None else match[1]
 
     def release(self, borrow: Borrow) -> None:
         """The borrower lets go; a dead entry's last release frees it."""
@@ -291,6 +303,12 @@ class PromptCache:
             )
 
     # -- internals (called with the lock held) ------------------------------------------------------
+
+    def _restorable_locked(self, tokens: array) -> tuple[int, int] | None:
+        """(entry id, tokens) a lookup restores: the longest live match leaving >= 1 token to compute,
+        when it reaches min_tokens."""
+        match = self._index.longest_match(tokens, limit=len(tokens) - 1)
+        return None if match is None or match[1] < self._min_tokens else match
 
     def _pick_victims(self, num_bytes: int) -> list[_Entry] | None:
         need = self._held_bytes + num_bytes - self._budget_bytes
