@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tpserve.kernels.collectives import Collectives
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.sharding import pieces_of_rank
@@ -21,7 +22,7 @@ def load_rank_model(
     tp_size: int,
     dtype: torch.dtype,
     max_positions: int,
-    group=None,
+    collectives: Collectives | None = None,
     config: ModelConfig | None = None,
     min_rows: int = 0,
     device="cpu",
@@ -35,7 +36,7 @@ def load_rank_model(
         pieces,
         tp_rank=tp_rank,
         tp_size=tp_size,
-        group=group,
+        collectives=collectives,
         max_positions=max_positions,
         min_rows=min_rows,
     )

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, span_attention, write_kv
-from tpserve.kernels.collectives import all_reduce_sum, gather_to_first
+from tpserve.kernels.collectives import Collectives
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
@@ -43,13 +43,13 @@ class TPModel:
         *,
         tp_rank: int,
         tp_size: int,
-        group=None,
+        collectives: Collectives | None = None,
         max_positions: int,
         min_rows: int = 0,
     ):
         self.config = config
         self.pieces = pieces
-        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
+        self.tp_rank, self.tp_size, self.collectives = tp_rank, tp_size, collectives
         self.replicated = weights.replicated
         first = next(iter(weights.replicated.values()))
         self.dtype, self.device = first.dtype, first.device
@@ -78,7 +78,7 @@ class TPModel:
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         # partial: [T, hidden] float32, already summed over this rank's pieces.
         if self.tp_size > 1:
-            all_reduce_sum(partial, self.group)
+            self.collectives.all_reduce_sum(partial)
         return partial.to(self.dtype)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ class TPModel:
         if self.tp_size == 1:
             return local
         padded = F.pad(local, (0, self.gather_width - local.shape[1]))
-        chunks = gather_to_first(padded, self.tp_rank, self.tp_size, self.group)
+        chunks = self.collectives.gather_to_first(padded)
         if chunks is None:
             return None
         widths = [end - start for start, end in split_evenly(cfg.vocab_size, self.tp_size)]

@@ -20,6 +20,9 @@ class EngineSettings:
     batch_prefill: bool = True
     # Pad every product to the BLAS's large-batch kernel so a reply never depends on its batch.
     batch_invariant: bool = True
+    # Forward collectives between CPU ranks: "auto" (shared memory when every rank is on this host,
+    # else gloo), "shared_memory" (required) or "gloo".
+    cpu_collectives: str = "auto"
     threads_per_rank: int = 0  # 0: half the cores, so tp=1 and tp=2 run the same kernels
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0

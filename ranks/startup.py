@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tpserve import __version__
 from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
 from tpserve.ranks.channel import Channel
+from tpserve.ranks.collectives_choice import CHOICES, choose_collectives
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.kv_store import KVPool, kv_bytes_per_token
@@ -101,6 +102,7 @@ FLAG_NAMES = (
     "cache_budget",
     "max_prefill",
     "batch_invariant",
+    "cpu_collectives",
     "version",
 )
 
@@ -116,14 +118,15 @@ def flags_row(settings: EngineSettings) -> list[int]:
         settings.cache_budget_bytes,
         settings.max_prefill_tokens,
         int(settings.batch_invariant),
+        CHOICES.index(settings.cpu_collectives) if settings.cpu_collectives in CHOICES else -1,
         version,
     ]
 
 
 def shown_row(row: list[int]) -> str:
-    """A flags row as a person reads it (the dtype by name rather than by its index)."""
-    names = list(DTYPES)
-    values = [names[v] if n == "dtype" and 0 <= v < len(names) else v for n, v in zip(FLAG_NAMES, row)]
+    """A flags row as a person reads it (named choices by name rather than by their index)."""
+    named = {"dtype": list(DTYPES), "cpu_collectives": CHOICES}
+    values = [named[n][v] if n in named and 0 <= v < len(named[n]) else v for n, v in zip(FLAG_NAMES, row)]
     return ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, values))
 
 
@@ -201,6 +204,15 @@ def start_rank(
     # Wire messages and votes travel on their own CPU group, apart from the model's collectives.
     control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     agree_on_flags(settings, rank, world_size, control)
+    collectives = choose_collectives(
+        settings.cpu_collectives,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        model_group=dist.group.WORLD,
+        control_group=control,
+        timeout_s=settings.collective_timeout_s,
+    )
     dtype = DTYPES[settings.dtype]
     log.info("rank %d: loading %s (%s, tp=%d)", rank, settings.model_dir, settings.dtype, world_size)
     model = load_rank_model(
@@ -209,7 +221,7 @@ def start_rank(
         tp_size=world_size,
         dtype=dtype,
         max_positions=settings.context_size,
-        group=dist.group.WORLD if world_size > 1 else None,
+        collectives=collectives,
         config=config,
         min_rows=BATCH_INVARIANT_ROWS if settings.batch_invariant else 0,
         device=device,

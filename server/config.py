@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import EngineSettings
 
@@ -32,6 +33,7 @@ class ServeConfig:
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
     batch_invariant: bool = True
+    cpu_collectives: str = "auto"
     threads_per_rank: int = 0
     queue_size: int = 64
     default_max_tokens: int = 256
@@ -60,6 +62,7 @@ class ServeConfig:
             max_prefill_tokens=self.max_prefill_tokens,
             batch_prefill=self.batch_prefill,
             batch_invariant=self.batch_invariant,
+            cpu_collectives=self.cpu_collectives,
             threads_per_rank=self.threads_per_rank,
             init_timeout_s=self.init_timeout_s,
             collective_timeout_s=self.collective_timeout_s,
@@ -68,7 +71,7 @@ class ServeConfig:
         )
 
 
-_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "tp": (1, 2)}
+_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "tp": (1, 2), "cpu_collectives": CHOICES}
 _POSITIVE = {
     "lanes",
     "context",

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from multiproc import RankPool
 from tiny_models import write_tiny_model
 
+from tpserve.kernels.collectives import GroupCollectives
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
@@ -23,7 +24,7 @@ def cached_and_cold(model_dir: str, tp_rank: int, tp_size: int):
         tp_size=tp_size,
         dtype=torch.float32,
         max_positions=256,
-        group=dist.group.WORLD if tp_size > 1 else None,
+        collectives=GroupCollectives(dist.group.WORLD, tp_rank, tp_size) if tp_size > 1 else None,
         min_rows=16,
     )
     heads, dim, layers = model.kv_heads_per_piece(), model.config.head_dim, model.config.num_layers

@@ -1,6 +1,7 @@
 """Two ranks give exactly what one gives: every architecture variant, logits and tokens.
 
-tp=2 runs in two real processes (gloo); tp=1 runs here. Thanks to the piece layout
+tp=2 runs in two real processes, its forward collectives over gloo or over shared memory; tp=1
+runs here. Thanks to the piece layout
 (ranks/sharding.py) and batch-invariant products the logits agree bit for bit, so the tokens do.
 """
 
@@ -13,6 +14,7 @@ from multiproc import RankPool
 from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.sampling import sample
+from tpserve.ranks.collectives_choice import choose_collectives
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
@@ -27,7 +29,7 @@ SAMPLINGS = [
 NUM_STEPS = 12
 
 
-def run_streams(model_dir: str, tp_rank: int, tp_size: int, dtype: str = "float32"):
+def run_streams(model_dir: str, tp_rank: int, tp_size: int, dtype: str = "float32", collectives=None):
     """Prefill PROMPTS in one pass, then NUM_STEPS decode rounds; logits and tokens (rank 0)."""
     torch.manual_seed(0)
     model = load_rank_model(
@@ -36,7 +38,7 @@ def run_streams(model_dir: str, tp_rank: int, tp_size: int, dtype: str = "float3
         tp_size=tp_size,
         dtype=getattr(torch, dtype),
         max_positions=256,
-        group=dist.group.WORLD if tp_size > 1 else None,
+        collectives=collectives,
         min_rows=16,
     )
     kv = KVPool(model.config.num_layers, 512, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
@@ -64,9 +66,18 @@ def run_streams(model_dir: str, tp_rank: int, tp_size: int, dtype: str = "float3
     return (torch.stack(all_logits), tokens) if tp_rank == 0 else None
 
 
-def _tp2(ctx, model_dir, dtype):
+def _tp2(ctx, model_dir, dtype, choice):
     torch.set_num_threads(1)
-    return run_streams(model_dir, ctx.rank, 2, dtype)
+    collectives = choose_collectives(
+        choice,
+        rank=ctx.rank,
+        world_size=2,
+        device=torch.device("cpu"),
+        model_group=dist.group.WORLD,
+        control_group=dist.group.WORLD,
+        timeout_s=30.0,
+    )
+    return run_streams(model_dir, ctx.rank, 2, dtype, collectives)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +86,13 @@ def pool():
         yield ranks
 
 
+@pytest.mark.parametrize("choice", ["gloo", "shared_memory"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_tp2_equals_tp1(pool, tmp_path, variant):
+def test_tp2_equals_tp1(pool, tmp_path, variant, choice):
     model_dir = str(write_tiny_model(tmp_path / variant, variant))
     torch.set_num_threads(1)
     solo_logits, solo_tokens = run_streams(model_dir, 0, 1)
-    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", timeout_s=120)[0]
+    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", choice, timeout_s=120)[0]
     assert pair_tokens == solo_tokens
     torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
     # The sampled streams really sampled: they left the greedy path somewhere.
@@ -88,10 +100,11 @@ def test_tp2_equals_tp1(pool, tmp_path, variant):
     assert [step[1] for step in solo_tokens] != greedy or [step[2] for step in solo_tokens] != greedy
 
 
-def test_tp2_equals_tp1_bfloat16(pool, tmp_path):
+@pytest.mark.parametrize("choice", ["gloo", "shared_memory"])
+def test_tp2_equals_tp1_bfloat16(pool, tmp_path, choice):
     model_dir = str(write_tiny_model(tmp_path / "llama", "llama"))
     torch.set_num_threads(1)
     solo_logits, solo_tokens = run_streams(model_dir, 0, 1, "bfloat16")
-    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "bfloat16", timeout_s=120)[0]
+    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "bfloat16", choice, timeout_s=120)[0]
     assert pair_tokens == solo_tokens
     torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
