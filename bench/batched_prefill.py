@@ -53,7 +53,12 @@ def make_requests(tokenizer: Tokenizer, num_requests: int, prompt_tokens: int, m
 
 
 def run_mode(
-    model_dir: str, requests: Sequence[GenerationRequest], *, batch_prefill: bool, dtype: str
+    model_dir: str,
+    requests: Sequence[GenerationRequest],
+    *,
+    batch_prefill: bool,
+    dtype: str,
+    max_prefill_tokens: int,
 ) -> tuple[list[float], list[list[int]]]:
     """One engine, the requests submitted together: each one's time to first token and its reply."""
     longest = max(len(request.prompt_ids) + request.max_tokens for request in requests)
@@ -63,7 +68,7 @@ def run_mode(
         tp_size=2,
         num_lanes=len(requests),
         context_size=longest,
-        max_prefill_tokens=max(512, longest),  # whole prompts: no chunking in either mode
+        max_prefill_tokens=max_prefill_tokens,
         batch_prefill=batch_prefill,
     )
     with local_engine(settings) as engine:
@@ -80,11 +85,14 @@ def run_batched_prefill(
     max_tokens: int = 8,
     num_rounds: int = 1,
     dtype: str = "float32",
+    max_prefill_tokens: int = 0,
 ) -> dict:
     """Both modes in turn, `num_rounds` times, on the same requests; medians over rounds.
 
     The on/off ratio is taken per round (runs a few seconds apart) before its median.
+    `max_prefill_tokens` 0: every prompt together, so the burst may go in one joint pass.
     """
+    max_prefill_tokens = max_prefill_tokens or num_requests * prompt_tokens
     tokenizer = Tokenizer.from_model_dir(model_dir)
     requests = make_requests(tokenizer, num_requests, prompt_tokens, max_tokens)
     first_tokens: dict[bool, list[list[float]]] = {mode: [] for mode in MODES}
@@ -92,7 +100,9 @@ def run_batched_prefill(
     expected = None
     for _ in range(num_rounds):
         for mode in MODES:
-            first_token_s, replies = run_mode(model_dir, requests, batch_prefill=mode, dtype=dtype)
+            first_token_s, replies = run_mode(
+                model_dir, requests, batch_prefill=mode, dtype=dtype, max_prefill_tokens=max_prefill_tokens
+            )
             first_tokens[mode].append(first_token_s)
             expected = expected or replies
             differing |= {i for i, (a, b) in enumerate(zip(expected, replies)) if a != b}
@@ -115,6 +125,7 @@ def run_batched_prefill(
         "num_requests": num_requests,
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
+        "max_prefill_tokens": max_prefill_tokens,
         "rounds": num_rounds,
         "load_average": os.getloadavg()[0],
         "modes": modes,
@@ -129,7 +140,8 @@ def run_batched_prefill(
 def print_report(report: dict) -> None:
     print_table(
         f"{report['num_requests']} requests x {report['prompt_tokens']}-token prompts arriving together, "
-        f"2 ranks, {report['dtype']}, 1 thread per rank, {report['rounds']} round(s), "
+        f"2 ranks, {report['dtype']}, 1 thread per rank, max_prefill_tokens {report['max_prefill_tokens']}, "
+        f"{report['rounds']} round(s), "
         f"load average {report['load_average']:.1f}",
         ("batch_prefill", "last first token s", "p50 s", "p90 s"),
         [
@@ -148,6 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=8, help="reply length, compared between modes")
     parser.add_argument("--rounds", type=int, default=1, help="times both modes run, in turn")
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=0,
+        help="prompt tokens a step may prefill (default: all of them, so one joint pass can take the burst)",
+    )
     args = parser.parse_args(argv)
     if not 2 <= args.requests <= 16:
         parser.error("--requests must be between 2 and 16 (one joint pass takes at most 16 prompts)")
@@ -158,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         num_rounds=args.rounds,
         dtype=args.dtype,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
     print_report(report)
     write_json(args.json, report)

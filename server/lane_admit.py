@@ -9,11 +9,12 @@ A foreground job that cannot get a lane or room makes the newest background stre
 the yielded job goes back to the front of the background line and later re-prefills its prompt and
 the tokens it already produced, so position-keyed sampling continues exactly where it left off.
 
-With a prompt cache, a job's lookup borrows the entry it found until the restore has reported, so
-no other job's keep can evict it meanwhile; once a prompt is prefilled its state is kept (one point,
-the best `keep_points` offers) for later prompts that start the same way. Whether a prompt needs
-chunks is judged at take time by what the cache would restore, so a mostly cached prompt can join
-a joint pass; one whose restore then fails launches alone.
+A step prefills at most `max_prefill_tokens` prompt tokens of whole prompts (its first pass always
+goes), so a burst delays the live streams' next decode round by about one pass. With a prompt cache
+(lane_cache.py), setup restores a job's cached prefix and its prompt is kept once prefilled. Whether
+a prompt needs chunks, and how much of the budget it takes, is judged at take time by what the
+cache would restore, so a mostly cached prompt can join a joint pass; one whose restore then fails
+launches alone.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 
 from tpserve.server.backend import Backend, BackendBroken, PrefillItem
 from tpserve.server.job_queue import JobQueue
+from tpserve.server.lane_cache import keep_prompt, restore_prefix
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.prompt_cache import PromptCache
@@ -64,16 +66,24 @@ class Admission:
         self._max_iterations = 2 * lanes.num_lanes + 16  # bounds one admit() however many jobs fail
 
     def admit(self) -> bool:
-        """Admit waiting jobs while lanes and room allow. True when anything changed."""
+        """Admit waiting jobs while lanes, room and this step's prompt budget allow. True when
+        anything changed.
+
+        The budget is `max_prefill_tokens` prompt tokens per step, so a burst of prompts delays the
+        live streams' next decode round by about one pass, whether its prompts go alone or
+        together; the step's first pass always goes, so the queue always moves.
+        """
         changed = False
+        budget = None  # None: nothing prefilled yet this step
         for _ in range(self._max_iterations):
             if self._yield_for_foreground():
                 changed = True
                 continue
-            jobs = self._take_jobs()
+            jobs, num_tokens = self._take_jobs(budget)
             if not jobs:
                 break
             changed = True
+            budget = (self._max_prefill_tokens if budget is None else budget) - num_tokens
             ready = [job for job in jobs if self._setup(job)]
             # A job taken as short can turn out long when its restore failed: it launches alone.
             whole = [job for job in ready if not self._needs_chunks(job)]
@@ -87,39 +97,51 @@ class Admission:
         """After setup: whether the prompt left past the restored prefix takes more than one pass."""
         return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
 
-    def _expects_chunks(self, job: Job) -> bool:
-        """Before setup: `_needs_chunks`, counting the prefix the prompt cache would restore now.
+    def _expected_new_tokens(self, job: Job) -> int:
+        """Before setup: the prompt tokens left past the prefix the prompt cache would restore now.
 
         A forecast only (setup's restore may still fail); `_launch_alone` copes when it was wrong.
         """
         feed = job.feed_ids
-        if len(feed) <= self._max_prefill_tokens:
-            return False
         hit = 0 if self._cache is None else self._cache.cached_length(feed)
-        return len(feed) - hit > self._max_prefill_tokens
+        return len(feed) - hit
 
-    def _take_jobs(self) -> list[Job]:
-        """Take the head job, or several for one joint pass: only what fits in free lanes and room."""
+    def _expects_chunks(self, job: Job) -> bool:
+        """Before setup: `_needs_chunks`, counting the prefix the prompt cache would restore now."""
+        return self._expected_new_tokens(job) > self._max_prefill_tokens
+
+    def _take_jobs(self, budget: int | None) -> tuple[list[Job], int]:
+        """Take the head job, or several for one joint pass: only what fits in free lanes, room and
+        `budget` (prompt tokens this step may still prefill; None: the step's first pass, which
+        takes at least one job and at most one pass's worth). Returns the jobs and the prompt
+        tokens they will prefill now (a long prompt's chunks are not counted: they go one a step)."""
         num_free = self._lanes.num_free
         with self._lock:
-            if num_free == 0 or self._queue.peek() is None:
-                return []
+            if num_free == 0 or self._queue.peek() is None or (budget is not None and budget <= 0):
+                return [], 0
         free_room = self._backend.free_room()
+        num_tokens = 0
+        limit = self._max_prefill_tokens if budget is None else budget
         with self._lock:
             taken: list[Job] = []
             for job in self._queue.peek_many(min(self.max_joint_prompts, num_free)):
                 if job.reserve > free_room:
                     break
-                long = self._expects_chunks(job)
+                new_tokens = self._expected_new_tokens(job)
+                long = new_tokens > self._max_prefill_tokens
                 if long and (taken or self.chunking is not None):
                     break
+                new_tokens = 0 if long else new_tokens
+                if num_tokens + new_tokens > limit and (taken or budget is not None):
+                    break
+                num_tokens += new_tokens
                 taken.append(job)
                 free_room -= job.reserve
                 if long:
                     break
             for _ in taken:
                 self._queue.pop()
-        return taken
+        return taken, num_tokens
 
     def _setup(self, job: Job) -> bool:
         """Lane and reservation. False when the job ended instead (cancelled or refused)."""
@@ -136,50 +158,9 @@ class Admission:
         if not opened:
             self._end(job, ERROR, f"the engine refused to reserve {job.reserve} tokens of KV room")
             return False
-        job.cached_tokens = self._restore(job)
+        job.cached_tokens = restore_prefix(self._cache, self._backend, job)
         job.num_prefilled = job.cached_tokens
         return True
-
-    def _restore(self, job: Job) -> int:
-        """Restore the longest cached prefix of the job's prompt into its lane; the tokens restored."""
-        if self._cache is None:
-            return 0
-        borrow = self._cache.lookup(job.feed_ids)
-        if borrow is None:
-            return 0
-        try:
-            restored = self._backend.restore(job.lane, borrow.entry_id, borrow.num_tokens)
-        except BackendBroken:
-            raise
-        except Exception as error:
-            log.warning("restoring cache entry %d failed (%r); prefilling in full", borrow.entry_id, error)
-            restored = False
-        if not restored:
-            self._cache.restore_failed(borrow)  # lookups miss it now; freed once unborrowed
-            return 0
-        self._cache.release(borrow)
-        return borrow.num_tokens
-
-    def _keep(self, job: Job) -> None:
-        """Keep the job's prefilled prompt for later prompts that start the same way."""
-        if self._cache is None:
-            return
-        for num_tokens in self._cache.keep_points(job.feed_ids, job.request.keep_boundaries):
-            entry_id = self._cache.reserve(num_tokens)  # evicts (EVICT on the wire) to make room
-            if entry_id is None:
-                continue
-            try:
-                kept = self._backend.keep(job.lane, num_tokens, entry_id)
-            except BackendBroken:
-                raise
-            except Exception as error:
-                log.warning("keeping %d prompt tokens failed (%r)", num_tokens, error)
-                kept = False
-            if kept:
-                self._cache.commit(entry_id, job.feed_ids[:num_tokens])
-            else:
-                self._cache.abort(entry_id)
-            return
 
     def _prefill_together(self, jobs: list[Job]) -> bool:
         """One prefill_many over `jobs`. False when the backend refused or failed (none prefilled)."""
@@ -203,7 +184,7 @@ class Admission:
             raise BackendBroken(f"prefill_many returned {len(tokens)} tokens for {len(jobs)} prompts")
         for job, token in zip(jobs, tokens):
             job.num_prefilled = len(job.feed_ids)
-            self._keep(job)
+            keep_prompt(self._cache, self._backend, job)
             self._first_token(job, token)
         return True
 
@@ -267,7 +248,7 @@ class Admission:
         if token is None:
             self._end(job, ERROR, "the engine sampled no token after the prompt")
             return
-        self._keep(job)
+        keep_prompt(self._cache, self._backend, job)
         self._first_token(job, token)
 
     def _yield_for_foreground(self) -> bool:

@@ -98,6 +98,8 @@ class FakeBackend:
         self.refused_passes: list[int] = []
         self.failed_passes: list[int] = []
         self.decode_sizes: list[int] = []
+        # In call order: ("prefill", prompt tokens) for a pass alone or together, ("decode", lanes).
+        self.timeline: list[tuple[str, int]] = []
         self.broken = False
         self.num_calls_after_broken = 0
         self.misuse: list[str] = []
@@ -129,6 +131,7 @@ class FakeBackend:
         self._call()
         self.num_prefills += 1
         lane = self._check_prefill(item, max_tokens=self.max_prefill_tokens)
+        self.timeline.append(("prefill", len(item.token_ids)))
         if self._first_token_of(lane, item) in self.poisoned_prompts:
             self._reset(lane)
             raise FakeFailure(f"the engine refused the prompt on lane {item.lane}")
@@ -144,6 +147,10 @@ class FakeBackend:
         lanes = [self._check_prefill(item, max_tokens=self.max_prefill_tokens) for item in items]
         if any(not item.last for item in items):
             self._misuse("prefill_many with a prompt that does not end in this pass")
+        num_tokens = sum(len(item.token_ids) for item in items)
+        if num_tokens > self.max_prefill_tokens:
+            self._misuse(f"prefill_many over {num_tokens} prompt tokens (at most {self.max_prefill_tokens})")
+        self.timeline.append(("prefill", num_tokens))
         poisoned = [
             i for i, item in enumerate(items) if self._first_token_of(lanes[i], item) in self.poisoned_prompts
         ]
@@ -175,6 +182,7 @@ class FakeBackend:
             raise BackendBroken("fake: the decode round failed (a rank was lost)")
         self.num_decodes += 1
         self.decode_sizes.append(len(items))
+        self.timeline.append(("decode", len(items)))
         if len({item.lane for item in items}) != len(items):
             self._misuse(f"decode round with a lane twice: {[item.lane for item in items]}")
         tokens = []

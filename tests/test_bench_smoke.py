@@ -18,6 +18,7 @@ import pytest
 from tiny_models import write_tiny_model
 
 from bench.batched_prefill import run_batched_prefill
+from bench.collectives import run_collectives
 from bench.common import percentile
 from bench.concurrency import run_concurrency
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
@@ -82,6 +83,19 @@ def test_batched_prefill_gives_the_replies_of_unbatched_prefill(tiny_model):
         assert len(first_token_s) == 4
         assert mode["first_token_p50_s"] <= mode["first_token_p90_s"] <= mode["last_first_token_s"]
     assert report["last_first_token_ratio"] == on["last_first_token_s"] / off["last_first_token_s"]
+
+
+def test_collectives_decode_the_same_tokens_over_shared_memory_gloo_and_one_rank(tiny_model):
+    report = run_collectives(tiny_model, prompt_tokens=24, num_prefills=1, num_bursts=2, burst_tokens=3)
+    assert [mode["mode"] for mode in report["modes"]] == ["tp=2 gloo", "tp=2 shared memory", "tp=1"]
+    for mode in report["modes"]:
+        assert mode["prefill_s"] > 0 and mode["decode_tokens_per_s"] > 0
+        assert len(mode["token_ids"]) == 6
+    assert report["tokens_identical"] is True
+    gloo, shared, _ = report["modes"]
+    assert report["ratios"]["decode_shared_memory_over_gloo"] == (
+        shared["decode_tokens_per_s"] / gloo["decode_tokens_per_s"]
+    )
 
 
 def test_a_benchmark_runs_as_a_module_and_writes_its_figures(tiny_model, tmp_path):

@@ -1,0 +1,60 @@
+"""Where admission meets the prompt cache: restore a job's cached prefix, keep its prompt after.
+
+A lookup borrows the entry it found until the restore has reported, so no keep can evict it
+meanwhile; a failed restore makes lookups miss the entry (it is freed once unborrowed) and the job
+prefills in full. Only BackendBroken goes further: any other failure costs the cache, not the job.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tpserve.server.backend import Backend, BackendBroken
+from tpserve.server.lane_job import Job
+from tpserve.server.prompt_cache import PromptCache
+
+log = logging.getLogger(__name__)
+
+
+def restore_prefix(cache: PromptCache | None, backend: Backend, job: Job) -> int:
+    """Restore the longest cached prefix of the job's prompt into its lane; the tokens restored."""
+    if cache is None:
+        return 0
+    borrow = cache.lookup(job.feed_ids)
+    if borrow is None:
+        return 0
+    try:
+        restored = backend.restore(job.lane, borrow.entry_id, borrow.num_tokens)
+    except BackendBroken:
+        raise
+    except Exception as error:
+        log.warning("restoring cache entry %d failed (%r); prefilling in full", borrow.entry_id, error)
+        restored = False
+    if not restored:
+        cache.restore_failed(borrow)  # lookups miss it now; freed once unborrowed
+        return 0
+    cache.release(borrow)
+    return borrow.num_tokens
+
+
+def keep_prompt(cache: PromptCache | None, backend: Backend, job: Job) -> None:
+    """Keep the job's prefilled prompt (one point, the best keep_points offers) for later prompts
+    that start the same way."""
+    if cache is None:
+        return
+    for num_tokens in cache.keep_points(job.feed_ids, job.request.keep_boundaries):
+        entry_id = cache.reserve(num_tokens)  # evicts (EVICT on the wire) to make room
+        if entry_id is None:
+            continue
+        try:
+            kept = backend.keep(job.lane, num_tokens, entry_id)
+        except BackendBroken:
+            raise
+        except Exception as error:
+            log.warning("keeping %d prompt tokens failed (%r)", num_tokens, error)
+            kept = False
+        if kept:
+            cache.commit(entry_id, job.feed_ids[:num_tokens])
+        else:
+            cache.abort(entry_id)
+        return
