@@ -54,6 +54,12 @@ def span_attention(
     """q: [T, Hq, D] (rotated); pool_*: [Hkv, room, D] already holding the spans' keys. Returns [T, Hq*D]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if min_rows:
+        steps = [span for span in spans if span.length == 1]
+        if len(steps) >= 2:  # a decode round: every lane's one query in the same products
+            rows = torch.tensor([span.offset for span in steps], device=q.device)
+            out[rows] = invariant_step_attention(q[rows], pool_k, pool_v, steps, scale, min_rows)
+            spans = [span for span in spans if span.length != 1]
     for span in spans:
         rows = slice(span.offset, span.offset + span.length)
         keys = slice(span.base, span.base + span.end)
@@ -86,6 +92,12 @@ def invariant_attention(
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, num_keys = keys.shape[0], keys.shape[1]
+    if num_keys < min_rows:
+        # The BLAS also picks its kernel by the number of keys: fewer than min_rows rounds
+        # differently, so a row near the start would change with the keys after it. Zero keys,
+        # masked below, make the products their large-batch shape.
+        keys, values = (F.pad(t, (0, 0, 0, min_rows - num_keys)) for t in (keys, values))
+        num_keys = min_rows
     group = num_heads // num_kv_heads
     padded = max(num_rows, -(-min_rows // group))
     grouped = q.reshape(num_rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
@@ -103,3 +115,51 @@ def invariant_attention(
         out = out + torch.matmul(probs[..., first : first + KEY_BLOCK], values[:, first : first + KEY_BLOCK])
     out = out.view(num_kv_heads, group, padded, head_dim)[:, :, :num_rows]
     return out.permute(2, 0, 1, 3).reshape(num_rows, num_heads, head_dim)
+
+
+def invariant_step_attention(
+    q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, spans, scale: float, min_rows: int
+) -> torch.Tensor:
+    """q: [S, Hq, D], span s's one query at position spans[s].start; pool_*: [Hkv, room, D].
+
+    Returns [S, Hq, D]: for each span the very numbers invariant_attention gives it alone. The
+    products are that function's, span by span, on views of the pool; what is shared is the work
+    around them (padding the queries, masking, the softmax), which for one query per span would
+    otherwise cost more than the products. A shorter span's row of scores ends in masked keys, which
+    the softmax weighs zero exactly.
+    """
+    num_spans, num_heads, head_dim = q.shape
+    num_kv_heads = pool_k.shape[0]
+    group = num_heads // num_kv_heads
+    padded = -(-min_rows // group)
+    ends = [max(span.end, min_rows) for span in spans]  # at least min_rows keys: see invariant_attention
+    num_keys = max(ends)
+    grouped = F.pad(q.reshape(num_spans, num_kv_heads, group, 1, head_dim), (0, 0, 0, padded - 1))
+    grouped = grouped.reshape(num_spans, num_kv_heads, group * padded, head_dim)
+    # float32, as invariant_attention's; past a span's keys its row stays -inf, weighed zero.
+    scores = torch.full((num_spans, num_kv_heads, group * padded, num_keys), float("-inf"), device=q.device)
+    for i, (span, end) in enumerate(zip(spans, ends)):
+        keys = _keys_of(pool_k, span, end)  # [Hkv, end, D]
+        scores[i, :, :, :end] = torch.matmul(grouped[i], keys.transpose(1, 2))
+        if end > span.start + 1:  # keys padded to min_rows lie past the query's position
+            scores[i, :, :, span.start + 1 : end] = float("-inf")
+    scores.mul_(scale)  # elementwise, so the same bits as scaling each span's scores alone
+    probs = torch.softmax(scores, dim=-1).to(pool_v.dtype)
+    out = torch.empty(num_spans, num_kv_heads, group * padded, head_dim, dtype=q.dtype, device=q.device)
+    for i, (span, end) in enumerate(zip(spans, ends)):
+        values = _keys_of(pool_v, span, end)
+        span_out = torch.matmul(probs[i, ..., :KEY_BLOCK][..., :end], values[:, :KEY_BLOCK])
+        for first in range(KEY_BLOCK, end, KEY_BLOCK):
+            last = min(first + KEY_BLOCK, end)
+            span_out = span_out + torch.matmul(probs[i, ..., first:last], values[:, first:last])
+        out[i] = span_out
+    out = out.view(num_spans, num_kv_heads, group, padded, head_dim)[:, :, :, 0]
+    return out.reshape(num_spans, num_heads, head_dim)
+
+
+def _keys_of(pool: torch.Tensor, span: SpanView, num_keys: int) -> torch.Tensor:
+    """The span's first num_keys slots of the pool ([Hkv, num_keys, D]), zeros past the lane's
+    written ones when num_keys exceeds them (a span shorter than min_rows)."""
+    if num_keys == span.end:
+        return pool[:, span.base : span.base + span.end]
+    return F.pad(pool[:, span.base : span.base + span.end], (0, 0, 0, num_keys - span.end))

@@ -46,6 +46,17 @@ def test_rows_equal_the_whole_prefill_bit_for_bit(qkv, start, num_rows):
     assert torch.equal(part, whole[start:end])
 
 
+@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("start", range(20))
+def test_rows_near_the_start_equal_the_whole_prefill_bit_for_bit(qkv, start, num_rows):
+    # Fewer than 16 keys: a short prompt's decode steps, or its re-prefill after yielding its lane.
+    q, k, v = qkv
+    whole = invariant_attention(q, k, v, 0, 0.125, 16)
+    end = start + num_rows
+    part = invariant_attention(q[start:end], k[:, :end], v[:, :end], start, 0.125, 16)
+    assert torch.equal(part, whole[start:end])
+
+
 def test_span_attention_reads_each_span_from_its_own_lane(qkv):
     q, k, v = qkv
     pool_k = torch.cat([k[:, :300], torch.randn(2, 100, 64), k[:, :300]], dim=1)
@@ -60,7 +71,7 @@ def test_a_decode_round_equals_each_lane_alone_and_the_whole_prefill(qkv):
     # in the whole prefill.
     q, k, v = qkv
     whole = invariant_attention(q, k, v, 0, 0.125, 16)
-    lengths = [1, 17, 300, 699, 64]
+    lengths = [1, 17, 300, 699, 64, 6, 256, 257]
     pool_k = torch.cat([k] * len(lengths), dim=1)
     pool_v = torch.cat([v] * len(lengths), dim=1)
     steps = [SpanView(i, i * 700, n - 1, 1) for i, n in enumerate(lengths)]
