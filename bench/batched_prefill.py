@@ -26,13 +26,13 @@ from bench.common import (  # noqa: E402
     add_common_args,
     bench_settings,
     default_model_dir,
+    finish,
     median,
     percentile,
     print_table,
     submit_together,
     text_prompt,
     watch_streams,
-    write_json,
 )
 from tpserve.ranks.sampling_params import SamplingParams  # noqa: E402
 from tpserve.server.engine_host import local_engine  # noqa: E402
@@ -179,11 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
     )
     print_report(report)
-    write_json(args.json, report)
-    if not report["replies_identical"]:
-        print(f"FAILED: requests {report['differing_requests']} replied differently with batched prefill")
-        return 1
-    return 0
+    failure = f"requests {report['differing_requests']} replied differently with batched prefill"
+    return finish(report, args.json, None if report["replies_identical"] else failure)
 
 
 if __name__ == "__main__":

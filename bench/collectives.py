@@ -26,10 +26,10 @@ from bench.common import (  # noqa: E402
     add_common_args,
     bench_settings,
     default_model_dir,
+    finish,
     median,
     print_table,
     text_prompt,
-    write_json,
 )
 from tpserve.generate import single_stream_leader  # noqa: E402
 from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
@@ -162,11 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
     )
     print_report(report)
-    write_json(args.json, report)
-    if not report["tokens_identical"]:
-        print("FAILED: the modes decoded different tokens")
-        return 1
-    return 0
+    return finish(
+        report, args.json, None if report["tokens_identical"] else "the modes decoded different tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -162,3 +162,12 @@ def write_json(path: str | None, report: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(f"figures written to {path}")
+
+
+def finish(report: dict, json_path: str | None, failure: str | None = None) -> int:
+    """Write the figures where asked; the exit status: 1 with the failure said, else 0."""
+    write_json(json_path, report)
+    if failure:
+        print(f"FAILED: {failure}")
+        return 1
+    return 0

@@ -28,11 +28,11 @@ from bench.common import (  # noqa: E402
     bench_settings,
     chat_prompt,
     default_model_dir,
+    finish,
     median,
     print_table,
     submit_together,
     watch_streams,
-    write_json,
 )
 from tpserve.server.engine_host import local_engine  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
@@ -151,8 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_invariant=not args.no_batch_invariant,
     )
     print_report(report)
-    write_json(args.json, report)
-    return 0
+    return finish(report, args.json)
 
 
 if __name__ == "__main__":

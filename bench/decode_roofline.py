@@ -33,9 +33,9 @@ from bench.common import (  # noqa: E402
     bench_settings,
     chat_prompt,
     default_model_dir,
+    finish,
     median,
     print_table,
-    write_json,
 )
 from tpserve.generate import single_stream_leader  # noqa: E402
 from tpserve.ranks.model import TPModel  # noqa: E402
@@ -288,8 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bandwidth_bytes=args.bandwidth_mib * 2**20,
     )
     print_report(report)
-    write_json(args.json, report)
-    return 0
+    return finish(report, args.json)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ from bench.common import (  # noqa: E402
     add_common_args,
     bench_settings,
     default_model_dir,
+    finish,
     median,
     print_table,
     watch_streams,
-    write_json,
 )
 from tpserve.ranks.sampling_params import SamplingParams  # noqa: E402
 from tpserve.server.engine_host import LocalEngine, local_engine  # noqa: E402
@@ -232,11 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
     )
     print_report(report)
-    write_json(args.json, report)
-    if not report["replies_identical"]:
-        print(f"FAILED: conversations {report['differing_rounds']} replied differently with the cache")
-        return 1
-    return 0
+    failure = f"conversations {report['differing_rounds']} replied differently with the cache"
+    return finish(report, args.json, None if report["replies_identical"] else failure)
 
 
 if __name__ == "__main__":

@@ -35,21 +35,13 @@ def test_matches_the_reference_attention(qkv):
 
 
 @pytest.mark.parametrize(
-    ("start", "num_rows"), [(0, 1), (100, 1), (100, 5), (100, 33), (37, 64), (512, 188), (699, 1)]
+    ("start", "num_rows"),
+    [(0, 1), (100, 1), (100, 5), (100, 33), (37, 64), (512, 188), (699, 1)]
+    + [(start, num_rows) for start in range(1, 20) for num_rows in (1, 3)],  # fewer than 16 keys
 )
 def test_rows_equal_the_whole_prefill_bit_for_bit(qkv, start, num_rows):
-    # A chunk, a prompt after a cache restore, a decode step: the same numbers as one whole pass.
-    q, k, v = qkv
-    whole = invariant_attention(q, k, v, 0, 0.125, 16)
-    end = start + num_rows
-    part = invariant_attention(q[start:end], k[:, :end], v[:, :end], start, 0.125, 16)
-    assert torch.equal(part, whole[start:end])
-
-
-@pytest.mark.parametrize("num_rows", [1, 3])
-@pytest.mark.parametrize("start", range(20))
-def test_rows_near_the_start_equal_the_whole_prefill_bit_for_bit(qkv, start, num_rows):
-    # Fewer than 16 keys: a short prompt's decode steps, or its re-prefill after yielding its lane.
+    # A chunk, a prompt after a cache restore, a decode step: the same numbers as one whole pass;
+    # near the start too (a short prompt's decode steps, its re-prefill after yielding its lane).
     q, k, v = qkv
     whole = invariant_attention(q, k, v, 0, 0.125, 16)
     end = start + num_rows
