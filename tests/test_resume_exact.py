@@ -1,0 +1,45 @@
+"""A stream resumed by prefilling everything it had gives the logits its decode steps gave.
+
+That is how a background stream continues after yielding its lane, and a short prompt is the hard
+case: its first positions were computed with fewer than 16 keys, where the BLAS picks another kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import write_tiny_model
+
+from tpserve.ranks.engine import Engine
+from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.loader import load_rank_model
+
+PROMPT = (5, 17, 99, 3, 42)
+NUM_STEPS = 14  # positions 5..18: across the 16-key edge
+
+
+def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_steps(tmp_path):
+    torch.set_num_threads(1)
+    model = load_rank_model(
+        write_tiny_model(tmp_path / "llama", "llama"),
+        tp_rank=0,
+        tp_size=1,
+        dtype=torch.float32,
+        max_positions=64,
+        min_rows=16,
+    )
+    engine = Engine(
+        model,
+        KVPool(model.config.num_layers, 1024, model.kv_heads_per_piece(), model.config.head_dim, model.dtype),
+    )
+    assert engine.admit(0, 40)
+    history, step_logits = list(PROMPT), [engine.forward([(0, 0, PROMPT)])[0]]
+    for _ in range(NUM_STEPS):
+        history.append(int(step_logits[-1].argmax()))
+        step_logits.append(engine.forward([(0, len(history) - 1, (history[-1],))])[0])
+    differing = []
+    for lane, length in enumerate(range(len(PROMPT) + 1, len(history) + 1), start=1):
+        assert engine.admit(lane, 40)
+        resumed = engine.forward([(lane, 0, tuple(history[:length]))])[0]
+        if not torch.equal(resumed, step_logits[length - len(PROMPT)]):
+            differing.append(length)
+    assert differing == [], f"re-prefills of these lengths differ from the decode steps: {differing}"
