@@ -3,9 +3,10 @@
 Spans are computed one at a time over exactly their own keys, so a stream's numbers never depend
 on what else is in the batch (no padding, no shared softmax).
 
-With `min_rows` set (batch-invariant mode) attention is computed as plain products padded to the
-BLAS's large-batch kernel, so a row's result depends only on its own query and keys: not on how
-many rows were computed with it, nor on how many keys lay beyond its position. Then a prompt
+With `min_rows` set (batch-invariant mode) attention is computed as plain products padded (in
+rows and in keys) to the BLAS's large-batch kernel, so a row's result depends only on its own query
+and keys: not on how many rows were computed with it, nor on how many keys lay beyond its position.
+A decode round computes its lanes' products one lane at a time and the rest of the work once. Then a prompt
 prefilled in chunks, or after a prompt-cache restore, gives the very numbers of a whole prefill,
 and the first token of a prefill matches a decode step's. The fused kernel (`min_rows` 0) blocks
 rows and keys by the pass's shape, and rounds differently for each.
