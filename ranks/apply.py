@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Stop
+from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Stop, Verify
 
 
 class Refused(Exception):
@@ -19,7 +19,7 @@ class Refused(Exception):
 
 
 def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
-    """Returns the logits of a Prefill or Round on rank 0 (None elsewhere and for other kinds).
+    """Returns the logits of a Prefill, Round or Verify on rank 0 (None elsewhere and for other kinds).
 
     Raises Refused when the ranks voted no.
     """
@@ -36,7 +36,9 @@ def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
             raise Refused("prefill refused by some rank")
         return engine.forward(spans)
     if isinstance(msg, Round):
-        return engine.forward([(s.lane, s.position, (s.token_id,)) for s in msg.steps])
+        return engine.forward([(s.lane, s.position, (s.token_id,)) for s in msg.steps], cut=True)
+    if isinstance(msg, Verify):
+        return engine.forward([(s.lane, s.start, s.token_ids) for s in msg.spans], every_row=True, cut=True)
     if isinstance(msg, Release):
         engine.release(msg.lane)
         return None

@@ -74,10 +74,20 @@ class Engine:
         """A fault drill: this rank refuses any prompt holding `refuse_token` (tests of rollback)."""
         return self.refuse_token is not None and any(self.refuse_token in tokens for _, _, tokens in spans)
 
-    def forward(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
+    def forward(
+        self, spans: list[tuple[int, int, tuple[int, ...]]], *, every_row: bool = False, cut: bool = False
+    ) -> torch.Tensor | None:
         """spans: (lane, start, token ids) that pass check(). Computes and stores their KV, advances
         the lanes, and returns the next-token logits of each span's last token ([num_spans, vocab]
-        float32) on rank 0, None elsewhere."""
+        float32; with every_row, of every token in order) on rank 0, None elsewhere.
+
+        With `cut`, a lane longer than its span's start is first cut back to it: a decode step after
+        a Verify whose last drafts the host did not accept."""
+        if cut:
+            for lane, start, _ in spans:
+                state = self.lanes.get(lane)
+                if state is not None and 0 <= start < state.length:
+                    state.length = start
         if not self.check(spans):
             raise EngineError(f"inconsistent pass {[(lane, start, len(t)) for lane, start, t in spans]}")
         views, token_ids, positions, logit_rows = [], [], [], []
@@ -86,7 +96,10 @@ class Engine:
             views.append(SpanView(len(token_ids), state.base, start, len(tokens)))
             token_ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
-            logit_rows.append(len(token_ids) - 1)
+            if every_row:
+                logit_rows.extend(range(len(token_ids) - len(tokens), len(token_ids)))
+            else:
+                logit_rows.append(len(token_ids) - 1)
         with torch.inference_mode():
             logits = self.model.forward(
                 torch.tensor(token_ids, dtype=torch.int64, device=self.model.device),

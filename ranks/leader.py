@@ -13,7 +13,20 @@ from tpserve.kernels.sampling import sample, top_logits
 from tpserve.ranks.apply import Refused, apply
 from tpserve.ranks.channel import ChannelBroken, brief
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Span, Step, Stop
+from tpserve.ranks.wire import (
+    Admit,
+    Evict,
+    Idle,
+    Keep,
+    Prefill,
+    Release,
+    Restore,
+    Round,
+    Span,
+    Step,
+    Stop,
+    Verify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +83,17 @@ class Leader:
         except Refused:
             return None
         return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
+
+    def decode_drafts(self, items) -> list[list[int]]:
+        msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft)) for i in items))
+        rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
+        logits = self._run(msg)
+        tokens = sample(logits, [item.sampling for item, _ in rows], [position for _, position in rows])
+        out, at = [], 0
+        for item in items:
+            out.append(tokens[at : at + 1 + len(item.draft)])
+            at += 1 + len(item.draft)
+        return out
 
     def decode(self, items) -> list[int]:
         logits = self._run(Round(tuple(Step(i.lane, i.position, i.token_id) for i in items)))

@@ -23,6 +23,8 @@ class EngineSettings:
     # Forward collectives between CPU ranks: "auto" (shared memory when every rank is on this host,
     # else gloo), "shared_memory" (required) or "gloo".
     cpu_collectives: str = "auto"
+    # Prompt-lookup draft tokens a decode round may check per stream (0: none); see server/drafts.py.
+    draft_tokens: int = 0
     threads_per_rank: int = 0  # 0: half the cores, so tp=1 and tp=2 run the same kernels
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0

@@ -41,7 +41,7 @@ __all__ = [
     "read_head",
 ]
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 64
@@ -99,13 +99,26 @@ class Step:
 
 @dataclass(frozen=True)
 class Round:
-    """One decode step over the live lanes."""
+    """One decode step over the live lanes (each lane first cut back to its step's position)."""
 
     KIND: ClassVar[int] = 3
     steps: tuple[Step, ...]
 
     def __post_init__(self):
         object.__setattr__(self, "steps", tuple(self.steps))
+
+
+@dataclass(frozen=True)
+class Verify:
+    """A decode round with draft tokens: each span feeds its lane's last sampled token and its drafts,
+    and every row's logits come back. Like a Round, it first cuts each lane back to the span's start,
+    dropping the drafts an earlier Verify fed and the host did not accept."""
+
+    KIND: ClassVar[int] = 10
+    spans: tuple[Span, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "spans", tuple(self.spans))
 
 
 @dataclass(frozen=True)
@@ -158,9 +171,9 @@ class Stop:
     KIND: ClassVar[int] = 9
 
 
-Message = Admit | Prefill | Round | Release | Keep | Restore | Evict | Idle | Stop
+Message = Admit | Prefill | Round | Verify | Release | Keep | Restore | Evict | Idle | Stop
 _KINDS: dict[int, type] = {
-    cls.KIND: cls for cls in (Admit, Prefill, Round, Release, Keep, Restore, Evict, Idle, Stop)
+    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Keep, Restore, Evict, Idle, Stop)
 }
 _STEP_SIZE = len(fields(Step))
 _SPAN_HEAD_SIZE = 3  # lane, start, number of tokens
@@ -233,7 +246,7 @@ def decode(tensor: torch.Tensor) -> Message:
 
 
 def _payload(msg: Message) -> list:
-    if isinstance(msg, Prefill):
+    if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
         for span in msg.spans:
             payload += [span.lane, span.start, len(span.token_ids), *span.token_ids]
@@ -244,8 +257,8 @@ def _payload(msg: Message) -> list:
 
 
 def _from_payload(cls: type, payload: list[int]) -> Message:
-    if cls is Prefill:
-        return Prefill(_spans(payload))
+    if cls in (Prefill, Verify):
+        return cls(_spans(payload))
     if cls is Round:
         if len(payload) % _STEP_SIZE:
             raise WireError(f"a Round payload holds {_STEP_SIZE} ints per step, got {len(payload)} ints")

@@ -36,12 +36,17 @@ class PrefillItem:
 
 @dataclass(frozen=True)
 class DecodeItem:
-    """Feed `token_id` at `position` of `lane` and sample the token after it."""
+    """Feed `token_id` at `position` of `lane` and sample the token after it.
+
+    With `draft` (decode_drafts only), the draft tokens follow at the next positions, and a token is
+    sampled after each fed token.
+    """
 
     lane: int
     position: int
     token_id: int
     sampling: SamplingParams
+    draft: tuple[int, ...] = ()
 
 
 class Backend(Protocol):
@@ -79,6 +84,12 @@ class Backend(Protocol):
     def close(self, lane: int) -> None:
         """Drop the lane's KV and its reservation."""
 
+    # Optional: `decode_drafts(items) -> list[list[int]]`, a decode round whose items carry draft
+    # tokens: per item, 1 + len(draft) sampled tokens, the i-th sampled after feeding the token and
+    # its first i drafts. The host keeps the samples up to the first that differs from the next
+    # draft; the lane's later positions are rewritten by the next round (which starts where the
+    # kept tokens end). Raises BackendBroken as decode does.
+    #
     # Optional: `idle()`, called once when the host runs out of work, before it waits. Rank 0's
     # leader tells the followers to wait off any collective timeout (see ranks/channel.py).
     #

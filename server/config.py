@@ -34,6 +34,7 @@ class ServeConfig:
     batch_prefill: bool = True
     batch_invariant: bool = True
     cpu_collectives: str = "auto"
+    draft_tokens: int = 0
     threads_per_rank: int = 0
     queue_size: int = 64
     default_max_tokens: int = 256
@@ -63,6 +64,7 @@ class ServeConfig:
             batch_prefill=self.batch_prefill,
             batch_invariant=self.batch_invariant,
             cpu_collectives=self.cpu_collectives,
+            draft_tokens=self.draft_tokens,
             threads_per_rank=self.threads_per_rank,
             init_timeout_s=self.init_timeout_s,
             collective_timeout_s=self.collective_timeout_s,
@@ -72,6 +74,7 @@ class ServeConfig:
 
 
 _CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "tp": (1, 2), "cpu_collectives": CHOICES}
+_AT_MOST = {"draft_tokens": 15}  # a decode product holds 16 rows: the token and 15 drafts
 _POSITIVE = {
     "lanes",
     "context",
@@ -115,6 +118,8 @@ def _coerce(key: str, value, kind: type, origin: str):
         raise ConfigError(f"{origin}: {key}: {value!r} is not a valid {kind.__name__}") from None
     if key in _CHOICES and value not in _CHOICES[key]:
         raise ConfigError(f"{origin}: {key}: {value!r} is not one of {', '.join(map(str, _CHOICES[key]))}")
+    if key in _AT_MOST and not 0 <= value <= _AT_MOST[key]:
+        raise ConfigError(f"{origin}: {key}: must be between 0 and {_AT_MOST[key]}, not {value!r}")
     if key in _POSITIVE and not value > 0:
         raise ConfigError(f"{origin}: {key}: must be positive, not {value!r}")
     return value

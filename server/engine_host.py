@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.settings import EngineSettings
@@ -52,6 +53,8 @@ def build_lane_host(
         batch_prefill=settings.batch_prefill,
         on_broken=on_broken,
         prompt_cache=cache,
+        max_draft_tokens=settings.draft_tokens,
+        draft_rows=BATCH_INVARIANT_ROWS,  # the rows a decode product is padded to anyway
     )
     return host, leader
 

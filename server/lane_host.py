@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tpserve.server.backend import Backend, BackendBroken, DecodeItem
+from tpserve.server.drafts import Drafter
 from tpserve.server.job_queue import JobQueue
 from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
@@ -54,6 +55,8 @@ class LaneHost:
         batch_prefill: bool = True,
         on_broken: Callable[[str], None] | None = None,
         prompt_cache: PromptCache | None = None,
+        max_draft_tokens: int = 0,
+        draft_rows: int = 16,
     ):
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -89,6 +92,9 @@ class LaneHost:
             prompt_cache=prompt_cache,
         )
         self.prompt_cache = prompt_cache
+        # Draft tokens (server/drafts.py) when asked for and the backend can check them.
+        speculates = max_draft_tokens > 0 and hasattr(backend, "decode_drafts")
+        self.drafter = Drafter(max_draft_tokens, draft_rows) if speculates else None
 
     # ---- client side (any thread) ----
 
@@ -181,19 +187,29 @@ class LaneHost:
         live = [job for job in self._lanes.jobs() if job is not self._admission.chunking]
         if not live:
             return False
+        drafts = self.drafter.drafts(live) if self.drafter else [()] * len(live)
         items = [
-            DecodeItem(job.lane, job.next_position, job.produced[-1], job.request.sampling) for job in live
+            DecodeItem(job.lane, job.next_position, job.produced[-1], job.request.sampling, draft)
+            for job, draft in zip(live, drafts)
         ]
         try:
-            tokens = self._backend.decode(items)
+            if any(drafts):
+                samples = self._backend.decode_drafts(items)
+            else:
+                samples = [[token] for token in self._backend.decode(items)]
         except BackendBroken:
             raise
         except Exception as error:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
-        if len(tokens) != len(items):
-            raise BackendBroken(f"a decode round returned {len(tokens)} tokens for {len(items)} lanes")
-        for job, token in zip(live, tokens):
-            self._take_token(job, token)
+        if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
+            raise BackendBroken(
+                f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
+            )
+        for job, draft, tokens in zip(live, drafts, samples):
+            for token in self.drafter.kept(draft, tokens) if draft else tokens:
+                self._take_token(job, token)
+                if job.lane is None:  # the reply ended: later tokens are not part of it
+                    break
         return True
 
     def _first_token(self, job: Job, token: int) -> None:

@@ -75,6 +75,7 @@ class FakeBackend:
         max_prefill_tokens: int = 64,
         batched: bool = False,
         max_batch_streams: int = 16,
+        repeat_period: int = 0,
     ):
         self.num_lanes = num_lanes
         self.room = room
@@ -82,6 +83,7 @@ class FakeBackend:
         self.max_prefill_tokens = max_prefill_tokens
         self.batches_prompts = batched
         self.max_batch_streams = max_batch_streams
+        self.repeat_period = repeat_period  # > 0: greedy tokens repeat the history with this period
         # Failures to inject.
         self.poisoned_prompts: set[int] = set()  # first prompt tokens whose prefills fail
         self.refuse_poisoned_passes = False  # prefill_many returns None for them instead of raising
@@ -94,6 +96,7 @@ class FakeBackend:
         self.num_opens = 0
         self.num_prefills = 0
         self.num_decodes = 0
+        self.num_verifies = 0
         self.joint_passes: list[int] = []  # sizes of the prefill_many passes that went through
         self.refused_passes: list[int] = []
         self.failed_passes: list[int] = []
@@ -201,6 +204,33 @@ class FakeBackend:
             tokens.append(self._sample(lane, item.sampling))
         return tokens
 
+    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+        """A decode round whose items carry drafts: a token sampled after each fed token. The lane
+        then keeps what the host keeps (up to the first sample that differs from the next draft), so
+        the next round finds it where the engine's cut would leave it."""
+        self._call()
+        self.num_verifies += 1
+        self.timeline.append(("verify", sum(1 + len(item.draft) for item in items)))
+        out = []
+        for item in items:
+            lane = self._open_lane(item.lane)
+            if item.position != len(lane.history) or item.token_id != lane.pending:
+                self._misuse(f"lane {item.lane} verified at position {item.position}, token {item.token_id}")
+            if item.position + len(item.draft) >= lane.reserve:
+                self._misuse(f"lane {item.lane} drafts run past its reserve {lane.reserve}")
+            samples = []
+            for token in (item.token_id, *item.draft):
+                self._feed(lane, (token,))
+                samples.append(self._sample(lane, item.sampling))
+            num_kept = 1
+            while num_kept <= len(item.draft) and samples[num_kept - 1] == item.draft[num_kept - 1]:
+                num_kept += 1
+            num_samples = lane.num_samples
+            self._rewind(lane, item.position + num_kept)
+            lane.pending, lane.num_samples = samples[num_kept - 1], num_samples
+            out.append(samples)
+        return out
+
     def close(self, lane: int) -> None:
         self._call()
         if lane not in self.lanes:
@@ -249,6 +279,7 @@ class FakeBackend:
             room=self.room,
             context_size=self.context_size,
             max_prefill_tokens=self.max_prefill_tokens,
+            repeat_period=self.repeat_period,
         )
         host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS)
         (reply,) = run_all(host, [host.submit(request)])
@@ -310,6 +341,9 @@ class FakeBackend:
     def _sample(self, lane: _Lane, sampling: SamplingParams) -> int:
         position = len(lane.history)  # where the sampled token will go
         value = lane.state
+        if self.repeat_period and len(lane.history) >= self.repeat_period:
+            # A model that repeats itself: what prompt lookup guesses (sampled rows still draw).
+            value = lane.history[-self.repeat_period] + VOCAB_SIZE * (value >> 32)
         if not sampling.greedy:
             value = _mix(value ^ _mix((sampling.seed << 24) ^ position))
         token = value % VOCAB_SIZE

@@ -414,3 +414,24 @@ def test_a_hung_follower_ends_every_stream_at_the_collective_timeout(model_dir):
     # The wait that timed out is the channel's or one inside the forward pass, whichever came first.
     assert all(reply.reason == ERROR and "engine broken" in reply.error for reply in replies), replies
     assert 2.5 < ended_after < 10.0
+
+
+def test_draft_tokens_change_no_reply(model_dir):
+    """Rounds that check prompt-lookup drafts (Verify, then a lane cut back to what was kept) give
+    every reply plain decoding gives, alone and together, greedy and sampled."""
+    repetitive = (
+        request((5, 6, 7, 5, 6, 7, 5, 6), 30, GREEDY),
+        request((5, 6, 7, 5, 6, 7, 5, 6), 30, sampled(7)),
+        request((9, 10, 9, 10, 9), 20, GREEDY, ignore_eos=False),
+    )
+    batch = repetitive + REQUESTS[:3]
+    with local_engine(pair_settings(model_dir)) as plain:
+        expected = run_alone(plain.host, batch)
+    with local_engine(pair_settings(model_dir, draft_tokens=15)) as drafted:
+        alone = run_alone(drafted.host, batch)
+        together = run_together(drafted.host, batch)
+        drafter = drafted.host.drafter
+    print(f"drafts: {drafter.num_accepted} of {drafter.num_drafted} accepted")
+    assert drafter.num_drafted > 0
+    assert alone == expected
+    assert together == expected

@@ -1,0 +1,81 @@
+"""Draft tokens for a decode round, by prompt lookup: what followed the last few tokens before.
+
+Text often repeats what came earlier (a name, a quoted line, code being edited). When the last
+`n` tokens of a stream's history also occur earlier in it, the tokens that followed them there
+are a guess at what comes next. The host has the engine check the guesses in the same pass as the
+stream's next token; with batch-invariant products a checked guess costs almost nothing (a decode
+product is padded to 16 rows anyway) and changes no token: the reply is the one plain decoding
+gives. No model is needed, and a wrong guess only costs its rows.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+MAX_MATCH = 4  # the longest suffix looked up first
+MIN_MATCH = 2  # a single repeated token predicts too little
+
+
+def propose(history: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """max_tokens tokens that followed the latest earlier occurrence of the history's last n tokens
+    (n from MAX_MATCH down to MIN_MATCH), the repetition carried on past the history's end; () when
+    none recurs."""
+    if max_tokens <= 0 or len(history) <= MIN_MATCH:
+        return ()
+    tokens = array("q", history)
+    raw = tokens.tobytes()
+    width = tokens.itemsize
+    for n in range(min(MAX_MATCH, len(history) - 1), MIN_MATCH - 1, -1):
+        suffix = raw[-n * width :]
+        end = len(raw) - width  # an occurrence must end before the history's last token
+        while True:
+            at = raw.rfind(suffix, 0, end)
+            if at < 0:
+                break
+            if at % width == 0:  # a match on token boundaries, not inside two tokens' bytes
+                return _continue(history, at // width + n, max_tokens)
+            end = at + len(suffix) - 1
+    return ()
+
+
+def _continue(history: Sequence[int], first: int, max_tokens: int) -> tuple[int, ...]:
+    """history[first:], and past the end of the history the same repetition carried on (a match
+    close to the end would otherwise guess only a few tokens of a text that keeps repeating)."""
+    extended = list(history)
+    for source in range(first, first + max_tokens):
+        extended.append(extended[source])
+    return tuple(extended[len(history) :])
+
+
+class Drafter:
+    """Chooses each live stream's drafts for a round, and counts what the engine accepted.
+
+    A round feeds at most `num_rows` tokens (the rows a product is padded to anyway), shared
+    evenly: a stream's drafts never run past its KV reservation or its max_tokens.
+    """
+
+    def __init__(self, max_draft_tokens: int, num_rows: int):
+        self.max_draft_tokens = max_draft_tokens
+        self.num_rows = num_rows
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    def drafts(self, jobs) -> list[tuple[int, ...]]:
+        per_job = min(self.max_draft_tokens, (self.num_rows - len(jobs)) // max(1, len(jobs)))
+        if per_job <= 0:
+            return [()] * len(jobs)
+        out = []
+        for job in jobs:
+            room = min(job.reserve - job.next_position, job.request.max_tokens - len(job.produced)) - 1
+            out.append(propose(job.feed_ids, min(per_job, room)))
+        return out
+
+    def kept(self, draft: tuple[int, ...], tokens: list[int]) -> list[int]:
+        """The sampled tokens up to and including the first that differs from the next draft."""
+        num_kept = 1
+        while num_kept <= len(draft) and tokens[num_kept - 1] == draft[num_kept - 1]:
+            num_kept += 1
+        self.num_drafted += len(draft)
+        self.num_accepted += num_kept - 1
+        return tokens[:num_kept]
