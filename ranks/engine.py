@@ -24,6 +24,7 @@ class Lane:
     base: int  # first slot of the lane's range in the KV pool
     capacity: int  # slots reserved
     length: int = 0  # tokens whose KV is computed (positions 0..length-1)
+    cut_floor: int = 0  # after a Verify: the shortest a later round may cut the lane back to
 
 
 class EngineError(RuntimeError):
@@ -83,10 +84,10 @@ class Engine:
 
         With `cut`, a lane longer than its span's start is first cut back to it: a decode step after
         a Verify whose last drafts the host did not accept."""
-        if cut:
+        if cut:  # only the drafts a Verify fed may be dropped: anything else fails check()
             for lane, start, _ in spans:
                 state = self.lanes.get(lane)
-                if state is not None and 0 <= start < state.length:
+                if state is not None and state.cut_floor and state.cut_floor <= start < state.length:
                     state.length = start
         if not self.check(spans):
             raise EngineError(f"inconsistent pass {[(lane, start, len(t)) for lane, start, t in spans]}")
@@ -108,8 +109,10 @@ class Engine:
                 self.kv,
                 logit_rows,
             )
-        for lane, _, tokens in spans:
-            self.lanes[lane].length += len(tokens)
+        for lane, start, tokens in spans:
+            state = self.lanes[lane]
+            state.length += len(tokens)
+            state.cut_floor = start + 1 if every_row and cut else 0  # a Verify keeps its first token
         return logits
 
     def rewind(self, lengths: dict[int, int]) -> None:

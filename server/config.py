@@ -34,7 +34,7 @@ class ServeConfig:
     batch_prefill: bool = True
     batch_invariant: bool = True
     cpu_collectives: str = "auto"
-    draft_tokens: int = 0
+    draft_tokens: int = 15  # checked in the rows batch_invariant pads a decode product to; none without
     threads_per_rank: int = 0
     queue_size: int = 64
     default_max_tokens: int = 256

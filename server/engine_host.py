@@ -53,8 +53,10 @@ def build_lane_host(
         batch_prefill=settings.batch_prefill,
         on_broken=on_broken,
         prompt_cache=cache,
-        max_draft_tokens=settings.draft_tokens,
-        draft_rows=BATCH_INVARIANT_ROWS,  # the rows a decode product is padded to anyway
+        # Drafts ride in the rows batch-invariant products are padded to anyway; without that
+        # padding they would cost rows of their own.
+        max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,
+        draft_rows=BATCH_INVARIANT_ROWS,
     )
     return host, leader
 

@@ -6,10 +6,11 @@ case: its first positions were computed with fewer than 16 keys, where the BLAS 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_models import write_tiny_model
 
-from tpserve.ranks.engine import Engine
+from tpserve.ranks.engine import Engine, EngineError
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
 
@@ -43,3 +44,29 @@ def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_ste
         if not torch.equal(resumed, step_logits[length - len(PROMPT)]):
             differing.append(length)
     assert differing == [], f"re-prefills of these lengths differ from the decode steps: {differing}"
+
+
+def test_only_the_drafts_a_verify_fed_may_be_cut_back(tmp_path):
+    torch.set_num_threads(1)
+    model = load_rank_model(
+        write_tiny_model(tmp_path / "llama", "llama"),
+        tp_rank=0,
+        tp_size=1,
+        dtype=torch.float32,
+        max_positions=64,
+    )
+    engine = Engine(
+        model,
+        KVPool(model.config.num_layers, 256, model.kv_heads_per_piece(), model.config.head_dim, model.dtype),
+    )
+    assert engine.admit(0, 40)
+    engine.forward([(0, 0, PROMPT)])
+    with pytest.raises(EngineError):  # no Verify yet: a stale position is a host bug, not a cut
+        engine.forward([(0, len(PROMPT) - 1, (7,))], cut=True)
+    start = len(PROMPT)
+    logits = engine.forward([(0, start, (7, 8, 9, 10))], every_row=True, cut=True)
+    assert logits.shape[0] == 4  # every row's logits
+    with pytest.raises(EngineError):  # below the Verify's first token: not a draft
+        engine.forward([(0, start, (7,))], cut=True)
+    engine.forward([(0, start + 2, (11,))], cut=True)  # drafts 9 and 10 dropped, 8 kept
+    assert engine.lanes[0].length == start + 3
