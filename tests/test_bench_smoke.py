@@ -22,6 +22,7 @@ from bench.collectives import run_collectives
 from bench.common import percentile
 from bench.concurrency import run_concurrency
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
+from bench.drafts import run_drafts
 from tpserve.ranks.model_config import load_model_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +97,13 @@ def test_collectives_decode_the_same_tokens_over_shared_memory_gloo_and_one_rank
     assert report["ratios"]["decode_shared_memory_over_gloo"] == (
         shared["decode_tokens_per_s"] / gloo["decode_tokens_per_s"]
     )
+
+
+def test_drafts_change_no_reply_of_the_benchmark(tiny_model):
+    report = run_drafts(tiny_model, task="copy", draft_tokens=7, max_tokens=12)
+    assert report["replies_identical"] is True
+    assert report["tokens_per_s_off"] > 0 and report["tokens_per_s_on"] > 0
+    assert report["drafted"] >= report["accepted"] >= 0
 
 
 def test_a_benchmark_runs_as_a_module_and_writes_its_figures(tiny_model, tmp_path):
