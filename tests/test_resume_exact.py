@@ -18,7 +18,8 @@ PROMPT = (5, 17, 99, 3, 42)
 NUM_STEPS = 14  # positions 5..18: across the 16-key edge
 
 
-def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_steps(tmp_path):
+def tiny_engine(tmp_path, num_slots: int) -> Engine:
+    """One rank of the tiny model with batch-invariant products and a pool of num_slots tokens."""
     torch.set_num_threads(1)
     model = load_rank_model(
         write_tiny_model(tmp_path / "llama", "llama"),
@@ -28,10 +29,13 @@ def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_ste
         max_positions=64,
         min_rows=16,
     )
-    engine = Engine(
-        model,
-        KVPool(model.config.num_layers, 1024, model.kv_heads_per_piece(), model.config.head_dim, model.dtype),
-    )
+    config = model.config
+    pool = KVPool(config.num_layers, num_slots, model.kv_heads_per_piece(), config.head_dim, model.dtype)
+    return Engine(model, pool)
+
+
+def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_steps(tmp_path):
+    engine = tiny_engine(tmp_path, 1024)
     assert engine.admit(0, 40)
     history, step_logits = list(PROMPT), [engine.forward([(0, 0, PROMPT)])[0]]
     for _ in range(NUM_STEPS):
@@ -47,18 +51,7 @@ def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_ste
 
 
 def test_only_the_drafts_a_verify_fed_may_be_cut_back(tmp_path):
-    torch.set_num_threads(1)
-    model = load_rank_model(
-        write_tiny_model(tmp_path / "llama", "llama"),
-        tp_rank=0,
-        tp_size=1,
-        dtype=torch.float32,
-        max_positions=64,
-    )
-    engine = Engine(
-        model,
-        KVPool(model.config.num_layers, 256, model.kv_heads_per_piece(), model.config.head_dim, model.dtype),
-    )
+    engine = tiny_engine(tmp_path, 256)
     assert engine.admit(0, 40)
     engine.forward([(0, 0, PROMPT)])
     with pytest.raises(EngineError):  # no Verify yet: a stale position is a host bug, not a cut
