@@ -109,11 +109,7 @@ def invariant_attention(
     hidden = torch.arange(num_keys, device=q.device) > positions.unsqueeze(1)  # [rows, L]
     scores = scores.view(num_kv_heads, group, padded, num_keys).masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads, group * padded, num_keys)
-    # The BLAS splits a long sum over keys by its length; summing fixed blocks in order keeps a row's
-    # rounding the same however many (masked, zero-weight) keys follow its position.
-    out = torch.matmul(probs[..., :KEY_BLOCK], values[:, :KEY_BLOCK])  # [Hkv, g*rows, D]
-    for first in range(KEY_BLOCK, num_keys, KEY_BLOCK):
-        out = out + torch.matmul(probs[..., first : first + KEY_BLOCK], values[:, first : first + KEY_BLOCK])
+    out = _weigh_values(probs, values)  # [Hkv, g*rows, D]
     out = out.view(num_kv_heads, group, padded, head_dim)[:, :, :num_rows]
     return out.permute(2, 0, 1, 3).reshape(num_rows, num_heads, head_dim)
 
@@ -149,13 +145,22 @@ def invariant_step_attention(
     out = torch.empty(num_spans, num_kv_heads, group * padded, head_dim, dtype=q.dtype, device=q.device)
     for i, (span, end) in enumerate(zip(spans, ends)):
         values = _keys_of(pool_v, span, end)
-        span_out = torch.matmul(probs[i, ..., :KEY_BLOCK][..., :end], values[:, :KEY_BLOCK])
-        for first in range(KEY_BLOCK, end, KEY_BLOCK):
-            last = min(first + KEY_BLOCK, end)
-            span_out = span_out + torch.matmul(probs[i, ..., first:last], values[:, first:last])
-        out[i] = span_out
+        out[i] = _weigh_values(probs[i, ..., :end], values)
     out = out.view(num_spans, num_kv_heads, group, padded, head_dim)[:, :, :, 0]
     return out.reshape(num_spans, num_heads, head_dim)
+
+
+def _weigh_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs [H, rows, L] @ values [H, L, D], summed over keys in fixed KEY_BLOCK blocks in order.
+
+    The BLAS splits a long sum over keys by its length; fixed blocks keep a row's rounding the same
+    however many (masked, zero-weight) keys follow its position.
+    """
+    num_keys = probs.shape[-1]
+    out = torch.matmul(probs[..., :KEY_BLOCK], values[:, :KEY_BLOCK])
+    for first in range(KEY_BLOCK, num_keys, KEY_BLOCK):
+        out = out + torch.matmul(probs[..., first : first + KEY_BLOCK], values[:, first : first + KEY_BLOCK])
+    return out
 
 
 def _keys_of(pool: torch.Tensor, span: SpanView, num_keys: int) -> torch.Tensor:

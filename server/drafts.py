@@ -62,7 +62,8 @@ class Drafter:
         self.num_accepted = 0
 
     def drafts(self, jobs) -> list[tuple[int, ...]]:
-        per_job = min(self.max_draft_tokens, (self.num_rows - len(jobs)) // max(1, len(jobs)))
+        """One draft per job (maybe empty); `jobs` are a round's live jobs, at least one."""
+        per_job = min(self.max_draft_tokens, (self.num_rows - len(jobs)) // len(jobs))
         if per_job <= 0:
             return [()] * len(jobs)
         out = []
