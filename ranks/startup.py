@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve import __version__
-from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
+from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.collectives_choice import CHOICES, choose_collectives
 from tpserve.ranks.engine import Engine
@@ -223,7 +223,7 @@ def start_rank(
         max_positions=settings.context_size,
         collectives=collectives,
         config=config,
-        min_rows=BATCH_INVARIANT_ROWS if settings.batch_invariant else 0,
+        row_tile=ROW_TILE if settings.batch_invariant else 0,
         device=device,
     )
     kv_heads = [piece.num_kv_heads() for piece in pieces_of_rank(config, rank, world_size)]

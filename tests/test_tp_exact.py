@@ -39,7 +39,7 @@ def run_streams(model_dir: str, tp_rank: int, tp_size: int, dtype: str = "float3
         dtype=getattr(torch, dtype),
         max_positions=256,
         collectives=collectives,
-        min_rows=16,
+        row_tile=16,
     )
     kv = KVPool(model.config.num_layers, 512, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
     engine = Engine(model, kv)
