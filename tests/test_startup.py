@@ -216,3 +216,20 @@ def test_a_follower_names_rank_0_when_it_never_answers(model_dir):
     with pytest.raises(StartupError, match=rf"rank 1: rank 0's store at 127.0.0.1:{port} never answered"):
         start_rank(settings, 1, 2, "127.0.0.1", port)
     assert time.monotonic() - started < 10
+
+
+def test_a_rank_whose_probe_finds_a_shape_dependent_product_refuses_on_both_ranks(ranks, model_dir):
+    # Rank 1's start-up probe checks a deliberately shape-dependent product (a fault drill): it
+    # names the product, and rank 0 refuses too instead of serving silently inexact.
+    settings = settings_for(model_dir, shape_dependent_on_rank=1)
+    reports = ranks.start_pair([settings, settings])
+    assert all(report[0] == "refused" for report in reports.values()), reports
+    assert "batch invariance does not hold on this machine: linear qkv (64, 96)" in reports[1][1]
+    assert "--batch-invariant false" in reports[1][1]
+    assert "another rank found batch invariance broken" in reports[0][1]
+
+
+def test_exactness_off_skips_the_probe(ranks, model_dir):
+    settings = settings_for(model_dir, shape_dependent_on_rank=1, batch_invariant=False)
+    reports = ranks.start_pair([settings, settings])
+    assert all(report[0] == "ok" for report in reports.values()), reports
