@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from tpserve.ranks.errors import UserError
+
+MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     model_dir: str
-    dtype: str = "float32"
+    # "auto" (a GPU where torch can use one; never a silent CPU fallback where a GPU is present),
+    # "cpu" or "cuda"; see ranks/device.py.
+    device: str = "auto"
+    dtype: str = "float32"  # or "auto": float32 on the CPU, bfloat16 on a GPU
     tp_size: int = 2
     num_lanes: int = 8
     context_size: int = 2048
@@ -19,15 +26,38 @@ class EngineSettings:
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
     # Pad every product to the BLAS's large-batch kernel so a reply never depends on its batch.
-    batch_invariant: bool = True
+    # None: the device's default (on the CPU, where the rule comes from, yes; on a GPU, no).
+    batch_invariant: bool | None = True
     # Forward collectives between CPU ranks: "auto" (shared memory when every rank is on this host,
     # else gloo), "shared_memory" (required) or "gloo".
     cpu_collectives: str = "auto"
-    # Prompt-lookup draft tokens a decode round may check per stream (0: none); see server/drafts.py.
-    draft_tokens: int = 0
+    # Prompt-lookup draft tokens a decode round may check per stream (0: none; None: 15 where
+    # products are batch invariant, else 0); see server/drafts.py.
+    draft_tokens: int | None = 0
     threads_per_rank: int = 0  # 0: half the cores, so tp=1 and tp=2 run the same kernels
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0
     leader_dead_after_s: float = 30.0
     # Fault drill for tests: (rank, token id) — that rank refuses any prompt holding the token.
     refuse_token_on_rank: tuple[int, int] | None = None
+
+    def for_device(self, device_type: str) -> EngineSettings:
+        """These settings with every "auto" decided for the device the rank runs on.
+
+        Batch invariance (and the draft tokens that ride in its padded rows) is a rule about the CPU
+        BLAS: padding a product to 16 rows pins its kernel choice. Nothing shows GPU kernels keep
+        that promise, so on a GPU it is off by default and refused when asked for, until a start-up
+        probe proves it there.
+        """
+        gpu = device_type == "cuda"
+        if gpu and self.batch_invariant:
+            raise UserError(
+                "batch_invariant: true is a CPU rule (padding products pins the CPU BLAS's kernel) that "
+                "no probe has proven for GPU kernels; set batch_invariant: false (or auto) on a GPU"
+            )
+        batch_invariant = not gpu if self.batch_invariant is None else self.batch_invariant
+        draft_tokens = self.draft_tokens
+        if draft_tokens is None:
+            draft_tokens = MAX_DRAFT_TOKENS if batch_invariant else 0
+        dtype = ("bfloat16" if gpu else "float32") if self.dtype == "auto" else self.dtype
+        return replace(self, batch_invariant=batch_invariant, draft_tokens=draft_tokens, dtype=dtype)

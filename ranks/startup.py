@@ -1,8 +1,11 @@
 """Start-up on every rank: meet the others, agree on flags, load this rank's shard, settle room.
 
-Order matters: ranks meet through a store with a timeout that names whoever did not arrive;
-flags are agreed before any weight is read; room is the minimum over ranks before any KV is
-allocated, so every rank allocates exactly the same pool.
+Order matters: ranks meet through a store with a timeout that names whoever did not arrive; the
+control group (gloo, CPU tensors) forms first on every device, so ranks on different devices or
+builds still meet in the same collective and refuse together; flags (device type and torch, CUDA
+and NCCL versions among them) are agreed before any GPU group or weight; between GPUs the NCCL
+group is connected and exercised before the rank reports it started; room is the minimum over
+ranks before any KV is allocated, so every rank allocates exactly the same pool.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from tpserve import __version__
 from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.collectives_choice import CHOICES, choose_collectives
+from tpserve.ranks.device import DEVICE_TYPES, DeviceFacts, choose_device, device_facts
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.kv_store import KVPool, kv_bytes_per_token
 from tpserve.ranks.loader import DTYPES, load_rank_model
 from tpserve.ranks.memory import free_memory_bytes
 from tpserve.ranks.model_config import ModelConfig, load_model_config
+from tpserve.ranks.model_group import open_model_group
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
 
@@ -58,6 +63,8 @@ class RankRuntime:
     channel: Channel
     room: Room
     store: dist.Store
+    settings: EngineSettings  # as started: every "auto" decided for this rank's device
+    device: torch.device
 
 
 def meet(rank: int, world_size: int, host: str, port: int, timeout_s: float, agent_store: bool) -> dist.Store:
@@ -104,40 +111,83 @@ FLAG_NAMES = (
     "batch_invariant",
     "cpu_collectives",
     "version",
+    "device",
+    "torch",
+    "cuda",
+    "nccl",
 )
+DTYPE_NAMES = ("auto", *DTYPES)
+REFUSED = -1  # a rank that refused its device shows this as its device
 
 
-def flags_row(settings: EngineSettings) -> list[int]:
+def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
+    """One rank's row; `facts` None when this rank refused its device (its reason is its own)."""
     version = int.from_bytes(hashlib.sha256(__version__.encode()).digest()[:7], "little")
     return [
         fingerprint(settings.model_dir),
-        list(DTYPES).index(settings.dtype),
+        DTYPE_NAMES.index(settings.dtype),
         settings.tp_size,
         settings.num_lanes,
         settings.context_size,
         settings.cache_budget_bytes,
         settings.max_prefill_tokens,
-        int(settings.batch_invariant),
+        REFUSED if settings.batch_invariant is None else int(settings.batch_invariant),
         CHOICES.index(settings.cpu_collectives) if settings.cpu_collectives in CHOICES else -1,
         version,
+        DEVICE_TYPES.index(facts.device_type) if facts else REFUSED,
+        *(_packed(numbers) for numbers in _versions(facts)),
     ]
+
+
+def _versions(facts: DeviceFacts | None) -> tuple[tuple[int, int, int], ...]:
+    if facts is None:
+        return ((0, 0, 0),) * 3
+    return facts.torch_version, facts.cuda_version, facts.nccl_version
+
+
+def _packed(numbers: tuple[int, int, int]) -> int:
+    major, minor, patch = numbers
+    return major * 10_000 + min(minor, 99) * 100 + min(patch, 99)
+
+
+def _unpacked(value: int) -> str:
+    return f"{value // 10_000}.{value // 100 % 100}.{value % 100}" if value > 0 else "none"
 
 
 def shown_row(row: list[int]) -> str:
     """A flags row as a person reads it (named choices by name rather than by their index)."""
-    named = {"dtype": list(DTYPES), "cpu_collectives": CHOICES}
-    values = [named[n][v] if n in named and 0 <= v < len(named[n]) else v for n, v in zip(FLAG_NAMES, row)]
+    named = {"dtype": DTYPE_NAMES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
+    values = []
+    for name, value in zip(FLAG_NAMES, row):
+        if name in named:
+            value = named[name][value] if 0 <= value < len(named[name]) else "refused"
+        elif name in ("torch", "cuda", "nccl"):
+            value = _unpacked(value)
+        values.append(value)
     return ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, values))
 
 
-def agree_on_flags(settings: EngineSettings, rank: int, world_size: int, group) -> None:
-    mine = torch.tensor(flags_row(settings), dtype=torch.int64)
+def agree_on_flags(
+    settings: EngineSettings,
+    facts: DeviceFacts | None,
+    rank: int,
+    world_size: int,
+    group,
+    refusal: Exception | None = None,
+) -> None:
+    """Every rank gathers every row; any difference (or a rank that refused its device, whose row
+    says so) refuses the start on every rank, printing every row."""
+    mine = torch.tensor(flags_row(settings, facts), dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(rows, mine, group=group)
+    if refusal is not None:
+        raise StartupError(f"rank {rank}: {refusal}") from refusal
     if any(not torch.equal(row, rows[0]) for row in rows):
         shown = "; ".join(f"rank {r}: {shown_row(row.tolist())}" for r, row in enumerate(rows))
+        refused = [r for r, row in enumerate(rows) if int(row[FLAG_NAMES.index("device")]) == REFUSED]
+        why = "".join(f" (rank {r} refused its device: its log says why)" for r in refused)
         raise StartupError(
-            f"rank {rank}: the ranks were started with different flags, refusing to serve ({shown})"
+            f"rank {rank}: the ranks were started with different flags, refusing to serve{why} ({shown})"
         )
 
 
@@ -178,38 +228,53 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
 
 
 def start_rank(
-    settings: EngineSettings, rank: int, world_size: int, host: str, port: int, *, agent_store: bool = False
+    settings: EngineSettings,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    *,
+    agent_store: bool = False,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
 ) -> RankRuntime:
+    """Start this rank. `local_rank` / `local_world_size` place it among the ranks on this host
+    (default: torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, else every rank on this host)."""
     if world_size != settings.tp_size:
         raise StartupError(f"tp is {settings.tp_size} but {world_size} ranks were started")
     torch.set_num_threads(settings.threads_per_rank or max(1, (os.cpu_count() or 2) // 2))
-    cuda = torch.cuda.is_available()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
-        if cuda
-        else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # A refusal here is told to the other ranks through the flags row, so they refuse at once
+    # rather than wait for this rank until init_timeout_s.
+    device, facts, refusal = torch.device("cpu"), None, None
+    try:
+        device = choose_device(settings.device, local_rank, local_world_size)
+        settings = settings.for_device(device.type)
+        facts = device_facts(device)
+    except UserError as error:
+        refusal = error
     config = load_model_config(settings.model_dir)
     store = meet(rank, world_size, host, port, settings.init_timeout_s, agent_store)
     timeout = timedelta(seconds=settings.collective_timeout_s)
+    # The control group first, on every device: wire messages, votes, flags and room travel here
+    # as CPU tensors; the model's collectives get a group of their own between GPUs.
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        store=dist.PrefixStore("pg", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
+        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout
     )
-    # Wire messages and votes travel on their own CPU group, apart from the model's collectives.
-    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
-    agree_on_flags(settings, rank, world_size, control)
+    control = dist.group.WORLD
+    agree_on_flags(settings, facts, rank, world_size, control, refusal)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model_group = open_model_group(device, rank, world_size, settings.collective_timeout_s)
     collectives = choose_collectives(
         settings.cpu_collectives,
         rank=rank,
         world_size=world_size,
         device=device,
-        model_group=dist.group.WORLD,
+        model_group=model_group,
         control_group=control,
         timeout_s=settings.collective_timeout_s,
     )
@@ -243,7 +308,13 @@ def start_rank(
         else None
     )
     drill = settings.refuse_token_on_rank
-    engine = Engine(model, kv, cache_kv, refuse_token=drill[1] if drill and drill[0] == rank else None)
+    engine = Engine(
+        model,
+        kv,
+        cache_kv,
+        refuse_token=drill[1] if drill and drill[0] == rank else None,
+        device_timeout_s=settings.collective_timeout_s,
+    )
     channel = Channel(
         control,
         store,
@@ -251,7 +322,7 @@ def start_rank(
         timeout_s=settings.collective_timeout_s,
         leader_dead_after_s=settings.leader_dead_after_s,
     )
-    return RankRuntime(rank, world_size, config, engine, channel, room, store)
+    return RankRuntime(rank, world_size, config, engine, channel, room, store, settings, device)
 
 
 def shutdown() -> None:
