@@ -10,24 +10,22 @@ ranks before any KV is allocated, so every rank allocates exactly the same pool.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tpserve import __version__
 from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
 from tpserve.ranks.channel import Channel
-from tpserve.ranks.collectives_choice import CHOICES, choose_collectives
-from tpserve.ranks.device import DEVICE_TYPES, DeviceFacts, choose_device, device_facts
+from tpserve.ranks.collectives_choice import choose_collectives
+from tpserve.ranks.device import choose_device, device_facts
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.errors import UserError
+from tpserve.ranks.errors import StartupError, UserError
+from tpserve.ranks.flags import agree_on_flags
 from tpserve.ranks.kv_store import KVPool, kv_bytes_per_token
 from tpserve.ranks.loader import DTYPES, load_rank_model
 from tpserve.ranks.memory import free_memory_bytes
@@ -39,10 +37,6 @@ from tpserve.ranks.sharding import pieces_of_rank
 log = logging.getLogger(__name__)
 
 KV_SHARE_OF_FREE_MEMORY = 0.5  # of what the rank finds free, after its weights are loaded
-
-
-class StartupError(UserError):
-    """A rank could not start: another never arrived, flags differ, or there is no room."""
 
 
 @dataclass(frozen=True)
@@ -89,106 +83,6 @@ def meet(rank: int, world_size: int, host: str, port: int, timeout_s: float, age
         names = ", ".join(f"rank {other}" for other in missing)
         raise StartupError(f"rank {rank}: {names} never arrived within {timeout_s:.0f}s")
     return store
-
-
-def fingerprint(model_dir: str | Path) -> int:
-    """A cheap identity of the model files: config.json's bytes and the weight files' sizes."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return int.from_bytes(digest.digest()[:7], "little")
-
-
-FLAG_NAMES = (
-    "model",
-    "dtype",
-    "tp",
-    "lanes",
-    "context",
-    "cache_budget",
-    "max_prefill",
-    "batch_invariant",
-    "cpu_collectives",
-    "version",
-    "device",
-    "torch",
-    "cuda",
-    "nccl",
-)
-DTYPE_NAMES = ("auto", *DTYPES)
-REFUSED = -1  # a rank that refused its device shows this as its device
-
-
-def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
-    """One rank's row; `facts` None when this rank refused its device (its reason is its own)."""
-    version = int.from_bytes(hashlib.sha256(__version__.encode()).digest()[:7], "little")
-    return [
-        fingerprint(settings.model_dir),
-        DTYPE_NAMES.index(settings.dtype),
-        settings.tp_size,
-        settings.num_lanes,
-        settings.context_size,
-        settings.cache_budget_bytes,
-        settings.max_prefill_tokens,
-        REFUSED if settings.batch_invariant is None else int(settings.batch_invariant),
-        CHOICES.index(settings.cpu_collectives) if settings.cpu_collectives in CHOICES else -1,
-        version,
-        DEVICE_TYPES.index(facts.device_type) if facts else REFUSED,
-        *(_packed(numbers) for numbers in _versions(facts)),
-    ]
-
-
-def _versions(facts: DeviceFacts | None) -> tuple[tuple[int, int, int], ...]:
-    if facts is None:
-        return ((0, 0, 0),) * 3
-    return facts.torch_version, facts.cuda_version, facts.nccl_version
-
-
-def _packed(numbers: tuple[int, int, int]) -> int:
-    major, minor, patch = numbers
-    return major * 10_000 + min(minor, 99) * 100 + min(patch, 99)
-
-
-def _unpacked(value: int) -> str:
-    return f"{value // 10_000}.{value // 100 % 100}.{value % 100}" if value > 0 else "none"
-
-
-def shown_row(row: list[int]) -> str:
-    """A flags row as a person reads it (named choices by name rather than by their index)."""
-    named = {"dtype": DTYPE_NAMES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
-    values = []
-    for name, value in zip(FLAG_NAMES, row):
-        if name in named:
-            value = named[name][value] if 0 <= value < len(named[name]) else "refused"
-        elif name in ("torch", "cuda", "nccl"):
-            value = _unpacked(value)
-        values.append(value)
-    return ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, values))
-
-
-def agree_on_flags(
-    settings: EngineSettings,
-    facts: DeviceFacts | None,
-    rank: int,
-    world_size: int,
-    group,
-    refusal: Exception | None = None,
-) -> None:
-    """Every rank gathers every row; any difference (or a rank that refused its device, whose row
-    says so) refuses the start on every rank, printing every row."""
-    mine = torch.tensor(flags_row(settings, facts), dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(rows, mine, group=group)
-    if refusal is not None:
-        raise StartupError(f"rank {rank}: {refusal}") from refusal
-    if any(not torch.equal(row, rows[0]) for row in rows):
-        shown = "; ".join(f"rank {r}: {shown_row(row.tolist())}" for r, row in enumerate(rows))
-        refused = [r for r, row in enumerate(rows) if int(row[FLAG_NAMES.index("device")]) == REFUSED]
-        why = "".join(f" (rank {r} refused its device: its log says why)" for r in refused)
-        raise StartupError(
-            f"rank {rank}: the ranks were started with different flags, refusing to serve{why} ({shown})"
-        )
 
 
 def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, device, group) -> Room:
@@ -279,7 +173,15 @@ def start_rank(
         timeout_s=settings.collective_timeout_s,
     )
     dtype = DTYPES[settings.dtype]
-    log.info("rank %d: loading %s (%s, tp=%d)", rank, settings.model_dir, settings.dtype, world_size)
+    log.info(
+        "rank %d: loading %s on %s (%s, tp=%d, batch_invariant=%s)",
+        rank,
+        settings.model_dir,
+        device,
+        settings.dtype,
+        world_size,
+        settings.batch_invariant,
+    )
     model = load_rank_model(
         settings.model_dir,
         tp_rank=rank,

@@ -16,12 +16,12 @@ from tpserve.ranks import memory
 from tpserve.ranks.device import DeviceError, choose_device, device_facts
 from tpserve.ranks.device_wait import DeviceTimeout, wait_for
 from tpserve.ranks.errors import UserError
+from tpserve.ranks.flags import FLAG_NAMES, flags_row, shown_row
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.model_group import ModelGroupError, _within, watchdog_timeout_s
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
-from tpserve.ranks.startup import FLAG_NAMES, flags_row, shown_row
 from tpserve.ranks.weights import read_rank_weights
 from tpserve.server.config import ConfigError, load_config
 
