@@ -94,8 +94,17 @@ def device_facts(device: torch.device) -> DeviceFacts:
         device_type=device.type,
         torch_version=version_numbers(torch.__version__),
         cuda_version=version_numbers(torch.version.cuda) if gpu else (0, 0, 0),
-        nccl_version=tuple((tuple(torch.cuda.nccl.version()) + (0, 0, 0))[:3]) if gpu else (0, 0, 0),
+        nccl_version=_nccl_version() if gpu else (0, 0, 0),
     )
+
+
+def _nccl_version() -> tuple[int, int, int]:
+    version = torch.cuda.nccl.version()  # (2, 27, 7); older torch builds gave NCCL's version code
+    if isinstance(version, int):  # 2708 before NCCL 2.9, 21903 since
+        if version >= 10_000:
+            return version // 10_000, version // 100 % 100, version % 100
+        return version // 1000, version // 100 % 10, version % 100
+    return tuple((tuple(version) + (0, 0, 0))[:3])
 
 
 def version_numbers(text: str | None) -> tuple[int, int, int]:

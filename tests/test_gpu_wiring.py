@@ -23,6 +23,7 @@ from tpserve.ranks.model_group import ModelGroupError, _within, watchdog_timeout
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
 from tpserve.ranks.weights import read_rank_weights
+from tpserve.serve import place
 from tpserve.server.config import ConfigError, load_config
 
 GIB = 1 << 30
@@ -44,6 +45,19 @@ def test_each_local_rank_takes_its_own_gpu(monkeypatch):
         torch.device("cuda", 1),
     ]
     assert choose_device("cuda", 0, 1) == torch.device("cuda", 0)  # one rank per host (two hosts)
+
+
+def test_each_way_of_starting_places_the_ranks_on_their_hosts(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    alone = place(load_config(None, {"tp": "2"}))  # `tpserve serve`: the follower is a child here
+    assert (alone.local_rank, alone.local_world_size, alone.spawn_followers) == (0, 2, True)
+    pair = place(load_config(None, {"tp": "2", "rank": "1", "master": "hostA:29500"}))
+    assert (pair.rank, pair.local_rank, pair.local_world_size) == (1, 0, 1)  # one rank per host
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    torchrun = place(load_config(None, {"tp": "2"}))  # both ranks on this host under torchrun
+    assert (torchrun.rank, torchrun.local_rank, torchrun.local_world_size) == (1, 1, 2)
 
 
 def test_more_ranks_on_a_host_than_gpus_are_refused_with_the_way_out(monkeypatch):
@@ -122,6 +136,9 @@ def test_the_flags_row_shows_the_device_and_the_torch_cuda_and_nccl_versions(mon
     assert "device=cuda, torch=2.13.0, cuda=13.0.0, nccl=2.27.7" in gpu
     cpu = shown_row(flags_row(settings, device_facts(torch.device("cpu"))))
     assert "device=cpu, torch=2.13.0, cuda=none, nccl=none" in cpu
+    for code, version in ((2708, (2, 7, 8)), (21903, (2, 19, 3))):  # as older builds report it
+        monkeypatch.setattr(torch.cuda.nccl, "version", lambda code=code: code)
+        assert device_facts(torch.device("cuda", 0)).nccl_version == version
     refused = shown_row(flags_row(settings, None))
     assert "device=refused" in refused
     assert len(flags_row(settings, None)) == len(FLAG_NAMES)
