@@ -7,6 +7,7 @@ CUDA and NCCL), then checks, each on ranks started for real:
   - tp=1 float32 logits on the device against the CPU's, and the greedy tokens of both;
   - bfloat16 generation on the device (its tokens, and how long it agrees with float32);
   (then, in the dtype the daemon serves in there: bfloat16 on a GPU, float32 on the CPU)
+  - whether the start-up probe finds batch invariance holding there (`batch_invariant: true`);
   - which SDPA kernels a prefill and a decode round run, the device kernels a round launches, and
     the host syncs in a round;
   - decode tokens/s at 1, 8 and 32 lanes against the bandwidth roofline (weights and KV read per
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 
 from bench.common import chat_prompt, default_model_dir, print_table  # noqa: E402
 from bench.decode_roofline import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
+from bench.gpu_facts import gpu_facts  # noqa: E402
 from bench.gpu_passes import (  # noqa: E402
     GREEDY,
     decode_speed,
@@ -42,13 +44,13 @@ from bench.gpu_passes import (  # noqa: E402
     prompt_logits,
     read_bandwidth,
 )
-from bench.machine_facts import gpu_facts, host_facts  # noqa: E402
 from tpserve.generate import generate_tokens  # noqa: E402
+from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.ranks.leader import Leader, LeaderBroken  # noqa: E402
 from tpserve.ranks.local_ranks import free_port, local_followers  # noqa: E402
 from tpserve.ranks.model_config import load_model_config  # noqa: E402
 from tpserve.ranks.settings import EngineSettings  # noqa: E402
-from tpserve.ranks.startup import start_rank  # noqa: E402
+from tpserve.ranks.startup import StartupError, start_rank  # noqa: E402
 from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 
@@ -64,7 +66,7 @@ def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
     prompt = chat_prompt(tokenizer, 0)
     lanes = [int(n) for n in args.lanes.split(",")]
     started = time.monotonic()
-    report: dict = {"model": model_dir, "host": host_facts(), "gpu": gpu_facts(), "checks": {}}
+    report: dict = {"model": model_dir, "host": machine_facts(), "gpu": gpu_facts(), "checks": {}}
     checks, failed = report["checks"], []
     context = len(chat_prompt(tokenizer, max(lanes))) + args.tokens + 8
 
@@ -86,7 +88,7 @@ def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
         "same_argmax_rows": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
         "greedy_tokens_equal": float32_tokens == reference_tokens,
     }
-    report["host"]["torch_threads"] = torch.get_num_threads()  # as the ranks set it
+    report["host"]["threads"] = torch.get_num_threads()  # as the ranks set it
 
     with one_rank(
         model_dir, args.device, "bfloat16", num_lanes=1, context_size=context, threads=args.threads
@@ -101,6 +103,8 @@ def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
     }
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"  # what the daemon serves in there
+    checks["batch_invariance_probe"] = invariance_probe(model_dir, args, dtype, context)
+
     with one_rank(
         model_dir, args.device, dtype, num_lanes=max(lanes), context_size=context, threads=args.threads
     ) as rt:
@@ -147,6 +151,18 @@ def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
     report["failed"] = failed
     report["elapsed_s"] = time.monotonic() - started
     return report, failed
+
+
+def invariance_probe(model_dir: str, args, dtype: str, context: int) -> dict:
+    """Whether `batch_invariant: true` would start here: the start-up probe's verdict."""
+    try:
+        with one_rank(
+            model_dir, args.device, dtype, num_lanes=1, context_size=context, threads=args.threads,
+            batch_invariant=True,
+        ):  # fmt: skip
+            return {"dtype": dtype, "holds": True}
+    except StartupError as refused:
+        return {"dtype": dtype, "holds": False, "refusal": str(refused)}
 
 
 def pair_settings(model_dir: str, args, tp_size: int, context: int, **changes) -> EngineSettings:

@@ -27,7 +27,14 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 @contextmanager
 def one_rank(
-    model_dir: str, device: str, dtype: str, *, num_lanes: int, context_size: int, threads: int
+    model_dir: str,
+    device: str,
+    dtype: str,
+    *,
+    num_lanes: int,
+    context_size: int,
+    threads: int,
+    batch_invariant: bool = False,  # the served GPU mode; True runs the start-up probe
 ) -> Iterator[RankRuntime]:
     settings = EngineSettings(
         model_dir=model_dir,
@@ -36,7 +43,7 @@ def one_rank(
         tp_size=1,
         num_lanes=num_lanes,
         context_size=context_size,
-        batch_invariant=False,  # the served GPU mode; the CPU's exact mode has benchmarks of its own
+        batch_invariant=batch_invariant,
         draft_tokens=0,
         threads_per_rank=threads,
         collective_timeout_s=WAIT_S,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tpserve.ranks.errors import UserError
-
 MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
 
 
@@ -25,8 +23,8 @@ class EngineSettings:
     cache_budget_bytes: int = 0
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
-    # Pad every product to the BLAS's large-batch kernel so a reply never depends on its batch.
-    # None: the device's default (on the CPU, where the rule comes from, yes; on a GPU, no).
+    # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.
+    # None: the device's default (on the CPU, where it is proven, yes; on a GPU, no).
     batch_invariant: bool | None = True
     # Forward collectives between CPU ranks: "auto" (shared memory when every rank is on this host,
     # else gloo), "shared_memory" (required) or "gloo".
@@ -40,21 +38,19 @@ class EngineSettings:
     leader_dead_after_s: float = 30.0
     # Fault drill for tests: (rank, token id) — that rank refuses any prompt holding the token.
     refuse_token_on_rank: tuple[int, int] | None = None
+    # Fault drill for tests: that rank's start-up probe checks a deliberately shape-dependent product.
+    shape_dependent_on_rank: int | None = None
 
     def for_device(self, device_type: str) -> EngineSettings:
         """These settings with every "auto" decided for the device the rank runs on.
 
-        Batch invariance (and the draft tokens that ride in its padded rows) is a rule about the CPU
-        BLAS: padding a product to 16 rows pins its kernel choice. Nothing shows GPU kernels keep
-        that promise, so on a GPU it is off by default and refused when asked for, until a start-up
-        probe proves it there.
+        Batch invariance (and the draft tokens that ride in its tiles' spare rows) is on by default
+        on the CPU only, where its fixed-shape products are known to hold. A GPU picks its own
+        kernels for a shape, and nothing has shown them to keep the promise there, so a GPU does not
+        claim it by default; `batch_invariant: true` still asks for it, and then the start-up probe
+        decides (every rank refuses when it fails).
         """
         gpu = device_type == "cuda"
-        if gpu and self.batch_invariant:
-            raise UserError(
-                "batch_invariant: true is a CPU rule (padding products pins the CPU BLAS's kernel) that "
-                "no probe has proven for GPU kernels; set batch_invariant: false (or auto) on a GPU"
-            )
         batch_invariant = not gpu if self.batch_invariant is None else self.batch_invariant
         draft_tokens = self.draft_tokens
         if draft_tokens is None:

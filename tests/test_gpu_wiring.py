@@ -15,7 +15,6 @@ from tpserve.ranks import device as device_module
 from tpserve.ranks import memory
 from tpserve.ranks.device import DeviceError, choose_device, device_facts
 from tpserve.ranks.device_wait import DeviceTimeout, wait_for
-from tpserve.ranks.errors import UserError
 from tpserve.ranks.flags import FLAG_NAMES, flags_row, shown_row
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import load_model_config
@@ -150,8 +149,8 @@ def test_gpu_defaults_claim_no_exactness_the_kernels_do_not_give(tmp_path):
     assert (gpu.dtype, gpu.batch_invariant, gpu.draft_tokens) == ("bfloat16", False, 0)
     cpu = auto.for_device("cpu")
     assert (cpu.dtype, cpu.batch_invariant, cpu.draft_tokens) == ("float32", True, 15)
-    with pytest.raises(UserError, match="batch_invariant: true is a CPU rule"):
-        EngineSettings(model_dir="m", batch_invariant=True).for_device("cuda")
+    # Asked for on a GPU, it stands: the start-up probe then decides (every rank refuses if it fails).
+    assert EngineSettings(model_dir="m", batch_invariant=True).for_device("cuda").batch_invariant is True
     # What the user set stands where it holds.
     assert (
         EngineSettings(model_dir="m", dtype="float32", batch_invariant=None).for_device("cuda").dtype

@@ -13,7 +13,7 @@ import torch
 from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.attention import SpanView
-from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
+from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config
@@ -45,13 +45,13 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {variant: str(write_tiny_model(root / variant, variant)) for variant in VARIANTS}
 
 
-@pytest.mark.parametrize("min_rows", [0, BATCH_INVARIANT_ROWS], ids=["fast", "invariant"])
+@pytest.mark.parametrize("row_tile", [0, ROW_TILE], ids=["fast", "invariant"])
 @pytest.mark.parametrize(
     ("tp_size", "tp_rank"), [(1, 0), (2, 0), (2, 1)], ids=["tp1", "tp2-rank0", "tp2-rank1"]
 )
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_variant_runs_a_prefill_and_a_decode_step_on_the_models_device(
-    model_dirs, variant, tp_size, tp_rank, min_rows
+    model_dirs, variant, tp_size, tp_rank, row_tile
 ):
     config = load_model_config(model_dirs[variant])
     collectives = MetaCollectives(tp_rank, tp_size) if tp_size > 1 else None
@@ -62,7 +62,7 @@ def test_every_variant_runs_a_prefill_and_a_decode_step_on_the_models_device(
         dtype=torch.bfloat16,
         max_positions=64,
         collectives=collectives,
-        min_rows=min_rows,
+        row_tile=row_tile,
         device=META,
     )
     kv = KVPool(config.num_layers, 64, model.kv_heads_per_piece(), config.head_dim, torch.bfloat16, META)
