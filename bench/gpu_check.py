@@ -61,7 +61,6 @@ KILL_DEADLINE_S = 30.0  # the pair's collective_timeout_s in the kill check
 def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
     """The report, and the checks that failed."""
     model_dir = args.model or default_model_dir()
-    config = load_model_config(model_dir)
     tokenizer = Tokenizer.from_model_dir(model_dir)
     prompt = chat_prompt(tokenizer, 0)
     lanes = [int(n) for n in args.lanes.split(",")]
@@ -103,13 +102,55 @@ def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
     }
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"  # what the daemon serves in there
-    checks["batch_invariance_probe"] = invariance_probe(model_dir, args, dtype, context)
+    checks["batch_invariance_probe"] = guarded(invariance_probe, model_dir, args, dtype, context)
 
+    checks["passes"], checks["decode"] = guarded(
+        decode_checks, model_dir, args, dtype, prompt, lanes, context, n=2
+    )
+
+    two_ranks = args.two_ranks == "yes" or (
+        args.two_ranks == "auto" and (device.type == "cpu" or torch.cuda.device_count() >= 2)
+    )
+    if two_ranks:
+        checks["tp2_equals_tp1"] = guarded(tp2_equals_tp1, model_dir, args, prompt)
+        checks["follower_sigkill"] = guarded(follower_sigkill, model_dir, args, prompt, context)
+    else:
+        why = "one GPU here" if device.type == "cuda" else "--two-ranks no"
+        checks["tp2_equals_tp1"] = checks["follower_sigkill"] = {"skipped": why}
+
+    failed += [name for name, check in checks.items() if "error" in check]
+    if not checks["tp1_float32_vs_cpu"]["greedy_tokens_equal"] and device.type == "cpu":
+        failed.append("tp1_float32_vs_cpu")
+    if two_ranks and not checks["tp2_equals_tp1"].get("equal", True):
+        failed.append("tp2_equals_tp1")
+    if two_ranks and not checks["follower_sigkill"].get("ended_with_error_in_time", True):
+        failed.append("follower_sigkill")
+    report["failed"] = failed
+    report["elapsed_s"] = time.monotonic() - started
+    return report, failed
+
+
+def guarded(check, *args, n: int = 1):
+    """check(*args), or (for each of its n results) what it raised: one failed check must not cost
+    the report the others."""
+    try:
+        return check(*args)
+    except Exception as error:  # recorded in the report, which is the point of a one-shot check
+        failure = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        return failure if n == 1 else (failure,) * n
+
+
+def decode_checks(
+    model_dir: str, args, dtype: str, prompt, lanes: list[int], context: int
+) -> tuple[dict, dict]:
+    """(what a prefill and a decode round run and wait for, decode speed against the roofline)."""
+    config = load_model_config(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
     with one_rank(
         model_dir, args.device, dtype, num_lanes=max(lanes), context_size=context, threads=args.threads
     ) as rt:
-        checks["passes"] = inspect_passes(rt.engine, prompt, config.num_layers)
-        bandwidth = read_bandwidth(device, args.bandwidth_mib << 20)
+        passes = inspect_passes(rt.engine, prompt, config.num_layers)
+        bandwidth = read_bandwidth(rt.device, args.bandwidth_mib << 20)
         weights = weight_bytes_per_token(config, 0, 1, ELEMENT_SIZES[dtype])
         rows = []
         for num_lanes in lanes:
@@ -125,32 +166,12 @@ def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
                     "of_roof": rate / roof,
                 }
             )
-        checks["decode"] = {
+        return passes, {
             "dtype": dtype,
             "bandwidth_gb_s": bandwidth / 1e9,
             "weight_bytes": weights,
             "rows": rows,
         }
-
-    two_ranks = args.two_ranks == "yes" or (
-        args.two_ranks == "auto" and (device.type == "cpu" or torch.cuda.device_count() >= 2)
-    )
-    if two_ranks:
-        checks["tp2_equals_tp1"] = tp2_equals_tp1(model_dir, args, prompt)
-        checks["follower_sigkill"] = follower_sigkill(model_dir, args, prompt, context)
-    else:
-        why = "one GPU here" if device.type == "cuda" else "--two-ranks no"
-        checks["tp2_equals_tp1"] = checks["follower_sigkill"] = {"skipped": why}
-
-    if not checks["tp1_float32_vs_cpu"]["greedy_tokens_equal"] and device.type == "cpu":
-        failed.append("tp1_float32_vs_cpu")
-    if two_ranks and not checks["tp2_equals_tp1"]["equal"]:
-        failed.append("tp2_equals_tp1")
-    if two_ranks and not checks["follower_sigkill"]["ended_with_error_in_time"]:
-        failed.append("follower_sigkill")
-    report["failed"] = failed
-    report["elapsed_s"] = time.monotonic() - started
-    return report, failed
 
 
 def invariance_probe(model_dir: str, args, dtype: str, context: int) -> dict:
@@ -228,7 +249,7 @@ def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
     return {
         "tokens_before_error": position - len(prompt),
         "seconds_from_kill_to_error": seconds,
-        "error": error,
+        "stream_error": error,
         "ended_with_error_in_time": in_time,
     }
 
@@ -250,16 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     report, failed = run_gpu_check(args)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     checks = report["checks"]
+    rows = checks["decode"].get("rows", [])
     print_table(
         f"gpu_check on {report['device']} ({report['elapsed_s']:.0f} s)",
         ("lanes", "tok/s", "roof tok/s", "of roof"),
-        [
-            (r["lanes"], r["tokens_per_s"], r["roofline_tokens_per_s"], r["of_roof"])
-            for r in checks["decode"]["rows"]
-        ],
+        [(r["lanes"], r["tokens_per_s"], r["roofline_tokens_per_s"], r["of_roof"]) for r in rows],
     )
     print(f"tp1 float32 vs CPU: max |diff| {checks['tp1_float32_vs_cpu']['max_abs_diff']:.3g}")
-    print(f"SDPA in prefill: {checks['passes']['sdpa_prefill'] or 'none'}")
+    print(f"SDPA in prefill: {checks['passes'].get('sdpa_prefill') or checks['passes']}")
     print(f"report written to {args.out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     sys.stdout.flush()
     # The kill check leaves rank 0's group with a dead peer, which interpreter teardown can trip on.

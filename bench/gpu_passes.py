@@ -48,11 +48,10 @@ def one_rank(
         threads_per_rank=threads,
         collective_timeout_s=WAIT_S,
     )
-    runtime = start_rank(settings, 0, 1, "127.0.0.1", free_port())
     try:
-        yield runtime
+        yield start_rank(settings, 0, 1, "127.0.0.1", free_port())
     finally:
-        shutdown()
+        shutdown()  # also after a refused start, which may come once the group has formed
 
 
 def prompt_logits(engine: Engine, prompt: Sequence[int]) -> torch.Tensor:

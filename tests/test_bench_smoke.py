@@ -151,4 +151,4 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_one_report(tiny_model, tmp_pat
     assert all(row["tokens_per_s"] > 0 and row["of_roof"] > 0 for row in checks["decode"]["rows"])
     assert checks["tp2_equals_tp1"]["equal"] is True
     killed = checks["follower_sigkill"]
-    assert killed["ended_with_error_in_time"] is True and killed["error"], killed
+    assert killed["ended_with_error_in_time"] is True and killed["stream_error"], killed
