@@ -292,7 +292,8 @@ class TestSmallCache:
         assert_books_balance(pair)
 
     def test_metrics_read_the_cache_at_scrape_time(self, pair, tokenizer):
-        pair.serve_alone(SMALL_BUDGET_RUN[:2])  # B's keep evicts A's, whatever ran before
+        # B's keep evicts A's and B's history then hits, whatever ran before.
+        pair.serve_alone(SMALL_BUDGET_RUN[:2] + SMALL_BUDGET_RUN[4:])
         info = ServingInfo("tiny", tp_size=2, num_lanes=8, context_size=256, room=pair.engine.leader.room)
         page = GrpcServer(pair.engine.host, tokenizer, info).metrics.render().decode()  # never started
         values = {
