@@ -12,13 +12,13 @@ import torch
 from tiny_models import write_tiny_model
 
 from tpserve.ranks import device as device_module
-from tpserve.ranks import memory
+from tpserve.ranks import memory, model_group
 from tpserve.ranks.device import DeviceError, choose_device, device_facts
 from tpserve.ranks.device_wait import DeviceTimeout, wait_for
 from tpserve.ranks.flags import FLAG_NAMES, flags_row, shown_row
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.model_group import ModelGroupError, _within, watchdog_timeout_s
+from tpserve.ranks.model_group import ModelGroupError, _within, open_model_group, watchdog_timeout_s
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
 from tpserve.ranks.weights import read_rank_weights
@@ -198,6 +198,22 @@ def test_a_wait_for_the_device_returns_once_the_work_is_done():
     done = Completion(after=3)
     wait_for(done, 30.0, "never said")
     assert done.queries == 4
+
+
+def test_nccl_is_connected_with_its_device_and_exercised_before_the_rank_starts(monkeypatch):
+    made, exercised = {}, []
+    monkeypatch.setattr(model_group.dist, "new_group", lambda **kwargs: made.update(kwargs) or "nccl group")
+    monkeypatch.setattr(model_group, "exercise", lambda *args: exercised.append(args))
+    device = torch.device("cuda", 1)
+    assert open_model_group(device, 1, 2, 60.0) == "nccl group"
+    # device_id makes NCCL connect now, not at the first request.
+    assert (made["backend"], made["device_id"]) == ("nccl", device)
+    assert made["timeout"].total_seconds() == watchdog_timeout_s(60.0)
+    assert exercised == [("nccl group", 1, 2, device, 60.0)]
+    # On the CPU, and at tp=1, the model's collectives need no group of their own.
+    assert open_model_group(torch.device("cpu"), 0, 2, 60.0) is torch.distributed.group.WORLD
+    assert open_model_group(device, 0, 1, 60.0) is torch.distributed.group.WORLD
+    assert len(exercised) == 1
 
 
 def test_nccls_watchdog_fires_only_after_the_ranks_own_deadline():
