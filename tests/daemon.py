@@ -153,6 +153,7 @@ class Daemon:
     layout: str
     port: int
     metrics_port: int
+    http_port: int
     log_dir: Path
     launched: dict[str, subprocess.Popen] = field(default_factory=dict)  # log name -> process
     known: set[Proc] = field(default_factory=set)  # everything seen in the daemon's process trees
@@ -161,6 +162,11 @@ class Daemon:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what the openai client takes as base_url)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def channel(self) -> grpc.Channel:
@@ -318,7 +324,7 @@ def launch(
     """Starts the daemon's processes (not waiting for them). `args` are further serve flags."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    daemon = Daemon(layout, free_port(), free_port(), log_dir)
+    daemon = Daemon(layout, free_port(), free_port(), free_port(), log_dir)
     common = [
         "--model",
         str(model_dir),
@@ -326,6 +332,8 @@ def launch(
         str(daemon.port),
         "--metrics-port",
         str(daemon.metrics_port),
+        "--http-port",
+        str(daemon.http_port),
         "--threads-per-rank",
         "1",
         *args,
