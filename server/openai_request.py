@@ -101,9 +101,7 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
         if body.get(name) is not None:
             setattr(request, name, _number(name, body[name]))
     if body.get("top_k") is not None:
-        top_k = _int32("top_k", body["top_k"])
-        if top_k != -1:  # -1 is "off" in vLLM's dialect, 0 in tpserve's
-            request.top_k = top_k
+        request.top_k = _int32("top_k", body["top_k"])  # 0 is off (vLLM's -1 is refused, as on gRPC)
     if body.get("seed") is not None:
         request.seed = _seed(body["seed"])
     request.stop.extend(_stop(body.get("stop")))

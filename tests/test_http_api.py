@@ -1,0 +1,377 @@
+"""The OpenAI-compatible HTTP API as its users call it: the real `openai` client against the real
+daemon (two ranks over gloo, a tiny random model), on loopback.
+
+Every reply is compared with what gRPC gives for the same request, token for token; every refusal
+that gRPC's golden files freeze is sent over HTTP too and must read the same, with the HTTP status
+an OpenAI client expects.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import grpc
+import httpx
+import openai
+import pytest
+from daemon import SERVING, read_reply, running_daemon, write_daemon_model
+from google.protobuf import text_format
+from test_grpc_api import GOLDEN_DIR, read_golden
+
+from tpserve.v1 import serving_pb2
+
+CONTEXT = 64  # the golden files' context
+REPLY_CONTEXT = 512
+NUM_STREAMS = 64
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "UNIMPLEMENTED": 501}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_daemon_model(tmp_path_factory.mktemp("http-model"))
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir, tmp_path_factory):
+    """Four lanes and room for chats (the byte-level tokenizer makes a short chat 30 tokens)."""
+    log_dir = tmp_path_factory.mktemp("http-logs")
+    with running_daemon(
+        "spawn", model_dir, log_dir, "--context", str(REPLY_CONTEXT), "--lanes", "4"
+    ) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def golden_daemon(model_dir, tmp_path_factory):
+    """The golden files' `default` server: context 64, two lanes, no --vision."""
+    log_dir = tmp_path_factory.mktemp("http-golden-logs")
+    with running_daemon("spawn", model_dir, log_dir, "--context", str(CONTEXT), "--lanes", "2") as served:
+        yield served
+
+
+def openai_client(daemon) -> openai.OpenAI:
+    # No retries: a 429 or 503 is what a test wants to see, not something to hide.
+    return openai.OpenAI(base_url=daemon.http_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with openai_client(daemon) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def golden_client(golden_daemon):
+    with openai_client(golden_daemon) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_name(model_dir):
+    return model_dir.name
+
+
+def grpc_reply(daemon, **fields):
+    return read_reply(daemon.stub.Generate(serving_pb2.GenerateRequest(**fields), timeout=60))
+
+
+def chat_messages(*texts: str) -> list[dict]:
+    roles = ["system", "user", "assistant", "user"]
+    return [{"role": roles[i], "content": text} for i, text in enumerate(texts)]
+
+
+def as_proto_messages(messages: list[dict]) -> list[serving_pb2.ChatMessage]:
+    return [serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def token_ids_of(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+# ---- replies ----
+
+
+def test_chat_whole_equals_the_grpc_reply(daemon, client, model_name):
+    messages = chat_messages("be brief", "the quick brown fox")
+    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
+    completion = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=16,
+        extra_body={"top_k": 40, "min_p": 0.01, "return_token_ids": True},
+        user="a-test",
+        **sampling,
+    )
+    expected = grpc_reply(
+        daemon, messages=as_proto_messages(messages), max_tokens=16, top_k=40, min_p=0.01, **sampling
+    )
+    assert expected.ok
+    (choice,) = completion.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert token_ids_of(choice) == expected.token_ids
+    assert choice.finish_reason == {1: "stop", 2: "length"}[expected.finish_reason]
+    assert completion.object == "chat.completion" and completion.model == model_name
+    usage, grpc_usage = completion.usage, expected.last.usage
+    assert usage.prompt_tokens == grpc_usage.prompt_tokens
+    assert usage.completion_tokens == grpc_usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_chat_streamed_arrives_in_pieces_that_add_up_to_the_grpc_reply(daemon, client, model_name):
+    messages = chat_messages("be brief", "hello there")
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    chunks = list(stream)
+    expected = grpc_reply(daemon, messages=as_proto_messages(messages), max_tokens=20, ignore_eos=True)
+    pieces = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    assert pieces[0].delta.role == "assistant"
+    text_pieces = [piece.delta.content for piece in pieces if piece.delta.content]
+    assert len(text_pieces) > 1  # streamed, not sent in one piece
+    assert "".join(text_pieces) == expected.text
+    assert [t for piece in pieces for t in piece.model_extra.get("token_ids", [])] == expected.token_ids
+    assert pieces[-1].finish_reason == "length" and len(expected.token_ids) == 20
+    # include_usage: one last chunk with no choices and the usage.
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == expected.last.usage.prompt_tokens
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
+def test_completion_from_token_ids_equals_the_grpc_reply(daemon, client, model_name):
+    prompt = [40, 41, 42, 43, 44]
+    completion = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=12, extra_body={"return_token_ids": True}
+    )
+    expected = grpc_reply(daemon, prompt_token_ids=prompt, max_tokens=12)
+    (choice,) = completion.choices
+    assert completion.object == "text_completion"
+    assert choice.text == expected.text and token_ids_of(choice) == expected.token_ids
+    assert completion.usage.prompt_tokens == len(prompt)
+    # A text prompt, streamed, gives the gRPC reply to the same text.
+    streamed = client.completions.create(model=model_name, prompt="hello world", max_tokens=12, stream=True)
+    text = "".join(chunk.choices[0].text for chunk in streamed)
+    assert text == grpc_reply(daemon, prompt="hello world", max_tokens=12).text
+
+
+def test_a_stop_string_ends_the_reply_before_it(daemon, client, model_name):
+    free = client.completions.create(
+        model=model_name, prompt="stop here", max_tokens=24, extra_body={"ignore_eos": True}
+    )
+    text = free.choices[0].text
+    # A character from the reply's middle: the reply with it as a stop string ends before it.
+    stop = next(ch for ch in text[4:] if ch.isascii() and ch.isprintable())
+    stopped = client.completions.create(model=model_name, prompt="stop here", max_tokens=24, stop=[stop])
+    (choice,) = stopped.choices
+    assert choice.finish_reason == "stop"
+    assert choice.text == text[: text.index(stop)] and stop not in choice.text
+    assert choice.text == grpc_reply(daemon, prompt="stop here", max_tokens=24, stop=[stop]).text
+    # stop may also be one string; a stream stops at the same place.
+    stopped_streamed = client.completions.create(
+        model=model_name, prompt="stop here", max_tokens=24, stop=stop, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stopped_streamed) == choice.text
+
+
+def test_a_seed_reproduces_a_sampled_reply(client, model_name):
+    def sampled(seed: int) -> str:
+        completion = client.chat.completions.create(
+            model=model_name,
+            messages=chat_messages("be brief", "tell me a story"),
+            max_tokens=20,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        return completion.choices[0].message.content
+
+    first = sampled(7)
+    assert sampled(7) == first
+    assert sampled(8) != first
+
+
+def test_usage_counts_the_prompt_cache(client, model_name):
+    messages = chat_messages("you are a helpful assistant who answers briefly", "what is the sea?")
+    client.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
+    again = client.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
+    details = again.usage.prompt_tokens_details
+    assert 0 < details.cached_tokens < again.usage.prompt_tokens
+
+
+def test_models_and_health(daemon, client, model_name):
+    (model,) = client.models.list().data
+    assert model.id == model_name and model.model_extra["max_model_len"] == REPLY_CONTEXT
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    health = httpx.get(f"http://127.0.0.1:{daemon.http_port}/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "serving"}
+
+
+def test_64_concurrent_streams_all_complete_and_equal_their_solo_runs(daemon, client, model_name):
+    def request(index: int) -> dict:
+        return {
+            "model": model_name,
+            "prompt": f"prompt number {index}",
+            "max_tokens": 8 + index % 5,
+            "temperature": 0.8,
+            "seed": index,
+            "extra_body": {"ignore_eos": True},
+        }
+
+    solo = [client.completions.create(**request(i)).choices[0].text for i in range(NUM_STREAMS)]
+    together: list[str | None] = [None] * NUM_STREAMS
+    failures: list[BaseException] = []
+    barrier = threading.Barrier(NUM_STREAMS)
+
+    def stream(index: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            pieces = client.completions.create(stream=True, **request(index))
+            together[index] = "".join(chunk.choices[0].text for chunk in pieces)
+        except BaseException as error:  # reported below, with the others
+            failures.append(error)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert failures == []
+    assert together == solo
+    daemon.wait_idle()
+
+
+# ---- refusals ----
+
+
+def http_body_of(request: serving_pb2.GenerateRequest) -> tuple[str, dict] | None:
+    """The OpenAI request (path, JSON body) that carries the same fields; None where OpenAI's
+    shape cannot say it (two inputs at once, content and parts, an empty part)."""
+    kinds = [request.HasField("prompt"), len(request.messages) > 0, len(request.prompt_token_ids) > 0]
+    if sum(kinds) != 1:
+        return None
+    body: dict = {}
+    if request.HasField("prompt"):
+        path, body["prompt"] = "completions", request.prompt
+    elif request.prompt_token_ids:
+        path, body["prompt"] = "completions", list(request.prompt_token_ids)
+    else:
+        path, body["messages"] = "chat/completions", []
+        for message in request.messages:
+            if message.content and message.parts:
+                return None
+            content = message.content
+            if message.parts:
+                content = []
+                for part in message.parts:
+                    if part.WhichOneof("kind") is None:
+                        return None
+                    content.append(_part_json(part))
+            body["messages"].append({"role": message.role, "content": content})
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.stop:
+        body["stop"] = list(request.stop)
+    return path, body
+
+
+def _part_json(part) -> dict:
+    if part.HasField("text"):
+        return {"type": "text", "text": part.text}
+    kind = "image_url" if part.media.mime_type.startswith("image/") else "video_url"
+    url = f"data:{part.media.mime_type};base64,{base64.b64encode(part.media.data).decode()}"
+    return {"type": kind, kind: {"url": url}}
+
+
+GOLDEN_DEFAULT = [
+    path
+    for path in sorted(GOLDEN_DIR.glob("*.txt"))
+    if read_golden(path)[0].get("server", "default") == "default"
+    and read_golden(path)[0].get("rpc", "Generate") == "Generate"
+]
+
+
+def post(daemon, path: str, body, **kwargs) -> httpx.Response:
+    """POSTs a dict as JSON (NaN stays NaN, as Python reads it), or bytes or an iterator of them as
+    they are (an iterator goes chunked, with no length declared)."""
+    content = json.dumps(body) if isinstance(body, dict) else body
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    return httpx.post(f"{daemon.http_url}/{path}", content=content, headers=headers, timeout=60, **kwargs)
+
+
+@pytest.mark.parametrize("path", GOLDEN_DEFAULT, ids=lambda path: path.stem)
+def test_golden_error_reads_the_same_over_http(path, golden_daemon):
+    header, request_text = read_golden(path)
+    http = http_body_of(text_format.Parse(request_text, serving_pb2.GenerateRequest()))
+    if http is None:
+        pytest.skip("an OpenAI body cannot carry this request's fields")
+    response = post(golden_daemon, *http)
+    assert response.status_code == HTTP_STATUS[header["code"]]
+    error = response.json()["error"]
+    assert error["message"] == header["message"]
+    assert error["code"] == header["code"].lower()
+
+
+def test_a_bad_field_is_refused_naming_it(golden_client, model_name):
+    messages = chat_messages("hi")
+    cases = [
+        ({"max_tokens": 65}, "max_tokens", "max_tokens (65) exceeds the context of 64 tokens"),
+        ({"temperature": -0.5}, "temperature", "temperature must be from 0 to 100 (got -0.5)"),
+        ({"extra_body": {"top_k": "many"}}, "top_k", "top_k must be an integer (got 'many')"),
+        ({"n": 2}, "n", "n must be 1 (got 2): this server returns one choice per request"),
+        ({"logprobs": True}, "logprobs", "logprobs is not supported by this server"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported by this server"),
+    ]
+    for fields, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as raised:
+            golden_client.chat.completions.create(model=model_name, messages=messages, **fields)
+        assert raised.value.status_code == 400
+        assert (raised.value.body["param"], raised.value.body["message"]) == (param, message)
+
+
+def test_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4o", messages=chat_messages("hi"), max_tokens=4)
+    assert raised.value.body["code"] == "model_not_found" and "gpt-4o" in raised.value.body["message"]
+
+
+def test_a_10_mb_body_is_refused_with_413(daemon):
+    body = json.dumps({"prompt": "x" * (10 << 20), "max_tokens": 4}).encode()
+    response = post(daemon, "completions", body)
+    assert response.status_code == 413
+    assert response.json()["error"]["message"] == "the request body is larger than 4194304 bytes"
+    # Without a declared length (chunked), the body is cut off at the same size.
+    response = post(daemon, "completions", iter([body[i : i + 65536] for i in range(0, len(body), 65536)]))
+    assert response.status_code == 413
+    assert daemon.health() == SERVING
+
+
+def test_a_body_that_is_not_json_is_400(daemon):
+    response = post(daemon, "completions", b"{not json")
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    assert post(daemon, "completions", b"[1, 2]").json()["error"]["message"] == (
+        "the request body must be a JSON object"
+    )
+    unknown = httpx.get(f"{daemon.http_url}/nothing-here", timeout=10)
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "no route /v1/nothing-here"
+
+
+def test_grpc_and_http_refuse_alike(daemon, client, model_name):
+    """The same bad request gets the same words on both APIs (a spot check beyond the goldens)."""
+    with pytest.raises(grpc.RpcError) as grpc_error:
+        for _ in daemon.stub.Generate(serving_pb2.GenerateRequest(prompt="hello", top_p=0), timeout=10):
+            pass
+    with pytest.raises(openai.BadRequestError) as http_error:
+        client.completions.create(model=model_name, prompt="hello", top_p=0)
+    assert http_error.value.body["message"] == grpc_error.value.details()
+    assert http_error.value.body["param"] == "top_p"
