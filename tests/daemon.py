@@ -307,6 +307,7 @@ def daemon_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a torchrun environment here would place the daemon's ranks
+    env.pop("TPSERVE_API_KEY", None)  # a key in the tester's shell would lock every test out
     return env
 
 
@@ -320,8 +321,10 @@ def launch(
     log_dir: str | Path,
     *args: str,
     ranks_to_start: tuple[int, ...] = (0, 1),
+    env: dict[str, str] | None = None,
 ) -> Daemon:
-    """Starts the daemon's processes (not waiting for them). `args` are further serve flags."""
+    """Starts the daemon's processes (not waiting for them). `args` are further serve flags; `env`,
+    variables to add to their environment."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     daemon = Daemon(layout, free_port(), free_port(), free_port(), log_dir)
@@ -357,7 +360,7 @@ def launch(
             daemon.launched[name] = subprocess.Popen(
                 command,
                 cwd=REPO,
-                env=daemon_env(),
+                env={**daemon_env(), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -374,9 +377,10 @@ def running_daemon(
     *args: str,
     ranks_to_start: tuple[int, ...] = (0, 1),
     wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Daemon]:
     """A started daemon (serving, unless wait=False); every process of it is killed on exit."""
-    daemon = launch(layout, model_dir, log_dir, *args, ranks_to_start=ranks_to_start)
+    daemon = launch(layout, model_dir, log_dir, *args, ranks_to_start=ranks_to_start, env=env)
     try:
         if wait:
             daemon.wait_serving()
