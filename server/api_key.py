@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
+API_KEY_ENV = "TPSERVE_API_KEY"  # where the daemon, the client and the bench also look for the key
 UNAUTHENTICATED = "missing or wrong API key (send the header authorization: Bearer KEY)"
 OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"  # health checks need no key
 BEARER = "bearer "

@@ -19,6 +19,7 @@ import yaml
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import EngineSettings
+from tpserve.server.api_key import API_KEY_ENV
 
 
 class ConfigError(UserError):
@@ -92,9 +93,6 @@ _POSITIVE = {
     "leader_dead_after_s",
     "grace_s",
 }
-
-
-API_KEY_ENV = "TPSERVE_API_KEY"
 
 
 def _field_types() -> dict[str, type]:

@@ -189,6 +189,7 @@ class OpenAIApi:
             "created": 0,
             "owned_by": "tpserve",
             "max_model_len": info.context_size,
+            "vocab_size": self._submitter.tokenizer.vocab_size,  # for clients that send token ids
         }
 
     def _unknown_model(self, name: str) -> HttpRefusal:

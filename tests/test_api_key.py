@@ -7,12 +7,16 @@ keeping the secret off its command line would.
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
 import openai
 import pytest
 from daemon import SERVING, read_reply, running_daemon, write_daemon_model
+from test_grpc_api import run_command
 
+from tpserve import bench, client
 from tpserve.server.api_key import UNAUTHENTICATED
 from tpserve.server.config import load_config
 from tpserve.v1 import serving_pb2
@@ -60,9 +64,9 @@ def test_grpc_needs_the_key(daemon):
 def test_http_needs_the_key(daemon):
     body = {"prompt": "hello", "max_tokens": 4}
     for authorization in WRONG_KEYS:
-        for method, path, json in (("POST", "completions", body), ("GET", "models", None)):
+        for method, path, payload in (("POST", "completions", body), ("GET", "models", None)):
             response = httpx.request(
-                method, f"{daemon.http_url}/{path}", json=json, headers=headers(authorization), timeout=30
+                method, f"{daemon.http_url}/{path}", json=payload, headers=headers(authorization), timeout=30
             )
             assert response.status_code == 401
             assert response.json()["error"]["message"] == UNAUTHENTICATED
@@ -95,3 +99,16 @@ def test_the_key_comes_from_a_flag_over_the_environment_over_yaml(tmp_path):
     assert "from-flag" not in repr(flagged)  # never in a log line that prints the config
     default = load_config(None, {}, environ={})
     assert default.api_key == "" and default.http_port == 8000
+
+
+def test_the_client_and_bench_commands_send_the_key(daemon, tmp_path, capsys):
+    chat = ["client", "--target", daemon.target, "--prompt", "hi", "--max-tokens", "3", "--ignore-eos"]
+    assert run_command(client, chat) == 1  # no key
+    assert capsys.readouterr().err == f"error: UNAUTHENTICATED: {UNAUTHENTICATED}\n"
+    assert run_command(client, [*chat, "--api-key", KEY]) == 0
+    assert "3 completion tokens" in capsys.readouterr().err
+    load = ["--concurrency", "2", "--num-requests", "2", "--prompt-tokens", "4", "--max-tokens", "3"]
+    for server in (["--target", daemon.target], ["--openai-url", daemon.http_url]):
+        argv = ["bench", *server, *load, "--api-key", KEY, "--no-progress", "--out", str(tmp_path)]
+        assert run_command(bench, argv) == 0
+        assert json.loads(capsys.readouterr().out)["num_ok"] == 2

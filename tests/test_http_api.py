@@ -8,7 +8,6 @@ an OpenAI client expects.
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 
@@ -18,8 +17,10 @@ import openai
 import pytest
 from daemon import SERVING, read_reply, running_daemon, write_daemon_model
 from google.protobuf import text_format
-from test_grpc_api import GOLDEN_DIR, read_golden
+from test_grpc_api import GOLDEN_DIR, read_golden, run_command
 
+from tpserve import bench
+from tpserve.openai_body import openai_body
 from tpserve.v1 import serving_pb2
 
 CONTEXT = 64  # the golden files' context
@@ -253,46 +254,6 @@ def test_64_concurrent_streams_all_complete_and_equal_their_solo_runs(daemon, cl
 # ---- refusals ----
 
 
-def http_body_of(request: serving_pb2.GenerateRequest) -> tuple[str, dict] | None:
-    """The OpenAI request (path, JSON body) that carries the same fields; None where OpenAI's
-    shape cannot say it (two inputs at once, content and parts, an empty part)."""
-    kinds = [request.HasField("prompt"), len(request.messages) > 0, len(request.prompt_token_ids) > 0]
-    if sum(kinds) != 1:
-        return None
-    body: dict = {}
-    if request.HasField("prompt"):
-        path, body["prompt"] = "completions", request.prompt
-    elif request.prompt_token_ids:
-        path, body["prompt"] = "completions", list(request.prompt_token_ids)
-    else:
-        path, body["messages"] = "chat/completions", []
-        for message in request.messages:
-            if message.content and message.parts:
-                return None
-            content = message.content
-            if message.parts:
-                content = []
-                for part in message.parts:
-                    if part.WhichOneof("kind") is None:
-                        return None
-                    content.append(_part_json(part))
-            body["messages"].append({"role": message.role, "content": content})
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
-        if request.HasField(name):
-            body[name] = getattr(request, name)
-    if request.stop:
-        body["stop"] = list(request.stop)
-    return path, body
-
-
-def _part_json(part) -> dict:
-    if part.HasField("text"):
-        return {"type": "text", "text": part.text}
-    kind = "image_url" if part.media.mime_type.startswith("image/") else "video_url"
-    url = f"data:{part.media.mime_type};base64,{base64.b64encode(part.media.data).decode()}"
-    return {"type": kind, kind: {"url": url}}
-
-
 GOLDEN_DEFAULT = [
     path
     for path in sorted(GOLDEN_DIR.glob("*.txt"))
@@ -312,7 +273,7 @@ def post(daemon, path: str, body, **kwargs) -> httpx.Response:
 @pytest.mark.parametrize("path", GOLDEN_DEFAULT, ids=lambda path: path.stem)
 def test_golden_error_reads_the_same_over_http(path, golden_daemon):
     header, request_text = read_golden(path)
-    http = http_body_of(text_format.Parse(request_text, serving_pb2.GenerateRequest()))
+    http = openai_body(text_format.Parse(request_text, serving_pb2.GenerateRequest()))
     if http is None:
         pytest.skip("an OpenAI body cannot carry this request's fields")
     response = post(golden_daemon, *http)
@@ -375,3 +336,37 @@ def test_grpc_and_http_refuse_alike(daemon, client, model_name):
         client.completions.create(model=model_name, prompt="hello", top_p=0)
     assert http_error.value.body["message"] == grpc_error.value.details()
     assert http_error.value.body["param"] == "top_p"
+
+
+# ---- tpserve bench --openai-url ----
+
+
+@pytest.mark.parametrize("load", [["--concurrency", "4"], ["--rate", "100"]], ids=["closed", "open"])
+def test_bench_times_the_http_api_like_grpc(daemon, tmp_path, capsys, load):
+    common = [*load, "--num-requests", "8", "--prompt-tokens", "6", "--max-tokens", "5", "--no-progress"]
+    summaries = {}
+    for api, server in (("openai", ["--openai-url", daemon.http_url]), ("grpc", ["--target", daemon.target])):
+        out = tmp_path / api
+        code = run_command(bench, ["bench", *server, *common, "--out", str(out)])
+        summaries[api] = json.loads(capsys.readouterr().out)
+        assert code == 0
+        assert summaries[api] == json.loads((out / "summary.json").read_text())
+        assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert len((out / "requests.jsonl").read_text().splitlines()) == 8
+    http, grpc_summary = summaries["openai"], summaries["grpc"]
+    assert http["api"] == "openai" and http["model"] == grpc_summary["model"]
+    for summary in (http, grpc_summary):
+        assert summary["num_ok"] == 8 and summary["errors"] == {}
+        # ignore_eos: every reply is exactly --max-tokens long, whichever API counted it.
+        assert summary["output_tokens_per_s"] == pytest.approx(5 * summary["requests_per_s"])
+        assert 0 < summary["ttft_s"]["p50"] <= summary["ttft_s"]["p90"] <= summary["ttft_s"]["p99"]
+        assert 0 < summary["itl_s"]["p50"] <= summary["itl_s"]["p99"]
+
+
+def test_bench_reports_a_refused_load_as_errors(daemon, tmp_path, capsys):
+    # Prompts longer than the context: every request is refused (HTTP 400), none times anything.
+    argv = ["bench", "--openai-url", daemon.http_url, "--concurrency", "2", "--num-requests", "3"]
+    argv += ["--prompt-tokens", str(REPLY_CONTEXT + 1), "--no-progress", "--out", str(tmp_path)]
+    assert run_command(bench, argv) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_ok"] == 0 and summary["errors"] == {"HTTP 400": 3}
