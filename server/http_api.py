@@ -114,7 +114,13 @@ class OpenAIApi:
             return _refusal(refusal)
         except ClientDisconnect:
             return Response(status_code=499)
-        shape = ReplyShape(chat=parsed.chat, model=self._model, return_token_ids=parsed.return_token_ids)
+        shape = ReplyShape(
+            chat=parsed.chat,
+            model=self._model,
+            return_token_ids=parsed.return_token_ids,
+            logprobs=parsed.generate.HasField("logprobs"),
+            token_text=self._token_text,
+        )
         if parsed.stream:
             events = self._server_sent_events(stream, shape, parsed.include_usage)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -122,17 +128,20 @@ class OpenAIApi:
         return await self._whole(request, stream, shape)
 
     async def _whole(self, request: Request, stream: Stream, shape: ReplyShape) -> Response:
-        text, token_ids = [], []
+        text, token_ids, logprobs = [], [], []
         async for event in self._events(stream, request):
             if isinstance(event, TokenDelta):
                 text.append(event.text)
                 token_ids += event.token_ids
+                logprobs += event.logprobs
             elif isinstance(event, Finished):
                 refusal = self._submitter.broke_mid_reply(event)
                 if refusal is not None:
                     return _refusal(refusal)
                 self._submitter.count_finished(event)
-                return JSONResponse(shape.whole("".join(text), token_ids, event.reason, event.usage))
+                return JSONResponse(
+                    shape.whole("".join(text), token_ids, event.reason, event.usage, logprobs)
+                )
         return Response(status_code=499)  # the client went away; its stream is cancelled
 
     async def _server_sent_events(
@@ -144,8 +153,8 @@ class OpenAIApi:
             yield _sse(shape.first_chunk())
         async for event in self._events(stream, None):
             if isinstance(event, TokenDelta):
-                if event.text or shape.return_token_ids:
-                    yield _sse(shape.chunk(event.text, event.token_ids))
+                if event.text or event.logprobs or shape.return_token_ids:
+                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs))
             elif isinstance(event, Finished):
                 refusal = self._submitter.broke_mid_reply(event)
                 if refusal is not None:
@@ -180,6 +189,9 @@ class OpenAIApi:
 
     def _authorized(self, request: Request) -> bool:
         return key_matches(request.headers.get("authorization"), self._api_key)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._submitter.tokenizer.decode([token_id])
 
     def _model_card(self) -> dict:
         info = self._submitter.info

@@ -31,7 +31,7 @@ ERROR_TYPES = {
 }
 # The request fields validation's messages begin with ("max_tokens must be ...", "messages[0].role ...").
 FIELDS = ("prompt_token_ids", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p")
-FIELDS += ("seed", "stop")
+FIELDS += ("seed", "stop", "logprobs")
 _LEADING_FIELD = re.compile(r"^([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)")
 
 

@@ -30,7 +30,6 @@ NEUTRAL = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "top_logprobs": (None, 0),
 }
 
 
@@ -61,7 +60,12 @@ def parse_chat(body: dict) -> OpenAIRequest:
         raise FieldRefused("messages", "messages must be a non-empty list of messages")
     for index, message in enumerate(messages):
         _add_message(request, message, index)
-    _refuse_set("logprobs", body.get("logprobs") not in (None, False))
+    wants_logprobs = _flag(body, "logprobs")
+    num_top = None if body.get("top_logprobs") is None else _int32("top_logprobs", body["top_logprobs"])
+    if num_top and not wants_logprobs:
+        raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
+    if wants_logprobs:
+        request.logprobs = num_top or 0
     return _finish(body, request, chat=True)
 
 
@@ -82,7 +86,8 @@ def parse_completion(body: dict) -> OpenAIRequest:
         raise FieldRefused("prompt", "prompt is empty")
     else:
         raise FieldRefused("prompt", "prompt must be a string or a list of token ids")
-    _refuse_set("logprobs", body.get("logprobs") not in (None, 0))
+    if body.get("logprobs") is not None:
+        request.logprobs = _int32("logprobs", body["logprobs"])
     return _finish(body, request, chat=False)
 
 

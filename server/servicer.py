@@ -75,7 +75,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     if event.token_ids and last_delta_at is not None:
                         self._metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
                     last_delta_at = now
-                    yield serving_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
+                    yield serving_pb2.GenerateResponse(
+                        token_ids=event.token_ids, text=event.text, logprobs=_logprobs(event)
+                    )
                 elif isinstance(event, Finished):
                     finished = event
                     refusal = self._submitter.broke_mid_reply(event)
@@ -111,6 +113,17 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             vision=info.vision,
             default_max_tokens=info.default_max_tokens,
         )
+
+
+def _logprobs(event: TokenDelta) -> list[serving_pb2.TokenLogprob]:
+    return [
+        serving_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[serving_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in event.logprobs
+    ]
 
 
 def _final_response(event: Finished) -> serving_pb2.GenerateResponse:

@@ -409,6 +409,7 @@ class Reply:
     code: grpc.StatusCode | None = None  # set when the call failed
     details: str = ""
     ended_at: float = 0.0  # time.monotonic()
+    logprobs: list = field(default_factory=list)  # serving_pb2.TokenLogprob, when the request asked
 
     @property
     def ok(self) -> bool:
@@ -426,6 +427,7 @@ def read_reply(call, reply: Reply | None = None, on_response=None) -> Reply:
                 reply.num_token_messages += 1
             reply.token_ids += response.token_ids
             reply.text += response.text
+            reply.logprobs += response.logprobs
             if response.finish_reason:
                 reply.finish_reason, reply.last = response.finish_reason, response
             if on_response is not None:

@@ -9,6 +9,7 @@ an OpenAI client expects.
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import grpc
@@ -199,6 +200,53 @@ def test_a_seed_reproduces_a_sampled_reply(client, model_name):
     assert sampled(8) != first
 
 
+def test_logprobs_are_the_grpc_ones_and_the_greedy_token_is_the_likeliest(daemon, client, model_name):
+    messages = chat_messages("be brief", "the sea")
+    completion = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=10,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    expected = grpc_reply(
+        daemon, messages=as_proto_messages(messages), max_tokens=10, ignore_eos=True, logprobs=3
+    )
+    (choice,) = completion.choices
+    entries = choice.logprobs.content
+    assert [entry.model_extra["token_id"] for entry in entries] == token_ids_of(choice) == expected.token_ids
+    assert len(entries) == 10
+    assert len(expected.logprobs) == 10
+    for entry, grpc_entry in zip(entries, expected.logprobs, strict=True):
+        assert entry.logprob == pytest.approx(grpc_entry.logprob, rel=1e-6)
+        tops = [top.logprob for top in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert tops == pytest.approx([top.logprob for top in grpc_entry.top], rel=1e-6)
+        # Greedy: the token sampled is the likeliest one.
+        assert entry.top_logprobs[0].model_extra["token_id"] == entry.model_extra["token_id"]
+        assert entry.logprob == tops[0]
+        assert sum(math.exp(top) for top in tops) <= 1 + 1e-9
+    # The completions API's shape, streamed: parallel lists, one entry per token.
+    streamed = client.completions.create(
+        model=model_name,
+        prompt="the sea",
+        max_tokens=8,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pieces = [chunk.choices[0] for chunk in streamed if chunk.choices and chunk.choices[0].logprobs]
+    tokens = [token for piece in pieces for token in piece.logprobs.tokens]
+    token_logprobs = [value for piece in pieces for value in piece.logprobs.token_logprobs]
+    assert len(tokens) == len(token_logprobs) == 8
+    assert (
+        "".join(piece.text for piece in pieces)
+        == grpc_reply(daemon, prompt="the sea", max_tokens=8, ignore_eos=True).text
+    )
+    assert all(len(top) <= 2 for piece in pieces for top in piece.logprobs.top_logprobs)
+
+
 def test_usage_counts_the_prompt_cache(client, model_name):
     messages = chat_messages("you are a helpful assistant who answers briefly", "what is the sea?")
     client.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
@@ -225,11 +273,18 @@ def test_64_concurrent_streams_all_complete_and_equal_their_solo_runs(daemon, cl
             "max_tokens": 8 + index % 5,
             "temperature": 0.8,
             "seed": index,
+            "logprobs": 1,
             "extra_body": {"ignore_eos": True},
         }
 
-    solo = [client.completions.create(**request(i)).choices[0].text for i in range(NUM_STREAMS)]
-    together: list[str | None] = [None] * NUM_STREAMS
+    def reply(choices) -> tuple[str, list[float]]:
+        """The text and each token's log probability (the same bits whatever ran beside it)."""
+        return "".join(c.text for c in choices), [
+            v for c in choices if c.logprobs for v in c.logprobs.token_logprobs
+        ]
+
+    solo = [reply(client.completions.create(**request(i)).choices) for i in range(NUM_STREAMS)]
+    together: list[tuple | None] = [None] * NUM_STREAMS
     failures: list[BaseException] = []
     barrier = threading.Barrier(NUM_STREAMS)
 
@@ -237,7 +292,7 @@ def test_64_concurrent_streams_all_complete_and_equal_their_solo_runs(daemon, cl
         try:
             barrier.wait(timeout=60)
             pieces = client.completions.create(stream=True, **request(index))
-            together[index] = "".join(chunk.choices[0].text for chunk in pieces)
+            together[index] = reply([chunk.choices[0] for chunk in pieces])
         except BaseException as error:  # reported below, with the others
             failures.append(error)
 
@@ -248,6 +303,7 @@ def test_64_concurrent_streams_all_complete_and_equal_their_solo_runs(daemon, cl
         thread.join(timeout=300)
     assert failures == []
     assert together == solo
+    assert all(len(logprobs) == 8 + i % 5 for i, (_, logprobs) in enumerate(solo))
     daemon.wait_idle()
 
 
@@ -290,7 +346,8 @@ def test_a_bad_field_is_refused_naming_it(golden_client, model_name):
         ({"temperature": -0.5}, "temperature", "temperature must be from 0 to 100 (got -0.5)"),
         ({"extra_body": {"top_k": "many"}}, "top_k", "top_k must be an integer (got 'many')"),
         ({"n": 2}, "n", "n must be 1 (got 2): this server returns one choice per request"),
-        ({"logprobs": True}, "logprobs", "logprobs is not supported by this server"),
+        ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "logprobs", "logprobs must be from 0 to 20 (got 21)"),
         ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported by this server"),
     ]
     for fields, param, message in cases:

@@ -39,6 +39,11 @@ def openai_body(request: serving_pb2.GenerateRequest, model: str | None = None) 
             body[name] = getattr(request, name)
     if request.stop:
         body["stop"] = list(request.stop)
+    if request.HasField("logprobs"):
+        if path == "completions":
+            body["logprobs"] = request.logprobs
+        else:
+            body["logprobs"], body["top_logprobs"] = True, request.logprobs
     if request.ignore_eos:
         body["ignore_eos"] = True  # an extension vLLM, llama.cpp's server and tpserve all read
     return path, body
