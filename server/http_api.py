@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 import anyio.to_thread
+import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -29,7 +30,7 @@ from tpserve.server.http_errors import error_json, param_of, status_of
 from tpserve.server.lane_stream import Stream
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
-from tpserve.server.requests import Event, Finished, TokenDelta
+from tpserve.server.requests import ERROR, Event, Finished, TokenDelta
 from tpserve.server.submitter import Submitter
 from tpserve.server.validation import RequestRefused
 
@@ -135,10 +136,9 @@ class OpenAIApi:
                 token_ids += event.token_ids
                 logprobs += event.logprobs
             elif isinstance(event, Finished):
-                refusal = self._submitter.broke_mid_reply(event)
+                refusal = self._failure(event)
                 if refusal is not None:
                     return _refusal(refusal)
-                self._submitter.count_finished(event)
                 return JSONResponse(
                     shape.whole("".join(text), token_ids, event.reason, event.usage, logprobs)
                 )
@@ -156,11 +156,10 @@ class OpenAIApi:
                 if event.text or event.logprobs or shape.return_token_ids:
                     yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs))
             elif isinstance(event, Finished):
-                refusal = self._submitter.broke_mid_reply(event)
+                refusal = self._failure(event)
                 if refusal is not None:
                     yield _sse(error_json(status_of(refusal.code), refusal.message))
                     break
-                self._submitter.count_finished(event)
                 yield _sse(shape.chunk("", reason=event.reason))
                 if include_usage:
                     yield _sse(shape.usage_chunk(event.usage))
@@ -184,6 +183,18 @@ class OpenAIApi:
             if not finished:
                 stream.cancel()
                 self._submitter.count_gone()
+
+    def _failure(self, event: Finished) -> RequestRefused | None:
+        """How a reply that ended in an error answers (counting every ending in the metrics): a
+        broken engine as UNAVAILABLE (503), this stream's own failure as INTERNAL (500); None for
+        replies that ended well. OpenAI's finish reasons have no word for an error."""
+        refusal = self._submitter.broke_mid_reply(event)
+        if refusal is not None:
+            return refusal
+        self._submitter.count_finished(event)
+        if event.reason == ERROR:
+            return RequestRefused(grpc.StatusCode.INTERNAL, event.error or "the reply failed")
+        return None
 
     # --- helpers --------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
@@ -26,6 +27,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    500: "server_error",
     501: "not_implemented_error",
     503: "service_unavailable_error",
 }

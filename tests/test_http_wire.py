@@ -175,3 +175,22 @@ def test_a_broken_engine_ends_a_live_stream_with_an_error_event(model_dir, tmp_p
             "the engine broke during this reply; the server must be restarted"
         )
         assert served.wait_exits(["rank0"]) == {"rank0": 1}
+
+
+def test_a_reply_that_fails_alone_is_a_500_and_the_server_goes_on(model_dir, tmp_path):
+    poison = 200  # the follower refuses any prompt holding this token (a fault drill)
+    args = ("--context", "256", "--refuse-token-on-rank", f"1,{poison}")
+    with running_daemon("spawn", model_dir, tmp_path, *args) as served:
+        url = f"{served.http_url}/completions"
+        whole = httpx.post(url, json={"prompt": [5, poison, 6], "max_tokens": 4}, timeout=60)
+        assert whole.status_code == 500
+        error = whole.json()["error"]
+        assert error["type"] == "server_error" and "refused" in error["message"]
+        client = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=60)
+        with client, pytest.raises(openai.APIError) as raised:
+            for _ in client.completions.create(model=served_model(served), prompt=[poison], stream=True):
+                pass
+        assert "refused" in raised.value.body["message"]
+        fine = httpx.post(url, json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
+        assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 4
+        assert served.metrics()['tpserve_requests_total{outcome="error"}'] == 2
