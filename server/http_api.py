@@ -169,6 +169,7 @@ class OpenAIApi:
         """The stream's events up to Finished, read on a worker thread; a client that goes away
         (seen through `request`, or by this generator being cancelled) cancels the stream."""
         finished = False
+        last_delta_at: float | None = None
         try:
             while not finished:
                 events = await anyio.to_thread.run_sync(
@@ -176,6 +177,8 @@ class OpenAIApi:
                 )
                 for event in events:
                     finished = finished or isinstance(event, Finished)
+                    if isinstance(event, TokenDelta):
+                        last_delta_at = self._submitter.count_delta(event, last_delta_at)
                     yield event
                 if request is not None and not finished and await request.is_disconnected():
                     return

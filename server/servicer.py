@@ -36,7 +36,6 @@ FINISH_REASONS = {
 class ServingServicer(serving_pb2_grpc.ServingServicer):
     def __init__(self, submitter: Submitter, *, poll_s: float = 0.25, cancel_grace_s: float = 10.0):
         self._submitter = submitter
-        self._metrics = submitter.metrics
         self._poll_s = poll_s  # how often a quiet stream looks at whether its client is still there
         self._cancel_grace_s = cancel_grace_s  # how long a cancelled stream waits for its Finished
 
@@ -71,10 +70,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                 if isinstance(event, Prefilled):
                     yield serving_pb2.GenerateResponse(prefilled=True, cached_tokens=event.cached_tokens)
                 elif isinstance(event, TokenDelta):
-                    now = time.monotonic()
-                    if event.token_ids and last_delta_at is not None:
-                        self._metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
-                    last_delta_at = now
+                    last_delta_at = self._submitter.count_delta(event, last_delta_at)
                     yield serving_pb2.GenerateResponse(
                         token_ids=event.token_ids, text=event.text, logprobs=_logprobs(event)
                     )

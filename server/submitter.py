@@ -10,6 +10,7 @@ Nothing protocol-specific lives here.
 from __future__ import annotations
 
 import secrets
+import time
 
 import grpc
 
@@ -17,7 +18,15 @@ from tpserve.ranks.errors import UserError
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
-from tpserve.server.requests import CANCELLED, ERROR, Finished, GenerationRequest, HostUnavailable, QueueFull
+from tpserve.server.requests import (
+    CANCELLED,
+    ERROR,
+    Finished,
+    GenerationRequest,
+    HostUnavailable,
+    QueueFull,
+    TokenDelta,
+)
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.validation import (
@@ -127,6 +136,14 @@ class Submitter:
         self.metrics.count_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         if usage.time_to_first_token_s is not None:
             self.metrics.time_to_first_token.observe(usage.time_to_first_token_s)
+
+    def count_delta(self, event: TokenDelta, last_delta_at: float | None) -> float:
+        """Observes the time per token since the stream's previous delta (the first delta's wait is
+        time to first token, counted at the end); returns now, for the next call."""
+        now = time.monotonic()
+        if event.token_ids and last_delta_at is not None:
+            self.metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
+        return now
 
     def count_gone(self) -> None:
         """A client went away before its stream's Finished reached it."""
