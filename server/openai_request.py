@@ -27,6 +27,7 @@ NEUTRAL = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
