@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpserve.kernels.attention import SpanView, span_attention, write_kv
+from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
 from tpserve.kernels.collectives import Collectives
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
+from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
@@ -34,6 +35,16 @@ class PieceLayer:
         self.w_down = tensors[mlp + "down_proj.weight"]  # [hidden, I_piece]
 
 
+class PassPlan:
+    """What every layer of one pass shares: the KV slots its tokens write, and (batch-invariant)
+    the attention tiles' index tensors."""
+
+    def __init__(self, spans: list[SpanView], group: int, num_slots: int, device, *, tiled: bool):
+        self.spans = spans
+        self.slots = kv_slots(spans, device)
+        self.tiles = TiledPlan(spans, group, num_slots, device) if tiled else None
+
+
 class TPModel:
     def __init__(
         self,
@@ -45,7 +56,7 @@ class TPModel:
         tp_size: int,
         collectives: Collectives | None = None,
         max_positions: int,
-        min_rows: int = 0,
+        row_tile: int = 0,
     ):
         self.config = config
         self.pieces = pieces
@@ -70,7 +81,7 @@ class TPModel:
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device
         )
         self.scale = config.head_dim**-0.5
-        self.min_rows = min_rows  # see kernels/linear.py: batch-invariant products
+        self.row_tile = row_tile  # see kernels/linear.py: batch-invariant products
 
     def kv_heads_per_piece(self) -> list[int]:
         return [piece.num_kv_heads() for piece in self.pieces]
@@ -92,9 +103,9 @@ class TPModel:
             out += F.embedding(local, table).float() * owned.unsqueeze(1)
         return self._reduce(out)
 
-    def _attention(self, layer: PieceLayer, x, positions, spans, pool_k, pool_v, qk_norms) -> torch.Tensor:
+    def _attention(self, layer: PieceLayer, x, positions, plan, pool_k, pool_v, qk_norms) -> torch.Tensor:
         cfg, num_tokens = self.config, x.shape[0]
-        qkv = linear(x, layer.w_qkv, layer.b_qkv, self.min_rows)
+        qkv = linear(x, layer.w_qkv, layer.b_qkv, self.row_tile)
         q_width, kv_width = layer.num_q_heads * cfg.head_dim, layer.num_kv_heads * cfg.head_dim
         q = qkv[:, :q_width].reshape(num_tokens, layer.num_q_heads, cfg.head_dim)
         k = qkv[:, q_width : q_width + kv_width].reshape(num_tokens, layer.num_kv_heads, cfg.head_dim)
@@ -104,13 +115,12 @@ class TPModel:
             k = rms_norm(k, qk_norms[1], cfg.rms_norm_eps)
         q = self.rotary.apply(q, positions)
         k = self.rotary.apply(k, positions)
-        write_kv(pool_k, pool_v, k, v, spans)
-        return linear(
-            span_attention(q, pool_k, pool_v, spans, self.scale, self.min_rows),
-            layer.w_o,
-            None,
-            self.min_rows,
-        )
+        write_kv(pool_k, pool_v, k, v, plan.slots)
+        if self.row_tile:
+            attended = tiled_attention(q, pool_k, pool_v, plan.tiles, self.scale)
+        else:
+            attended = span_attention(q, pool_k, pool_v, plan.spans, self.scale)
+        return linear(attended, layer.w_o, None, self.row_tile)
 
     def forward(
         self,
@@ -123,6 +133,7 @@ class TPModel:
         """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
         are wanted. Returns float32 logits [len(logit_rows), vocab] on rank 0, None elsewhere."""
         cfg, rep = self.config, self.replicated
+        plan = PassPlan(spans, cfg.num_queries_per_kv, kv.num_slots, self.device, tiled=bool(self.row_tile))
         h = self._embed(token_ids)  # [T, hidden]
         for index, pieces in enumerate(self.layers):
             prefix = f"model.layers.{index}."
@@ -134,17 +145,17 @@ class TPModel:
             for local, layer in enumerate(pieces):
                 if layer.num_kv_heads:
                     pool_k, pool_v = kv.layer(local, index)
-                    partial += self._attention(layer, x, positions, spans, pool_k, pool_v, qk_norms).float()
+                    partial += self._attention(layer, x, positions, plan, pool_k, pool_v, qk_norms).float()
             h = h + self._reduce(partial)
             x = rms_norm(h, rep[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             partial = torch.zeros(h.shape, dtype=torch.float32, device=self.device)
             for layer in pieces:
-                gate, up = linear(x, layer.w_gate_up, None, self.min_rows).chunk(2, dim=-1)
-                partial += linear(F.silu(gate) * up, layer.w_down, None, self.min_rows).float()
+                gate, up = linear(x, layer.w_gate_up, None, self.row_tile).chunk(2, dim=-1)
+                partial += linear(F.silu(gate) * up, layer.w_down, None, self.row_tile).float()
             h = h + self._reduce(partial)
         last = rms_norm(h[logit_rows], rep["model.norm.weight"], cfg.rms_norm_eps)
         local = torch.cat(
-            [linear(last, head, None, self.min_rows).float() for head in self.head], dim=-1
+            [linear(last, head, None, self.row_tile).float() for head in self.head], dim=-1
         )  # [n, V_rank]
         if self.tp_size == 1:
             return local
