@@ -13,6 +13,7 @@ import signal
 import threading
 from pathlib import Path
 
+from tpserve.ranks.leader import Leader
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
@@ -21,6 +22,7 @@ from tpserve.server.engine_host import build_lane_host
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_server import HttpServer
+from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
@@ -76,9 +78,15 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     host.start()
-    # HTTP first: gRPC health turning SERVING then means both APIs answer.
-    http_port = http.start() if http is not None else None
-    port = server.start()
+    try:
+        # HTTP first: gRPC health turning SERVING then means both APIs answer.
+        http_port = http.start() if http is not None else None
+        port = server.start()
+    except BaseException:
+        # A port already taken, say: the followers hear Stop now instead of noticing, after
+        # leader_dead_after_s, that rank 0 went away.
+        _stop_unserved(host, leader, http)
+        raise
     log.info(
         "serving %s on %s:%d, HTTP %s (tp=%d, %d lanes, room %d tokens)",
         info.model_name,
@@ -129,3 +137,13 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve anywhere
         return False
+
+
+def _stop_unserved(host: LaneHost, leader: Leader, http: HttpServer | None) -> None:
+    if http is not None:
+        http.stop(grace_s=0)
+    host.stop(grace_s=0)
+    try:
+        leader.stop()
+    except BackendBroken as error:
+        log.error("could not tell the followers to stop: %s", error)

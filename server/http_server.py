@@ -3,7 +3,7 @@
 uvicorn is the ASGI server Starlette and FastAPI are usually served with; here it runs with its h11
 protocol (pure Python, no compiled extras) and without its own logging set-up, so its lines carry
 the rank like every other. The socket is bound before the thread starts, so a taken port fails
-start() at once with the address in the message.
+start() at once, naming the address (a UserError: no traceback for a taken port).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import threading
 import time
 
 import uvicorn
+
+from tpserve.ranks.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,9 @@ class HttpServer:
             family = socket.getaddrinfo(self._host, self._requested_port, type=socket.SOCK_STREAM)[0][0]
             sock = socket.create_server(address, family=family)
         except OSError as error:
-            raise OSError(
-                f"cannot bind the HTTP API to {self._host}:{self._requested_port}: {error}"
+            raise UserError(
+                f"cannot bind the HTTP API to {self._host}:{self._requested_port} ({error.strerror}); "
+                "give http_port a free port, or 0 to serve no HTTP API"
             ) from error
         config = uvicorn.Config(
             self._app,

@@ -194,3 +194,14 @@ def test_a_reply_that_fails_alone_is_a_500_and_the_server_goes_on(model_dir, tmp
         fine = httpx.post(url, json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
         assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 4
         assert served.metrics()['tpserve_requests_total{outcome="error"}'] == 2
+
+
+def test_a_taken_http_port_stops_the_start_naming_it(model_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with running_daemon("spawn", model_dir, tmp_path, "--http-port", str(port), wait=False) as served:
+            assert served.wait_exits(timeout_s=120) == {"daemon": 2}
+            assert f"error: cannot bind the HTTP API to 127.0.0.1:{port}" in served.logs()
+            assert served.leftovers() == []
