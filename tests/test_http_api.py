@@ -127,7 +127,7 @@ def test_chat_streamed_arrives_in_pieces_that_add_up_to_the_grpc_reply(daemon, c
     stream = client.chat.completions.create(
         model=model_name,
         messages=messages,
-        max_tokens=20,
+        max_completion_tokens=20,  # the newer name of max_tokens
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "return_token_ids": True},
