@@ -23,10 +23,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not row_tile:
         return F.linear(x, weight, bias)
     num_rows = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -num_rows % row_tile))
-    if padded.shape[0] == row_tile:
-        return F.linear(padded, weight, bias)[:num_rows]
-    out = torch.empty(padded.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    for first in range(0, padded.shape[0], row_tile):
-        out[first : first + row_tile] = F.linear(padded[first : first + row_tile], weight, bias)
-    return out[:num_rows]
+    padded = F.pad(x, (0, 0, 0, -num_rows % row_tile)) if num_rows % row_tile else x
+    num_tiles = padded.shape[0] // row_tile
+    if num_tiles == 1:
+        out = F.linear(padded, weight, bias)
+    elif x.dtype == torch.float32:
+        # One batched call of num_tiles [row_tile, in] x [in, out] products, the weight shared (stride 0).
+        tiles = padded.view(num_tiles, row_tile, -1)
+        out = torch.bmm(tiles, weight.t().expand(num_tiles, -1, -1)).view(padded.shape[0], -1)
+        if bias is not None:
+            out += bias
+    else:  # bfloat16's batched call is slow on the CPU: one call per tile
+        out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(row_tile)])
+    return out[:num_rows] if num_rows % row_tile else out

@@ -23,21 +23,13 @@ PROBE_ROWS = 40  # three row tiles: a row alone, in a small batch, in the second
 PROBE_KEYS = 2 * KEY_BLOCK + 88  # across two key-block edges
 # (start, length) of spans checked against the whole prefill: decode steps at block edges and near
 # the start, a Verify, chunks, a round of them together.
+_B = KEY_BLOCK
 PROBE_SPANS = (
-    (0, 1),
-    (1, 1),
-    (15, 1),
-    (16, 1),
-    (255, 1),
-    (256, 1),
-    (257, 1),
-    (511, 1),
-    (512, 1),
-    (PROBE_KEYS - 1, 1),
-    (300, 16),
-    (0, 100),
-    (256, 33),
-    (400, 188),
+    *((p, 1) for p in (0, 1, 15, 16, _B - 1, _B, _B + 1, 2 * _B - 1, 2 * _B, PROBE_KEYS - 1)),
+    (_B + 20, 16),  # a Verify
+    (0, 100),  # chunks
+    (_B, 33),
+    (PROBE_KEYS - 188, 188),
 )
 OFF_SWITCH = "serve without exactness with batch_invariant: false (flag --batch-invariant false)"
 

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from tpserve.server.api_key import UNAUTHENTICATED, key_matches
 from tpserve.server.http_errors import error_json, param_of, status_of
-from tpserve.server.lane_stream import Stream
+from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
 from tpserve.server.requests import ERROR, Event, Finished, TokenDelta
@@ -173,8 +173,9 @@ class OpenAIApi:
         try:
             while not finished:
                 events = await anyio.to_thread.run_sync(
-                    _next_events, stream, self._poll_s, limiter=self._limiter
+                    stream.next_events, self._poll_s, limiter=self._limiter
                 )
+                events = merge_deltas(events)
                 for event in events:
                     finished = finished or isinstance(event, Finished)
                     if isinstance(event, TokenDelta):
@@ -221,20 +222,6 @@ class OpenAIApi:
     def _unknown_model(self, name: str) -> HttpRefusal:
         message = f"the model {name!r} does not exist; this server serves {self._model!r}"
         return HttpRefusal(404, message, param="model", code="model_not_found")
-
-
-def _next_events(stream: Stream, timeout_s: float) -> list[Event]:
-    """Every event ready now, waiting up to timeout_s for the first (one thread hop for many)."""
-    first = stream.next_event(timeout_s)
-    if first is None:
-        return []
-    events = [first]
-    while not isinstance(events[-1], Finished):
-        event = stream.next_event(0)
-        if event is None:
-            break
-        events.append(event)
-    return events
 
 
 async def _read_json(request: Request) -> dict:

@@ -10,7 +10,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from tpserve.server.requests import Event, Finished
+from tpserve.server.requests import Event, Finished, TokenDelta
 
 
 class Stream:
@@ -47,6 +47,17 @@ class Stream:
                 self._final_read = True
             return event
 
+    def next_events(self, timeout: float | None) -> list[Event]:
+        """Every event waiting now (after up to `timeout` seconds for the first), in order: a
+        reader that sends what a round produced in one message, not one per token."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._events or self._final_read, timeout)
+            events = list(self._events)
+            self._events.clear()
+            if any(isinstance(event, Finished) for event in events):
+                self._final_read = True
+            return events
+
     def events(self, timeout_each: float) -> Iterator[Event]:
         """Every event up to and including Finished; TimeoutError if the host goes quiet that long."""
         while True:
@@ -62,3 +73,20 @@ class Stream:
     def cancel(self) -> None:
         """End the reply early (Finished "cancelled"); safe from any thread, returns at once."""
         self._cancel()
+
+
+def merge_deltas(events: list[Event]) -> list[Event]:
+    """Consecutive token deltas as one (their log probabilities too): the tokens a round released
+    reach the client in one message."""
+    merged: list[Event] = []
+    for event in events:
+        if isinstance(event, TokenDelta) and merged and isinstance(merged[-1], TokenDelta):
+            previous = merged[-1]
+            merged[-1] = TokenDelta(
+                previous.token_ids + event.token_ids,
+                previous.text + event.text,
+                previous.logprobs + event.logprobs,
+            )
+        else:
+            merged.append(event)
+    return merged

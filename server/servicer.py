@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from tpserve import __version__
-from tpserve.server.lane_stream import Stream
+from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.requests import CANCELLED, ERROR, LENGTH, STOP, Finished, Prefilled, TokenDelta
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
@@ -58,8 +58,8 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         give_up_at: float | None = None
         try:
             while finished is None:
-                event = stream.next_event(timeout=self._poll_s)
-                if event is None:
+                events = merge_deltas(stream.next_events(timeout=self._poll_s))
+                if not events:
                     if not context.is_active():
                         stream.cancel()
                         give_up_at = give_up_at or time.monotonic() + self._cancel_grace_s
@@ -67,25 +67,31 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                             log.warning("a cancelled stream sent no Finished in %.1f s", self._cancel_grace_s)
                             return
                     continue
-                if isinstance(event, Prefilled):
-                    yield serving_pb2.GenerateResponse(prefilled=True, cached_tokens=event.cached_tokens)
-                elif isinstance(event, TokenDelta):
-                    last_delta_at = self._submitter.count_delta(event, last_delta_at)
-                    yield serving_pb2.GenerateResponse(
-                        token_ids=event.token_ids, text=event.text, logprobs=_logprobs(event)
-                    )
-                elif isinstance(event, Finished):
-                    finished = event
-                    refusal = self._submitter.broke_mid_reply(event)
-                    if refusal is not None:
-                        context.abort(refusal.code, refusal.message)
-                    self._submitter.count_finished(event)
-                    yield _final_response(event)
+                for event in events:
+                    response = self._response(event, context)
+                    if isinstance(event, TokenDelta):
+                        last_delta_at = self._submitter.count_delta(event, last_delta_at)
+                    elif isinstance(event, Finished):
+                        finished = event
+                    yield response
         finally:
             if finished is None:
                 # The client went away before the host's Finished reached it.
                 stream.cancel()
                 self._submitter.count_gone()
+
+    def _response(self, event, context) -> serving_pb2.GenerateResponse:
+        if isinstance(event, Prefilled):
+            return serving_pb2.GenerateResponse(prefilled=True, cached_tokens=event.cached_tokens)
+        if isinstance(event, TokenDelta):
+            return serving_pb2.GenerateResponse(
+                token_ids=event.token_ids, text=event.text, logprobs=_logprobs(event)
+            )
+        refusal = self._submitter.broke_mid_reply(event)
+        if refusal is not None:
+            context.abort(refusal.code, refusal.message)
+        self._submitter.count_finished(event)
+        return _final_response(event)
 
     # --- Tokenize and Info ----------------------------------------------------------------------
 

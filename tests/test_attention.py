@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, span_attention
-from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
+from tpserve.kernels.tiled_attention import KEY_BLOCK, TiledPlan, tiled_attention
 
 NUM_KEYS = 700
 GROUP = 3  # SmolLM2: 9 query heads over 3 KV heads; a piece holds 2 of them
@@ -67,6 +67,7 @@ CUTS = (
     [(start, n) for start in range(0, 20) for n in (1, 2, 3, 5, 16, 20)]  # near the start
     + [(start, n) for n in (33, 64, 188) for start in (0, 37, 100, 250, 256, 400)]  # chunks
     + [(0, 700), (128, 256), (511, 1), (512, 1), (255, 2), (256, 1), (699, 1), (650, 50)]
+    + [(KEY_BLOCK - 1, 1), (KEY_BLOCK, 1), (KEY_BLOCK + 1, 3), (2 * KEY_BLOCK - 1, 2), (3 * KEY_BLOCK, 5)]
 )
 
 
@@ -83,7 +84,9 @@ def test_rows_equal_the_whole_prefill_bit_for_bit(dtype):
     assert not bad
 
 
-@pytest.mark.parametrize("num_keys", [255, 256, 257, 400, 511, 512, 700, 1100])
+@pytest.mark.parametrize(
+    "num_keys", sorted({255, 256, 257, 400, 511, 512, 700, 1100, KEY_BLOCK - 1, KEY_BLOCK + 1, 2 * KEY_BLOCK})
+)
 def test_a_decode_step_at_every_block_edge_equals_the_whole_prefill(num_keys):
     q, k, v = make_qkv(num_keys, torch.float32, seed=1)
     whole = whole_prefill(q, k, v)
