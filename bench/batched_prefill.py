@@ -34,7 +34,7 @@ from bench.common import (  # noqa: E402
     text_prompt,
     watch_streams,
 )
-from tpserve.ranks.sampling_params import SamplingParams  # noqa: E402
+from tpserve.kernels.sampling_params import SamplingParams  # noqa: E402
 from tpserve.server.engine_host import local_engine  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402

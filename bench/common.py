@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpserve.kernels.machine import machine_facts
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.prepare import prepare
-from tpserve.ranks.sampling_params import SamplingParams
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.lane_host import LaneHost, Stream
 from tpserve.server.requests import Finished, GenerationRequest, TokenDelta

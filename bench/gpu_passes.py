@@ -13,10 +13,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tpserve.kernels.sampling import sample
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.local_ranks import free_port
-from tpserve.ranks.sampling_params import SamplingParams
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown, start_rank
 

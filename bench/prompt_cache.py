@@ -36,7 +36,7 @@ from bench.common import (  # noqa: E402
     print_table,
     watch_streams,
 )
-from tpserve.ranks.sampling_params import SamplingParams  # noqa: E402
+from tpserve.kernels.sampling_params import SamplingParams  # noqa: E402
 from tpserve.server.engine_host import LocalEngine, local_engine  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from tpserve.ranks.model_config import RopeScaling
+from tpserve.kernels.rope_scaling import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 
 __all__ = ["sample", "token_logprobs", "top_logits"]
 

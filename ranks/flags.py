@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpserve import __version__
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_TYPES, DeviceFacts
 from tpserve.ranks.errors import StartupError
 from tpserve.ranks.loader import DTYPES
 from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.version import VERSION
 
 
 def fingerprint(model_dir: str | Path) -> int:
@@ -53,7 +53,7 @@ REFUSED = -1  # a rank that refused its device shows this as its device
 
 def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
     """One rank's row; `facts` None when this rank refused its device (its reason is its own)."""
-    version = int.from_bytes(hashlib.sha256(__version__.encode()).digest()[:7], "little")
+    version = int.from_bytes(hashlib.sha256(VERSION.encode()).digest()[:7], "little")
     return [
         fingerprint(settings.model_dir),
         DTYPE_NAMES.index(settings.dtype),

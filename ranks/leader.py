@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 
 from tpserve.kernels.sampling import sample, token_logprobs, top_logits
+from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import Refused, apply
 from tpserve.ranks.channel import ChannelBroken, brief
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.sampling_params import TokenLogprob
 from tpserve.ranks.wire import (
     Admit,
     Evict,

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.errors import ModelFileError
 
 # Every family here is a Llama-style decoder; they differ in biases, q/k norms and defaults.
@@ -17,17 +18,6 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 0  # llama3, yarn
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 
 __all__ = ["Backend", "BackendBroken", "PrefillItem", "DecodeItem", "SamplingParams", "TopLogits"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.ranks.sampling_params import SamplingParams, TokenLogprob
+from tpserve.kernels.sampling_params import SamplingParams, TokenLogprob
 
 __all__ = [
     "CANCELLED",

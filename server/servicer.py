@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from tpserve import __version__
+from tpserve.ranks.version import VERSION
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.requests import CANCELLED, ERROR, LENGTH, STOP, Finished, Prefilled, TokenDelta
 from tpserve.server.serving_info import ServingInfo
@@ -110,7 +110,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             num_lanes=info.num_lanes,
             context_size=info.context_size,
             room=info.room,
-            version=__version__,
+            version=VERSION,
             vocab_size=self._submitter.tokenizer.vocab_size,
             vision=info.vision,
             default_max_tokens=info.default_max_tokens,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 MEDIA_TYPES = ("image/", "video/")

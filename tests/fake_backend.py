@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.server.backend import BackendBroken, DecodeItem, PrefillItem
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tpserve.generate import generate_tokens
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.prepare import find_default_gguf
-from tpserve.ranks.sampling_params import SamplingParams
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.tokenizer import Tokenizer
 

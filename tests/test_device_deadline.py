@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import write_tiny_model
 
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks import engine as engine_module
 from tpserve.ranks.device_wait import wait_for
 from tpserve.ranks.engine import Engine
@@ -17,7 +18,6 @@ from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.sampling_params import SamplingParams
 from tpserve.server.backend import BackendBroken
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.requests import Finished, GenerationRequest, HostUnavailable

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_model
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.engine_host import local_engine
 from tpserve.server.lane_host import LaneHost

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from tpserve import bench, client
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.requests import GenerationRequest

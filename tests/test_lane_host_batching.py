@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, run_all
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.server.backend import PrefillItem
 from tpserve.server.lane_host import LaneHost
 

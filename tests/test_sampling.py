@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tpserve.kernels.sampling import _gumbel, _row_key, sample, top_logits
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 
 
 def _rows(*rows: list[float]) -> torch.Tensor:

@@ -14,11 +14,11 @@ from multiproc import RankPool
 from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.sampling import sample
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.collectives_choice import choose_collectives
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
-from tpserve.ranks.sampling_params import SamplingParams
 
 PROMPTS = [(5, 17, 99, 3, 42, 8, 250), tuple(range(20, 60)), (7,)]
 SAMPLINGS = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.server.validation import (
     Limits,
     RequestRefused,

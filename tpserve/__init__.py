@@ -1,3 +1,5 @@
 """tpserve: one language model split across tensor-parallel ranks, served over gRPC."""
 
-__version__ = "0.1.0"
+from tpserve.ranks.version import VERSION as __version__
+
+__all__ = ["__version__"]

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.prepare import default_model_dir
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.logs import setup_logging
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.sampling_params import SamplingParams
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import shutdown, start_rank
 from tpserve.server.backend import DecodeItem, PrefillItem
