@@ -25,7 +25,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from bench.common import default_model_dir, finish, median, print_table  # noqa:
 from bench.decode_roofline import read_bandwidth, weight_bytes_per_token  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.prepare import find_default_gguf  # noqa: E402
+from tpserve.ranks.local_ranks import free_port  # noqa: E402
 from tpserve.ranks.model_config import load_model_config  # noqa: E402
 from tpserve.v1 import serving_pb2, serving_pb2_grpc  # noqa: E402
 
@@ -70,12 +70,6 @@ PROMPT_FILLERS = 0  # set by --prompt-fillers: copies of FILLER before each prom
 
 def prompt(index: int) -> str:
     return f"{FILLER * PROMPT_FILLERS}Here is fact number {index} about {TOPICS[index % len(TOPICS)]}, explained at length:"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

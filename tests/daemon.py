@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 from tiny_models import BASE, CHAT_TEMPLATE, VARIANTS, build_tokenizer, random_weights
 
+from tpserve.ranks.local_ranks import free_port
 from tpserve.v1 import serving_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,12 +61,6 @@ def write_daemon_model(out_dir: str | Path) -> Path:
     )
     save_file(random_weights(config, seed=0), str(out / "model.safetensors"))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ---- processes, by pid and start time ----

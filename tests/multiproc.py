@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Collection
@@ -27,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tpserve.ranks.local_ranks import free_port
 
 __all__ = ["Exited", "RankContext", "RankPool", "RanksFailed", "free_port", "run_ranks"]
 
@@ -56,12 +57,6 @@ class Exited:
 
 class RanksFailed(AssertionError):
     """One or more ranks raised, died or hung; the message holds every rank's report."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(
