@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     global PROMPT_FILLERS
     PROMPT_FILLERS = args.prompt_fillers
-    variants = args.variant or ["default=", "lanes 16=--lanes 16", "fast=--batch-invariant false --lanes 16"]
+    variants = args.variant or ["default=", "fast=--batch-invariant false"]
     model_dir = default_model_dir()
     systems = {}
     for name, _, rest in (v.partition("=") for v in variants):

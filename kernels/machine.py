@@ -60,7 +60,8 @@ def describe_machine() -> str:
         f"{facts['cpu_model']} ({' '.join(facts['vector_extensions']) or 'no vector extensions'}), "
         f"torch {facts['torch']} ({facts['torch_cpu_capability']}), BLAS {facts['blas']}"
         + (f" limited to {isa}" if isa else "")
-        + f", {facts['threads']} threads"
+        + f", {facts['threads']} thread"
+        + ("s" if facts["threads"] != 1 else "")
     )
 
 
