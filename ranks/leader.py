@@ -62,6 +62,7 @@ class Leader:
         self._broken_error = broken_error
         self._idle = False
         self._features: dict[int, list[tuple[int, float]]] = {}
+        self._draft_features: dict[int, list[list[tuple[int, float]]]] = {}  # per row of a Verify
         # The log probabilities of the last sampling pass's tokens, by (lane, position), for the
         # streams that asked; the lane host reads them right after the pass.
         self._logprobs: dict[tuple[int, int], TokenLogprob] = {}
@@ -96,9 +97,12 @@ class Leader:
         self._keep_logprobs(
             logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
         )
+        features = top_logits(logits, NUM_FEATURES) if self._record_features else None
         out, at = [], 0
         for item in items:
             out.append(tokens[at : at + 1 + len(item.draft)])
+            if features is not None:
+                self._draft_features[item.lane] = features[at : at + 1 + len(item.draft)]
             at += 1 + len(item.draft)
         return out
 
@@ -108,6 +112,7 @@ class Leader:
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)
+        self._draft_features.pop(lane, None)
         self._run(Release(lane))
 
     # Prompt-cache storage: states kept in every rank's cache pool, under ids the cache gives.
@@ -122,6 +127,10 @@ class Leader:
 
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         return self._features.get(lane, [])
+
+    def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
+        """The top logits of every row of the lane's last Verify (recorded runs only)."""
+        return self._draft_features.get(lane, [])
 
     def logprobs(self, lane: int, position: int) -> TokenLogprob | None:
         """The log probability of the token the last pass sampled for `lane` at `position`, when its

@@ -74,9 +74,16 @@ class Drafter:
 
     def kept(self, draft: tuple[int, ...], tokens: list[int]) -> list[int]:
         """The sampled tokens up to and including the first that differs from the next draft."""
-        num_kept = 1
-        while num_kept <= len(draft) and tokens[num_kept - 1] == draft[num_kept - 1]:
-            num_kept += 1
+        num_kept = count_kept(draft, tokens)
         self.num_drafted += len(draft)
         self.num_accepted += num_kept - 1
         return tokens[:num_kept]
+
+
+def count_kept(draft: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many of a Verify's samples a stream keeps: up to and including the first sample that
+    differs from the next draft (tokens[i] was sampled after feeding the first i drafts)."""
+    num_kept = 1
+    while num_kept <= len(draft) and tokens[num_kept - 1] == draft[num_kept - 1]:
+        num_kept += 1
+    return num_kept

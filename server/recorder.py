@@ -13,7 +13,8 @@ background stream that yields and resumes gets a second file). One JSON object p
 inner backend's top logits (server/backend.py TopLogits) when it has them, else absent. A prompt in a
 joint prefill_many is written exactly as after its own prefill, and a pass that was refused or failed
 writes nothing, so a batched run and a solo run can be compared file by file. Every call is forwarded
-unchanged, prefill_many included.
+unchanged, prefill_many and decode_drafts included; a Verify is written as the decode steps of the
+samples its stream keeps, so drafts on or off, and however many a round checked, write the same lines.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from tpserve.server.backend import Backend, DecodeItem, PrefillItem
+from tpserve.server.drafts import count_kept
 
 FILE_PATTERN = "stream-*.jsonl"
 
@@ -37,6 +39,9 @@ class RecordingBackend:
         self._top_logits = getattr(inner, "top_logits", None)
         if self._top_logits is not None:
             self.top_logits = self._top_logits  # forwarded only when the inner backend has it
+        self._inner_drafts = getattr(inner, "decode_drafts", None)
+        if self._inner_drafts is not None:
+            self.decode_drafts = self._decode_drafts  # likewise: drafts stay on when recording
         self._files: dict[int, IO[str]] = {}
         self._num_streams = 0
 
@@ -91,6 +96,21 @@ class RecordingBackend:
             step = {"step": "decode", "position": item.position, "fed": item.token_id, "sampled": token}
             self._write(item.lane, self._with_features(item.lane, step))
         return tokens
+
+    def _decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+        """A Verify, written as the decode steps of the samples the stream keeps (count_kept): the
+        very lines plain decoding writes, so a run with drafts records what one without does."""
+        samples = self._inner_drafts(items)
+        row_features = getattr(self._inner, "draft_top_logits", None)
+        for item, tokens in zip(items, samples):
+            features = row_features(item.lane) if row_features is not None else None
+            fed = (item.token_id, *item.draft)
+            for i in range(count_kept(item.draft, tokens)):
+                step = {"step": "decode", "position": item.position + i, "fed": fed[i], "sampled": tokens[i]}
+                if features is not None:
+                    step["features"] = [list(pair) for pair in features[i]]
+                self._write(item.lane, step)
+        return samples
 
     def close(self, lane: int) -> None:
         try:

@@ -9,6 +9,7 @@ chunks or in one joint pass with others.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -360,6 +361,41 @@ def test_recorded_run_equals_unrecorded_and_solo_files(model_dir, solo, tmp_path
     for solo_file, joint_file in zip(files[: len(REQUESTS)], files[len(REQUESTS) :]):
         # Same tokens, positions and top logits as its own solo run, line for line.
         assert joint_file.read_text() == solo_file.read_text(), (solo_file.name, joint_file.name)
+
+
+def open_files_under(folder: Path) -> list[str]:
+    """This process's open files inside `folder` (rank 0 runs here, its recorder too)."""
+    names = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith(str(folder)):
+                names.append(target)
+    return names
+
+
+def test_recording_keeps_draft_tokens_on_and_writes_what_plain_decoding_writes(model_dir, solo, tmp_path):
+    # --record with drafts on: drafts are checked and kept, replies are plain decoding's, and each
+    # stream's file holds the lines a run without drafts writes; every file is closed at its end.
+    # Long greedy replies: the random tiny model falls into loops that prompt lookup guesses.
+    requests = (*REQUESTS, request(range(3, 10), 200, GREEDY), request((7, 7, 7), 200, GREEDY))
+    plain_dir, drafts_dir = tmp_path / "plain", tmp_path / "drafts"
+    with local_engine(pair_settings(model_dir), record_dir=str(plain_dir)) as engine:
+        plain = run_alone(engine.host, requests)
+    with local_engine(pair_settings(model_dir, draft_tokens=15), record_dir=str(drafts_dir)) as engine:
+        alone = run_alone(engine.host, requests)
+        together = run_together(engine.host, requests)
+        drafter = engine.host.drafter
+        assert drafter is not None and drafter.num_drafted > drafter.num_accepted > 0, vars(drafter)
+        assert open_files_under(drafts_dir) == []  # every stream ended: its file is closed
+    assert plain == alone == together
+    assert plain[: len(REQUESTS)] == [solo[r] for r in REQUESTS]
+    plain_files = sorted(plain_dir.glob("stream-*.jsonl"))
+    draft_files = sorted(drafts_dir.glob("stream-*.jsonl"))
+    assert len(draft_files) == 2 * len(requests)
+    for plain_file, alone_file, joint_file in zip(plain_files, draft_files, draft_files[len(requests) :]):
+        assert alone_file.read_text() == plain_file.read_text(), (plain_file.name, alone_file.name)
+        assert joint_file.read_text() == plain_file.read_text(), (plain_file.name, joint_file.name)
 
 
 def test_killing_the_follower_ends_every_stream_with_an_error(model_dir):
