@@ -16,3 +16,7 @@ class ModelFileError(UserError):
         super().__init__(f"{path}: {problem}")
         self.path = str(path)
         self.problem = problem
+
+
+class StartupError(UserError):
+    """A rank could not start: another never arrived, flags differ, or there is no room."""

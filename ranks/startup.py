@@ -23,21 +23,20 @@ from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.collectives_choice import CHOICES, choose_collectives
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.errors import UserError
+from tpserve.ranks.errors import StartupError
 from tpserve.ranks.kv_store import KVPool, kv_bytes_per_token
+from tpserve.ranks.liveness import LeaderWatch, LivenessHub
 from tpserve.ranks.loader import DTYPES, load_rank_model
+from tpserve.ranks.meeting import meet, watch_peers
 from tpserve.ranks.memory import free_memory_bytes
 from tpserve.ranks.model_config import ModelConfig, load_model_config
+from tpserve.ranks.network import check_interface, name_interface
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
 
 log = logging.getLogger(__name__)
 
 KV_SHARE_OF_FREE_MEMORY = 0.5  # of what the rank finds free, after its weights are loaded
-
-
-class StartupError(UserError):
-    """A rank could not start: another never arrived, flags differ, or there is no room."""
 
 
 @dataclass(frozen=True)
@@ -58,30 +57,7 @@ class RankRuntime:
     channel: Channel
     room: Room
     store: dist.Store
-
-
-def meet(rank: int, world_size: int, host: str, port: int, timeout_s: float, agent_store: bool) -> dist.Store:
-    """Connect to the store on rank 0 (or torchrun's agent) and wait for every rank to arrive."""
-    timeout = timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(
-            host, port, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
-        )
-    except (RuntimeError, dist.DistStoreError) as error:
-        raise StartupError(
-            f"rank {rank}: rank 0's store at {host}:{port} never answered within {timeout_s:.0f}s ({error})"
-        ) from None
-    store.set(f"tpserve/arrived/{rank}", "1")
-    missing = []
-    for other in range(world_size):
-        try:
-            store.wait([f"tpserve/arrived/{other}"], timeout)
-        except (RuntimeError, dist.DistStoreError):
-            missing.append(other)
-    if missing:
-        names = ", ".join(f"rank {other}" for other in missing)
-        raise StartupError(f"rank {rank}: {names} never arrived within {timeout_s:.0f}s")
-    return store
+    liveness: LivenessHub | LeaderWatch | None  # None at tp=1
 
 
 def fingerprint(model_dir: str | Path) -> int:
@@ -192,7 +168,29 @@ def start_rank(
     if cuda:
         torch.cuda.set_device(device)
     config = load_model_config(settings.model_dir)
+    if settings.interface:
+        check_interface(settings.interface, host, port, rank)
+        name_interface(settings.interface)
     store = meet(rank, world_size, host, port, settings.init_timeout_s, agent_store)
+    liveness = watch_peers(store, rank, world_size, host, settings)
+    try:
+        return _start_group(settings, rank, world_size, device, config, store, liveness)
+    except BaseException:
+        if liveness is not None:
+            liveness.close()  # a refusal, not a loss: the peers hear BYE
+        raise
+
+
+def _start_group(
+    settings: EngineSettings,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    config: ModelConfig,
+    store: dist.Store,
+    liveness: LivenessHub | LeaderWatch | None,
+) -> RankRuntime:
+    cuda = device.type == "cuda"
     timeout = timedelta(seconds=settings.collective_timeout_s)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
@@ -251,11 +249,14 @@ def start_rank(
         timeout_s=settings.collective_timeout_s,
         leader_dead_after_s=settings.leader_dead_after_s,
     )
-    return RankRuntime(rank, world_size, config, engine, channel, room, store)
+    return RankRuntime(rank, world_size, config, engine, channel, room, store, liveness)
 
 
-def shutdown() -> None:
-    """Leave the process group cleanly (after Stop), so no gloo thread outlives the interpreter."""
+def shutdown(runtime: RankRuntime | None = None) -> None:
+    """Leave cleanly (after Stop): say BYE on the liveness link, and leave the process group so no
+    gloo thread outlives the interpreter."""
+    if runtime is not None and runtime.liveness is not None:
+        runtime.liveness.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 

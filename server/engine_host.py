@@ -92,4 +92,4 @@ def local_engine(
                 if leader.broken is None:
                     leader.stop()
         finally:
-            shutdown()
+            shutdown(runtime)
