@@ -144,7 +144,7 @@ def test_eight_concurrent_replies_over_the_link_equal_the_one_host_replies(serve
 
 def test_20ms_latency_each_way_still_gives_equal_replies(served, link, one_host):
     plain = {n: tokens_per_s(served, n) for n in (1, 8)}
-    link.shape("delay", "20ms")
+    link.shape("delay", 20)
     try:
         slow = {n: tokens_per_s(served, n) for n in (1, 8)}
         replies = concurrently(served, requests())
@@ -164,7 +164,7 @@ def loss_run(served, link, one_host, loss_s: float) -> None:
     """8 clients replay the requests for loss_s under 5 % loss each way: every reply exact, none fails."""
     specs = requests()
     plain = tokens_per_s(served, 8)
-    link.shape("loss", "5%")
+    link.shape("loss", 5)
     outcomes, lock = [], threading.Lock()
     deadline = time.monotonic() + loss_s
     try:

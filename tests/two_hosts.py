@@ -1,15 +1,17 @@
 """Two "hosts" on one machine, for tests: rank 0 in this network namespace, rank 1 in one of its own,
-joined by a veth pair, so rank 1 reaches rank 0 only over that link.
+joined by a link, so rank 1 reaches rank 0 only over that link.
 
-The link's two addresses form a /30 from 10.213.77.0/24 and exist only on the two veth ends (the
-namespace has no other interface but its own loopback, and no route anywhere else), so nothing sent
-over the link can leave the machine. Names carry this process's id, so parallel runs do not
-collide; `two_hosts()` always removes the namespace and the veth pair, and kills whatever still runs
-in the namespace, also when the test fails.
+The link is a pair of TAP devices joined by tests/link_emulator.py, a cable in user space (this
+machine's kernel has no netem, so latency, loss and cuts are made there). Its two addresses form a
+/30 from 10.213.77.0/24 and exist only on the two ends (the namespace has no other interface but its
+own loopback, and no route anywhere else), so nothing sent over the link can leave the machine.
+Names carry this process's id, so parallel runs do not collide; `two_hosts()` always removes the
+namespace, ends the emulator (the TAP devices go with it), and kills whatever still runs in the
+namespace, also when the test fails.
 
 Each rank starts through launch.sh as a user starts it on a host of their own:
 `launch.sh --rank R --master RANK0_ADDR:PORT --interface IF ...` (rank 1 under `ip netns exec`).
-Needs root and iproute2 (`ip`, `tc`); `skip_reason()` says why a test cannot run.
+Needs root, /dev/net/tun and iproute2 (`ip`); `skip_reason()` says why a test cannot run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -37,9 +40,10 @@ _counter = itertools.count()
 def skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root, to make network namespaces and veth pairs"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return f"needs iproute2 ({', '.join(missing)} not found; apt-get install iproute2)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (`ip` not found; apt-get install iproute2)"
+    if not Path("/dev/net/tun").exists():
+        return "needs /dev/net/tun, for the TAP devices of the link"
     return None
 
 
@@ -47,29 +51,36 @@ def sh(*command: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, check=check, timeout=30)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Link:
     namespace: str  # rank 1's "host"
-    near: str  # the veth end here, rank 0's interface
-    far: str  # the veth end in the namespace, rank 1's interface
+    near: str  # the TAP device here, rank 0's interface
+    far: str  # the TAP device in the namespace, rank 1's interface
     near_address: str
     far_address: str
+    emulator: subprocess.Popen | None = None
 
     def in_namespace(self, *command: str) -> list[str]:
         return ["ip", "netns", "exec", self.namespace, *command]
 
     def cut(self) -> None:
-        """As if the cable were pulled: neither end carries anything, and no end hears of it."""
-        sh("ip", "link", "set", self.near, "down")
+        """As if the cable were cut: nothing gets across, and neither end hears of it."""
+        self._command("cut")
 
-    def shape(self, *netem: str) -> None:
-        """netem on both ends (so `delay 20ms` is 20 ms each way); `clear()` removes it."""
-        sh("tc", "qdisc", "replace", "dev", self.near, "root", "netem", *netem)
-        sh(*self.in_namespace("tc", "qdisc", "replace", "dev", self.far, "root", "netem", *netem))
+    def shape(self, what: str, value: float) -> None:
+        """`delay` in ms or `loss` in percent, each way; `clear()` undoes it."""
+        self._command(f"{what} {value:g}")
 
     def clear(self) -> None:
-        sh("tc", "qdisc", "del", "dev", self.near, "root", check=False)
-        sh(*self.in_namespace("tc", "qdisc", "del", "dev", self.far, "root"), check=False)
+        self._command("clear")
+
+    def _command(self, command: str) -> None:
+        assert self.emulator is not None and self.emulator.stdin and self.emulator.stdout
+        self.emulator.stdin.write(command + "\n")
+        self.emulator.stdin.flush()
+        answer = self.emulator.stdout.readline().strip()
+        if answer != f"ok {command}":
+            raise RuntimeError(f"the link emulator answered {answer!r} to {command!r}")
 
 
 def _addresses_in_use() -> set[str]:
@@ -78,8 +89,15 @@ def _addresses_in_use() -> set[str]:
 
 
 def _make(link: Link) -> None:
+    link.emulator = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("link_emulator.py")), link.near, link.far],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if link.emulator.stdout.readline().strip() != "ready":
+        raise RuntimeError("the link emulator did not start (see its stderr)")
     sh("ip", "netns", "add", link.namespace)
-    sh("ip", "link", "add", link.near, "type", "veth", "peer", "name", link.far)
     sh("ip", "link", "set", link.far, "netns", link.namespace)
     sh("ip", "addr", "add", f"{link.near_address}/30", "dev", link.near)
     sh("ip", "link", "set", link.near, "up")
@@ -93,7 +111,9 @@ def _remove(link: Link) -> None:
     for pid in pids:  # only what runs in our own namespace: this test's rank 1 and its children
         with suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-    sh("ip", "link", "del", link.near, check=False)  # takes its peer with it
+    if link.emulator is not None:
+        link.emulator.kill()  # its TAP devices end with it
+        link.emulator.wait(timeout=10)
     sh("ip", "netns", "del", link.namespace, check=False)
 
 
