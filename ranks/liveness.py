@@ -97,6 +97,8 @@ class _Peer:
                     f"(dead_after_s {self.dead_after_s:g}: the link is down, its host gone or it hung)"
                 )
                 return
+            except ConnectionResetError:  # closed with our beats unread: it ended too
+                data = b""
             except OSError as error:
                 self._lost(f"the liveness link to {self.name} failed: {error}")
                 return
