@@ -9,11 +9,11 @@ ranks, and 1 when a stop took longer than grace_s + STOP_MARGIN_S (a follower di
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from pathlib import Path
 
+from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
@@ -87,7 +87,10 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         server.stop(grace_s=FLUSH_S)
         return 1
     log.info("stopping: admission closed, live streams have %.0f s to finish", config.grace_s)
-    leave_after(config.grace_s + STOP_MARGIN_S)
+    deadline_s = config.grace_s + STOP_MARGIN_S
+    leave_after(
+        deadline_s, f"did not stop within {deadline_s:.0f} s of the stop signal (a follower does not answer)"
+    )
     # Admission closes first with a clear refusal; the gRPC server stays up while the lane host
     # drains, so live streams keep flowing, then it gets a moment to send their last messages.
     server.begin_stopping()
@@ -113,18 +116,3 @@ def lost_follower(runtime: RankRuntime) -> str | None:
     taking the channel's heartbeat."""
     hub = runtime.liveness  # rank 0's end of the liveness link: a LivenessHub (None at tp=1)
     return runtime.channel.lost_follower or (hub.lost if hub is not None else None)
-
-
-def leave_after(deadline_s: float) -> None:
-    """A stop signal ends rank 0 within deadline_s whatever the followers do: past it, exit 1."""
-
-    def leave() -> None:
-        log.error(
-            "did not stop within %.0f s of the stop signal (a follower does not answer); exiting", deadline_s
-        )
-        logging.shutdown()
-        os._exit(1)
-
-    timer = threading.Timer(deadline_s, leave)
-    timer.daemon = True
-    timer.start()

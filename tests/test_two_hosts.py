@@ -311,7 +311,8 @@ def test_a_stop_signal_ends_each_rank_within_its_grace_whatever_the_other_does(
 
 
 def late_rank_1(fresh_link, model_dir, tmp_path, late_s: float) -> None:
-    with running_pair(fresh_link, model_dir, tmp_path, *ARGS, ranks=(0,), wait=False) as pair:
+    args = (*ARGS, "--init-timeout-s", str(late_s + 60))  # rank 0 waits this long for rank 1
+    with running_pair(fresh_link, model_dir, tmp_path, *args, ranks=(0,), wait=False) as pair:
         started = time.monotonic()
         wait_until(lambda: time.monotonic() - started >= late_s, f"{late_s:g} s", late_s + 1, poll_s=0.5)
         assert pair.launched["rank0"].poll() is None, "rank 0 gave up before its init timeout"
