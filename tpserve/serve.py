@@ -152,7 +152,8 @@ def wait_for_stop_on_signals(rank: int, patience_s: float) -> None:
         while True:
             start_countdown(signal.sigwait(signums))
 
-    def watch_wakeups(wakeups: socket.socket) -> None:
+    def watch_wakeups(wakeups: socket.socket, wakeup_end: socket.socket) -> None:
+        # Holds wakeup_end too: the interpreter writes to its descriptor, which must stay open.
         while True:
             signum = wakeups.recv(1)[0]
             if signum in signums:
@@ -169,6 +170,8 @@ def wait_for_stop_on_signals(rank: int, patience_s: float) -> None:
     wakeups, wakeup_end = socket.socketpair()
     wakeup_end.setblocking(False)
     signal.set_wakeup_fd(wakeup_end.fileno(), warn_on_full_buffer=False)
-    threading.Thread(target=watch_wakeups, args=(wakeups,), name="stop-wakeups", daemon=True).start()
+    threading.Thread(
+        target=watch_wakeups, args=(wakeups, wakeup_end), name="stop-wakeups", daemon=True
+    ).start()
     for signum in signums:
         signal.signal(signum, lambda received, frame: start_countdown(received))
