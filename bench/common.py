@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tpserve.kernels.machine import machine_facts
 from tpserve.prepare import prepare
 from tpserve.ranks.sampling_params import SamplingParams
 from tpserve.ranks.settings import EngineSettings
@@ -165,7 +166,9 @@ def write_json(path: str | None, report: dict) -> None:
 
 
 def finish(report: dict, json_path: str | None, failure: str | None = None) -> int:
-    """Write the figures where asked; the exit status: 1 with the failure said, else 0."""
+    """Write the figures, with the machine they were measured on, where asked; the exit status: 1
+    with the failure said, else 0."""
+    report.setdefault("machine", machine_facts())
     write_json(json_path, report)
     if failure:
         print(f"FAILED: {failure}")

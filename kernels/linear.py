@@ -1,9 +1,12 @@
 """Matrix products whose rows do not depend on how many rows ran beside them.
 
-The CPU BLAS picks a different kernel for 1 row, 2-15 rows and 16 or more, and the kernels round
-differently; so a stream's logits would change with the batch it ran in. Padding every product to
-at least `min_rows` rows keeps each row's arithmetic the same whatever the batch: a reply is then
-exactly its solo run, at the price of computing the padding (1 to 15 spare rows).
+A CPU BLAS picks its kernel, and the way it blocks a sum, by the shape of a product: one row, a few
+rows and many rows round differently, and which shapes round alike differs from one CPU to another.
+In batch-invariant mode every product is therefore cut into tiles of exactly `row_tile` rows (the
+last one padded with zero rows), and each tile is its own [row_tile, in] x [in, out] product: the
+one shape the BLAS ever sees for a weight, whatever the batch, so a row's numbers are the same alone,
+in a decode round or inside a long prompt. The start-up probe (ranks/probe.py) checks this on the
+machine at hand. The price: padding rows, and a long prompt's product in tiles rather than at once.
 """
 
 from __future__ import annotations
@@ -11,14 +14,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The smallest row count of the BLAS's large-batch kernel (measured with MKL, float32 and bfloat16).
-BATCH_INVARIANT_ROWS = 16
+# Rows of every batch-invariant product (linear layers, the head and attention's tiles).
+ROW_TILE = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 0):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 0):
     # x: [T, in], weight: [out, in] -> [T, out]
-    num_rows = x.shape[0]
-    if num_rows >= min_rows:
+    if not row_tile:
         return F.linear(x, weight, bias)
-    padded = F.pad(x, (0, 0, 0, min_rows - num_rows))
-    return F.linear(padded, weight, bias)[:num_rows]
+    num_rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -num_rows % row_tile)) if num_rows % row_tile else x
+    num_tiles = padded.shape[0] // row_tile
+    if num_tiles == 1:
+        out = F.linear(padded, weight, bias)
+    elif x.dtype == torch.float32:
+        # One batched call of num_tiles [row_tile, in] x [in, out] products, the weight shared (stride 0).
+        tiles = padded.view(num_tiles, row_tile, -1)
+        out = torch.bmm(tiles, weight.t().expand(num_tiles, -1, -1)).view(padded.shape[0], -1)
+        if bias is not None:
+            out += bias
+    else:  # bfloat16's batched call is slow on the CPU: one call per tile
+        out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(row_tile)])
+    return out[:num_rows] if num_rows % row_tile else out

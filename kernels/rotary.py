@@ -63,10 +63,19 @@ class Rotary:
         self.cos = (angles.cos() * factor).to(device)
         self.sin = (angles.sin() * factor).to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D], positions: [T]; the "rotate half" layout of the Hugging Face checkpoints.
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for these positions ([T, 1, D] each, in dtype): built once per pass.
+
+        The sin table's first half is negated, so rotate-half is a plain roll (see apply)."""
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        sin[..., :half] = -sin[..., :half]
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [T, H, D]; the "rotate half" layout of the Hugging Face checkpoints:
+        # x * cos + cat(-x2, x1) * sin, where (-x2) * sin1 == x2 * (-sin1) bit for bit.
+        cos, signed_sin = tables
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin

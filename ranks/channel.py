@@ -9,8 +9,14 @@ the first Idle, ended by Stop or close) pushes a beat into each follower's queue
 a follower that hears nothing for `leader_dead_after_s` (rank 0 dead or hung, while the store lives
 on in torchrun's agent) or loses the store raises LeaderLost.
 
+Messages and votes are the same collective, an all-reduce (SUM) of HEAD_SIZE int64s: a message is
+rank 0's head with the followers adding zeros, a vote is every rank's [VOTE_MAGIC, seq, ok]. So a
+rank that votes while another receives (a vote skipped on either side, a message applied twice)
+does not wait out the timeout in a mismatched collective: both read a sum that is neither a message
+nor a full vote, and fail at once, naming the vote and the message.
+
 Every failure latches: a failed or timed-out collective, a malformed or out-of-order message, a
-lost leader. The channel then raises ChannelBroken on every later call, since the ranks can no
+lost leader, a vote that met a message. The channel then raises ChannelBroken on every later call, since the ranks can no
 longer be sure they hold the same state. Calls on one rank come from one thread.
 """
 
@@ -33,6 +39,8 @@ __all__ = ["Channel", "ChannelBroken", "LeaderLost", "brief"]
 log = logging.getLogger(__name__)
 
 _BEAT = b"beat"
+# "vote": the first of a vote's ints on every rank; small enough that a sum over ranks never wraps.
+VOTE_MAGIC = 0x766F7465 << 16
 # A dead follower never pops its queue; rank 0 stops adding beats once this many wait there.
 _MAX_QUEUED_BEATS = 2
 
@@ -126,15 +134,26 @@ class Channel:
     # --- every rank ---------------------------------------------------------------------------
 
     def vote(self, ok: bool) -> bool:
-        """All-reduce MIN of an ok flag: True only when every rank is ok. Every rank calls it."""
+        """True only when every rank is ok. Every rank calls it, after the same message."""
         self._require(True, "vote", "every rank")
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        after = self._next_seq - 1
+        ballot = torch.zeros(HEAD_SIZE, dtype=torch.int64)
+        ballot[:3] = torch.tensor([VOTE_MAGIC, after, 1 if ok else 0])
+        what = f"vote after #{after}"
         self._collective(
-            f"vote after #{self._next_seq - 1}",
+            what,
             "the other ranks",
-            lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group, async_op=True),
+            lambda: dist.all_reduce(ballot, op=dist.ReduceOp.SUM, group=self._group, async_op=True),
         )
-        return bool(flag.item())
+        magic, seq, num_ok = ballot[:3].tolist()
+        if magic != self.world_size * VOTE_MAGIC or seq != self.world_size * after:
+            expected = "rank 0 sent a message" if self.rank else "a follower waited for a message"
+            raise self._break(
+                ChannelBroken,
+                f"rank {self.rank}: {what}: {expected} instead of voting after #{after} "
+                "(a vote skipped, or a message applied twice)",
+            )
+        return num_ok == self.world_size
 
     # --- followers ----------------------------------------------------------------------------
 
@@ -147,15 +166,22 @@ class Channel:
             self._wait_for_doorbell(self._idle_seq)
             self._idle_seq = None
         seq = self._next_seq
-        head = torch.empty(HEAD_SIZE, dtype=torch.int64)
+        head = torch.zeros(HEAD_SIZE, dtype=torch.int64)
         self._broadcast(head, f"receive #{seq}")
+        first = head[0].item()
+        if first and first % VOTE_MAGIC == 0:
+            raise self._break(
+                ChannelBroken,
+                f"rank {self.rank}: receive #{seq}: rank 0 voted after #{seq - 1} where this rank "
+                "waited for the next message (a vote skipped here, or a message applied twice)",
+            )
         try:
             info = read_head(head)
             if info.seq != seq:
                 raise WireError(f"message #{info.seq} arrived where #{seq} was due")
             tensor = head
             if info.overflow_size:
-                overflow = torch.empty(info.overflow_size, dtype=torch.int64)
+                overflow = torch.zeros(info.overflow_size, dtype=torch.int64)
                 self._broadcast(overflow, f"receive #{seq} (overflow)")
                 tensor = torch.cat([head, overflow])
             msg = decode(tensor)
@@ -255,10 +281,27 @@ class Channel:
             raise self._break(ChannelBroken, f"rank 0: {what}: the store failed: {brief(err)}") from err
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        """Rank 0's tensor to every rank, as a sum in which the followers add zeros (see the module
+        docstring); rank 0 checks that nothing was added."""
         peers = "the followers" if self.rank == 0 else "rank 0"
+        sent = tensor.clone() if self.rank == 0 else None
         self._collective(
-            what, peers, lambda: dist.broadcast(tensor, group=self._group, group_src=0, async_op=True)
+            what,
+            peers,
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True),
         )
+        if sent is not None and not torch.equal(tensor, sent):
+            voted = tensor.numel() >= 3 and (tensor - sent)[0].item() == VOTE_MAGIC
+            raise self._break(
+                ChannelBroken,
+                f"rank 0: {what}: "
+                + (
+                    "a follower voted instead of receiving it (a vote skipped on rank 0, or a message "
+                    "applied twice)"
+                    if voted
+                    else "a follower sent data instead of receiving it"
+                ),
+            )
 
     def _collective(self, what: str, peers: str, start: Callable[[], dist.Work]) -> None:
         """Run one collective with timeout_s; any failure breaks the channel, naming who failed to answer."""

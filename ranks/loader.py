@@ -24,7 +24,7 @@ def load_rank_model(
     max_positions: int,
     collectives: Collectives | None = None,
     config: ModelConfig | None = None,
-    min_rows: int = 0,
+    row_tile: int = 0,
     device="cpu",
 ) -> TPModel:
     config = config or load_model_config(model_dir)
@@ -38,5 +38,5 @@ def load_rank_model(
         tp_size=tp_size,
         collectives=collectives,
         max_positions=max_positions,
-        min_rows=min_rows,
+        row_tile=row_tile,
     )

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpserve.kernels.attention import SpanView, span_attention, write_kv
+from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
 from tpserve.kernels.collectives import Collectives
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
+from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
@@ -34,6 +35,28 @@ class PieceLayer:
         self.w_down = tensors[mlp + "down_proj.weight"]  # [hidden, I_piece]
 
 
+class PassPlan:
+    """What every layer of one pass shares, built once: the KV slots its tokens write, the rotary
+    tables of its positions and (batch-invariant) the attention tiles' index tensors.
+
+    In batch-invariant mode the pass's rows are padded once to whole row tiles (kernels/linear.py),
+    so every layer's products run on them as they are; the padding rows are never written to the KV
+    pool nor read back as logits.
+    """
+
+    def __init__(self, model: TPModel, spans: list[SpanView], positions: torch.Tensor, num_slots: int):
+        tile = model.row_tile
+        self.spans = spans
+        self.num_tokens = positions.shape[0]
+        self.num_rows = -(-self.num_tokens // tile) * tile if tile else self.num_tokens
+        self.padding = self.num_rows - self.num_tokens
+        self.slots = kv_slots(spans, model.device)
+        padded = F.pad(positions, (0, self.padding)) if self.padding else positions
+        self.rotary = model.rotary.tables(padded, model.dtype)
+        group = model.config.num_queries_per_kv
+        self.tiles = TiledPlan(spans, group, num_slots, model.device, self.num_rows) if tile else None
+
+
 class TPModel:
     def __init__(
         self,
@@ -45,7 +68,7 @@ class TPModel:
         tp_size: int,
         collectives: Collectives | None = None,
         max_positions: int,
-        min_rows: int = 0,
+        row_tile: int = 0,
     ):
         self.config = config
         self.pieces = pieces
@@ -70,7 +93,7 @@ class TPModel:
             config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device
         )
         self.scale = config.head_dim**-0.5
-        self.min_rows = min_rows  # see kernels/linear.py: batch-invariant products
+        self.row_tile = row_tile  # see kernels/linear.py: batch-invariant products
 
     def kv_heads_per_piece(self) -> list[int]:
         return [piece.num_kv_heads() for piece in self.pieces]
@@ -79,7 +102,7 @@ class TPModel:
         # partial: [T, hidden] float32, already summed over this rank's pieces.
         if self.tp_size > 1:
             self.collectives.all_reduce_sum(partial)
-        return partial.to(self.dtype)
+        return partial if partial.dtype == self.dtype else partial.to(self.dtype)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(
@@ -92,25 +115,39 @@ class TPModel:
             out += F.embedding(local, table).float() * owned.unsqueeze(1)
         return self._reduce(out)
 
-    def _attention(self, layer: PieceLayer, x, positions, spans, pool_k, pool_v, qk_norms) -> torch.Tensor:
-        cfg, num_tokens = self.config, x.shape[0]
-        qkv = linear(x, layer.w_qkv, layer.b_qkv, self.min_rows)
-        q_width, kv_width = layer.num_q_heads * cfg.head_dim, layer.num_kv_heads * cfg.head_dim
-        q = qkv[:, :q_width].reshape(num_tokens, layer.num_q_heads, cfg.head_dim)
-        k = qkv[:, q_width : q_width + kv_width].reshape(num_tokens, layer.num_kv_heads, cfg.head_dim)
-        v = qkv[:, q_width + kv_width :].reshape(num_tokens, layer.num_kv_heads, cfg.head_dim)
-        if qk_norms is not None:
-            q = rms_norm(q, qk_norms[0], cfg.rms_norm_eps)
-            k = rms_norm(k, qk_norms[1], cfg.rms_norm_eps)
-        q = self.rotary.apply(q, positions)
-        k = self.rotary.apply(k, positions)
-        write_kv(pool_k, pool_v, k, v, spans)
-        return linear(
-            span_attention(q, pool_k, pool_v, spans, self.scale, self.min_rows),
-            layer.w_o,
-            None,
-            self.min_rows,
-        )
+    def _attention(self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms) -> torch.Tensor:
+        cfg, num_rows = self.config, x.shape[0]
+        qkv = linear(x, layer.w_qkv, layer.b_qkv, self.row_tile)
+        num_q, num_kv = layer.num_q_heads, layer.num_kv_heads
+        heads = qkv.view(num_rows, num_q + 2 * num_kv, cfg.head_dim)  # q heads, k heads, v heads
+        if qk_norms is None:  # q and k rotated together
+            q, k = self.rotary.apply(heads[:, : num_q + num_kv], plan.rotary).split((num_q, num_kv), dim=1)
+        else:
+            q = self.rotary.apply(rms_norm(heads[:, :num_q], qk_norms[0], cfg.rms_norm_eps), plan.rotary)
+            k = self.rotary.apply(
+                rms_norm(heads[:, num_q : num_q + num_kv], qk_norms[1], cfg.rms_norm_eps), plan.rotary
+            )
+        v = heads[:, num_q + num_kv :]
+        real = plan.num_tokens
+        write_kv(pool_k, pool_v, k[:real] if plan.padding else k, v[:real] if plan.padding else v, plan.slots)
+        if self.row_tile:
+            attended = tiled_attention(q, pool_k, pool_v, plan.tiles, self.scale)
+        else:
+            attended = span_attention(q, pool_k, pool_v, plan.spans, self.scale)
+        return linear(attended, layer.w_o, None, self.row_tile)
+
+    def _mlp(self, layer: PieceLayer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, layer.w_gate_up, None, self.row_tile).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, layer.w_down, None, self.row_tile)
+
+    def _sum_pieces(self, outputs, rows: torch.Tensor) -> torch.Tensor:
+        """The row-parallel partial sums of this rank's pieces, in piece order, in float32 (zeros
+        shaped like `rows` where no piece has any: a rank holding no KV head of a layer)."""
+        total = None
+        for out in outputs:
+            out = out if out.dtype == torch.float32 else out.float()
+            total = out if total is None else total + out
+        return torch.zeros(rows.shape, dtype=torch.float32, device=rows.device) if total is None else total
 
     def forward(
         self,
@@ -123,34 +160,33 @@ class TPModel:
         """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
         are wanted. Returns float32 logits [len(logit_rows), vocab] on rank 0, None elsewhere."""
         cfg, rep = self.config, self.replicated
-        h = self._embed(token_ids)  # [T, hidden]
+        plan = PassPlan(self, spans, positions, kv.num_slots)
+        if plan.padding:  # padding rows read token 0; their results are dropped
+            token_ids = F.pad(token_ids, (0, plan.padding))
+        h = self._embed(token_ids)  # [rows, hidden]
         for index, pieces in enumerate(self.layers):
             prefix = f"model.layers.{index}."
             qk_norms = None
             if cfg.qk_norm:
                 qk_norms = (rep[prefix + "self_attn.q_norm.weight"], rep[prefix + "self_attn.k_norm.weight"])
             x = rms_norm(h, rep[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
-            partial = torch.zeros(h.shape, dtype=torch.float32, device=self.device)
-            for local, layer in enumerate(pieces):
-                if layer.num_kv_heads:
-                    pool_k, pool_v = kv.layer(local, index)
-                    partial += self._attention(layer, x, positions, spans, pool_k, pool_v, qk_norms).float()
-            h = h + self._reduce(partial)
+            attended = (
+                self._attention(layer, x, plan, *kv.layer(local, index), qk_norms)
+                for local, layer in enumerate(pieces)
+                if layer.num_kv_heads
+            )
+            h = h + self._reduce(self._sum_pieces(attended, h))
             x = rms_norm(h, rep[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            partial = torch.zeros(h.shape, dtype=torch.float32, device=self.device)
-            for layer in pieces:
-                gate, up = linear(x, layer.w_gate_up, None, self.min_rows).chunk(2, dim=-1)
-                partial += linear(F.silu(gate) * up, layer.w_down, None, self.min_rows).float()
-            h = h + self._reduce(partial)
+            h = h + self._reduce(self._sum_pieces((self._mlp(layer, x) for layer in pieces), h))
         last = rms_norm(h[logit_rows], rep["model.norm.weight"], cfg.rms_norm_eps)
         local = torch.cat(
-            [linear(last, head, None, self.min_rows).float() for head in self.head], dim=-1
+            [linear(last, head, None, self.row_tile) for head in self.head], dim=-1
         )  # [n, V_rank]
         if self.tp_size == 1:
-            return local
+            return local.float()
         padded = F.pad(local, (0, self.gather_width - local.shape[1]))
         chunks = self.collectives.gather_to_first(padded)
         if chunks is None:
             return None
         widths = [end - start for start, end in split_evenly(cfg.vocab_size, self.tp_size)]
-        return torch.cat([chunk[:, :width] for chunk, width in zip(chunks, widths)], dim=-1)
+        return torch.cat([chunk[:, :width] for chunk, width in zip(chunks, widths)], dim=-1).float()

@@ -18,7 +18,7 @@ class EngineSettings:
     cache_budget_bytes: int = 0
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
-    # Pad every product to the BLAS's large-batch kernel so a reply never depends on its batch.
+    # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.
     batch_invariant: bool = True
     # Forward collectives between CPU ranks: "auto" (shared memory when every rank is on this host,
     # else gloo), "shared_memory" (required) or "gloo".
@@ -34,3 +34,5 @@ class EngineSettings:
     interface: str = ""
     # Fault drill for tests: (rank, token id) — that rank refuses any prompt holding the token.
     refuse_token_on_rank: tuple[int, int] | None = None
+    # Fault drill for tests: that rank's start-up probe checks a deliberately shape-dependent product.
+    shape_dependent_on_rank: int | None = None

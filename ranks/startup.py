@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from tpserve import __version__
-from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
+from tpserve.kernels.linear import ROW_TILE, linear
+from tpserve.kernels.machine import describe_machine
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.collectives_choice import CHOICES, choose_collectives
 from tpserve.ranks.engine import Engine
@@ -31,6 +32,7 @@ from tpserve.ranks.meeting import meet, watch_peers
 from tpserve.ranks.memory import free_memory_bytes
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.network import check_interface, name_interface
+from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
 
@@ -153,6 +155,24 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
     return Room(kv_tokens, cache_tokens, bytes_per_token)
 
 
+def check_invariance(model, rank: int, group, drill: bool = False) -> None:
+    """The start-up probe on every rank, then a vote: one rank's failure stops them all."""
+    log.info("rank %d: checking batch invariance on %s", rank, describe_machine())
+    failure = None
+    try:
+        probe_model(model, product=shape_dependent_linear if drill else linear)
+    except ProbeFailure as error:
+        failure = str(error)
+    passed = torch.tensor([failure is None], dtype=torch.int64)
+    dist.all_reduce(passed, op=dist.ReduceOp.MIN, group=group)
+    if failure is not None:
+        raise StartupError(f"rank {rank}: batch invariance does not hold on this machine: {failure}")
+    if not passed.item():
+        raise StartupError(
+            f"rank {rank}: another rank found batch invariance broken on its machine (see its log)"
+        )
+
+
 def start_rank(
     settings: EngineSettings, rank: int, world_size: int, host: str, port: int, *, agent_store: bool = False
 ) -> RankRuntime:
@@ -221,9 +241,11 @@ def _start_group(
         max_positions=settings.context_size,
         collectives=collectives,
         config=config,
-        min_rows=BATCH_INVARIANT_ROWS if settings.batch_invariant else 0,
+        row_tile=ROW_TILE if settings.batch_invariant else 0,
         device=device,
     )
+    if settings.batch_invariant:
+        check_invariance(model, rank, control, drill=settings.shape_dependent_on_rank == rank)
     kv_heads = [piece.num_kv_heads() for piece in pieces_of_rank(config, rank, world_size)]
     per_token = kv_bytes_per_token(config.num_layers, kv_heads, config.head_dim, dtype)
     room = settle_room(settings, rank, per_token, device, control)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tpserve.kernels.linear import BATCH_INVARIANT_ROWS
+from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.settings import EngineSettings
@@ -56,7 +56,7 @@ def build_lane_host(
         # Drafts ride in the rows batch-invariant products are padded to anyway; without that
         # padding they would cost rows of their own.
         max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,
-        draft_rows=BATCH_INVARIANT_ROWS,
+        draft_rows=ROW_TILE,
     )
     return host, leader
 

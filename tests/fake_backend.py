@@ -76,6 +76,7 @@ class FakeBackend:
         batched: bool = False,
         max_batch_streams: int = 16,
         repeat_period: int = 0,
+        break_period: int = 0,
     ):
         self.num_lanes = num_lanes
         self.room = room
@@ -84,6 +85,7 @@ class FakeBackend:
         self.batches_prompts = batched
         self.max_batch_streams = max_batch_streams
         self.repeat_period = repeat_period  # > 0: greedy tokens repeat the history with this period
+        self.break_period = break_period  # > 0: except at positions divisible by it (drafts fail there)
         # Failures to inject.
         self.poisoned_prompts: set[int] = set()  # first prompt tokens whose prefills fail
         self.refuse_poisoned_passes = False  # prefill_many returns None for them instead of raising
@@ -280,6 +282,7 @@ class FakeBackend:
             context_size=self.context_size,
             max_prefill_tokens=self.max_prefill_tokens,
             repeat_period=self.repeat_period,
+            break_period=self.break_period,
         )
         host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS)
         (reply,) = run_all(host, [host.submit(request)])
@@ -341,7 +344,8 @@ class FakeBackend:
     def _sample(self, lane: _Lane, sampling: SamplingParams) -> int:
         position = len(lane.history)  # where the sampled token will go
         value = lane.state
-        if self.repeat_period and len(lane.history) >= self.repeat_period:
+        breaks = self.break_period and position % self.break_period == 0
+        if self.repeat_period and len(lane.history) >= self.repeat_period and not breaks:
             # A model that repeats itself: what prompt lookup guesses (sampled rows still draw).
             value = lane.history[-self.repeat_period] + VOCAB_SIZE * (value >> 32)
         if not sampling.greedy:

@@ -1,4 +1,9 @@
-"""Batch-invariant attention: a row's output depends on its own query and keys only."""
+"""Batch-invariant attention: a row's output depends on its own query and keys only.
+
+Run against the product's kernel (kernels/tiled_attention.py) through the same plan the model
+builds: rows near the start, chunks at several offsets, key counts across block edges, decode
+rounds and Verifies beside other lanes; float32 and bfloat16; one and two torch threads.
+"""
 
 from __future__ import annotations
 
@@ -6,93 +11,130 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpserve.kernels.attention import SpanView, invariant_attention, span_attention
+from tpserve.kernels.attention import SpanView, span_attention
+from tpserve.kernels.tiled_attention import KEY_BLOCK, TiledPlan, tiled_attention
 
 NUM_KEYS = 700
+GROUP = 3  # SmolLM2: 9 query heads over 3 KV heads; a piece holds 2 of them
+SCALE = 0.125
 
 
-@pytest.fixture(scope="module")
-def qkv():
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(NUM_KEYS, h, 64, generator=gen) for h in (6, 2, 2))
-    return (
-        q,
-        k.transpose(0, 1).contiguous(),
-        v.transpose(0, 1).contiguous(),
-    )  # keys head-major, as in the pool
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"], autouse=True)
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
-def test_matches_the_reference_attention(qkv):
-    q, k, v = qkv
-    ours = invariant_attention(q, k, v, 0, 0.125, 16)
+def make_qkv(num_keys: int, dtype, seed: int = 0, num_kv_heads: int = 2, head_dim: int = 64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_keys, num_kv_heads * GROUP, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(num_kv_heads, num_keys, head_dim, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v  # keys head-major, as in the pool
+
+
+def attend(q, pool_k, pool_v, spans):
+    plan = TiledPlan(spans, GROUP, pool_k.shape[1], "cpu")
+    return tiled_attention(q, pool_k, pool_v, plan, SCALE).view(q.shape)
+
+
+def whole_prefill(q, k, v):
+    return attend(q, k, v, [SpanView(0, 0, 0, q.shape[0])])
+
+
+def rows_of(q, k, v, start, num_rows):
+    """The rows start..start+num_rows-1 computed as one span over keys 0..end-1 only."""
+    end = start + num_rows
+    return attend(
+        q[start:end], k[:, :end].contiguous(), v[:, :end].contiguous(), [SpanView(0, 0, start, num_rows)]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_reference_attention(dtype):
+    q, k, v = make_qkv(NUM_KEYS, dtype)
+    ours = whole_prefill(q, k, v)
     mask = torch.arange(NUM_KEYS) <= torch.arange(NUM_KEYS).unsqueeze(1)
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=mask, scale=0.125, enable_gqa=True
-    )
-    ref = ref.transpose(0, 1)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        q.transpose(0, 1).float(), k.float(), v.float(), attn_mask=mask, scale=SCALE, enable_gqa=True
+    ).transpose(0, 1)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), ref, rtol=tolerance, atol=tolerance)
+
+
+CUTS = (
+    [(start, n) for start in range(0, 20) for n in (1, 2, 3, 5, 16, 20)]  # near the start
+    + [(start, n) for n in (33, 64, 188) for start in (0, 37, 100, 250, 256, 400)]  # chunks
+    + [(0, 700), (128, 256), (511, 1), (512, 1), (255, 2), (256, 1), (699, 1), (650, 50)]
+    + [(KEY_BLOCK - 1, 1), (KEY_BLOCK, 1), (KEY_BLOCK + 1, 3), (2 * KEY_BLOCK - 1, 2), (3 * KEY_BLOCK, 5)]
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_equal_the_whole_prefill_bit_for_bit(dtype):
+    # A chunk, a prompt after a cache restore, a decode step: the same numbers as one whole pass.
+    q, k, v = make_qkv(NUM_KEYS, dtype)
+    whole = whole_prefill(q, k, v)
+    bad = [
+        (start, n)
+        for start, n in CUTS
+        if start + n <= NUM_KEYS and not torch.equal(rows_of(q, k, v, start, n), whole[start : start + n])
+    ]
+    assert not bad
 
 
 @pytest.mark.parametrize(
-    ("start", "num_rows"),
-    [(0, 1), (100, 1), (100, 5), (100, 33), (37, 64), (512, 188), (699, 1)]
-    + [(start, num_rows) for start in range(1, 20) for num_rows in (1, 3)],  # fewer than 16 keys
+    "num_keys", sorted({255, 256, 257, 400, 511, 512, 700, 1100, KEY_BLOCK - 1, KEY_BLOCK + 1, 2 * KEY_BLOCK})
 )
-def test_rows_equal_the_whole_prefill_bit_for_bit(qkv, start, num_rows):
-    # A chunk, a prompt after a cache restore, a decode step: the same numbers as one whole pass;
-    # near the start too (a short prompt's decode steps, its re-prefill after yielding its lane).
-    q, k, v = qkv
-    whole = invariant_attention(q, k, v, 0, 0.125, 16)
-    end = start + num_rows
-    part = invariant_attention(q[start:end], k[:, :end], v[:, :end], start, 0.125, 16)
-    assert torch.equal(part, whole[start:end])
+def test_a_decode_step_at_every_block_edge_equals_the_whole_prefill(num_keys):
+    q, k, v = make_qkv(num_keys, torch.float32, seed=1)
+    whole = whole_prefill(q, k, v)
+    for start in {num_keys - 1, num_keys - 2, num_keys // 2}:
+        assert torch.equal(rows_of(q, k, v, start, 1), whole[start : start + 1]), start
 
 
-def test_span_attention_reads_each_span_from_its_own_lane(qkv):
-    q, k, v = qkv
-    pool_k = torch.cat([k[:, :300], torch.randn(2, 100, 64), k[:, :300]], dim=1)
-    pool_v = torch.cat([v[:, :300], torch.randn(2, 100, 64), v[:, :300]], dim=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(2, 64), (1, 64), (1, 16)])
+def test_a_round_of_lanes_and_verifies_equals_each_lane_alone(dtype, num_kv_heads, head_dim):
+    # Lanes at different lengths in one pass, decode steps and Verifies (16 tokens) beside a
+    # prompt chunk: each row as if computed alone, bit for bit, and as in the whole prefill. One
+    # KV head (a piece of SmolLM2's 2+1 split) makes a lane alone a batch of one product.
+    q, k, v = make_qkv(NUM_KEYS, dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    whole = whole_prefill(q, k, v)
+    parts = [(0, 1), (16, 1), (299, 1), (698, 1), (40, 16), (5, 1), (255, 1), (256, 16), (100, 188)]
+    pool_k = torch.cat([k] * len(parts), dim=1)
+    pool_v = torch.cat([v] * len(parts), dim=1)
+    spans, offset = [], 0
+    for lane, (start, n) in enumerate(parts):
+        spans.append(SpanView(offset, lane * NUM_KEYS, start, n))
+        offset += n
+    queries = torch.cat([q[start : start + n] for start, n in parts])
+    together = attend(queries, pool_k, pool_v, spans)
+    for span in spans:
+        rows = slice(span.offset, span.offset + span.length)
+        alone = attend(queries[rows], pool_k, pool_v, [SpanView(0, span.base, span.start, span.length)])
+        assert torch.equal(together[rows], alone)
+        assert torch.equal(together[rows], whole[span.start : span.end])
+
+
+def test_masked_keys_never_leak_whatever_the_pool_holds():
+    # Slots past a lane's keys hold another stream's numbers (or garbage): they must not count.
+    q, k, v = make_qkv(300, torch.float32)
+    clean = rows_of(q, k, v, 290, 10)
+    noisy_k = torch.cat([k, torch.full((2, 100, 64), 1e30)], dim=1)
+    noisy_v = torch.cat([v, torch.full((2, 100, 64), float("nan"))], dim=1)
+    out = attend(q[290:300], noisy_k, noisy_v, [SpanView(0, 0, 290, 10)])
+    assert torch.equal(out, clean)
+
+
+def test_the_fused_kernel_reads_each_span_from_its_own_lane():
+    q, k, v = make_qkv(300, torch.float32)
+    pool_k = torch.cat([k, torch.randn(2, 100, 64), k], dim=1)
+    pool_v = torch.cat([v, torch.randn(2, 100, 64), v], dim=1)
     spans = [SpanView(0, 0, 290, 10), SpanView(10, 400, 290, 10)]
-    out = span_attention(torch.cat([q[290:300], q[290:300]]), pool_k, pool_v, spans, 0.125, 16)
-    assert torch.equal(out[:10], out[10:])
-
-
-def test_a_decode_round_equals_each_lane_alone_and_the_whole_prefill(qkv):
-    # Lanes at different lengths in one round: each row as if computed alone, bit for bit, and as
-    # in the whole prefill.
-    q, k, v = qkv
-    whole = invariant_attention(q, k, v, 0, 0.125, 16)
-    lengths = [1, 17, 300, 699, 64, 6, 256, 257]
-    pool_k = torch.cat([k] * len(lengths), dim=1)
-    pool_v = torch.cat([v] * len(lengths), dim=1)
-    steps = [SpanView(i, i * 700, n - 1, 1) for i, n in enumerate(lengths)]
-    queries = torch.stack([q[n - 1] for n in lengths])
-    together = span_attention(queries, pool_k, pool_v, steps, 0.125, 16)
-    for i, n in enumerate(lengths):
-        alone = span_attention(
-            queries[i : i + 1], pool_k, pool_v, [SpanView(0, i * 700, n - 1, 1)], 0.125, 16
-        )
-        assert torch.equal(together[i], alone[0])
-        assert torch.equal(together[i].view(6, 64), whole[n - 1])
-
-
-@pytest.mark.parametrize("num_keys", [400, 700, 1100])
-def test_long_rows_equal_the_whole_prefill_bit_for_bit(num_keys):
-    # Past a few hundred keys the BLAS splits the sum over keys by its length; rows must not care.
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(num_keys, 6, 64, generator=gen)
-    k, v = (torch.randn(2, num_keys, 64, generator=gen) for _ in range(2))
-    whole = invariant_attention(q, k, v, 0, 0.125, 16)
-    cuts = [
-        (0, 300),
-        (300, num_keys - 300),
-        (num_keys - 1, 1),
-        (num_keys - 40, 40),
-        (num_keys // 2, 17),
-        (128, 256),
-    ]
-    for start, num_rows in cuts:
-        end = start + num_rows
-        part = invariant_attention(q[start:end], k[:, :end], v[:, :end], start, 0.125, 16)
-        assert torch.equal(part, whole[start:end]), (start, num_rows)
+    queries = torch.cat([q[290:300], q[290:300]])
+    out = span_attention(queries, pool_k, pool_v, spans, SCALE)
+    torch.testing.assert_close(out[:10], out[10:])
+    tiled = attend(queries, pool_k, pool_v, spans).reshape(20, -1)
+    torch.testing.assert_close(tiled, out, rtol=1e-5, atol=1e-5)

@@ -25,7 +25,7 @@ def cached_and_cold(model_dir: str, tp_rank: int, tp_size: int):
         dtype=torch.float32,
         max_positions=256,
         collectives=GroupCollectives(dist.group.WORLD, tp_rank, tp_size) if tp_size > 1 else None,
-        min_rows=16,
+        row_tile=16,
     )
     heads, dim, layers = model.kv_heads_per_piece(), model.config.head_dim, model.config.num_layers
     engine = Engine(

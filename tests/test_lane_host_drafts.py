@@ -34,6 +34,19 @@ def test_a_repeating_stream_takes_many_tokens_a_round_and_replies_as_plain_decod
     backend.assert_clean()
 
 
+def test_wrong_drafts_are_dropped_from_the_first_mismatch_on():
+    # The repeating model breaks its pattern every 7th position: prompt lookup guesses wrong there,
+    # and the reply must still be plain decoding's, token for token.
+    backend = FakeBackend(repeat_period=PERIOD, break_period=7, num_lanes=2)
+    requests = [make_request(PROMPT, 60, ignore_eos=True), make_request(PROMPT[3:], 45, ignore_eos=True)]
+    host = host_with_drafts(backend)
+    replies = run_all(host, [host.submit(request) for request in requests])
+    assert replies == [backend.solo_reply(request) for request in requests]
+    drafter = host.drafter
+    assert 0 < drafter.num_accepted < drafter.num_drafted  # some guesses kept, some rejected
+    backend.assert_clean()
+
+
 def test_mixed_streams_share_the_rows_and_every_reply_is_plain_decodings():
     backend = FakeBackend(repeat_period=PERIOD, num_lanes=4)
     requests = [

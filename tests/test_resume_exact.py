@@ -27,7 +27,7 @@ def tiny_engine(tmp_path, num_slots: int) -> Engine:
         tp_size=1,
         dtype=torch.float32,
         max_positions=64,
-        min_rows=16,
+        row_tile=16,
     )
     config = model.config
     pool = KVPool(config.num_layers, num_slots, model.kv_heads_per_piece(), config.head_dim, model.dtype)

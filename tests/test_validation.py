@@ -108,3 +108,18 @@ def test_less_room_than_the_context_shrinks_the_default_and_refuses_what_never_f
 def test_a_prompt_with_no_tokens_is_refused():
     with pytest.raises(RequestRefused, match="prompt has no tokens"):
         max_tokens_for(serving_pb2.GenerateRequest(prompt=" "), 0, LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1 (got 0)"),
+        ({"max_tokens": -5}, "max_tokens must be at least 1 (got -5)"),
+        ({"max_tokens": 101}, "max_tokens (101) exceeds the context of 100 tokens"),
+    ],
+)
+def test_max_tokens_out_of_range_is_refused_by_the_validator_itself(fields, message):
+    # Refused where requests are checked, before tokenizing, with INVALID_ARGUMENT.
+    refused = refusal(serving_pb2.GenerateRequest(prompt="hi", **fields))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.message == message

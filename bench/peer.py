@@ -1,0 +1,310 @@
+"""tpserve's daemon against llama.cpp's llama-server, the same load, one after the other in one run.
+
+Each system serves the shipped SmolLM2-135M-Instruct: tpserve from its prepared default model on two
+ranks (the shipped config, and variants given with --variant), llama-server from the same GGUF with
+`-np 16 -t 2`. Each gets, in turn, the same text prompts with greedy `--tokens`-token replies that
+ignore EOS, first one stream, then `--streams` at once, `--rounds` times alternating, so both see the
+same machine. tpserve is called over gRPC, llama-server over its HTTP `/completion` stream.
+
+Reported per system and stream count: aggregate tok/s (tokens over the wall time of the burst,
+prefill included), per-stream decode tok/s (after each stream's first token), the mean time to first
+token, and every ratio to the peer. At one stream the daemon's decode speed is also set against the
+float32 bandwidth roofline: (read bandwidth measured here) / (weight bytes rank 0 reads per token).
+
+    python -m bench.peer [--llama-server PATH] [--tokens 128] [--streams 16] [--rounds 2] [--json FILE]
+
+llama-server is found with --llama-server, $TPSERVE_LLAMA_SERVER, or under ~/.cache/tpserve-peer
+(bench/README.md says how to build it there); without it only tpserve's variants run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import default_model_dir, finish, median, print_table  # noqa: E402
+from bench.decode_roofline import read_bandwidth, weight_bytes_per_token  # noqa: E402
+from tpserve.kernels.machine import machine_facts  # noqa: E402
+from tpserve.prepare import find_default_gguf  # noqa: E402
+from tpserve.ranks.model_config import load_model_config  # noqa: E402
+from tpserve.v1 import serving_pb2, serving_pb2_grpc  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 300.0
+TOPICS = ("rivers", "bridges", "libraries", "volcanoes", "gardens", "trains", "comets", "bees")
+
+
+@dataclass
+class Timing:
+    sent: float
+    first: float = 0.0
+    end: float = 0.0
+    num_tokens: int = 0
+
+
+def prompt(index: int) -> str:
+    return f"Here is fact number {index} about {TOPICS[index % len(TOPICS)]}, explained at length:"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process of one system, its log in a temporary file, ended with SIGTERM (then KILL)."""
+
+    def __init__(self, name: str, argv: list[str], ready, generate):
+        self.name, self.generate = name, generate
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept open while the server runs)
+            prefix=f"peer-{name.replace(' ', '_')}-", suffix=".log", delete=False
+        )
+        self.process = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"{name} did not start: {shlex.join(argv)}; log {self.log.name}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def start_tpserve(name: str, flags: list[str]) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "tpserve.cli", "serve", "--config", str(REPO / "configs/default.yaml")]
+    argv += ["--port", str(port), "--metrics-port", "0", *flags]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = serving_pb2_grpc.ServingStub(channel)
+
+    def ready() -> bool:
+        try:
+            stub.Info(serving_pb2.InfoRequest(), timeout=1)
+            return True
+        except grpc.RpcError:
+            return False
+
+    def generate(index: int, num_tokens: int) -> Timing:
+        timing = Timing(time.perf_counter())
+        request = serving_pb2.GenerateRequest(prompt=prompt(index), max_tokens=num_tokens, ignore_eos=True)
+        for response in stub.Generate(request, timeout=600):
+            if response.token_ids and not timing.first:
+                timing.first = time.perf_counter()
+            timing.num_tokens += len(response.token_ids)
+        timing.end = time.perf_counter()
+        return timing
+
+    return Server(name, argv, ready, generate)
+
+
+def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:
+    port = free_port()
+    argv = [
+        binary,
+        "-m",
+        str(gguf),
+        "-np",
+        str(num_slots),
+        "-t",
+        "2",
+        "-c",
+        str(num_slots * (num_tokens + 256)),
+    ]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def generate(index: int, tokens: int) -> Timing:
+        timing = Timing(time.perf_counter())
+        body = {"prompt": prompt(index), "n_predict": tokens, "ignore_eos": True, "stream": True}
+        body |= {"temperature": 0, "cache_prompt": False}
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        connection.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        for line in reply:
+            if not line.startswith(b"data: "):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("content") and not timing.first:
+                timing.first = time.perf_counter()
+            if chunk.get("stop"):
+                timing.num_tokens = chunk.get("tokens_predicted", 0)
+        connection.close()
+        timing.end = time.perf_counter()
+        return timing
+
+    return Server("llama-server", argv, ready, generate)
+
+
+def burst(server: Server, num_streams: int, num_tokens: int, first_index: int) -> dict:
+    timings: list[Timing] = [None] * num_streams  # type: ignore[list-item]
+
+    def run(i: int) -> None:
+        timings[i] = server.generate(first_index + i, num_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(num_streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    tokens = sum(t.num_tokens for t in timings)
+    wall = max(t.end for t in timings) - min(t.sent for t in timings)
+    decode = [(t.num_tokens - 1) / (t.end - t.first) for t in timings if t.num_tokens > 1 and t.end > t.first]
+    return {
+        "tok_s": tokens / wall,
+        "decode_tok_s_per_stream": median(decode),
+        "ttft_s": sum(t.first - t.sent for t in timings) / num_streams,
+        "tokens": tokens,
+        "complete": all(t.num_tokens == num_tokens for t in timings),
+    }
+
+
+def find_llama_server(given: str | None) -> str | None:
+    candidates = [given, os.environ.get("TPSERVE_LLAMA_SERVER")]
+    candidates += sorted(str(p) for p in (Path.home() / ".cache/tpserve-peer").glob("**/bin/llama-server"))
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def roofline(model_dir: str) -> dict:
+    """Rank 0's float32 weight bytes per token, the read bandwidth here, and their ratio."""
+    config = load_model_config(model_dir)
+    bytes_per_token = weight_bytes_per_token(config, 0, 2, 4)
+    torch.set_num_threads(1)
+    buffer = torch.ones(64 << 20)  # 256 MiB, past the caches
+    bandwidth = median([read_bandwidth(buffer) for _ in range(5)])
+    return {
+        "rank0_mb_per_token": bytes_per_token / 1e6,
+        "gb_s": bandwidth / 1e9,
+        "tok_s": bandwidth / bytes_per_token,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", default=None, help="path of llama-server (see bench/README.md)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help='a tpserve variant as NAME=FLAGS (default: "default=" and "fast=--batch-invariant false")',
+    )
+    parser.add_argument("--json", metavar="FILE", default=None)
+    args = parser.parse_args(argv)
+    variants = args.variant or ["default=", "lanes 16=--lanes 16", "fast=--batch-invariant false --lanes 16"]
+    model_dir = default_model_dir()
+    systems = [(name, flags.split()) for name, _, flags in (v.partition("=") for v in variants)]
+    binary = find_llama_server(args.llama_server)
+    report = {"machine": machine_facts(), "settings": vars(args), "llama_server": binary, "results": {}}
+    report["roofline"] = roofline(model_dir)
+    names = (["llama-server"] if binary else []) + [f"tpserve {name}" for name, _ in systems]
+    samples: dict[str, dict[int, list[dict]]] = {name: {1: [], args.streams: []} for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            if name == "llama-server":
+                server = start_llama(binary, find_default_gguf(), args.streams, args.tokens)
+            else:
+                server = start_tpserve(name, dict(systems)[name.removeprefix("tpserve ")])
+            try:
+                burst(server, 1, 8, 1000)  # warm-up
+                for streams in (1, args.streams):
+                    samples[name][streams].append(burst(server, streams, args.tokens, 0))
+            finally:
+                server.close()
+    peer = "llama-server" if binary else names[0]
+    rows = []
+    for name in names:
+        figures = {}
+        for streams, runs in samples[name].items():
+            figures[streams] = {key: median([r[key] for r in runs]) for key in runs[0] if key != "complete"}
+            figures[streams]["complete"] = all(r["complete"] for r in runs)
+        report["results"][name] = figures
+    for name in names:
+        one, many = report["results"][name][1], report["results"][name][args.streams]
+        base_one, base_many = report["results"][peer][1], report["results"][peer][args.streams]
+        roof = one["decode_tok_s_per_stream"] / report["roofline"]["tok_s"]
+        report["results"][name]["ratios"] = {
+            "x_peer_1": one["tok_s"] / base_one["tok_s"],
+            f"x_peer_{args.streams}": many["tok_s"] / base_many["tok_s"],
+            "of_fp32_roofline_1": roof,
+        }
+        rows.append(
+            (
+                name,
+                one["tok_s"],
+                one["decode_tok_s_per_stream"],
+                one["ttft_s"],
+                many["tok_s"],
+                many["ttft_s"],
+                one["tok_s"] / base_one["tok_s"],
+                many["tok_s"] / base_many["tok_s"],
+                roof,
+            )
+        )
+    print_table(
+        f"{args.tokens}-token greedy replies, 1 and {args.streams} streams ({report['machine']['cpu_model']})",
+        (
+            "system",
+            "tok/s 1",
+            "decode 1",
+            "ttft 1",
+            f"tok/s {args.streams}",
+            f"ttft {args.streams}",
+            "x peer 1",
+            f"x peer {args.streams}",
+            "of roof 1",
+        ),
+        rows,
+    )
+    roof = report["roofline"]
+    print(
+        f"fp32 roofline: {roof['gb_s']:.1f} GB/s / {roof['rank0_mb_per_token']:.0f} MB/token = {roof['tok_s']:.1f} tok/s"
+    )
+    incomplete = [
+        name
+        for name in names
+        if not all(
+            f["complete"] for f in report["results"][name].values() if isinstance(f, dict) and "complete" in f
+        )
+    ]
+    return finish(report, args.json, f"replies cut short: {incomplete}" if incomplete else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

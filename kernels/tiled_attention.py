@@ -1,0 +1,204 @@
+"""Batch-invariant attention: every product has one fixed shape, whatever the pass.
+
+A span's queries are grouped under their KV head (query head h reads KV head h // g), laid out
+position-major ([n positions x g heads] rows) and cut into tiles of ROW_TILE rows; its keys are cut
+into blocks of KEY_BLOCK. Every product is then a batch of
+    scores   [ROW_TILE, D] x [D, KEY_BLOCK]
+    values   [ROW_TILE, KEY_BLOCK] x [KEY_BLOCK, D]
+    weights  [ROW_TILE, KEY_BLOCK] x [KEY_BLOCK, ROW_TILE] of ones
+where the last sums the weights, the softmax's denominator, in a product too. (Ones of one column,
+[KEY_BLOCK, 1], would be a matrix-vector shape, which the BLAS rounds differently by batch size.)
+The BLAS computes each output element of a product from its own row and column only, so a row's
+numbers depend on its own query and the keys it sees: not on the rows beside it in its tile, the
+number of tiles, or how many keys lie past its position. Around the products, the softmax takes each
+row's maximum (order-free) and its exponentials (elementwise), and the blocks' partial sums are added
+in block order in float32. A masked key weighs exactly zero, and a masked key's slot always holds
+finite numbers (a gather clamps to the span's last key), so masked keys add exactly nothing.
+
+So a chunk, a prompt after a prompt-cache restore, a decode step and a Verify give a row the very
+numbers of a whole prefill, on any CPU whose BLAS is deterministic for a fixed shape; the start-up
+probe (ranks/probe.py) checks that on the machine at hand.
+
+Spans of up to SHORT_TILES tiles per head (decode steps, Verifies, short prompts) are computed
+together, keys gathered per tile; a longer span is computed alone, its keys shared by every tile
+(a stride-0 batch), so a long prompt's keys are not copied once per tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpserve.kernels.linear import ROW_TILE
+
+KEY_BLOCK = 128  # keys per product (a decode round at 100 and 600 keys: 1.3-1.8x faster than 256)
+SHORT_TILES = 4  # a span of at most this many row tiles per KV head is batched with the others
+
+
+def num_tiles(num_rows: int) -> int:
+    return -(-num_rows // ROW_TILE)
+
+
+def num_blocks(num_keys: int) -> int:
+    return -(-num_keys // KEY_BLOCK)
+
+
+class TiledPlan:
+    """The index tensors of one pass, built once and shared by every layer (and piece).
+
+    spans: the pass's SpanViews; group: query heads per KV head; num_slots: slots per KV head in the
+    pool (pool_k, pool_v: [Hkv, num_slots, D]); num_rows: rows of the pass's q (its tokens, maybe
+    padded to whole row tiles).
+    """
+
+    def __init__(self, spans, group: int, num_slots: int, device, num_rows: int | None = None):
+        self.spans, self.group, self.num_slots, self.device = spans, group, num_slots, device
+        self.num_rows = sum(s.length for s in spans) if num_rows is None else num_rows
+        self.short = [s for s in spans if num_tiles(s.length * group) <= SHORT_TILES]
+        self.long = [s for s in spans if num_tiles(s.length * group) > SHORT_TILES]
+        self._short: dict[int, _ShortBatch] = {}
+        self._long_bias = {
+            s.offset: _bias(_row_positions(s, group), num_blocks(s.end)).to(device) for s in self.long
+        }
+        self._long_keys = {s.offset: _key_slots(s, num_blocks(s.end), device) for s in self.long}
+
+    def short_batch(self, num_kv_heads: int) -> _ShortBatch | None:
+        if not self.short:
+            return None
+        if num_kv_heads not in self._short:
+            self._short[num_kv_heads] = _ShortBatch(
+                self.short,
+                self.group,
+                num_kv_heads,
+                self.num_slots,
+                self.device,
+                dump_row=self.num_rows * num_kv_heads * self.group,
+            )
+        return self._short[num_kv_heads]
+
+
+class _ShortBatch:
+    """Short spans' tiles for one KV-head count: entry e = (span, KV head, tile)."""
+
+    def __init__(self, spans, group: int, num_kv_heads: int, num_slots: int, device, dump_row: int):
+        num_heads = num_kv_heads * group
+        self.num_blocks = max(num_blocks(s.end) for s in spans)
+        q_rows, out_rows, positions, key_rows = [], [], [], []
+        for span in spans:
+            rows = span.length * group
+            slots = _key_slots(span, self.num_blocks, "cpu")
+            span_positions = _row_positions(span, group)
+            for head in range(num_kv_heads):
+                for tile in range(num_tiles(rows)):
+                    for i in range(ROW_TILE):
+                        r = min(tile * ROW_TILE + i, rows - 1)  # padding rows repeat the last row
+                        q_rows.append((span.offset + r // group) * num_heads + head * group + r % group)
+                        out_rows.append(q_rows[-1] if tile * ROW_TILE + i < rows else dump_row)
+                    positions.append(span_positions[tile])
+                    key_rows.append(slots + head * num_slots)  # rows of the pool as [Hkv*slots, D]
+        self.num_entries = len(positions)
+        self.q_index = torch.tensor(q_rows, device=device)  # [E*ROW_TILE] rows of q as [T*Hq, D]
+        self.out_index = torch.tensor(out_rows, device=device)  # where they go; padding: the dump row
+        self.bias = _bias(torch.stack(positions), self.num_blocks).to(device)
+        self.key_rows = torch.stack(key_rows).view(-1).to(device)  # [E * nb * KEY_BLOCK]
+
+
+def _row_positions(span, group: int) -> torch.Tensor:
+    """[num_tiles, ROW_TILE] positions of a span's grouped rows; padding rows sit at its last one."""
+    rows = span.length * group
+    padded = torch.arange(num_tiles(rows) * ROW_TILE).clamp(max=rows - 1)
+    return (span.start + padded // group).view(-1, ROW_TILE)
+
+
+def _bias(positions: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
+    """[tiles, blocks, ROW_TILE, KEY_BLOCK] float32: -inf where key j lies past the row's position
+    p (j > p), else 0; added to the scores, it leaves a visible score's bits as they are."""
+    keys = torch.arange(num_key_blocks * KEY_BLOCK).view(1, num_key_blocks, 1, KEY_BLOCK)
+    hidden = keys > positions.view(-1, 1, ROW_TILE, 1)
+    return torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+
+
+def _key_slots(span, num_key_blocks: int, device) -> torch.Tensor:
+    """Pool slots of a span's keys, padded to whole blocks with its last key (finite, masked)."""
+    keys = torch.arange(num_key_blocks * KEY_BLOCK).clamp(max=span.end - 1)
+    return (span.base + keys).to(device)
+
+
+def tiled_attention(
+    q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, plan: TiledPlan, scale: float
+) -> torch.Tensor:
+    """q: [T, Hq, D] (rotated); pool_*: [Hkv, slots, D] already holding the spans' keys. Returns [T, Hq*D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = pool_k.shape[0]
+    group = plan.group
+    # One spare row past q's: where the short batch's padding rows are written, and dropped.
+    out = torch.zeros(num_tokens * num_heads + 1, head_dim, dtype=q.dtype, device=q.device)
+    batch = plan.short_batch(num_kv_heads)
+    if batch is not None:
+        num_entries, blocks = batch.num_entries, batch.num_blocks
+        tiles = (
+            q.reshape(-1, head_dim).index_select(0, batch.q_index).view(num_entries, 1, ROW_TILE, head_dim)
+        )
+        if blocks > 1:  # every block's product in one batched call
+            tiles = tiles.expand(num_entries, blocks, ROW_TILE, head_dim)
+        tiles = tiles.reshape(num_entries * blocks, ROW_TILE, head_dim)
+        keys = pool_k.reshape(-1, head_dim).index_select(0, batch.key_rows).view(-1, KEY_BLOCK, head_dim)
+        values = pool_v.reshape(-1, head_dim).index_select(0, batch.key_rows).view(-1, KEY_BLOCK, head_dim)
+        scores = torch.bmm(tiles, keys.transpose(1, 2)).view(num_entries, blocks, ROW_TILE, KEY_BLOCK)
+        weights = _softmax_weights(scores, batch.bias, scale, values.dtype).view(-1, ROW_TILE, KEY_BLOCK)
+        shape = (num_entries, blocks, ROW_TILE, -1)
+        sums = torch.bmm(weights, values).view(shape).unbind(1)
+        totals = torch.bmm(weights, _ones(weights)).view(shape).unbind(1)
+        result = _normalised(sums, totals, q.dtype)
+        out.index_copy_(0, batch.out_index, result.view(-1, head_dim))
+    out = out[:-1].view(num_tokens, num_heads, head_dim)
+    for span in plan.long:
+        rows = span.length * group
+        bias, slots = plan._long_bias[span.offset], plan._long_keys[span.offset]
+        num_tiles_, blocks = bias.shape[0], bias.shape[1]
+        for head in range(num_kv_heads):
+            heads = slice(head * group, (head + 1) * group)
+            tiles = q[span.offset : span.offset + span.length, heads].reshape(rows, head_dim)
+            tiles = torch.cat([tiles, tiles.new_zeros(num_tiles_ * ROW_TILE - rows, head_dim)])
+            tiles = tiles.view(num_tiles_, ROW_TILE, head_dim)
+            # The span's keys once, shared by every tile (a stride-0 batch), a block at a time.
+            keys = pool_k[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
+            values = pool_v[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
+            scores = torch.stack(
+                [torch.bmm(tiles, keys[b].t().expand(num_tiles_, -1, -1)) for b in range(blocks)], dim=1
+            )  # [tiles, blocks, ROW_TILE, KEY_BLOCK]
+            weights = _softmax_weights(scores, bias, scale, values.dtype)
+            sums = [torch.bmm(weights[:, b], values[b].expand(num_tiles_, -1, -1)) for b in range(blocks)]
+            totals = [torch.bmm(weights[:, b], _ones(weights[:, b])) for b in range(blocks)]
+            result = _normalised(sums, totals, q.dtype).view(-1, head_dim)[:rows]
+            out[span.offset : span.offset + span.length, heads] = result.view(span.length, group, head_dim)
+    return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def _ones(weights: torch.Tensor) -> torch.Tensor:
+    """[E, KEY_BLOCK, ROW_TILE] ones (stride 0), whose product with weights [E, ROW_TILE, KEY_BLOCK]
+    holds each row's sum of weights in every column."""
+    return weights.new_ones(1, KEY_BLOCK, ROW_TILE).expand(weights.shape[0], -1, -1)
+
+
+def _softmax_weights(scores: torch.Tensor, bias: torch.Tensor, scale: float, dtype) -> torch.Tensor:
+    """scores [E, nb, ROW_TILE, KEY_BLOCK] -> unnormalised softmax weights in `dtype`: exp(s - max)
+    over each row's visible keys (the max is order-free; every row sees at least key 0)."""
+    scores = scores if scores.dtype == torch.float32 else scores.float()
+    scores = scores * scale + bias
+    weights = torch.exp(scores - scores.amax(dim=(1, 3), keepdim=True))
+    return weights if weights.dtype == dtype else weights.to(dtype)
+
+
+def _normalised(sums, totals, dtype) -> torch.Tensor:
+    """The weighted values divided by the summed weights: each the blocks' partial sums ([E,
+    ROW_TILE, D] and [E, ROW_TILE, ROW_TILE]) added in block order in float32. Returns [E, ROW_TILE, D]."""
+    out = _in_block_order(sums) / _in_block_order(totals)[..., :1]
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _in_block_order(parts) -> torch.Tensor:
+    total = None
+    for part in parts:
+        part = part if part.dtype == torch.float32 else part.float()
+        total = part if total is None else total + part
+    return total
