@@ -61,8 +61,15 @@ class Timing:
     num_tokens: int = 0
 
 
+FILLER = (
+    "The lane host admits waiting requests, prefills their prompts and runs decode rounds over every "
+    "live lane while the follower replays each message on its own shard of the weights. "
+)
+PROMPT_FILLERS = 0  # set by --prompt-fillers: copies of FILLER before each prompt (about 36 tokens each)
+
+
 def prompt(index: int) -> str:
-    return f"Here is fact number {index} about {TOPICS[index % len(TOPICS)]}, explained at length:"
+    return f"{FILLER * PROMPT_FILLERS}Here is fact number {index} about {TOPICS[index % len(TOPICS)]}, explained at length:"
 
 
 def free_port() -> int:
@@ -99,9 +106,11 @@ class Server:
                 self.process.wait(10)
 
 
-def start_tpserve(name: str, flags: list[str]) -> Server:
+def start_tpserve(name: str, flags: list[str], repo: Path = REPO) -> Server:
+    """tpserve from `repo` (another checkout, with its own .venv, to compare versions in one run)."""
     port = free_port()
-    argv = [sys.executable, "-m", "tpserve.cli", "serve", "--config", str(REPO / "configs/default.yaml")]
+    python = sys.executable if repo == REPO else str(repo / ".venv/bin/python")
+    argv = [python, "-m", "tpserve.cli", "serve", "--config", str(repo / "configs/default.yaml")]
     argv += ["--port", str(port), "--metrics-port", "0", *flags]
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = serving_pb2_grpc.ServingStub(channel)
@@ -223,24 +232,32 @@ def main(argv: list[str] | None = None) -> int:
         "--variant",
         action="append",
         default=None,
-        help='a tpserve variant as NAME=FLAGS (default: "default=" and "fast=--batch-invariant false")',
+        help="a tpserve variant as NAME=FLAGS[@REPO] (REPO: another checkout with its own .venv)",
+    )
+    parser.add_argument(
+        "--prompt-fillers", type=int, default=0, help="lengthen every prompt (~36 tokens each)"
     )
     parser.add_argument("--json", metavar="FILE", default=None)
     args = parser.parse_args(argv)
+    global PROMPT_FILLERS
+    PROMPT_FILLERS = args.prompt_fillers
     variants = args.variant or ["default=", "lanes 16=--lanes 16", "fast=--batch-invariant false --lanes 16"]
     model_dir = default_model_dir()
-    systems = [(name, flags.split()) for name, _, flags in (v.partition("=") for v in variants)]
+    systems = {}
+    for name, _, rest in (v.partition("=") for v in variants):
+        flags, _, repo = rest.partition("@")
+        systems[name] = (flags.split(), Path(repo) if repo else REPO)
     binary = find_llama_server(args.llama_server)
     report = {"machine": machine_facts(), "settings": vars(args), "llama_server": binary, "results": {}}
     report["roofline"] = roofline(model_dir)
-    names = (["llama-server"] if binary else []) + [f"tpserve {name}" for name, _ in systems]
+    names = (["llama-server"] if binary else []) + [f"tpserve {name}" for name in systems]
     samples: dict[str, dict[int, list[dict]]] = {name: {1: [], args.streams: []} for name in names}
     for _ in range(args.rounds):
         for name in names:
             if name == "llama-server":
                 server = start_llama(binary, find_default_gguf(), args.streams, args.tokens)
             else:
-                server = start_tpserve(name, dict(systems)[name.removeprefix("tpserve ")])
+                server = start_tpserve(name, *systems[name.removeprefix("tpserve ")])
             try:
                 burst(server, 1, 8, 1000)  # warm-up
                 for streams in (1, args.streams):

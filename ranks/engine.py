@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.kernels.attention import SpanView
+from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.model import TPModel
 
@@ -32,10 +33,20 @@ class EngineError(RuntimeError):
 
 
 class Engine:
+    """`device_timeout_s` bounds the wait for a pass's logits to reach the host (on a GPU, where a
+    lost peer leaves the stream waiting forever on its collective)."""
+
     def __init__(
-        self, model: TPModel, kv: KVPool, cache_kv: KVPool | None = None, *, refuse_token: int | None = None
+        self,
+        model: TPModel,
+        kv: KVPool,
+        cache_kv: KVPool | None = None,
+        *,
+        refuse_token: int | None = None,
+        device_timeout_s: float = 60.0,
     ):
         self.model = model
+        self.device_timeout_s = device_timeout_s
         self.refuse_token = refuse_token
         self.kv = kv
         self.cache_kv = cache_kv
@@ -109,11 +120,18 @@ class Engine:
                 self.kv,
                 logit_rows,
             )
+        if logits is not None:
+            logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
         for lane, start, tokens in spans:
             state = self.lanes[lane]
             state.length += len(tokens)
             state.cut_floor = start + 1 if every_row and cut else 0  # a Verify keeps its first token
         return logits
+
+    def _pass_name(self, spans) -> str:
+        peers = ", ".join(f"rank {r}" for r in range(1, self.model.tp_size))
+        who = f"a collective with {peers} never finished (lost or hung)" if peers else "the device hung"
+        return f"rank 0: the logits of a pass over {len(spans)} span(s) never reached the host: {who}"
 
     def rewind(self, lengths: dict[int, int]) -> None:
         """Undo passes: put lanes back to earlier lengths (their later slots are simply ignored)."""

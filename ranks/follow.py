@@ -31,12 +31,29 @@ def follow(engine: Engine, channel) -> int:
 
 
 def run_follower(
-    settings, rank: int, world_size: int, host: str, port: int, agent_store: bool = False
+    settings,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    agent_store: bool = False,
+    *,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
 ) -> int:
     """A follower process from start to exit code: start-up, follow, clean exit on Stop."""
     setup_logging(rank)
     try:
-        runtime = start_rank(settings, rank, world_size, host, port, agent_store=agent_store)
+        runtime = start_rank(
+            settings,
+            rank,
+            world_size,
+            host,
+            port,
+            agent_store=agent_store,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+        )
     except UserError as error:
         log.error("%s", error)
         return 2

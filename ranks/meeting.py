@@ -76,8 +76,8 @@ def _store_listener(host: str, port: int) -> socket.socket:
 
 
 def watch_peers(store: dist.Store, rank: int, world_size: int, host: str, settings: EngineSettings):
-    """Open the liveness link (ranks/liveness.py): rank 0 listens on the master address and
-    publishes where, in the store; a follower connects there."""
+    """Open the liveness link (ranks/liveness.py), once start-up can no longer refuse: rank 0
+    listens on the master address and publishes where, in the store; a follower connects there."""
     timeout_s = settings.init_timeout_s
     dead_after_s = settings.leader_dead_after_s
     if world_size == 1:

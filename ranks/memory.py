@@ -17,6 +17,9 @@ def host_available_bytes() -> int:
 
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
+        # Blocks freed while loading (the weights' unfused copies, staging buffers) stay in torch's
+        # caching allocator, and both figures below count them as used: hand them back first.
+        torch.cuda.empty_cache()
         # A unified-memory GPU (a GB10 reports itself integrated) shares the host's memory, and
         # CUDA's free figure does not see what the host uses.
         if torch.cuda.get_device_properties(device).is_integrated:

@@ -28,11 +28,17 @@ class PieceLayer:
         self.num_kv_heads = piece.num_kv_heads()
         self.num_q_heads = self.num_kv_heads * config.num_queries_per_kv
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        self.w_qkv = torch.cat([tensors[attn + f"{n}_proj.weight"] for n in "qkv"])  # [(Hq+2Hkv)*D, hidden]
-        self.b_qkv = torch.cat([tensors[attn + f"{n}_proj.bias"] for n in "qkv"]) if config.qkv_bias else None
+        # The fused copies replace the loaded ones, which are taken out of `tensors` so that no
+        # second copy outlives loading (room is measured after it).
+        self.w_qkv = _fused(tensors, [attn + f"{n}_proj.weight" for n in "qkv"])  # [(Hq+2Hkv)*D, hidden]
+        self.b_qkv = _fused(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
         self.w_o = tensors[attn + "o_proj.weight"]  # [hidden, Hq*D]
-        self.w_gate_up = torch.cat([tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]])
+        self.w_gate_up = _fused(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
         self.w_down = tensors[mlp + "down_proj.weight"]  # [hidden, I_piece]
+
+
+def _fused(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([tensors.pop(name) for name in names])
 
 
 class PassPlan:

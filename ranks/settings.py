@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     model_dir: str
-    dtype: str = "float32"
+    # "auto" (a GPU where torch can use one; never a silent CPU fallback where a GPU is present),
+    # "cpu" or "cuda"; see ranks/device.py.
+    device: str = "auto"
+    dtype: str = "float32"  # or "auto": float32 on the CPU, bfloat16 on a GPU
     tp_size: int = 2
     num_lanes: int = 8
     context_size: int = 2048
@@ -19,12 +24,14 @@ class EngineSettings:
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
     # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.
-    batch_invariant: bool = True
+    # None: the device's default (on the CPU, where it is proven, yes; on a GPU, no).
+    batch_invariant: bool | None = True
     # Forward collectives between CPU ranks: "auto" (shared memory when every rank is on this host,
     # else gloo), "shared_memory" (required) or "gloo".
     cpu_collectives: str = "auto"
-    # Prompt-lookup draft tokens a decode round may check per stream (0: none); see server/drafts.py.
-    draft_tokens: int = 0
+    # Prompt-lookup draft tokens a decode round may check per stream (0: none; None: 15 where
+    # products are batch invariant, else 0); see server/drafts.py.
+    draft_tokens: int | None = 0
     threads_per_rank: int = 0  # 0: half the cores, so tp=1 and tp=2 run the same kernels
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0
@@ -36,3 +43,20 @@ class EngineSettings:
     refuse_token_on_rank: tuple[int, int] | None = None
     # Fault drill for tests: that rank's start-up probe checks a deliberately shape-dependent product.
     shape_dependent_on_rank: int | None = None
+
+    def for_device(self, device_type: str) -> EngineSettings:
+        """These settings with every "auto" decided for the device the rank runs on.
+
+        Batch invariance (and the draft tokens that ride in its tiles' spare rows) is on by default
+        on the CPU only, where its fixed-shape products are known to hold. A GPU picks its own
+        kernels for a shape, and nothing has shown them to keep the promise there, so a GPU does not
+        claim it by default; `batch_invariant: true` still asks for it, and then the start-up probe
+        decides (every rank refuses when it fails).
+        """
+        gpu = device_type == "cuda"
+        batch_invariant = not gpu if self.batch_invariant is None else self.batch_invariant
+        draft_tokens = self.draft_tokens
+        if draft_tokens is None:
+            draft_tokens = MAX_DRAFT_TOKENS if batch_invariant else 0
+        dtype = ("bfloat16" if gpu else "float32") if self.dtype == "auto" else self.dtype
+        return replace(self, batch_invariant=batch_invariant, draft_tokens=draft_tokens, dtype=dtype)

@@ -1,36 +1,39 @@
 """Start-up on every rank: meet the others, agree on flags, load this rank's shard, settle room.
 
-Order matters: ranks meet through a store with a timeout that names whoever did not arrive;
-flags are agreed before any weight is read; room is the minimum over ranks before any KV is
-allocated, so every rank allocates exactly the same pool.
+Order matters: ranks meet through a store with a timeout that names whoever did not arrive; the
+control group (gloo, CPU tensors) forms first on every device, so ranks on different devices or
+builds still meet in the same collective and refuse together; flags (device type and torch, CUDA
+and NCCL versions among them) are agreed before any GPU group or weight; between GPUs the NCCL
+group is connected and exercised before the rank reports it started; room is the minimum over
+ranks before any KV is allocated, so every rank allocates exactly the same pool.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tpserve import __version__
 from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
 from tpserve.ranks.channel import Channel
-from tpserve.ranks.collectives_choice import CHOICES, choose_collectives
+from tpserve.ranks.collectives_choice import choose_collectives
+from tpserve.ranks.device import choose_device, device_facts
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.errors import StartupError
+from tpserve.ranks.errors import StartupError, UserError
+from tpserve.ranks.flags import agree_on_flags
 from tpserve.ranks.kv_store import KVPool, kv_bytes_per_token
 from tpserve.ranks.liveness import LeaderWatch, LivenessHub
 from tpserve.ranks.loader import DTYPES, load_rank_model
 from tpserve.ranks.meeting import meet, watch_peers
 from tpserve.ranks.memory import free_memory_bytes
 from tpserve.ranks.model_config import ModelConfig, load_model_config
+from tpserve.ranks.model_group import open_model_group
 from tpserve.ranks.network import check_interface, name_interface
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 from tpserve.ranks.settings import EngineSettings
@@ -59,64 +62,9 @@ class RankRuntime:
     channel: Channel
     room: Room
     store: dist.Store
-    liveness: LivenessHub | LeaderWatch | None  # None at tp=1
-
-
-def fingerprint(model_dir: str | Path) -> int:
-    """A cheap identity of the model files: config.json's bytes and the weight files' sizes."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return int.from_bytes(digest.digest()[:7], "little")
-
-
-FLAG_NAMES = (
-    "model",
-    "dtype",
-    "tp",
-    "lanes",
-    "context",
-    "cache_budget",
-    "max_prefill",
-    "batch_invariant",
-    "cpu_collectives",
-    "version",
-)
-
-
-def flags_row(settings: EngineSettings) -> list[int]:
-    version = int.from_bytes(hashlib.sha256(__version__.encode()).digest()[:7], "little")
-    return [
-        fingerprint(settings.model_dir),
-        list(DTYPES).index(settings.dtype),
-        settings.tp_size,
-        settings.num_lanes,
-        settings.context_size,
-        settings.cache_budget_bytes,
-        settings.max_prefill_tokens,
-        int(settings.batch_invariant),
-        CHOICES.index(settings.cpu_collectives) if settings.cpu_collectives in CHOICES else -1,
-        version,
-    ]
-
-
-def shown_row(row: list[int]) -> str:
-    """A flags row as a person reads it (named choices by name rather than by their index)."""
-    named = {"dtype": list(DTYPES), "cpu_collectives": CHOICES}
-    values = [named[n][v] if n in named and 0 <= v < len(named[n]) else v for n, v in zip(FLAG_NAMES, row)]
-    return ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, values))
-
-
-def agree_on_flags(settings: EngineSettings, rank: int, world_size: int, group) -> None:
-    mine = torch.tensor(flags_row(settings), dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(rows, mine, group=group)
-    if any(not torch.equal(row, rows[0]) for row in rows):
-        shown = "; ".join(f"rank {r}: {shown_row(row.tolist())}" for r, row in enumerate(rows))
-        raise StartupError(
-            f"rank {rank}: the ranks were started with different flags, refusing to serve ({shown})"
-        )
+    settings: EngineSettings  # as started: every "auto" decided for this rank's device
+    device: torch.device
+    liveness: LivenessHub | LeaderWatch | None = None  # None at tp=1
 
 
 def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, device, group) -> Room:
@@ -174,65 +122,69 @@ def check_invariance(model, rank: int, group, drill: bool = False) -> None:
 
 
 def start_rank(
-    settings: EngineSettings, rank: int, world_size: int, host: str, port: int, *, agent_store: bool = False
+    settings: EngineSettings,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    *,
+    agent_store: bool = False,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
 ) -> RankRuntime:
+    """Start this rank. `local_rank` / `local_world_size` place it among the ranks on this host
+    (default: torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, else every rank on this host)."""
     if world_size != settings.tp_size:
         raise StartupError(f"tp is {settings.tp_size} but {world_size} ranks were started")
     torch.set_num_threads(settings.threads_per_rank or max(1, (os.cpu_count() or 2) // 2))
-    cuda = torch.cuda.is_available()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
-        if cuda
-        else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # A refusal here is told to the other ranks through the flags row, so they refuse at once
+    # rather than wait for this rank until init_timeout_s.
+    device, facts, refusal = torch.device("cpu"), None, None
+    try:
+        device = choose_device(settings.device, local_rank, local_world_size)
+        settings = settings.for_device(device.type)
+        facts = device_facts(device)
+    except UserError as error:
+        refusal = error
     config = load_model_config(settings.model_dir)
     if settings.interface:
         check_interface(settings.interface, host, port, rank)
         name_interface(settings.interface)
     store = meet(rank, world_size, host, port, settings.init_timeout_s, agent_store)
-    liveness = watch_peers(store, rank, world_size, host, settings)
-    try:
-        return _start_group(settings, rank, world_size, device, config, store, liveness)
-    except BaseException:
-        if liveness is not None:
-            liveness.close()  # a refusal, not a loss: the peers hear BYE
-        raise
-
-
-def _start_group(
-    settings: EngineSettings,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    config: ModelConfig,
-    store: dist.Store,
-    liveness: LivenessHub | LeaderWatch | None,
-) -> RankRuntime:
-    cuda = device.type == "cuda"
     timeout = timedelta(seconds=settings.collective_timeout_s)
+    # The control group first, on every device: wire messages, votes, flags and room travel here
+    # as CPU tensors; the model's collectives get a group of their own between GPUs.
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        store=dist.PrefixStore("pg", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
+        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout
     )
-    # Wire messages and votes travel on their own CPU group, apart from the model's collectives.
-    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
-    agree_on_flags(settings, rank, world_size, control)
+    control = dist.group.WORLD
+    agree_on_flags(settings, facts, rank, world_size, control, refusal)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model_group = open_model_group(device, rank, world_size, settings.collective_timeout_s)
     collectives = choose_collectives(
         settings.cpu_collectives,
         rank=rank,
         world_size=world_size,
         device=device,
-        model_group=dist.group.WORLD,
+        model_group=model_group,
         control_group=control,
         timeout_s=settings.collective_timeout_s,
     )
     dtype = DTYPES[settings.dtype]
-    log.info("rank %d: loading %s (%s, tp=%d)", rank, settings.model_dir, settings.dtype, world_size)
+    log.info(
+        "rank %d: loading %s on %s (%s, tp=%d, batch_invariant=%s)",
+        rank,
+        settings.model_dir,
+        device,
+        settings.dtype,
+        world_size,
+        settings.batch_invariant,
+    )
     model = load_rank_model(
         settings.model_dir,
         tp_rank=rank,
@@ -263,7 +215,13 @@ def _start_group(
         else None
     )
     drill = settings.refuse_token_on_rank
-    engine = Engine(model, kv, cache_kv, refuse_token=drill[1] if drill and drill[0] == rank else None)
+    engine = Engine(
+        model,
+        kv,
+        cache_kv,
+        refuse_token=drill[1] if drill and drill[0] == rank else None,
+        device_timeout_s=settings.collective_timeout_s,
+    )
     channel = Channel(
         control,
         store,
@@ -271,7 +229,9 @@ def _start_group(
         timeout_s=settings.collective_timeout_s,
         leader_dead_after_s=settings.leader_dead_after_s,
     )
-    return RankRuntime(rank, world_size, config, engine, channel, room, store, liveness)
+    # Last, once nothing can refuse any more: the heartbeat between rank 0 and each follower.
+    liveness = watch_peers(store, rank, world_size, host, settings)
+    return RankRuntime(rank, world_size, config, engine, channel, room, store, settings, device, liveness)
 
 
 def shutdown(runtime: RankRuntime | None = None) -> None:

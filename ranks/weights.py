@@ -1,6 +1,6 @@
 """Reads one rank's slices of a safetensors checkpoint, applying the sharding table.
 
-Only the rows or columns a rank's pieces own are read from disk; nothing else is materialized.
+Only the rows or columns a rank's pieces own are kept; no other part of a tensor stays in memory.
 """
 
 from __future__ import annotations
@@ -118,10 +118,20 @@ def read_rank_weights(
                 )
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
-                weights.replicated[name] = tensor_slice[:].to(device=device, dtype=dtype)
+                weights.replicated[name] = _owned(tensor_slice[:], device, dtype)
                 continue
             for local, piece in enumerate(pieces):
                 start, end = piece_range(config, piece, unit)
                 part = tensor_slice[:, start:end] if split is Split.ROW else tensor_slice[start:end]
-                weights.pieces[local][name] = part.to(device=device, dtype=dtype).contiguous()
+                weights.pieces[local][name] = _owned(part, device, dtype)
     return weights
+
+
+def _owned(part: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """`part` on the device in `dtype`, in storage of its own size. A slice of the rows comes back
+    from safetensors as a view of the whole tensor, and `.to()` on the same device and dtype keeps
+    that view: the rank would hold the full tensor, and room would see the memory as taken."""
+    out = part.to(device=device, dtype=dtype)
+    if not out.is_contiguous() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out

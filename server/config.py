@@ -13,8 +13,9 @@ from pathlib import Path
 import yaml
 
 from tpserve.ranks.collectives_choice import CHOICES
+from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
-from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.settings import MAX_DRAFT_TOKENS, EngineSettings
 
 
 class ConfigError(UserError):
@@ -24,7 +25,8 @@ class ConfigError(UserError):
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = ""  # empty: the prepared default model
-    dtype: str = "float32"
+    device: str = "auto"  # a GPU where torch can use one, the CPU where there is none; never a fallback
+    dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU
     tp: int = 2
     lanes: int = 8
     context: int = 2048
@@ -32,9 +34,10 @@ class ServeConfig:
     cache_budget_bytes: int = 64 << 20
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
-    batch_invariant: bool = True
+    batch_invariant: bool | None = None  # None (auto): on the CPU, where the rule holds; off on a GPU
     cpu_collectives: str = "auto"
-    draft_tokens: int = 15  # checked in the rows batch_invariant pads a decode product to; none without
+    # Checked in the rows batch_invariant pads a decode product to; None (auto): 15 there, else 0.
+    draft_tokens: int | None = None
     threads_per_rank: int = 0
     queue_size: int = 64
     default_max_tokens: int = 256
@@ -55,6 +58,7 @@ class ServeConfig:
     def engine_settings(self, model_dir: str) -> EngineSettings:
         return EngineSettings(
             model_dir=model_dir,
+            device=self.device,
             dtype=self.dtype,
             tp_size=self.tp,
             num_lanes=self.lanes,
@@ -75,8 +79,15 @@ class ServeConfig:
         )
 
 
-_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "tp": (1, 2), "cpu_collectives": CHOICES}
-_AT_MOST = {"draft_tokens": 15}  # a decode product holds 16 rows: the token and 15 drafts
+_CHOICES = {
+    "device": DEVICE_CHOICES,
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "tp": (1, 2),
+    "cpu_collectives": CHOICES,
+}
+_AT_MOST = {"draft_tokens": MAX_DRAFT_TOKENS}  # a decode product holds 16 rows: the token and 15 drafts
+# Keys whose default (None) is "auto": the device's own default, decided when the rank knows it.
+_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int}
 _POSITIVE = {
     "lanes",
     "context",
@@ -91,10 +102,12 @@ _POSITIVE = {
 
 
 def _field_types() -> dict[str, type]:
-    return {f.name: type(f.default) for f in fields(ServeConfig)}
+    return {f.name: _AUTO_KINDS.get(f.name, type(f.default)) for f in fields(ServeConfig)}
 
 
 def _coerce(key: str, value, kind: type, origin: str):
+    if key in _AUTO_KINDS and str(value).lower() == "auto":
+        return None
     try:
         if kind is tuple:
             items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
@@ -161,7 +174,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (flags override its keys)")
     for f in fields(ServeConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool",) or isinstance(f.default, bool):
+        if _field_types()[f.name] is bool:
             parser.add_argument(flag, nargs="?", const="true", default=None, metavar="BOOL")
         else:
             parser.add_argument(flag, default=None)

@@ -37,7 +37,6 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     tokenizer = Tokenizer.from_model_dir(model_dir)
     host, leader = build_lane_host(
         runtime,
-        settings,
         tokenizer,
         queue_size=config.queue_size,
         record_dir=config.record,

@@ -23,13 +23,13 @@ from tpserve.server.tokenizer import Tokenizer
 
 def build_lane_host(
     runtime: RankRuntime,
-    settings: EngineSettings,
     tokenizer: Tokenizer,
     *,
     queue_size: int = 64,
     record_dir: str = "",
     on_broken: Callable[[str], None] | None = None,
 ) -> tuple[LaneHost, Leader]:
+    settings = runtime.settings  # as the rank started: "auto" decided for its device
     leader = Leader(
         runtime.engine,
         runtime.channel,
@@ -81,9 +81,7 @@ def local_engine(
         runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
         try:
             tokenizer = Tokenizer.from_model_dir(settings.model_dir)
-            host, leader = build_lane_host(
-                runtime, settings, tokenizer, queue_size=queue_size, record_dir=record_dir
-            )
+            host, leader = build_lane_host(runtime, tokenizer, queue_size=queue_size, record_dir=record_dir)
             host.start()
             try:
                 yield LocalEngine(host, leader, runtime, tokenizer, followers)

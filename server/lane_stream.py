@@ -47,6 +47,17 @@ class Stream:
                 self._final_read = True
             return event
 
+    def next_events(self, timeout: float | None) -> list[Event]:
+        """Every event waiting now (after up to `timeout` seconds for the first), in order: a
+        reader that sends what a round produced in one message, not one per token."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._events or self._final_read, timeout)
+            events = list(self._events)
+            self._events.clear()
+            if any(isinstance(event, Finished) for event in events):
+                self._final_read = True
+            return events
+
     def events(self, timeout_each: float) -> Iterator[Event]:
         """Every event up to and including Finished; TimeoutError if the host goes quiet that long."""
         while True:

@@ -162,8 +162,8 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         give_up_at: float | None = None
         try:
             while finished is None:
-                event = stream.next_event(timeout=self._poll_s)
-                if event is None:
+                events = _merge_deltas(stream.next_events(timeout=self._poll_s))
+                if not events:
                     if not context.is_active():
                         stream.cancel()
                         give_up_at = give_up_at or time.monotonic() + self._cancel_grace_s
@@ -171,30 +171,34 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                             log.warning("a cancelled stream sent no Finished in %.1f s", self._cancel_grace_s)
                             return
                     continue
-                if isinstance(event, Prefilled):
-                    yield serving_pb2.GenerateResponse(prefilled=True, cached_tokens=event.cached_tokens)
-                elif isinstance(event, TokenDelta):
-                    now = time.monotonic()
-                    if event.token_ids and last_delta_at is not None:
-                        self._metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
-                    last_delta_at = now
-                    yield serving_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
-                elif isinstance(event, Finished):
-                    finished = event
-                    if event.reason == ERROR and self._lane_host.broken:
-                        # Not this request's fault: the whole server is down, so the call fails
-                        # the way unreachable servers fail (clients retry UNAVAILABLE elsewhere).
-                        self._metrics.count_outcome(grpc.StatusCode.UNAVAILABLE.name.lower())
-                        context.abort(
-                            grpc.StatusCode.UNAVAILABLE, f"{ENGINE_BROKE_MID_REPLY} ({event.error})"
-                        )
-                    self._count_finished(event)
-                    yield _final_response(event)
+                for event in events:
+                    response = self._response(event, context)
+                    if isinstance(event, TokenDelta):
+                        now = time.monotonic()
+                        if event.token_ids and last_delta_at is not None:
+                            self._metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
+                        last_delta_at = now
+                    elif isinstance(event, Finished):
+                        finished = event
+                    yield response
         finally:
             if finished is None:
                 # The client went away before the host's Finished reached it.
                 stream.cancel()
                 self._metrics.count_outcome(CANCELLED)
+
+    def _response(self, event, context) -> serving_pb2.GenerateResponse:
+        if isinstance(event, Prefilled):
+            return serving_pb2.GenerateResponse(prefilled=True, cached_tokens=event.cached_tokens)
+        if isinstance(event, TokenDelta):
+            return serving_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text)
+        if event.reason == ERROR and self._lane_host.broken:
+            # Not this request's fault: the whole server is down, so the call fails the way
+            # unreachable servers fail (clients retry UNAVAILABLE elsewhere).
+            self._metrics.count_outcome(grpc.StatusCode.UNAVAILABLE.name.lower())
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{ENGINE_BROKE_MID_REPLY} ({event.error})")
+        self._count_finished(event)
+        return _final_response(event)
 
     def _count_finished(self, event: Finished) -> None:
         usage = event.usage
@@ -275,3 +279,16 @@ def _final_response(event: Finished) -> serving_pb2.GenerateResponse:
         ),
         error=event.error or "",
     )
+
+
+def _merge_deltas(events: list) -> list:
+    """Consecutive token deltas as one: the tokens a round released reach the client in one message."""
+    merged: list = []
+    for event in events:
+        if isinstance(event, TokenDelta) and merged and isinstance(merged[-1], TokenDelta):
+            previous = merged[-1]
+            event = TokenDelta(previous.token_ids + event.token_ids, previous.text + event.text)
+            merged[-1] = event
+        else:
+            merged.append(event)
+    return merged

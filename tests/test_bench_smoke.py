@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import write_tiny_model
 
 from bench.batched_prefill import run_batched_prefill
@@ -125,3 +126,29 @@ def test_percentile_interpolates_between_ranks():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
     assert percentile([5.0], 90) == 5.0
+
+
+def test_the_gpu_check_runs_on_the_cpu_and_writes_one_report(tiny_model, tmp_path):
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--model", tiny_model, "--out", str(out),
+         "--lanes", "1,2", "--tokens", "4", "--rounds", "2", "--bandwidth-mib", "8", "--threads", "1",
+         "--two-ranks", "yes"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    host = report["host"]
+    assert host["cpu_model"] and host["blas"] != "unknown" and host["torch"] == torch.__version__
+    assert isinstance(host["vector_extensions"], list) and host["threads"] == 1
+    assert report["device"] == "cpu" and report["failed"] == []
+    checks = report["checks"]
+    assert checks["tp1_float32_vs_cpu"]["max_abs_diff"] == 0.0  # the CPU against itself
+    assert checks["bf16_generation"]["of"] == 4
+    assert checks["batch_invariance_probe"]["holds"] is True  # on the CPU, where the daemon claims it
+    assert any("scaled_dot_product" in name for name in checks["passes"]["sdpa_prefill"])
+    assert [row["lanes"] for row in checks["decode"]["rows"]] == [1, 2]
+    assert all(row["tokens_per_s"] > 0 and row["of_roof"] > 0 for row in checks["decode"]["rows"])
+    assert checks["tp2_equals_tp1"]["equal"] is True
+    killed = checks["follower_sigkill"]
+    assert killed["ended_with_error_in_time"] is True and killed["stream_error"], killed

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch
+import torch.distributed as dist
 from multiproc import RankPool, run_ranks
 
 from tpserve.ranks.channel import Channel, ChannelBroken, LeaderLost
+from tpserve.ranks.model_group import exercise
 from tpserve.ranks.wire import (
     Admit,
     Evict,
@@ -204,6 +208,35 @@ def test_a_follower_names_a_silent_rank0_and_rank0_learns_of_its_exit_at_the_nex
     assert message.startswith("rank 1: receive #0: rank 0 did not answer")
     assert noticed_after < PG_TIMEOUT_S + 30  # a hang guard: the message says what it learned
     assert rank0_message.startswith("rank 0: send Round #0: the followers did not answer")
+
+
+def _wire_beside_a_models_group(ctx):
+    """As between GPUs: the wire on a gloo group of its own, the model's collectives on another
+    group, each message followed by a vote and a model collective (start-up's NCCL check)."""
+    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    model = dist.new_group(backend="gloo", timeout=timeout)
+    channel = Channel(
+        control, ctx.store, rank=ctx.rank, timeout_s=PG_TIMEOUT_S, heartbeat_s=HEARTBEAT_S,
+        leader_dead_after_s=LEADER_DEAD_AFTER_S,
+    )  # fmt: skip
+    received, votes = [], []
+    for msg in _every_kind():
+        if ctx.rank == 0:
+            channel.send(msg)
+        else:
+            received.append(channel.receive())
+        if not isinstance(msg, (Idle, Stop)):  # as in the engine: no collective while idle
+            votes.append(channel.vote(ctx.rank == 0 or not isinstance(msg, Keep)))
+            exercise(model, ctx.rank, ctx.world_size, torch.device("cpu"), PG_TIMEOUT_S)
+    return received, votes
+
+
+def test_the_wire_runs_on_a_gloo_subgroup_beside_the_models_own_group(pool):
+    (_, votes0), (received, votes1) = pool.run(_wire_beside_a_models_group, timeout_s=60)
+    assert received == _every_kind()
+    kinds = [msg for msg in _every_kind() if not isinstance(msg, (Idle, Stop))]
+    assert votes0 == votes1 == [not isinstance(msg, Keep) for msg in kinds]
 
 
 def _skip_a_vote(ctx, skipper: int):

@@ -1,5 +1,5 @@
-"""Start-up on real ranks: room is the smallest rank's, differing flags refuse on every rank, and a
-rank that never arrives is named. Each rank is a spawned process running `start_rank` itself.
+"""Start-up on real ranks: room is the smallest rank's, differing flags (or a rank refusing its
+device) refuse on every rank, and a rank that never arrives is named. Each rank is a spawned process running `start_rank` itself.
 
 The tiny "llama" variant has 3 KV heads, split 2+1: rank 0 holds twice rank 1's KV bytes per token
 (512 against 256 in float32), so with equal budgets rank 0's figure is the smaller.
@@ -215,6 +215,18 @@ def test_a_follower_names_rank_0_when_it_never_answers(model_dir):
     with pytest.raises(StartupError, match=rf"rank 1: rank 0's store at 127.0.0.1:{port} never answered"):
         start_rank(settings, 1, 2, "127.0.0.1", port)
     assert time.monotonic() - started < 60  # a hang guard: the 2 s timeout, not the default 60
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no GPU")
+def test_a_rank_that_refuses_its_device_makes_both_ranks_refuse_at_once(ranks, model_dir):
+    # Rank 1 demands a GPU this machine lacks; rank 0 must not wait for it until init_timeout_s.
+    reports = ranks.start_pair([settings_for(model_dir), settings_for(model_dir, device="cuda")])
+    kinds = {rank: reports[rank][0] for rank in (0, 1)}
+    assert kinds == {0: "refused", 1: "refused"}, reports
+    assert "rank 1: device is cuda, but torch" in reports[1][1]
+    assert "rank 1 refused its device" in reports[0][1]
+    assert "rank 0: model=" in reports[0][1] and "device=cpu" in reports[0][1]
+    assert "device=refused" in reports[0][1]
 
 
 def test_a_rank_whose_probe_finds_a_shape_dependent_product_refuses_on_both_ranks(ranks, model_dir):

@@ -94,7 +94,13 @@ def register(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="auto: the device's",
+    )
     parser.add_argument("--no-batch-invariant", action="store_true", help="use the BLAS's fastest kernels")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
@@ -120,11 +126,12 @@ def run(args: argparse.Namespace) -> int:
         )
     settings = EngineSettings(
         model_dir=model_dir,
+        device=args.device,
         dtype=args.dtype,
         tp_size=args.tp,
         num_lanes=1,
         context_size=len(prompt_ids) + args.max_tokens,
-        batch_invariant=not args.no_batch_invariant,
+        batch_invariant=False if args.no_batch_invariant else None,  # None: the device's default
     )
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     (result,) = generate_tokens(settings, [(prompt_ids, sampling)], args.max_tokens, tokenizer.eos_ids)

@@ -40,6 +40,8 @@ class Placement:
     port: int
     agent_store: bool  # the store is torchrun's agent's, not rank 0's
     spawn_followers: bool
+    local_rank: int  # among the ranks on this host (which GPU it takes)
+    local_world_size: int  # ranks on this host
 
 
 def place(config) -> Placement:
@@ -52,6 +54,8 @@ def place(config) -> Placement:
             int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
             env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             False,
+            int(env.get("LOCAL_RANK", env["RANK"])),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
         )
     if config.master:
         host, _, port = config.master.partition(":")
@@ -61,8 +65,8 @@ def place(config) -> Placement:
             port_number = int(port or DEFAULT_MASTER_PORT)
         except ValueError:
             raise ConfigError(f"--master: {config.master!r} is not HOST[:PORT]") from None
-        return Placement(config.rank, config.tp, host, port_number, False, False)
-    return Placement(0, config.tp, "127.0.0.1", free_port(), False, config.tp > 1)
+        return Placement(config.rank, config.tp, host, port_number, False, False, 0, 1)  # one per host
+    return Placement(0, config.tp, "127.0.0.1", free_port(), False, config.tp > 1, 0, config.tp)
 
 
 def register(subparsers) -> None:
@@ -92,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             placement.host,
             placement.port,
             placement.agent_store,
+            local_rank=placement.local_rank,
+            local_world_size=placement.local_world_size,
         )
         return leave_if_failed(code)
     with ExitStack() as stack:
@@ -107,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
             placement.host,
             placement.port,
             agent_store=placement.agent_store,
+            local_rank=placement.local_rank,
+            local_world_size=placement.local_world_size,
         )
-        code = serve_rank0(config, runtime, settings)
+        code = serve_rank0(config, runtime, runtime.settings)
     return leave_if_failed(code)
 
 

@@ -1,0 +1,289 @@
+"""The one-shot GPU check: one command, one JSON report, under ten minutes on a GPU machine.
+
+    python -m bench.gpu_check [--device auto|cpu|cuda] [--model DIR] [--out gpu_check.json]
+
+It records the machine (CPU model, vector extensions, BLAS, torch and its threads; the GPU, driver,
+CUDA and NCCL), then checks, each on ranks started for real:
+  - tp=1 float32 logits on the device against the CPU's, and the greedy tokens of both;
+  - bfloat16 generation on the device (its tokens, and how long it agrees with float32);
+  (then, in the dtype the daemon serves in there: bfloat16 on a GPU, float32 on the CPU)
+  - whether the start-up probe finds batch invariance holding there (`batch_invariant: true`);
+  - which SDPA kernels a prefill and a decode round run, the device kernels a round launches, and
+    the host syncs in a round;
+  - decode tokens/s at 1, 8 and 32 lanes against the bandwidth roofline (weights and KV read per
+    round over the device's measured read bandwidth);
+  - with two ranks (two GPUs, or the CPU): tp=2 gives tp=1's tokens, and a follower SIGKILLed
+    mid-stream ends the stream with an error naming it within the deadline.
+It runs on the CPU too (`--device cpu`), so CI keeps it working. Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import chat_prompt, default_model_dir, print_table  # noqa: E402
+from bench.decode_roofline import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
+from bench.gpu_facts import gpu_facts  # noqa: E402
+from bench.gpu_passes import (  # noqa: E402
+    GREEDY,
+    decode_speed,
+    greedy_tokens,
+    inspect_passes,
+    one_rank,
+    prompt_logits,
+    read_bandwidth,
+)
+from tpserve.generate import generate_tokens  # noqa: E402
+from tpserve.kernels.machine import machine_facts  # noqa: E402
+from tpserve.ranks.leader import Leader, LeaderBroken  # noqa: E402
+from tpserve.ranks.local_ranks import free_port, local_followers  # noqa: E402
+from tpserve.ranks.model_config import load_model_config  # noqa: E402
+from tpserve.ranks.settings import EngineSettings  # noqa: E402
+from tpserve.ranks.startup import StartupError, start_rank  # noqa: E402
+from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
+from tpserve.server.tokenizer import Tokenizer  # noqa: E402
+
+KILL_AFTER_S = 0.5  # into the stream
+KILL_DEADLINE_S = 30.0  # the pair's collective_timeout_s in the kill check
+
+
+def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The report, and the checks that failed."""
+    model_dir = args.model or default_model_dir()
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    prompt = chat_prompt(tokenizer, 0)
+    lanes = [int(n) for n in args.lanes.split(",")]
+    started = time.monotonic()
+    report: dict = {"model": model_dir, "host": machine_facts(), "gpu": gpu_facts(), "checks": {}}
+    checks, failed = report["checks"], []
+    context = len(chat_prompt(tokenizer, max(lanes))) + args.tokens + 8
+
+    with one_rank(
+        model_dir, "cpu", "float32", num_lanes=1, context_size=context, threads=args.threads
+    ) as cpu:
+        reference = prompt_logits(cpu.engine, prompt)
+        reference_tokens = greedy_tokens(cpu.engine, prompt, args.tokens)
+    with one_rank(
+        model_dir, args.device, "float32", num_lanes=1, context_size=context, threads=args.threads
+    ) as rt:
+        device = rt.device
+        report["device"] = str(device)
+        logits = prompt_logits(rt.engine, prompt)
+        float32_tokens = greedy_tokens(rt.engine, prompt, args.tokens)
+    checks["tp1_float32_vs_cpu"] = {
+        "max_abs_diff": float((logits - reference).abs().max()),
+        "max_abs_logit": float(reference.abs().max()),
+        "same_argmax_rows": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
+        "greedy_tokens_equal": float32_tokens == reference_tokens,
+    }
+    report["host"]["threads"] = torch.get_num_threads()  # as the ranks set it
+
+    with one_rank(
+        model_dir, args.device, "bfloat16", num_lanes=1, context_size=context, threads=args.threads
+    ) as rt:
+        bf16_tokens = greedy_tokens(rt.engine, prompt, args.tokens)
+    agree = next((i for i, (a, b) in enumerate(zip(bf16_tokens, float32_tokens)) if a != b), len(bf16_tokens))
+    checks["bf16_generation"] = {
+        "tokens": bf16_tokens,
+        "text": tokenizer.decode(bf16_tokens),
+        "agrees_with_float32_for": agree,
+        "of": len(bf16_tokens),
+    }
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"  # what the daemon serves in there
+    checks["batch_invariance_probe"] = guarded(invariance_probe, model_dir, args, dtype, context)
+
+    checks["passes"], checks["decode"] = guarded(
+        decode_checks, model_dir, args, dtype, prompt, lanes, context, n=2
+    )
+
+    two_ranks = args.two_ranks == "yes" or (
+        args.two_ranks == "auto" and (device.type == "cpu" or torch.cuda.device_count() >= 2)
+    )
+    if two_ranks:
+        checks["tp2_equals_tp1"] = guarded(tp2_equals_tp1, model_dir, args, prompt)
+        checks["follower_sigkill"] = guarded(follower_sigkill, model_dir, args, prompt, context)
+    else:
+        why = "one GPU here" if device.type == "cuda" else "--two-ranks no"
+        checks["tp2_equals_tp1"] = checks["follower_sigkill"] = {"skipped": why}
+
+    failed += [name for name, check in checks.items() if "error" in check]
+    if not checks["tp1_float32_vs_cpu"]["greedy_tokens_equal"] and device.type == "cpu":
+        failed.append("tp1_float32_vs_cpu")
+    if two_ranks and not checks["tp2_equals_tp1"].get("equal", True):
+        failed.append("tp2_equals_tp1")
+    if two_ranks and not checks["follower_sigkill"].get("ended_with_error_in_time", True):
+        failed.append("follower_sigkill")
+    report["failed"] = failed
+    report["elapsed_s"] = time.monotonic() - started
+    return report, failed
+
+
+def guarded(check, *args, n: int = 1):
+    """check(*args), or (for each of its n results) what it raised: one failed check must not cost
+    the report the others."""
+    try:
+        return check(*args)
+    except Exception as error:  # recorded in the report, which is the point of a one-shot check
+        failure = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        return failure if n == 1 else (failure,) * n
+
+
+def decode_checks(
+    model_dir: str, args, dtype: str, prompt, lanes: list[int], context: int
+) -> tuple[dict, dict]:
+    """(what a prefill and a decode round run and wait for, decode speed against the roofline)."""
+    config = load_model_config(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    with one_rank(
+        model_dir, args.device, dtype, num_lanes=max(lanes), context_size=context, threads=args.threads
+    ) as rt:
+        passes = inspect_passes(rt.engine, prompt, config.num_layers)
+        bandwidth = read_bandwidth(rt.device, args.bandwidth_mib << 20)
+        weights = weight_bytes_per_token(config, 0, 1, ELEMENT_SIZES[dtype])
+        rows = []
+        for num_lanes in lanes:
+            prompts = [chat_prompt(tokenizer, i) for i in range(num_lanes)]
+            rate, mean_kv = decode_speed(rt.engine, prompts, num_rounds=args.rounds)
+            per_round = weights + num_lanes * mean_kv * rt.room.kv_bytes_per_token
+            roof = num_lanes * bandwidth / per_round
+            rows.append(
+                {
+                    "lanes": num_lanes,
+                    "tokens_per_s": rate,
+                    "roofline_tokens_per_s": roof,
+                    "of_roof": rate / roof,
+                }
+            )
+        return passes, {
+            "dtype": dtype,
+            "bandwidth_gb_s": bandwidth / 1e9,
+            "weight_bytes": weights,
+            "rows": rows,
+        }
+
+
+def invariance_probe(model_dir: str, args, dtype: str, context: int) -> dict:
+    """Whether `batch_invariant: true` would start here: the start-up probe's verdict."""
+    try:
+        with one_rank(
+            model_dir, args.device, dtype, num_lanes=1, context_size=context, threads=args.threads,
+            batch_invariant=True,
+        ):  # fmt: skip
+            return {"dtype": dtype, "holds": True}
+    except StartupError as refused:
+        return {"dtype": dtype, "holds": False, "refusal": str(refused)}
+
+
+def pair_settings(model_dir: str, args, tp_size: int, context: int, **changes) -> EngineSettings:
+    values = dict(
+        model_dir=model_dir,
+        device=args.device,
+        dtype="auto",
+        tp_size=tp_size,
+        num_lanes=1,
+        context_size=context,
+        batch_invariant=False,
+        draft_tokens=0,
+        threads_per_rank=args.threads,
+    )
+    return EngineSettings(**(values | changes))
+
+
+def tp2_equals_tp1(model_dir: str, args, prompt) -> dict:
+    context = len(prompt) + args.tokens + 1
+    jobs = [(prompt, GREEDY)]
+    tokens = {
+        tp: generate_tokens(pair_settings(model_dir, args, tp, context), jobs, args.tokens, frozenset())[
+            0
+        ].token_ids
+        for tp in (1, 2)
+    }
+    return {"tp1_tokens": tokens[1], "tp2_tokens": tokens[2], "equal": tokens[1] == tokens[2]}
+
+
+def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
+    """Rank 0 decodes one stream while its follower is SIGKILLed: the stream must end with an
+    error naming the follower within the deadline. Leaves rank 0's group broken: run it last."""
+    settings = pair_settings(model_dir, args, 2, context + 4096, collective_timeout_s=KILL_DEADLINE_S)
+    port = free_port()
+    with local_followers(settings, port, join_timeout_s=5.0) as followers:
+        runtime = start_rank(settings, 0, 2, "127.0.0.1", port)
+        leader = Leader(
+            runtime.engine, runtime.channel, num_lanes=1, context_size=settings.context_size,
+            max_prefill_tokens=len(prompt), batches_prompts=False,
+        )  # fmt: skip
+        leader.open(0, len(prompt) + 4096)
+        token = leader.prefill(PrefillItem(0, 0, tuple(prompt), True, GREEDY))
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            followers[0].kill()
+
+        killer = threading.Timer(KILL_AFTER_S, kill)
+        killer.start()
+        position, error = len(prompt), None
+        try:
+            while position < len(prompt) + 4000:
+                token = leader.decode([DecodeItem(0, position, token, GREEDY)])[0]
+                position += 1
+        except LeaderBroken as broken:
+            error = str(broken)
+        seconds = time.monotonic() - killed_at[0] if killed_at else None
+        killer.cancel()
+    # The error names the lost rank, or "the followers" when the wire's broadcast noticed first.
+    names_it = error is not None and ("rank 1" in error or "followers" in error)
+    in_time = names_it and seconds is not None and seconds < KILL_DEADLINE_S + 10
+    return {
+        "tokens_before_error": position - len(prompt),
+        "seconds_from_kill_to_error": seconds,
+        "stream_error": error,
+        "ended_with_error_in_time": in_time,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
+    parser.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
+    parser.add_argument("--lanes", default="1,8,32", help="lane counts to time decode at")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per exactness check")
+    parser.add_argument("--rounds", type=int, default=32, help="timed decode rounds per lane count")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer summed to measure bandwidth")
+    parser.add_argument("--two-ranks", choices=("auto", "yes", "no"), default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: half the cores)")
+    args = parser.parse_args(argv)
+    report, failed = run_gpu_check(args)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    checks = report["checks"]
+    rows = checks["decode"].get("rows", [])
+    print_table(
+        f"gpu_check on {report['device']} ({report['elapsed_s']:.0f} s)",
+        ("lanes", "tok/s", "roof tok/s", "of roof"),
+        [(r["lanes"], r["tokens_per_s"], r["roofline_tokens_per_s"], r["of_roof"]) for r in rows],
+    )
+    print(f"tp1 float32 vs CPU: max |diff| {checks['tp1_float32_vs_cpu']['max_abs_diff']:.3g}")
+    print(f"SDPA in prefill: {checks['passes'].get('sdpa_prefill') or checks['passes']}")
+    print(f"report written to {args.out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    sys.stdout.flush()
+    # The kill check leaves rank 0's group with a dead peer, which interpreter teardown can trip on.
+    os._exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
