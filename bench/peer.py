@@ -81,13 +81,13 @@ def free_port() -> int:
 class Server:
     """A server process of one system, its log in a temporary file, ended with SIGTERM (then KILL)."""
 
-    def __init__(self, name: str, argv: list[str], ready, generate):
+    def __init__(self, name: str, argv: list[str], ready, generate, cwd: Path = REPO):
         self.name, self.generate = name, generate
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept open while the server runs)
             prefix=f"peer-{name.replace(' ', '_')}-", suffix=".log", delete=False
         )
         self.process = subprocess.Popen(
-            argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready():
@@ -132,7 +132,7 @@ def start_tpserve(name: str, flags: list[str], repo: Path = REPO) -> Server:
         timing.end = time.perf_counter()
         return timing
 
-    return Server(name, argv, ready, generate)
+    return Server(name, argv, ready, generate, cwd=repo)  # python -m finds the package of its cwd first
 
 
 def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:

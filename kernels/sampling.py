@@ -1,4 +1,5 @@
-"""Rank 0's sampler: turns a pass's logits into one token per row, and reads the top logits.
+"""Rank 0's sampler: turns a pass's logits into one token per row, and reads the top logits and
+the log probabilities a client may ask for.
 
 A sampled row draws with position-keyed noise: token t gets a uniform u(seed, position, t) from an
 integer hash, and the draw is argmax(scaled logits + Gumbel(u)) over the tokens the filters keep (the
@@ -19,7 +20,7 @@ import torch
 
 from tpserve.ranks.sampling_params import SamplingParams
 
-__all__ = ["sample", "top_logits"]
+__all__ = ["sample", "token_logprobs", "top_logits"]
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _UNIFORM_BITS = 23  # (i + 0.5) / 2**23 is exact in float32 for every i < 2**23, and never 0 or 1
@@ -69,6 +70,35 @@ def top_logits(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     for row in scores:
         best_ids, best_values = _best_first(ids, row, k)
         result.append([(int(i), float(v)) for i, v in zip(best_ids, best_values)])
+    return result
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per row of `logits` [num_rows, vocab] with num_top[i] >= 0: the log probability of tokens[i]
+    and the num_top[i] likeliest (token id, log probability), best first (equal values by lower id);
+    None for rows with num_top[i] < 0. Of the raw logits (before temperature or any filter): a
+    log-softmax worked in float64, so the figures are the same whatever row or batch a token ran in."""
+    if logits.dim() != 2 or len(tokens) != logits.shape[0] or len(num_top) != logits.shape[0]:
+        raise ValueError(
+            f"token_logprobs needs logits [num_rows, vocab] and one token and count per row; got "
+            f"{tuple(logits.shape)}, {len(tokens)} tokens, {len(num_top)} counts"
+        )
+    rows = [row for row, k in enumerate(num_top) if k >= 0]
+    result: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(num_top)
+    if not rows:
+        return result
+    scores = _to_float32(logits[rows]).astype(np.float64)  # [len(rows), vocab]
+    best = scores.max(axis=-1, keepdims=True)
+    log_probs = scores - (best + np.log(np.exp(scores - best).sum(axis=-1, keepdims=True)))
+    ids = np.arange(scores.shape[-1])
+    for i, row in enumerate(rows):
+        top = []
+        if num_top[row] > 0:
+            top_ids, top_values = _best_first(ids, log_probs[i], num_top[row])
+            top = [(int(t), float(v)) for t, v in zip(top_ids, top_values)]
+        result[row] = (float(log_probs[i, tokens[row]]), top)
     return result
 
 

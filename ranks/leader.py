@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 
-from tpserve.kernels.sampling import sample, top_logits
+from tpserve.kernels.sampling import sample, token_logprobs, top_logits
 from tpserve.ranks.apply import Refused, apply
 from tpserve.ranks.channel import ChannelBroken, brief
 from tpserve.ranks.engine import Engine
+from tpserve.ranks.sampling_params import TokenLogprob
 from tpserve.ranks.wire import (
     Admit,
     Evict,
@@ -61,6 +62,9 @@ class Leader:
         self._broken_error = broken_error
         self._idle = False
         self._features: dict[int, list[tuple[int, float]]] = {}
+        # The log probabilities of the last sampling pass's tokens, by (lane, position), for the
+        # streams that asked; the lane host reads them right after the pass.
+        self._logprobs: dict[tuple[int, int], TokenLogprob] = {}
         self._record_features = record_features  # top logits per step, for the recorder only
 
     # The Backend protocol ---------------------------------------------------------------------
@@ -89,6 +93,9 @@ class Leader:
         rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
         logits = self._run(msg)
         tokens = sample(logits, [item.sampling for item, _ in rows], [position for _, position in rows])
+        self._keep_logprobs(
+            logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
+        )
         out, at = [], 0
         for item in items:
             out.append(tokens[at : at + 1 + len(item.draft)])
@@ -115,6 +122,11 @@ class Leader:
 
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         return self._features.get(lane, [])
+
+    def logprobs(self, lane: int, position: int) -> TokenLogprob | None:
+        """The log probability of the token the last pass sampled for `lane` at `position`, when its
+        sampling asked for them (SamplingParams.logprobs >= 0); else None."""
+        return self._logprobs.get((lane, position))
 
     # Beyond the protocol -------------------------------------------------------------------------
     def idle(self) -> None:
@@ -158,7 +170,18 @@ class Leader:
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).
         tokens = sample(logits, [i.sampling for i in items], positions)
+        self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
         if self._record_features:
             for item, features in zip(items, top_logits(logits, NUM_FEATURES)):
                 self._features[item.lane] = features
         return tokens
+
+    def _keep_logprobs(self, logits, rows, positions, tokens) -> None:
+        """rows: (lane, sampling) per logits row; positions and tokens: what each row sampled."""
+        self._logprobs.clear()
+        if all(sampling.logprobs < 0 for _, sampling in rows):
+            return
+        found = token_logprobs(logits, tokens, [sampling.logprobs for _, sampling in rows])
+        for (lane, _), position, token, figures in zip(rows, positions, tokens, found):
+            if figures is not None:
+                self._logprobs[(lane, position)] = TokenLogprob(token, figures[0], tuple(figures[1]))

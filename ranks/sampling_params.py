@@ -1,4 +1,5 @@
-"""How one stream samples its tokens: a plain, torch-free value shared by the host and the ranks."""
+"""How one stream samples its tokens, and the log probabilities it reports: plain, torch-free values
+shared by the host and the ranks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,20 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int = 0
+    # Not how to sample but what to report of it: -1 nothing; k >= 0 each sampled token's log
+    # probability and its k likeliest alternatives (TokenLogprob), computed on rank 0 only.
+    logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability under the model's raw logits, and the likeliest tokens at
+    its position as (token id, log probability), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

@@ -2,12 +2,16 @@
 
 Every key has one name, used both in YAML (`context: 4096`) and as a flag (`--context 4096`).
 Flags override the YAML; an unknown key or a bad value is refused by name before anything starts.
+The API key alone may also come from the environment (TPSERVE_API_KEY, between the YAML and the
+flag), so a secret need not sit in a file or on a command line that `ps` shows.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -16,6 +20,7 @@ from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import MAX_DRAFT_TOKENS, EngineSettings
+from tpserve.server.api_key import API_KEY_ENV
 
 
 class ConfigError(UserError):
@@ -44,6 +49,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0  # 0: no metrics endpoint
+    http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` beside gRPC; 0: none
+    api_key: str = field(default="", repr=False)  # "": anyone may call; else Bearer KEY on both APIs
     vision: bool = False
     record: str = ""  # a directory: record every stream there
     grace_s: float = 10.0
@@ -140,8 +147,11 @@ def _coerce(key: str, value, kind: type, origin: str):
     return value
 
 
-def load_config(path: str | Path | None, overrides: dict) -> ServeConfig:
-    """Build the config from a YAML file (optional) and flag overrides (None values are unset)."""
+def load_config(
+    path: str | Path | None, overrides: dict, environ: Mapping[str, str] | None = None
+) -> ServeConfig:
+    """Build the config from a YAML file (optional), the environment's API key (`environ`, default
+    os.environ) and flag overrides (None values are unset)."""
     types = _field_types()
     values: dict = {}
     if path:
@@ -158,12 +168,17 @@ def load_config(path: str | Path | None, overrides: dict) -> ServeConfig:
             if name not in types:
                 raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(types))})")
             values[name] = _coerce(name, value, types[name], str(path))
+    environ = os.environ if environ is None else environ
+    if environ.get(API_KEY_ENV):
+        values["api_key"] = environ[API_KEY_ENV]
     for name, value in overrides.items():
         if value is not None:
             values[name] = _coerce(name, value, types[name], f"--{name.replace('_', '-')}")
     config = ServeConfig(**values)
     if config.rank >= config.tp:
         raise ConfigError(f"--rank: {config.rank} is not below tp ({config.tp})")
+    if not 0 <= config.http_port <= 65535:
+        raise ConfigError(f"http_port: {config.http_port} is not a port (0 turns the HTTP API off)")
     if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:
         raise ConfigError("refuse_token_on_rank: give two numbers, a rank and a token id")
     return config

@@ -1,4 +1,4 @@
-"""Rank 0's daemon: the leader, the lane host and the gRPC server, from start to exit code.
+"""Rank 0's daemon: the leader, the lane host, the gRPC server and the HTTP API, from start to exit code.
 
 Exit codes: 0 after a graceful stop (SIGTERM or SIGINT: admission stops, live streams get the
 grace period, the rest end cancelled, the followers get Stop); 1 when the engine broke or a
@@ -8,19 +8,26 @@ ranks, and 1 when a stop took longer than grace_s + STOP_MARGIN_S (a follower di
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import threading
 from pathlib import Path
 
 from tpserve.ranks.deadline import leave_after
+from tpserve.ranks.leader import Leader
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
 from tpserve.server.engine_host import build_lane_host
 from tpserve.server.grpc_server import GrpcServer
-from tpserve.server.servicer import ServingInfo
+from tpserve.server.http_api import OpenAIApi
+from tpserve.server.http_server import HttpServer
+from tpserve.server.lane_host import LaneHost
+from tpserve.server.metrics import ServingMetrics
+from tpserve.server.serving_info import ServingInfo
+from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,8 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         vision=config.vision,
         default_max_tokens=config.default_max_tokens,
     )
+    # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
+    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache))
     server = GrpcServer(
         host,
         tokenizer,
@@ -59,16 +68,33 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         host=config.host,
         metrics_port=config.metrics_port or None,
         queue_size=config.queue_size,
+        submitter=submitter,
+        api_key=config.api_key,
     )
+    http = None
+    if config.http_port:
+        api = OpenAIApi(submitter, api_key=config.api_key, queue_size=config.queue_size)
+        http = HttpServer(api.app(), host=config.host, port=config.http_port)
+    if not config.api_key and not _is_loopback(config.host):
+        log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     host.start()
-    port = server.start()
+    try:
+        # HTTP first: gRPC health turning SERVING then means both APIs answer.
+        http_port = http.start() if http is not None else None
+        port = server.start()
+    except BaseException:
+        # A port already taken, say: the followers hear Stop now instead of noticing, after
+        # leader_dead_after_s, that rank 0 went away.
+        _stop_unserved(host, leader, http, runtime)
+        raise
     log.info(
-        "serving %s on %s:%d (tp=%d, %d lanes, room %d tokens)",
+        "serving %s on %s:%d, HTTP %s (tp=%d, %d lanes, room %d tokens)",
         info.model_name,
         config.host,
         port,
+        "off" if http_port is None else f"port {http_port}",
         config.tp,
         config.lanes,
         info.room,
@@ -84,6 +110,8 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         # not joined: its thread may sit in a collective with a lost follower until the timeout.
         stop.wait(BROKEN_FLUSH_S)
         server.stop(grace_s=FLUSH_S)
+        if http is not None:
+            http.stop(grace_s=FLUSH_S)
         return 1
     log.info("stopping: admission closed, live streams have %.0f s to finish", config.grace_s)
     deadline_s = config.grace_s + STOP_MARGIN_S
@@ -95,6 +123,8 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     server.begin_stopping()
     stopped = host.stop(grace_s=config.grace_s)
     server.stop(grace_s=FLUSH_S)
+    if http is not None:
+        http.stop(grace_s=FLUSH_S)
     if not stopped:
         log.error("the followers cannot be told to stop: a pass with them never ended")
         return 1
@@ -115,3 +145,24 @@ def lost_follower(runtime: RankRuntime) -> str | None:
     taking the channel's heartbeat."""
     hub = runtime.liveness  # rank 0's end of the liveness link: a LivenessHub (None at tp=1)
     return runtime.channel.lost_follower or (hub.lost if hub is not None else None)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def _stop_unserved(host: LaneHost, leader: Leader, http: HttpServer | None, runtime: RankRuntime) -> None:
+    if http is not None:
+        http.stop(grace_s=0)
+    host.stop(grace_s=0)
+    try:
+        leader.stop()
+    except BackendBroken as error:
+        log.error("could not tell the followers to stop: %s", error)
+        return
+    shutdown(runtime)  # BYE on the liveness link: the followers' Stop is not a loss

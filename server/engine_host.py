@@ -57,6 +57,7 @@ def build_lane_host(
         # padding they would cost rows of their own.
         max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,
         draft_rows=ROW_TILE,
+        logprobs=leader.logprobs,  # the leader's own, past the recorder: only rank 0 has logits
     )
     return host, leader
 

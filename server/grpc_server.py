@@ -1,7 +1,8 @@
 """Rank 0's gRPC server: the Serving service, grpc.health.v1 Health and server reflection.
 
 Health reports SERVING while the lane host works and NOT_SERVING once it is broken or the server is
-stopping; a watcher thread keeps it current, so Watch callers see the change too. The lane host's
+stopping; a watcher thread keeps it current, so Watch callers see the change too. With an API key,
+every call but health needs `authorization: Bearer KEY` metadata (server/api_key.py). The lane host's
 own life (start, stop) belongs to whoever built it: stop this server first, then the host.
 """
 
@@ -15,9 +16,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tpserve.server.api_key import ApiKeyInterceptor
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
-from tpserve.server.servicer import ServingInfo, ServingServicer
+from tpserve.server.servicer import ServingServicer
+from tpserve.server.serving_info import ServingInfo
+from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2, serving_pb2_grpc
 
@@ -40,21 +44,28 @@ class GrpcServer:
         metrics_port: int | None = None,
         queue_size: int = 64,
         health_poll_s: float = 0.2,
+        submitter: Submitter | None = None,
+        api_key: str = "",
     ):
         """port 0 picks a free port (read it from `port` after start).
 
         metrics_port: serve Prometheus metrics there (on `host`) while this server runs; None
         serves none (0 picks a free port, read it from `metrics_port` after start). queue_size:
-        the lane host's, which sizes the thread pool.
+        the lane host's, which sizes the thread pool. submitter: the one the HTTP API shares (so
+        stopping either refuses new requests on both); None builds one. api_key: "" serves anyone.
         """
         self._lane_host = lane_host
         self._host = host
         self._address = f"{host}:{port}"
         self.metrics_port = metrics_port
-        self.metrics = (
-            metrics if metrics is not None else ServingMetrics(lane_host.stats, lane_host.prompt_cache)
-        )
-        self._servicer = ServingServicer(lane_host, tokenizer, info, self.metrics)
+        if submitter is None:
+            if metrics is None:
+                metrics = ServingMetrics(lane_host.stats, lane_host.prompt_cache)
+            submitter = Submitter(lane_host, tokenizer, info, metrics)
+        self.metrics = submitter.metrics
+        self._submitter = submitter
+        self._servicer = ServingServicer(submitter)
+        self._api_key = api_key
         self._health = health.HealthServicer()
         self._health_poll_s = health_poll_s
         # Each Generate holds a worker thread while its request waits or streams, so the pool must
@@ -73,6 +84,7 @@ class GrpcServer:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="grpc"),
             maximum_concurrent_rpcs=self._max_workers,
+            interceptors=(ApiKeyInterceptor(self._api_key),) if self._api_key else (),
         )
         serving_pb2_grpc.add_ServingServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -100,7 +112,7 @@ class GrpcServer:
         A draining daemon calls this first, so requests arriving during its grace period get the
         servicer's precise refusal rather than a closed port.
         """
-        self._servicer.begin_stopping()
+        self._submitter.begin_stopping()
         self._stop_watching.set()
         self._health.enter_graceful_shutdown()  # NOT_SERVING from now on, whatever else happens
 

@@ -33,6 +33,7 @@ from tpserve.server.requests import (
     HostStats,
     HostUnavailable,
     Prefilled,
+    TokenLogprob,
 )
 
 __all__ = ["LaneHost", "Stream", "HostStats"]
@@ -57,7 +58,10 @@ class LaneHost:
         prompt_cache: PromptCache | None = None,
         max_draft_tokens: int = 0,
         draft_rows: int = 16,
+        logprobs: Callable[[int, int], TokenLogprob | None] | None = None,
     ):
+        """logprobs(lane, position): the backend's log probability of the token its last pass
+        sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none."""
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
                 f"the backend needs at least one lane and one prompt token per pass "
@@ -68,6 +72,7 @@ class LaneHost:
         self._eos_ids = frozenset(eos_ids)
         self._clock = clock
         self._on_broken = on_broken
+        self._logprobs = logprobs
         self._room = backend.room
         self._context_size = backend.context_size
         self._cond = threading.Condition()  # guards _queue, _alive and the flags below
@@ -219,8 +224,11 @@ class LaneHost:
         self._take_token(job, token)
 
     def _take_token(self, job: Job, token: int) -> None:
+        logprob = None
+        if self._logprobs is not None and job.wants_logprobs and job.lane is not None:
+            logprob = self._logprobs(job.lane, job.next_token_position)
         try:
-            reason = job.accept(token, self._eos_ids, self._clock())
+            reason = job.accept(token, self._eos_ids, self._clock(), logprob)
         except Exception as error:  # a token the tokenizer cannot decode fails this stream alone
             self._end(job, ERROR, f"could not decode token {token}: {error}")
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tpserve.server.lane_stream import Stream
-from tpserve.server.requests import LENGTH, STOP, GenerationRequest, TokenDelta, Usage
+from tpserve.server.requests import LENGTH, STOP, GenerationRequest, TokenDelta, TokenLogprob, Usage
 from tpserve.server.text_stream import TextOut, TextStream
 
 
@@ -43,6 +43,8 @@ class Job:
         self.stream = Stream(lambda: cancel(self))
         self.text = TextStream(detokenize, request.stop, context_ids=request.prompt_ids)
         self.produced: list[int] = []  # every sampled token, sent or held back
+        self.logprobs: list[TokenLogprob | None] = []  # per produced token, when the request asks
+        self._num_tokens_sent = 0
         self.lane: int | None = None
         self.admitted_seq = 0  # when it last got a lane (the newest background stream yields first)
         self.cached_tokens = 0  # prompt tokens a cache restore supplied (none until the prompt cache)
@@ -70,9 +72,22 @@ class Job:
         """Where the last sampled token goes when a decode round feeds it."""
         return len(self.request.prompt_ids) + len(self.produced) - 1
 
-    def accept(self, token_id: int, eos_ids: frozenset[int], now: float) -> str | None:
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.sampling.logprobs >= 0
+
+    @property
+    def next_token_position(self) -> int:
+        """Where the next sampled token goes (its log probability is keyed by it)."""
+        return len(self.request.prompt_ids) + len(self.produced)
+
+    def accept(
+        self, token_id: int, eos_ids: frozenset[int], now: float, logprob: TokenLogprob | None = None
+    ) -> str | None:
         """Take one sampled token, send what text it releases; the finish reason when the reply ends."""
         self.produced.append(token_id)
+        if self.wants_logprobs:
+            self.logprobs.append(logprob)
         if self.first_token_at is None:
             self.first_token_at = now
         if token_id in eos_ids and not self.request.ignore_eos:
@@ -97,5 +112,9 @@ class Job:
         )
 
     def _send(self, out: TextOut) -> None:
-        if out:
-            self.stream.put(TokenDelta(out.token_ids, out.text))
+        if not out:
+            return
+        # Released tokens are the next of `produced`, in order (text_stream.py).
+        start, self._num_tokens_sent = self._num_tokens_sent, self._num_tokens_sent + len(out.token_ids)
+        logprobs = self.logprobs[start : self._num_tokens_sent] if self.wants_logprobs else []
+        self.stream.put(TokenDelta(out.token_ids, out.text, tuple(lp for lp in logprobs if lp is not None)))

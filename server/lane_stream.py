@@ -10,7 +10,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from tpserve.server.requests import Event, Finished
+from tpserve.server.requests import Event, Finished, TokenDelta
 
 
 class Stream:
@@ -73,3 +73,20 @@ class Stream:
     def cancel(self) -> None:
         """End the reply early (Finished "cancelled"); safe from any thread, returns at once."""
         self._cancel()
+
+
+def merge_deltas(events: list[Event]) -> list[Event]:
+    """Consecutive token deltas as one (their log probabilities too): the tokens a round released
+    reach the client in one message."""
+    merged: list[Event] = []
+    for event in events:
+        if isinstance(event, TokenDelta) and merged and isinstance(merged[-1], TokenDelta):
+            previous = merged[-1]
+            merged[-1] = TokenDelta(
+                previous.token_ids + event.token_ids,
+                previous.text + event.text,
+                previous.logprobs + event.logprobs,
+            )
+        else:
+            merged.append(event)
+    return merged

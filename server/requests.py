@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.ranks.sampling_params import SamplingParams
+from tpserve.ranks.sampling_params import SamplingParams, TokenLogprob
 
 __all__ = [
     "CANCELLED",
@@ -24,6 +24,7 @@ __all__ = [
     "QueueFull",
     "SamplingParams",
     "TokenDelta",
+    "TokenLogprob",
     "Usage",
 ]
 
@@ -82,6 +83,7 @@ class TokenDelta:
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request's sampling asked
 
 
 @dataclass(frozen=True)

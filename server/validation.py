@@ -32,6 +32,7 @@ class Limits:
     max_temperature: float = 100.0
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_logprobs: int = 20  # likeliest alternatives reported per token
 
 
 class RequestRefused(Exception):
@@ -147,6 +148,8 @@ def _check_sampling(request, limits: Limits) -> None:
         raise _invalid(f"min_p must be from 0 to 1 (got {request.min_p:g})")
     if request.HasField("seed") and request.seed > MAX_SEED:
         raise _invalid(f"seed must be below 2**63 (got {request.seed})")
+    if request.HasField("logprobs") and not 0 <= request.logprobs <= limits.max_logprobs:
+        raise _invalid(f"logprobs must be from 0 to {limits.max_logprobs} (got {request.logprobs})")
 
 
 def _check_stop(stop: Sequence[str], limits: Limits) -> None:
@@ -170,6 +173,7 @@ def sampling_from(request, fresh_seed: int) -> SamplingParams:
         top_k=request.top_k if request.HasField("top_k") else defaults.top_k,
         min_p=request.min_p if request.HasField("min_p") else defaults.min_p,
         seed=request.seed if request.HasField("seed") else fresh_seed,
+        logprobs=request.logprobs if request.HasField("logprobs") else defaults.logprobs,
     )
 
 

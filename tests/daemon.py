@@ -153,6 +153,7 @@ class Daemon:
     layout: str
     port: int
     metrics_port: int
+    http_port: int
     log_dir: Path
     launched: dict[str, subprocess.Popen] = field(default_factory=dict)  # log name -> process
     known: set[Proc] = field(default_factory=set)  # everything seen in the daemon's process trees
@@ -161,6 +162,11 @@ class Daemon:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what the openai client takes as base_url)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def channel(self) -> grpc.Channel:
@@ -301,6 +307,7 @@ def daemon_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a torchrun environment here would place the daemon's ranks
+    env.pop("TPSERVE_API_KEY", None)  # a key in the tester's shell would lock every test out
     return env
 
 
@@ -314,11 +321,13 @@ def launch(
     log_dir: str | Path,
     *args: str,
     ranks_to_start: tuple[int, ...] = (0, 1),
+    env: dict[str, str] | None = None,
 ) -> Daemon:
-    """Starts the daemon's processes (not waiting for them). `args` are further serve flags."""
+    """Starts the daemon's processes (not waiting for them). `args` are further serve flags; `env`,
+    variables to add to their environment."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    daemon = Daemon(layout, free_port(), free_port(), log_dir)
+    daemon = Daemon(layout, free_port(), free_port(), free_port(), log_dir)
     common = [
         "--model",
         str(model_dir),
@@ -326,6 +335,8 @@ def launch(
         str(daemon.port),
         "--metrics-port",
         str(daemon.metrics_port),
+        "--http-port",
+        str(daemon.http_port),
         "--threads-per-rank",
         "1",
         *args,
@@ -349,7 +360,7 @@ def launch(
             daemon.launched[name] = subprocess.Popen(
                 command,
                 cwd=REPO,
-                env=daemon_env(),
+                env={**daemon_env(), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -366,9 +377,10 @@ def running_daemon(
     *args: str,
     ranks_to_start: tuple[int, ...] = (0, 1),
     wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Daemon]:
     """A started daemon (serving, unless wait=False); every process of it is killed on exit."""
-    daemon = launch(layout, model_dir, log_dir, *args, ranks_to_start=ranks_to_start)
+    daemon = launch(layout, model_dir, log_dir, *args, ranks_to_start=ranks_to_start, env=env)
     try:
         if wait:
             daemon.wait_serving()
@@ -397,6 +409,7 @@ class Reply:
     code: grpc.StatusCode | None = None  # set when the call failed
     details: str = ""
     ended_at: float = 0.0  # time.monotonic()
+    logprobs: list = field(default_factory=list)  # serving_pb2.TokenLogprob, when the request asked
 
     @property
     def ok(self) -> bool:
@@ -414,6 +427,7 @@ def read_reply(call, reply: Reply | None = None, on_response=None) -> Reply:
                 reply.num_token_messages += 1
             reply.token_ids += response.token_ids
             reply.text += response.text
+            reply.logprobs += response.logprobs
             if response.finish_reason:
                 reply.finish_reason, reply.last = response.finish_reason, response
             if on_response is not None:

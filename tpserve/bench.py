@@ -1,13 +1,17 @@
 """`tpserve bench`: load a running server and report throughput and latency.
 
+The server is tpserve over gRPC (--target HOST:PORT) or any OpenAI-compatible HTTP API (--openai-url
+http://HOST:PORT/v1: tpserve's own, llama.cpp's server, vLLM), so one load can time several servers.
 Closed loop (--concurrency N: N clients, each sending its next request when the last one ends) or
 open loop (--rate R: Poisson arrivals at R requests/s, whatever the server's pace). Reports requests/s,
-output tokens/s, time to first token (TTFT) and time per output token (TPOT, after the first) at
+output tokens/s, time to first token (TTFT), time per output token (TPOT, after the first) and
+inter-token latency (ITL: the gap before each later message or event that carries tokens) at
 p50/p90/p99, as JSON on stdout and in DIR/summary.json, with each request in DIR/requests.jsonl and a
 plot in DIR/latency.png.
 
 Synthetic prompts are random token ids (--prompt-tokens long) with ignore_eos, so every reply is
-exactly --max-tokens long; --jsonl sends the prompts of a file instead (one JSON object a line with
+exactly --max-tokens long (over HTTP they go to /v1/completions as token ids, so the server's
+vocabulary size must be known: tpserve lists it, elsewhere give --vocab-size); --jsonl sends the prompts of a file instead (one JSON object a line with
 "prompt", "messages" or "prompt_token_ids", and optionally "max_tokens"), cycled to --num-requests.
 """
 
@@ -15,44 +19,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import grpc
 import numpy as np
+from tqdm import tqdm
 
+from tpserve.bench_senders import GrpcSender, OpenAISender, RequestResult
 from tpserve.ranks.errors import UserError
-from tpserve.v1 import serving_pb2, serving_pb2_grpc
+from tpserve.server.api_key import API_KEY_ENV
+from tpserve.v1 import serving_pb2
 
 PERCENTILES = (50, 90, 99)
-FAILED_REASONS = (serving_pb2.FINISH_REASON_CANCELLED, serving_pb2.FINISH_REASON_ERROR)
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    sent_s: float  # since the run began
-    ttft_s: float | None  # None when no token came
-    total_s: float
-    num_output_tokens: int
-    error: str | None  # the gRPC status code's name, or a finish reason other than stop/length
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.num_output_tokens < 2:
-            return None
-        return (self.total_s - self.ttft_s) / (self.num_output_tokens - 1)
+Send = Callable[[serving_pb2.GenerateRequest, float], RequestResult]
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="load a running server; report throughput and latency")
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--target", required=True, help="the server's host:port")
+    server = parser.add_mutually_exclusive_group(required=True)
+    server.add_argument("--target", help="a tpserve gRPC server's host:port")
+    server.add_argument(
+        "--openai-url", help="an OpenAI-compatible API's base URL, e.g. http://127.0.0.1:8000/v1"
+    )
+    parser.add_argument("--model", help="with --openai-url: the model to ask for (default: the first listed)")
+    parser.add_argument("--vocab-size", type=int, help="for random prompts, where the server does not say it")
+    parser.add_argument("--api-key", default=None, help=f"sent as Bearer KEY (default: ${API_KEY_ENV})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     load = parser.add_mutually_exclusive_group(required=True)
     load.add_argument("--concurrency", type=int, help="clients sending back to back")
     load.add_argument("--rate", type=float, help="Poisson arrivals per second")
@@ -101,31 +102,9 @@ def jsonl_requests(path: Path, num_requests: int, max_tokens: int) -> list[servi
     return [prompts[index % len(prompts)] for index in range(num_requests)]
 
 
-def send_one(stub, request, run_start: float, timeout_s: float) -> RequestResult:
-    sent = time.monotonic()
-    first: float | None = None
-    num_tokens = 0
-    error = None
-    try:
-        for response in stub.Generate(request, timeout=timeout_s):
-            if response.token_ids and first is None:
-                first = time.monotonic()
-            num_tokens += len(response.token_ids)
-            if response.finish_reason in FAILED_REASONS:
-                error = serving_pb2.FinishReason.Name(response.finish_reason)
-    except grpc.RpcError as rpc_error:
-        error = rpc_error.code().name
-    end = time.monotonic()
-    return RequestResult(
-        sent_s=sent - run_start,
-        ttft_s=None if first is None else first - sent,
-        total_s=end - sent,
-        num_output_tokens=num_tokens,
-        error=error,
-    )
-
-
-def run_closed_loop(stub, requests, concurrency: int, timeout_s: float) -> tuple[list[RequestResult], float]:
+def run_closed_loop(
+    send: Send, requests, concurrency: int, on_done: Callable[[], object]
+) -> tuple[list[RequestResult], float]:
     results: list[RequestResult | None] = [None] * len(requests)
     next_index = iter(range(len(requests)))
     lock = threading.Lock()
@@ -137,7 +116,8 @@ def run_closed_loop(stub, requests, concurrency: int, timeout_s: float) -> tuple
                 index = next(next_index, None)
             if index is None:
                 return
-            results[index] = send_one(stub, requests[index], start, timeout_s)
+            results[index] = send(requests[index], start)
+            on_done()
 
     with futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
         for done in [pool.submit(client) for _ in range(concurrency)]:
@@ -146,7 +126,7 @@ def run_closed_loop(stub, requests, concurrency: int, timeout_s: float) -> tuple
 
 
 def run_open_loop(
-    stub, requests, rate: float, seed: int, timeout_s: float
+    send: Send, requests, rate: float, seed: int, on_done: Callable[[], object]
 ) -> tuple[list[RequestResult], float]:
     rng = random.Random(seed + 1)
     start = time.monotonic()
@@ -157,7 +137,8 @@ def run_open_loop(
         for request in requests:
             arrival += rng.expovariate(rate)
             time.sleep(max(0.0, arrival - time.monotonic()))
-            pending.append(pool.submit(send_one, stub, request, start, timeout_s))
+            pending.append(pool.submit(send, request, start))
+            pending[-1].add_done_callback(lambda _: on_done())
         results = [done.result() for done in pending]
     return results, time.monotonic() - start
 
@@ -185,6 +166,7 @@ def summarize(results: list[RequestResult], duration_s: float, settings: dict) -
         "output_tokens_per_s": num_output_tokens / duration_s if duration_s > 0 else 0.0,
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_s": percentiles([gap for r in ok for gap in r.itl_s]),
     }
 
 
@@ -216,25 +198,39 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--concurrency must be at least 1")
     if args.rate is not None and not args.rate > 0:
         raise UserError("--rate must be above 0")
-    with grpc.insecure_channel(args.target) as channel:
-        stub = serving_pb2_grpc.ServingStub(channel)
-        try:
-            info = stub.Info(serving_pb2.InfoRequest(), timeout=30.0)
-        except grpc.RpcError as error:
-            raise UserError(f"cannot reach {args.target}: {error.code().name}: {error.details()}") from error
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
+    if args.openai_url is not None:
+        sender = OpenAISender(
+            args.openai_url,
+            api_key=api_key,
+            model=args.model,
+            timeout_s=args.timeout,
+            max_connections=args.concurrency or min(args.num_requests, 512),
+        )
+    else:
+        sender = GrpcSender(args.target, api_key=api_key, timeout_s=args.timeout)
+    try:
+        model_name, served_vocab_size = sender.describe()
         if args.jsonl is not None:
             requests = jsonl_requests(args.jsonl, args.num_requests, args.max_tokens)
         else:
+            vocab_size = args.vocab_size or served_vocab_size
+            if not vocab_size:
+                raise UserError(f"{sender.target} does not say its vocabulary size: give --vocab-size")
             requests = synthetic_requests(
-                args.num_requests, args.prompt_tokens, args.max_tokens, info.vocab_size, args.seed
+                args.num_requests, args.prompt_tokens, args.max_tokens, vocab_size, args.seed
             )
-        if args.concurrency is not None:
-            results, duration_s = run_closed_loop(stub, requests, args.concurrency, args.timeout)
-        else:
-            results, duration_s = run_open_loop(stub, requests, args.rate, args.seed, args.timeout)
+        with tqdm(total=len(requests), desc="bench", unit="req", disable=args.no_progress) as bar:
+            if args.concurrency is not None:
+                results, duration_s = run_closed_loop(sender.send, requests, args.concurrency, bar.update)
+            else:
+                results, duration_s = run_open_loop(sender.send, requests, args.rate, args.seed, bar.update)
+    finally:
+        sender.close()
     settings = {
-        "target": args.target,
-        "model": info.model_name,
+        "target": sender.target,
+        "api": "openai" if args.openai_url is not None else "grpc",
+        "model": model_name,
         "concurrency": args.concurrency,
         "rate": args.rate,
         "num_requests": args.num_requests,

@@ -6,11 +6,13 @@ The finish reason and usage go to stderr, so stdout holds the reply alone.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 
 from tpserve.ranks.errors import UserError
+from tpserve.server.api_key import API_KEY_ENV
 from tpserve.v1 import serving_pb2, serving_pb2_grpc
 
 
@@ -33,6 +35,7 @@ def register(subparsers) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--background", action="store_true", help="run at background priority")
     parser.add_argument("--timeout", type=float, help="give up after this many seconds")
+    parser.add_argument("--api-key", default=None, help=f"sent as Bearer KEY (default: ${API_KEY_ENV})")
     parser.set_defaults(run=run)
 
 
@@ -74,11 +77,13 @@ def describe_finish(response: serving_pb2.GenerateResponse) -> str:
 
 def run(args: argparse.Namespace) -> int:
     request = build_request(args)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     final = None
     with grpc.insecure_channel(args.target) as channel:
         stub = serving_pb2_grpc.ServingStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 if response.text:
                     sys.stdout.write(response.text)
                     sys.stdout.flush()

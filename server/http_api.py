@@ -1,0 +1,272 @@
+"""Rank 0's OpenAI-compatible HTTP API: a Starlette app over the same Submitter as gRPC.
+
+Routes: POST /v1/chat/completions and /v1/completions (whole, or server-sent events with
+`stream: true`), GET /v1/models, GET /v1/models/{id} and GET /health (open without the API key).
+Starlette because it is the small ASGI core FastAPI itself is built on: requests are checked by
+hand against the gRPC wording (server/openai_request.py), so FastAPI's pydantic layer would only
+add a second, differently worded set of refusals. A client that disconnects cancels its stream.
+
+The lane host's streams are read on worker threads (a Stream's wait blocks), one per live reply at
+a time; the pool is sized like the gRPC server's so a queued request is never stuck behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.to_thread
+import grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tpserve.server.api_key import UNAUTHENTICATED, key_matches
+from tpserve.server.http_errors import error_json, param_of, status_of
+from tpserve.server.lane_stream import Stream, merge_deltas
+from tpserve.server.openai_reply import ReplyShape
+from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
+from tpserve.server.requests import ERROR, Event, Finished, TokenDelta
+from tpserve.server.submitter import Submitter
+from tpserve.server.validation import RequestRefused
+
+MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
+EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
+
+
+class HttpRefusal(Exception):
+    """A request refused before it reaches the Submitter: an HTTP status and the message."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class OpenAIApi:
+    def __init__(
+        self, submitter: Submitter, *, api_key: str = "", poll_s: float = 0.25, queue_size: int = 64
+    ):
+        self._submitter = submitter
+        self._api_key = api_key
+        self._model = submitter.info.model_name
+        self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
+        self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+        handlers = {HTTPException: _http_exception}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
+
+    @asynccontextmanager
+    async def _lifespan(self, app) -> AsyncIterator[None]:
+        # Created on the server's event loop, where anyio can tell which loop it is.
+        self._limiter = anyio.CapacityLimiter(self._num_threads)
+        yield
+
+    # --- routes ---------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self._submitter.serving:
+            return JSONResponse({"status": "serving"})
+        return JSONResponse({"status": "not serving"}, status_code=503)
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _unauthorized()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _unauthorized()
+        if request.path_params["model_id"] != self._model:
+            return _refusal(self._unknown_model(request.path_params["model_id"]))
+        return JSONResponse(self._model_card())
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion)
+
+    # --- generating -----------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            parsed = parse(await _read_json(request))
+            if parsed.model is not None and parsed.model != self._model:
+                raise self._unknown_model(parsed.model)
+            stream = await anyio.to_thread.run_sync(
+                self._submitter.submit, parsed.generate, limiter=self._limiter
+            )
+        except (HttpRefusal, RequestRefused) as refusal:
+            return _refusal(refusal)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        shape = ReplyShape(
+            chat=parsed.chat,
+            model=self._model,
+            return_token_ids=parsed.return_token_ids,
+            logprobs=parsed.generate.HasField("logprobs"),
+            token_text=self._token_text,
+        )
+        if parsed.stream:
+            events = self._server_sent_events(stream, shape, parsed.include_usage)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return await self._whole(request, stream, shape)
+
+    async def _whole(self, request: Request, stream: Stream, shape: ReplyShape) -> Response:
+        text, token_ids, logprobs = [], [], []
+        async for event in self._events(stream, request):
+            if isinstance(event, TokenDelta):
+                text.append(event.text)
+                token_ids += event.token_ids
+                logprobs += event.logprobs
+            elif isinstance(event, Finished):
+                refusal = self._failure(event)
+                if refusal is not None:
+                    return _refusal(refusal)
+                return JSONResponse(
+                    shape.whole("".join(text), token_ids, event.reason, event.usage, logprobs)
+                )
+        return Response(status_code=499)  # the client went away; its stream is cancelled
+
+    async def _server_sent_events(
+        self, stream: Stream, shape: ReplyShape, include_usage: bool
+    ) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client disconnects; _events then cancels the
+        # stream, so its lane is freed at the host's next boundary.
+        if shape.chat:
+            yield _sse(shape.first_chunk())
+        async for event in self._events(stream, None):
+            if isinstance(event, TokenDelta):
+                if event.text or event.logprobs or shape.return_token_ids:
+                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs))
+            elif isinstance(event, Finished):
+                refusal = self._failure(event)
+                if refusal is not None:
+                    yield _sse(error_json(status_of(refusal.code), refusal.message))
+                    break
+                yield _sse(shape.chunk("", reason=event.reason))
+                if include_usage:
+                    yield _sse(shape.usage_chunk(event.usage))
+        yield "data: [DONE]\n\n"
+
+    async def _events(self, stream: Stream, request: Request | None) -> AsyncIterator[Event]:
+        """The stream's events up to Finished, read on a worker thread; a client that goes away
+        (seen through `request`, or by this generator being cancelled) cancels the stream."""
+        finished = False
+        last_delta_at: float | None = None
+        try:
+            while not finished:
+                events = await anyio.to_thread.run_sync(
+                    stream.next_events, self._poll_s, limiter=self._limiter
+                )
+                events = merge_deltas(events)
+                for event in events:
+                    finished = finished or isinstance(event, Finished)
+                    if isinstance(event, TokenDelta):
+                        last_delta_at = self._submitter.count_delta(event, last_delta_at)
+                    yield event
+                if request is not None and not finished and await request.is_disconnected():
+                    return
+        finally:
+            if not finished:
+                stream.cancel()
+                self._submitter.count_gone()
+
+    def _failure(self, event: Finished) -> RequestRefused | None:
+        """How a reply that ended in an error answers (counting every ending in the metrics): a
+        broken engine as UNAVAILABLE (503), this stream's own failure as INTERNAL (500); None for
+        replies that ended well. OpenAI's finish reasons have no word for an error."""
+        refusal = self._submitter.broke_mid_reply(event)
+        if refusal is not None:
+            return refusal
+        self._submitter.count_finished(event)
+        if event.reason == ERROR:
+            return RequestRefused(grpc.StatusCode.INTERNAL, event.error or "the reply failed")
+        return None
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _authorized(self, request: Request) -> bool:
+        return key_matches(request.headers.get("authorization"), self._api_key)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._submitter.tokenizer.decode([token_id])
+
+    def _model_card(self) -> dict:
+        info = self._submitter.info
+        return {
+            "id": self._model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tpserve",
+            "max_model_len": info.context_size,
+            "vocab_size": self._submitter.tokenizer.vocab_size,  # for clients that send token ids
+        }
+
+    def _unknown_model(self, name: str) -> HttpRefusal:
+        message = f"the model {name!r} does not exist; this server serves {self._model!r}"
+        return HttpRefusal(404, message, param="model", code="model_not_found")
+
+
+async def _read_json(request: Request) -> dict:
+    declared = request.headers.get("content-length")
+    too_large = HttpRefusal(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise HttpRefusal(400, f"the request body is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise HttpRefusal(400, "the request body must be a JSON object")
+    return value
+
+
+def _sse(value: dict) -> str:
+    return f"data: {json.dumps(value, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _refusal(refusal: HttpRefusal | RequestRefused) -> JSONResponse:
+    if isinstance(refusal, HttpRefusal):
+        body = error_json(refusal.status, refusal.message, param=refusal.param, code=refusal.code)
+        return JSONResponse(body, status_code=refusal.status)
+    status = status_of(refusal.code)
+    param = refusal.param if isinstance(refusal, FieldRefused) else param_of(refusal.message)
+    body = error_json(status, refusal.message, param=param, code=refusal.code.name.lower())
+    return JSONResponse(body, status_code=status)
+
+
+def _unauthorized() -> JSONResponse:
+    body = error_json(401, UNAUTHENTICATED, code="invalid_api_key")
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _http_exception(request: Request, error: HTTPException) -> JSONResponse:
+    """Unknown paths (404) and methods (405) answer as OpenAI errors too."""
+    message = {
+        404: f"no route {request.url.path}",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }
+    body = error_json(error.status_code, message.get(error.status_code, str(error.detail)))
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)

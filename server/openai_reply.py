@@ -1,0 +1,128 @@
+"""The OpenAI objects one reply is answered with: whole (chat.completion, text_completion) or as
+streamed chunks, its usage and its log probabilities. Plain dicts, ready for JSON; nothing here
+waits or decides."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+
+from tpserve.server.requests import CANCELLED, LENGTH, STOP, TokenLogprob, Usage
+
+FINISH_REASONS = {STOP: "stop", LENGTH: "length", CANCELLED: "cancelled"}
+
+
+def usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class ReplyShape:
+    """One reply's id, model and kind, and the objects that carry it."""
+
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        model: str,
+        return_token_ids: bool,
+        logprobs: bool = False,
+        token_text: Callable[[int], str] = str,
+    ):
+        self.chat = chat
+        self.model = model
+        self.return_token_ids = return_token_ids
+        self.logprobs = logprobs  # the request asked for them
+        self._token_text = token_text  # one token id's text, for the logprobs' `token` fields
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def whole(
+        self,
+        text: str,
+        token_ids: list[int],
+        reason: str,
+        usage: Usage,
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> dict:
+        choice: dict = {
+            "index": 0,
+            "finish_reason": FINISH_REASONS[reason],
+            "logprobs": self._logprobs(logprobs),
+        }
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._object(kind, [choice]), "usage": usage_json(usage)}
+
+    def chunk(
+        self,
+        text: str,
+        token_ids: tuple[int, ...] = (),
+        reason: str | None = None,
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> dict:
+        """A streamed piece: new text (the chat's first piece names the role), or the finish reason."""
+        choice: dict = {"index": 0, "finish_reason": None if reason is None else FINISH_REASONS[reason]}
+        if self.chat:
+            choice["delta"] = {} if reason is not None else {"content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(logprobs) if reason is None else None
+        if self.return_token_ids and reason is None:
+            choice["token_ids"] = list(token_ids)
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def first_chunk(self) -> dict:
+        """The chat's opening piece: the role, no text yet (as OpenAI's own streams begin)."""
+        chunk = self.chunk("")
+        chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return chunk
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """stream_options.include_usage: a last piece with no choices, only the usage."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._object(kind, []), "usage": usage_json(usage)}
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict | None:
+        """OpenAI's shape: chat's `content` entries, or the completions API's parallel lists."""
+        if not self.logprobs:
+            return None
+        text = self._token_text
+        if self.chat:
+            return {"content": [self._chat_entry(lp) for lp in logprobs], "refusal": None}
+        offsets, at = [], 0
+        for lp in logprobs:
+            offsets.append(at)
+            at += len(text(lp.token_id))
+        return {
+            "tokens": [text(lp.token_id) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, lp: TokenLogprob) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            token = self._token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "token_id": token_id}
+
+        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}

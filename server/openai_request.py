@@ -1,0 +1,244 @@
+"""OpenAI JSON bodies -> tpserve.v1 GenerateRequest, so the HTTP API shares gRPC's checks and wording.
+
+This checks only what the proto cannot hold or the OpenAI API adds (types, lists of prompts, `n`,
+fields this server does not support), naming the field; every range check and its wording stays
+in server/validation.py. Unset sampling fields take the server's defaults, as on gRPC (greedy).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import grpc
+
+from tpserve.server.validation import MAX_SEED, RequestRefused
+from tpserve.v1 import serving_pb2
+
+INT32_MAX = 2**31 - 1
+PART_TYPES = ("text", "image_url", "video_url", "input_audio")
+# Fields a client may send with their neutral value only: anything else would be silently ignored.
+NEUTRAL = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+
+
+class FieldRefused(RequestRefused):
+    """A bad field of an OpenAI body: INVALID_ARGUMENT, and the field's name (the error's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One chat or completion request: the GenerateRequest to run and how to answer it."""
+
+    generate: serving_pb2.GenerateRequest
+    chat: bool  # chat.completion objects, else text_completion
+    model: str | None  # None: whatever this server serves
+    stream: bool  # server-sent events, else one JSON object
+    include_usage: bool  # a last streamed chunk with the usage (stream_options.include_usage)
+    return_token_ids: bool  # token_ids in each choice (an extension, as vLLM's)
+
+
+def parse_chat(body: dict) -> OpenAIRequest:
+    request = serving_pb2.GenerateRequest()
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise FieldRefused("messages", "messages must be a non-empty list of messages")
+    for index, message in enumerate(messages):
+        _add_message(request, message, index)
+    wants_logprobs = _flag(body, "logprobs")
+    num_top = None if body.get("top_logprobs") is None else _int32("top_logprobs", body["top_logprobs"])
+    if num_top and not wants_logprobs:
+        raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
+    if wants_logprobs:
+        request.logprobs = num_top or 0
+    return _finish(body, request, chat=True)
+
+
+def parse_completion(body: dict) -> OpenAIRequest:
+    request = serving_pb2.GenerateRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
+        if not all(-INT32_MAX - 1 <= token <= INT32_MAX for token in prompt):
+            raise FieldRefused("prompt", "prompt holds a token id out of range")
+        request.prompt_token_ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise FieldRefused("prompt", "prompt: one prompt per request (this server returns one choice)")
+    elif prompt == []:
+        raise FieldRefused("prompt", "prompt is empty")
+    else:
+        raise FieldRefused("prompt", "prompt must be a string or a list of token ids")
+    if body.get("logprobs") is not None:
+        request.logprobs = _int32("logprobs", body["logprobs"])
+    return _finish(body, request, chat=False)
+
+
+def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> OpenAIRequest:
+    for name, neutral in NEUTRAL.items():
+        _refuse_set(name, name in body and not any(_same(body[name], value) for value in neutral))
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise FieldRefused("n", f"n must be 1 (got {n!r}): this server returns one choice per request")
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+    if max_tokens is not None:
+        request.max_tokens = _int32(name, max_tokens)
+    for name in ("temperature", "top_p", "min_p"):
+        if body.get(name) is not None:
+            setattr(request, name, _number(name, body[name]))
+    if body.get("top_k") is not None:
+        request.top_k = _int32("top_k", body["top_k"])  # 0 is off (vLLM's -1 is refused, as on gRPC)
+    if body.get("seed") is not None:
+        request.seed = _seed(body["seed"])
+    request.stop.extend(_stop(body.get("stop")))
+    request.ignore_eos = _flag(body, "ignore_eos")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise FieldRefused("user", "user must be a string")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldRefused("model", "model must be a string")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise FieldRefused("stream_options", "stream_options must be an object")
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    return OpenAIRequest(
+        generate=request,
+        chat=chat,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        return_token_ids=_flag(body, "return_token_ids"),
+    )
+
+
+def _add_message(request: serving_pb2.GenerateRequest, message, index: int) -> None:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise FieldRefused(where, f"{where} must be an object with role and content")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise FieldRefused(f"{where}.role", f"{where}.role must be a string")
+    role = "system" if role == "developer" else role  # OpenAI's newer name for the system role
+    added = request.messages.add(role=role)
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        added.content = content or ""
+    elif isinstance(content, list):
+        for part_index, part in enumerate(content):
+            _add_part(added, part, f"{where}.content[{part_index}]")
+    else:
+        raise FieldRefused(f"{where}.content", f"{where}.content must be a string or a list of parts")
+
+
+def _add_part(message: serving_pb2.ChatMessage, part, where: str) -> None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in PART_TYPES:
+        raise FieldRefused(f"{where}.type", f"{where}.type {kind!r} is not one of {', '.join(PART_TYPES)}")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise FieldRefused(f"{where}.text", f"{where}.text must be a string")
+        message.parts.add(text=part["text"])
+    elif kind == "input_audio":
+        audio = part.get("input_audio") or {}
+        data = audio.get("data", "") if isinstance(audio, dict) else ""
+        kind_of = audio.get("format", "wav") if isinstance(audio, dict) else "wav"
+        message.parts.add(media=serving_pb2.Media(mime_type=f"audio/{kind_of}", data=str(data).encode()))
+    else:
+        message.parts.add(media=_media(part, kind, where))
+
+
+def _media(part: dict, kind: str, where: str) -> serving_pb2.Media:
+    """An image_url or video_url part: a data URL's own type and bytes, else the URL itself."""
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise FieldRefused(f"{where}.{kind}", f"{where}.{kind}.url must be a string")
+    fallback = "image/*" if kind == "image_url" else "video/*"
+    if url.startswith("data:") and ";base64," in url:
+        header, _, data = url.partition(";base64,")
+        try:
+            return serving_pb2.Media(mime_type=header[5:] or fallback, data=base64.b64decode(data))
+        except (binascii.Error, ValueError):
+            raise FieldRefused(f"{where}.{kind}", f"{where}.{kind}.url is not valid base64") from None
+    return serving_pb2.Media(mime_type=fallback, data=url.encode())
+
+
+def _refuse_set(name: str, is_set: bool) -> None:
+    if is_set:
+        raise FieldRefused(name, f"{name} is not supported by this server")
+
+
+def _same(value, neutral) -> bool:
+    if neutral is None:
+        return value is None
+    return type(value) is type(neutral) and value == neutral
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int32(name: str, value) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise FieldRefused(name, f"{name} must be an integer (got {value!r})")
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise FieldRefused(name, f"{name} is out of range (got {value})")
+    return value
+
+
+def _number(name: str, value) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise FieldRefused(name, f"{name} must be a number (got {value!r})")
+    return float(value)  # NaN and infinities (which Python's JSON reads) fail validation's ranges
+
+
+def _seed(value) -> int:
+    if not _is_int(value):
+        raise FieldRefused("seed", f"seed must be an integer (got {value!r})")
+    if value < 0:
+        raise FieldRefused("seed", f"seed must be 0 or more (got {value})")
+    if value > MAX_SEED:
+        raise FieldRefused("seed", f"seed must be below 2**63 (got {value})")
+    return value
+
+
+def _stop(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise FieldRefused("stop", "stop must be a string or a list of strings")
+
+
+def _flag(body: dict, key: str, name: str | None = None) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise FieldRefused(name or key, f"{name or key} must be true or false (got {value!r})")
+    return value

@@ -1,0 +1,19 @@
+"""What this server runs and what requests are checked against: one frozen value both APIs read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServingInfo:
+    """What Info (gRPC) and /v1/models (HTTP) report, and the limits requests are checked against
+    (besides the tokenizer's vocabulary)."""
+
+    model_name: str
+    tp_size: int
+    num_lanes: int
+    context_size: int
+    room: int
+    vision: bool = False
+    default_max_tokens: int = 256

@@ -1,0 +1,188 @@
+"""What both front ends (gRPC and HTTP) do with a request before and after the lane host runs it.
+
+A request arrives as a tpserve.v1 GenerateRequest (the HTTP API translates OpenAI JSON into one), so
+both APIs share one set of checks and one wording (server/validation.py, tests/golden/errors/). This
+module checks it, tokenizes it (the chat template included), submits it and turns the host's own
+refusals (queue full, stopping, broken) into RequestRefused; it also counts outcomes in the metrics.
+Nothing protocol-specific lives here.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import grpc
+
+from tpserve.ranks.errors import UserError
+from tpserve.server.lane_host import LaneHost
+from tpserve.server.lane_stream import Stream
+from tpserve.server.metrics import ServingMetrics
+from tpserve.server.requests import (
+    CANCELLED,
+    ERROR,
+    Finished,
+    GenerationRequest,
+    HostUnavailable,
+    QueueFull,
+    TokenDelta,
+)
+from tpserve.server.serving_info import ServingInfo
+from tpserve.server.tokenizer import Tokenizer
+from tpserve.server.validation import (
+    Limits,
+    RequestRefused,
+    check_generate,
+    check_messages,
+    max_tokens_for,
+    sampling_from,
+    tokenize_kind,
+)
+
+QUEUE_FULL = "the queue is full; try again later"
+ENGINE_BROKEN = "the engine is broken; the server must be restarted"
+ENGINE_BROKE_MID_REPLY = "the engine broke during this reply; the server must be restarted"
+STOPPING = "the server is stopping"
+NO_MEDIA_MODEL = "this server's model reads no image or video inputs"
+
+
+class Submitter:
+    def __init__(
+        self,
+        lane_host: LaneHost,
+        tokenizer: Tokenizer,
+        info: ServingInfo,
+        metrics: ServingMetrics | None = None,
+    ):
+        self.lane_host = lane_host
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.limits = Limits(
+            context_size=info.context_size,
+            vocab_size=tokenizer.vocab_size,
+            room=info.room if info.room < info.context_size else None,
+            vision=info.vision,
+            default_max_tokens=info.default_max_tokens,
+        )
+        self._stopping = False
+
+    @property
+    def serving(self) -> bool:
+        """False once the engine is broken or the server is stopping (health reports this)."""
+        return not (self.lane_host.broken or self._stopping)
+
+    def begin_stopping(self) -> None:
+        """From now on every new request is refused with UNAVAILABLE "the server is stopping"."""
+        self._stopping = True
+
+    def submit(self, request) -> Stream:
+        """A checked, tokenized GenerateRequest on the lane host; RequestRefused when it will not run
+        (counted in the metrics)."""
+        try:
+            return self._submit(request)
+        except RequestRefused as refusal:
+            self.metrics.count_outcome(refusal.code.name.lower())
+            raise
+
+    def _submit(self, request) -> Stream:
+        # A broken engine is the news a client can act on (the server needs a restart), so it
+        # comes first, also while the broken daemon is on its way out.
+        if self.lane_host.broken:
+            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, ENGINE_BROKEN)
+        if self._stopping:
+            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, STOPPING)
+        kind = check_generate(request, self.limits)
+        boundaries: tuple[int, ...] = ()
+        if kind == "prompt":
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        elif kind == "messages":
+            prompt_ids = self.encode_chat(request.messages)
+            boundaries = self.chat_boundaries(request.messages, prompt_ids)
+        else:
+            prompt_ids = list(request.prompt_token_ids)
+        job = GenerationRequest(
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=max_tokens_for(request, len(prompt_ids), self.limits),
+            sampling=sampling_from(request, fresh_seed=secrets.randbits(63)),
+            stop=tuple(request.stop),
+            ignore_eos=request.ignore_eos,
+            background=request.background,
+            keep_boundaries=boundaries,
+        )
+        try:
+            return self.lane_host.submit(job)
+        except QueueFull as error:
+            raise RequestRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, QUEUE_FULL) from error
+        except HostUnavailable as error:
+            message = ENGINE_BROKEN if self.lane_host.broken else STOPPING
+            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, message) from error
+        except ValueError as error:
+            # The host's own checks; validation refuses all of these first unless the limits given
+            # here disagree with the backend's.
+            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+
+    def broke_mid_reply(self, event: Finished) -> RequestRefused | None:
+        """The refusal a stream that ended in ERROR because the whole engine broke fails with (not
+        this request's fault: clients retry UNAVAILABLE elsewhere); None for any other ending."""
+        if event.reason == ERROR and self.lane_host.broken:
+            self.metrics.count_outcome(grpc.StatusCode.UNAVAILABLE.name.lower())
+            return RequestRefused(grpc.StatusCode.UNAVAILABLE, f"{ENGINE_BROKE_MID_REPLY} ({event.error})")
+        return None
+
+    def count_finished(self, event: Finished) -> None:
+        usage = event.usage
+        self.metrics.count_outcome(event.reason)
+        self.metrics.count_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        if usage.time_to_first_token_s is not None:
+            self.metrics.time_to_first_token.observe(usage.time_to_first_token_s)
+
+    def count_delta(self, event: TokenDelta, last_delta_at: float | None) -> float:
+        """Observes the time per token since the stream's previous delta (the first delta's wait is
+        time to first token, counted at the end); returns now, for the next call."""
+        now = time.monotonic()
+        if event.token_ids and last_delta_at is not None:
+            self.metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
+        return now
+
+    def count_gone(self) -> None:
+        """A client went away before its stream's Finished reached it."""
+        self.metrics.count_outcome(CANCELLED)
+
+    def tokenize(self, request) -> list[int]:
+        """A TokenizeRequest's token ids, as Generate would see them."""
+        if tokenize_kind(request) == "text":
+            return self.tokenizer.encode(request.text)
+        check_messages(request.messages, self.limits)
+        return self.encode_chat(request.messages)
+
+    def chat_boundaries(self, messages, prompt_ids: list[int]) -> tuple[int, ...]:
+        """Where later chats are likely to share this one's prefix: the end of a leading system
+        message, and the start of the last message (the history before it). Offsets only where the
+        template renders that part of the chat as a prefix of the whole."""
+        cuts = {len(messages) - 1}
+        if messages[0].role == "system":
+            cuts.add(1)
+        boundaries = []
+        for cut in sorted(c for c in cuts if 0 < c < len(messages)):
+            try:
+                head = self.encode_chat(messages[:cut], add_generation_prompt=False)
+            except RequestRefused:
+                continue
+            if head and prompt_ids[: len(head)] == head:
+                boundaries.append(len(head))
+        return tuple(boundaries)
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Checked messages -> token ids through the model's chat template."""
+        chat = []
+        for message in messages:
+            if any(part.HasField("media") for part in message.parts):
+                # Validation let media through (--vision), but no model here reads it yet.
+                raise RequestRefused(grpc.StatusCode.UNIMPLEMENTED, NO_MEDIA_MODEL)
+            content = "".join(part.text for part in message.parts) if message.parts else message.content
+            chat.append({"role": message.role, "content": content})
+        try:
+            return self.tokenizer.encode_chat(chat, add_generation_prompt=add_generation_prompt)
+        except UserError as error:  # the template refused the conversation, or there is none
+            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error

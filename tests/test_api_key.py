@@ -1,0 +1,114 @@
+"""The API key guards both APIs: gRPC wants `authorization: Bearer KEY` metadata and HTTP the same
+header; a missing or wrong key gets UNAUTHENTICATED or 401 with one fixed message; health stays open.
+
+The daemon is real and takes its key from the environment (TPSERVE_API_KEY), as a deployment
+keeping the secret off its command line would.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+from daemon import SERVING, read_reply, running_daemon, write_daemon_model
+from test_grpc_api import run_command
+
+from tpserve import bench, client
+from tpserve.server.api_key import UNAUTHENTICATED
+from tpserve.server.config import load_config
+from tpserve.v1 import serving_pb2
+
+KEY = "s3cret-key-for-tests"
+WRONG_KEYS = [None, "", "Bearer wrong-key", f"Basic {KEY}", f"Bearer {KEY}x", KEY]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    model_dir = write_daemon_model(tmp_path_factory.mktemp("key-model"))
+    log_dir = tmp_path_factory.mktemp("key-logs")
+    env = {"TPSERVE_API_KEY": KEY}
+    with running_daemon("spawn", model_dir, log_dir, "--context", "256", env=env) as served:
+        yield served
+
+
+def metadata(authorization: str | None) -> tuple:
+    return () if authorization is None else (("authorization", authorization),)
+
+
+def headers(authorization: str | None) -> dict:
+    return {} if authorization is None else {"authorization": authorization}
+
+
+def test_grpc_needs_the_key(daemon):
+    request = serving_pb2.GenerateRequest(prompt="hello", max_tokens=4)
+    for authorization in WRONG_KEYS:
+        reply = read_reply(daemon.stub.Generate(request, timeout=30, metadata=metadata(authorization)))
+        assert (reply.code, reply.details, reply.token_ids) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            UNAUTHENTICATED,
+            [],
+        )
+        with pytest.raises(grpc.RpcError) as raised:
+            daemon.stub.Info(serving_pb2.InfoRequest(), timeout=30, metadata=metadata(authorization))
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    right = metadata(f"Bearer {KEY}")
+    reply = read_reply(daemon.stub.Generate(request, timeout=30, metadata=right))
+    assert reply.ok and len(reply.token_ids) == 4
+    assert daemon.stub.Info(serving_pb2.InfoRequest(), timeout=30, metadata=right).num_lanes == 8
+    assert daemon.health() == SERVING  # no key needed
+
+
+def test_http_needs_the_key(daemon):
+    body = {"prompt": "hello", "max_tokens": 4}
+    for authorization in WRONG_KEYS:
+        for method, path, payload in (("POST", "completions", body), ("GET", "models", None)):
+            response = httpx.request(
+                method, f"{daemon.http_url}/{path}", json=payload, headers=headers(authorization), timeout=30
+            )
+            assert response.status_code == 401
+            assert response.json()["error"]["message"] == UNAUTHENTICATED
+            assert response.headers["www-authenticate"] == "Bearer"
+    right = headers(f"Bearer {KEY}")
+    response = httpx.post(f"{daemon.http_url}/completions", json=body, headers=right, timeout=30)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    health = httpx.get(f"http://127.0.0.1:{daemon.http_port}/health", timeout=30)
+    assert health.status_code == 200
+
+
+def test_the_openai_client_with_the_key_and_without(daemon):
+    with openai.OpenAI(base_url=daemon.http_url, api_key=KEY, max_retries=0) as client:
+        (model,) = client.models.list().data
+        reply = client.completions.create(model=model.id, prompt="hello", max_tokens=4)
+        assert reply.usage.completion_tokens == 4
+    wrong = openai.OpenAI(base_url=daemon.http_url, api_key="not-the-key", max_retries=0)
+    with wrong, pytest.raises(openai.AuthenticationError) as raised:
+        wrong.completions.create(model=model.id, prompt="hello", max_tokens=4)
+    assert raised.value.status_code == 401 and raised.value.body["message"] == UNAUTHENTICATED
+
+
+def test_the_key_comes_from_a_flag_over_the_environment_over_yaml(tmp_path):
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("api_key: from-yaml\n")
+    assert load_config(config_file, {}, environ={}).api_key == "from-yaml"
+    assert load_config(config_file, {}, environ={"TPSERVE_API_KEY": "from-env"}).api_key == "from-env"
+    flagged = load_config(config_file, {"api_key": "from-flag"}, environ={"TPSERVE_API_KEY": "from-env"})
+    assert flagged.api_key == "from-flag"
+    assert "from-flag" not in repr(flagged)  # never in a log line that prints the config
+    default = load_config(None, {}, environ={})
+    assert default.api_key == "" and default.http_port == 8000
+
+
+def test_the_client_and_bench_commands_send_the_key(daemon, tmp_path, capsys):
+    chat = ["client", "--target", daemon.target, "--prompt", "hi", "--max-tokens", "3", "--ignore-eos"]
+    assert run_command(client, chat) == 1  # no key
+    assert capsys.readouterr().err == f"error: UNAUTHENTICATED: {UNAUTHENTICATED}\n"
+    assert run_command(client, [*chat, "--api-key", KEY]) == 0
+    assert "3 completion tokens" in capsys.readouterr().err
+    load = ["--concurrency", "2", "--num-requests", "2", "--prompt-tokens", "4", "--max-tokens", "3"]
+    for server in (["--target", daemon.target], ["--openai-url", daemon.http_url]):
+        argv = ["bench", *server, *load, "--api-key", KEY, "--no-progress", "--out", str(tmp_path)]
+        assert run_command(bench, argv) == 0
+        assert json.loads(capsys.readouterr().out)["num_ok"] == 2
