@@ -189,7 +189,7 @@ def pair(
     for. Layout "ranks": launch.sh execs the rank, so each launched process is its rank."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    daemon = Pair("ranks", free_port(), free_port(), log_dir)
+    daemon = Pair("ranks", free_port(), free_port(), free_port(), log_dir)
     daemon.master = f"{link.near_address}:{free_port_on(link.near_address)}"
     daemon.args = (
         "--model",
@@ -198,6 +198,8 @@ def pair(
         str(daemon.port),
         "--metrics-port",
         str(daemon.metrics_port),
+        "--http-port",
+        str(daemon.http_port),
         "--threads-per-rank",
         "1",
         "--cpu-collectives",
