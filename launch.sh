@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Starts tpserve's ranks; every flag but --rank/--master goes to `tpserve serve` (see --help there).
 #   One host, both ranks here:   ./launch.sh [--config configs/default.yaml] [--port 50051] ...
-#   Two hosts, one GPU each:     host A: ./launch.sh --config configs/gb10-pair.yaml --rank 0 --master A[:PORT]
-#                                host B: ./launch.sh --config configs/gb10-pair.yaml --rank 1 --master A[:PORT]
-# Rank 0 serves gRPC. The ranks run under torchrun, which stops both when either fails; run this
-# under a supervisor (systemd, a container restart policy) to have the pair restarted.
+#   Two hosts, one GPU each:     host A: ./launch.sh --config configs/gb10-pair.yaml --rank 0 --master A[:PORT] --interface IF
+#                                host B: ./launch.sh --config configs/gb10-pair.yaml --rank 1 --master A[:PORT] --interface IF
+# On one host the ranks run under torchrun, which stops both when either fails. Across two hosts
+# each host runs its one rank itself (this script becomes it), so a stop signal reaches the rank
+# directly, nothing is left behind, and rank 0 serves the store on the master address alone.
+# --interface (or `interface:` in the config) names the link between the hosts to gloo and NCCL
+# (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); the rank refuses to start if it is missing or does not
+# lead to the master. Run this under a supervisor (systemd, a container restart policy) to have
+# the pair restarted after a failure.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 python="$here/.venv/bin/python"
 [ -x "$python" ] || python=python3
 
-rank="" master="" tp=2 args=()
+rank="" master="" tp=2 interface="" args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --rank) rank=$2; shift 2 ;;
@@ -19,27 +24,27 @@ while [ $# -gt 0 ]; do
         --master=*) master=${1#*=}; shift ;;
         --tp) tp=$2; args+=("$1" "$2"); shift 2 ;;
         --tp=*) tp=${1#*=}; args+=("$1"); shift ;;
+        --interface) interface=$2; args+=("$1" "$2"); shift 2 ;;
+        --interface=*) interface=${1#*=}; args+=("$1"); shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
 if [ -z "${args[*]:-}" ] || ! printf '%s\n' "${args[@]}" | grep -q -- '^--config'; then
     args=(--config "$here/configs/default.yaml" "${args[@]}")
 fi
+if [ -n "$interface" ]; then
+    export GLOO_SOCKET_IFNAME="$interface" NCCL_SOCKET_IFNAME="$interface"
+fi
 
-torchrun=("$python" -m torch.distributed.run)
 if [ -n "$master" ]; then
     [ -n "$rank" ] || { echo "launch.sh: --master needs --rank" >&2; exit 2; }
-    host=${master%%:*}
-    port=29500
-    [ "$host" = "$master" ] || port=${master##*:}
-    torchrun+=(--nnodes "$tp" --node-rank "$rank" --nproc-per-node 1 --master-addr "$host" --master-port "$port")
-else
-    torchrun+=(--standalone --nproc-per-node "$tp")
+    exec "$python" -m tpserve.cli serve --rank "$rank" --master "$master" "${args[@]}"
 fi
+[ -z "$rank" ] || { echo "launch.sh: --rank needs --master (rank 0's HOST[:PORT])" >&2; exit 2; }
 
 # A stop signal goes to the ranks, not to torchrun: rank 0 drains and sends the followers Stop,
 # every rank exits 0, and so does torchrun (a signalled torchrun exits 1 whatever its ranks did).
-"${torchrun[@]}" -m tpserve.cli serve "${args[@]}" &
+"$python" -m torch.distributed.run --standalone --nproc-per-node "$tp" -m tpserve.cli serve "${args[@]}" &
 launcher=$!
 stop_ranks() { kill -TERM $(ps -o pid= --ppid "$launcher") 2>/dev/null || kill -TERM "$launcher" 2>/dev/null || true; }
 trap stop_ranks TERM INT

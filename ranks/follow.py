@@ -62,5 +62,5 @@ def run_follower(
     except Exception as error:  # rank 0 lost, a collective failed: let a supervisor restart us
         log.error("follower stopping: %s: %s", type(error).__name__, error)
         return 1
-    shutdown()
+    shutdown(runtime)
     return code

@@ -36,6 +36,9 @@ class EngineSettings:
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0
     leader_dead_after_s: float = 30.0
+    # The network interface the ranks talk over (gloo, NCCL, the store, the liveness link); empty:
+    # let gloo and NCCL choose. Checked at start-up (ranks/network.py).
+    interface: str = ""
     # Fault drill for tests: (rank, token id) — that rank refuses any prompt holding the token.
     refuse_token_on_rank: tuple[int, int] | None = None
     # Fault drill for tests: that rank's start-up probe checks a deliberately shape-dependent product.

@@ -28,10 +28,13 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import StartupError, UserError
 from tpserve.ranks.flags import agree_on_flags
 from tpserve.ranks.kv_store import KVPool, kv_bytes_per_token
+from tpserve.ranks.liveness import LeaderWatch, LivenessHub
 from tpserve.ranks.loader import DTYPES, load_rank_model
+from tpserve.ranks.meeting import meet, watch_peers
 from tpserve.ranks.memory import free_memory_bytes
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.model_group import open_model_group
+from tpserve.ranks.network import check_interface, name_interface
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
@@ -61,30 +64,7 @@ class RankRuntime:
     store: dist.Store
     settings: EngineSettings  # as started: every "auto" decided for this rank's device
     device: torch.device
-
-
-def meet(rank: int, world_size: int, host: str, port: int, timeout_s: float, agent_store: bool) -> dist.Store:
-    """Connect to the store on rank 0 (or torchrun's agent) and wait for every rank to arrive."""
-    timeout = timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(
-            host, port, is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False
-        )
-    except (RuntimeError, dist.DistStoreError) as error:
-        raise StartupError(
-            f"rank {rank}: rank 0's store at {host}:{port} never answered within {timeout_s:.0f}s ({error})"
-        ) from None
-    store.set(f"tpserve/arrived/{rank}", "1")
-    missing = []
-    for other in range(world_size):
-        try:
-            store.wait([f"tpserve/arrived/{other}"], timeout)
-        except (RuntimeError, dist.DistStoreError):
-            missing.append(other)
-    if missing:
-        names = ", ".join(f"rank {other}" for other in missing)
-        raise StartupError(f"rank {rank}: {names} never arrived within {timeout_s:.0f}s")
-    return store
+    liveness: LivenessHub | LeaderWatch | None = None  # None at tp=1
 
 
 def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, device, group) -> Room:
@@ -171,6 +151,9 @@ def start_rank(
     except UserError as error:
         refusal = error
     config = load_model_config(settings.model_dir)
+    if settings.interface:
+        check_interface(settings.interface, host, port, rank)
+        name_interface(settings.interface)
     store = meet(rank, world_size, host, port, settings.init_timeout_s, agent_store)
     timeout = timedelta(seconds=settings.collective_timeout_s)
     # The control group first, on every device: wire messages, votes, flags and room travel here
@@ -246,11 +229,16 @@ def start_rank(
         timeout_s=settings.collective_timeout_s,
         leader_dead_after_s=settings.leader_dead_after_s,
     )
-    return RankRuntime(rank, world_size, config, engine, channel, room, store, settings, device)
+    # Last, once nothing can refuse any more: the heartbeat between rank 0 and each follower.
+    liveness = watch_peers(store, rank, world_size, host, settings)
+    return RankRuntime(rank, world_size, config, engine, channel, room, store, settings, device, liveness)
 
 
-def shutdown() -> None:
-    """Leave the process group cleanly (after Stop), so no gloo thread outlives the interpreter."""
+def shutdown(runtime: RankRuntime | None = None) -> None:
+    """Leave cleanly (after Stop): say BYE on the liveness link, and leave the process group so no
+    gloo thread outlives the interpreter."""
+    if runtime is not None and runtime.liveness is not None:
+        runtime.liveness.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 

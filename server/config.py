@@ -57,6 +57,7 @@ class ServeConfig:
     init_timeout_s: float = 120.0
     collective_timeout_s: float = 60.0
     leader_dead_after_s: float = 30.0
+    interface: str = ""  # the network interface between the hosts (e.g. enp1s0f0np0); empty: any
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
     master: str = ""  # HOST[:PORT] of rank 0, for one process per host
     refuse_token_on_rank: tuple[int, ...] = ()  # fault drill for tests: (rank, token id)
@@ -80,6 +81,7 @@ class ServeConfig:
             init_timeout_s=self.init_timeout_s,
             collective_timeout_s=self.collective_timeout_s,
             leader_dead_after_s=self.leader_dead_after_s,
+            interface=self.interface,
             refuse_token_on_rank=tuple(self.refuse_token_on_rank) or None,
         )
 

@@ -1,8 +1,9 @@
 """Rank 0's daemon: the leader, the lane host, the gRPC server and the HTTP API, from start to exit code.
 
 Exit codes: 0 after a graceful stop (SIGTERM or SIGINT: admission stops, live streams get the
-grace period, the rest end cancelled, the followers get Stop); 1 when the engine broke (every
-live stream failed with UNAVAILABLE first), so a supervisor restarts both ranks.
+grace period, the rest end cancelled, the followers get Stop); 1 when the engine broke or a
+follower was lost (every live stream failed with UNAVAILABLE first), so a supervisor restarts both
+ranks, and 1 when a stop took longer than grace_s + STOP_MARGIN_S (a follower did not answer).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
+from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 BROKEN_FLUSH_S = 2.0  # a broken daemon answers "the engine is broken" this long before it exits
 FLUSH_S = 1.0  # for the last messages of ended streams to reach their clients
+STOP_MARGIN_S = 10.0  # past grace_s, for the last messages and Stop to the followers
 
 
 def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> int:
@@ -84,7 +87,7 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     except BaseException:
         # A port already taken, say: the followers hear Stop now instead of noticing, after
         # leader_dead_after_s, that rank 0 went away.
-        _stop_unserved(host, leader, http)
+        _stop_unserved(host, leader, http, runtime)
         raise
     log.info(
         "serving %s on %s:%d, HTTP %s (tp=%d, %d lanes, room %d tokens)",
@@ -97,36 +100,51 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         info.room,
     )
     while not (stop.wait(0.2) or broken.is_set()):
-        if runtime.channel.lost_follower is not None:
-            host.fail(runtime.channel.lost_follower)  # its on_broken sets `broken`
+        lost = lost_follower(runtime)
+        if lost is not None:
+            host.fail(lost)  # ends every stream now; its on_broken sets `broken`
     if broken.is_set():
         log.error("the engine broke; ending every stream and exiting so a supervisor restarts both ranks")
         # The live streams already failed with UNAVAILABLE; for a moment longer new requests
-        # hear why (the engine is broken) instead of finding the port closed.
+        # hear why (the engine is broken) instead of finding the port closed. The lane host is
+        # not joined: its thread may sit in a collective with a lost follower until the timeout.
         stop.wait(BROKEN_FLUSH_S)
         server.stop(grace_s=FLUSH_S)
         if http is not None:
             http.stop(grace_s=FLUSH_S)
-        host.stop(grace_s=0)
         return 1
     log.info("stopping: admission closed, live streams have %.0f s to finish", config.grace_s)
+    deadline_s = config.grace_s + STOP_MARGIN_S
+    leave_after(
+        deadline_s, f"did not stop within {deadline_s:.0f} s of the stop signal (a follower does not answer)"
+    )
     # Admission closes first with a clear refusal; the gRPC server stays up while the lane host
     # drains, so live streams keep flowing, then it gets a moment to send their last messages.
     server.begin_stopping()
-    host.stop(grace_s=config.grace_s)
+    stopped = host.stop(grace_s=config.grace_s)
     server.stop(grace_s=FLUSH_S)
     if http is not None:
         http.stop(grace_s=FLUSH_S)
-    if broken.is_set():
+    if not stopped:
+        log.error("the followers cannot be told to stop: a pass with them never ended")
+        return 1
+    if broken.is_set() or lost_follower(runtime) is not None:
         return 1
     try:
         leader.stop()
     except BackendBroken as error:  # a follower went away during the drain
         log.error("could not tell the followers to stop: %s", error)
         return 1
-    shutdown()
+    shutdown(runtime)
     log.info("stopped")
     return 0
+
+
+def lost_follower(runtime: RankRuntime) -> str | None:
+    """Why a follower is gone, once rank 0 knows: silent on the liveness link, or (idle) no longer
+    taking the channel's heartbeat."""
+    hub = runtime.liveness  # rank 0's end of the liveness link: a LivenessHub (None at tp=1)
+    return runtime.channel.lost_follower or (hub.lost if hub is not None else None)
 
 
 def _is_loopback(host: str) -> bool:
@@ -138,7 +156,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _stop_unserved(host: LaneHost, leader: Leader, http: HttpServer | None) -> None:
+def _stop_unserved(host: LaneHost, leader: Leader, http: HttpServer | None, runtime: RankRuntime) -> None:
     if http is not None:
         http.stop(grace_s=0)
     host.stop(grace_s=0)
@@ -146,3 +164,5 @@ def _stop_unserved(host: LaneHost, leader: Leader, http: HttpServer | None) -> N
         leader.stop()
     except BackendBroken as error:
         log.error("could not tell the followers to stop: %s", error)
+        return
+    shutdown(runtime)  # BYE on the liveness link: the followers' Stop is not a loss

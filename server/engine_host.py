@@ -91,4 +91,4 @@ def local_engine(
                 if leader.broken is None:
                     leader.stop()
         finally:
-            shutdown()
+            shutdown(runtime)

@@ -250,7 +250,8 @@ class LaneHost:
             self._alive.discard(job)
         job.stream.put(Finished(reason, job.usage(self._clock()), error))
 
-    def _latch_broken(self, reason: str) -> None:
+    def _latch_broken(self, reason: str, forget_lanes: bool = True) -> None:
+        """On the scheduler thread (or with none running): forget_lanes; from another, not."""
         with self._cond:
             if self._broken_reason is not None:
                 return
@@ -259,8 +260,9 @@ class LaneHost:
             jobs = list(self._alive)
             self._cond.notify_all()
         log.error("engine broken: %s; ending %d streams", reason, len(jobs))
-        self._lanes.forget_all()
-        self._admission.chunking = None
+        if forget_lanes:
+            self._lanes.forget_all()
+            self._admission.chunking = None
         for job in jobs:
             self._finish(job, ERROR, f"engine broken: {reason}")
         if self._on_broken is not None:
@@ -302,12 +304,13 @@ class LaneHost:
             self._latch_broken(f"the lane host failed: {error!r}")
 
     def fail(self, reason: str) -> None:
-        """From any thread: the engine is gone (a rank lost while idle); the scheduler latches broken."""
+        """From any thread: the engine is gone (a rank lost). Every stream ends now with an error,
+        also while the scheduler sits in a backend call that may only fail at its timeout; the
+        scheduler latches broken when it next looks (its lanes are its own to forget)."""
         with self._cond:
             self._failure = reason
             self._wake_scheduler()
-        if self._thread is None:
-            self._latch_broken(reason)
+        self._latch_broken(reason, forget_lanes=self._thread is None)
 
     def _going_idle(self) -> None:
         # A backend with followers tells them no message is coming soon (see ranks/channel.py),
@@ -319,8 +322,9 @@ class LaneHost:
             except BackendBroken as error:
                 self._latch_broken(str(error))
 
-    def stop(self, grace_s: float) -> None:
-        """Stop admitting; live streams get grace_s to finish, the rest end cancelled."""
+    def stop(self, grace_s: float) -> bool:
+        """Stop admitting; live streams get grace_s to finish, the rest end cancelled. False when
+        the scheduler is stuck in a backend call (a follower that does not answer)."""
         with self._cond:
             self._stopping = True
             self._stop_deadline = time.monotonic() + grace_s
@@ -331,9 +335,9 @@ class LaneHost:
             self._finish(job, CANCELLED)
         if thread is None:
             self._drain()
-            return
+            return True
         if thread is threading.current_thread():
-            return  # called from on_broken on the scheduler thread: it is about to end by itself
+            return True  # called from on_broken on the scheduler thread: it is about to end by itself
         thread.join(timeout=grace_s + JOIN_MARGIN_S)
         if thread.is_alive():
             # A backend call is stuck. Its lanes stay held, but no client waits on it any longer.
@@ -342,6 +346,8 @@ class LaneHost:
                 jobs = list(self._alive)
             for job in jobs:
                 self._finish(job, CANCELLED, "the server stopped while the engine was busy")
+            return False
+        return True
 
     def _drain(self) -> None:
         """Let live streams run until the stop deadline, then end the rest cancelled."""

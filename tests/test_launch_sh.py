@@ -1,5 +1,6 @@
 """launch.sh starts the ranks the way each deployment needs, run for real with a stub .venv python
-that records the torchrun command line and exits as a rank would."""
+that records its command line (torchrun's, or the one rank's across two hosts) and the interface
+named to gloo and NCCL, and exits as a rank would."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STUB_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$STUB_LOG"
+echo "${GLOO_SOCKET_IFNAME:-}:${NCCL_SOCKET_IFNAME:-}" > "$STUB_LOG.interface"
 exit "${STUB_EXIT:-0}"
 """
 
@@ -46,15 +48,24 @@ def test_one_host_runs_both_ranks_under_torchrun_with_the_default_config(tmp_pat
     )
 
 
-def test_each_host_of_a_pair_runs_one_rank_that_meets_rank_0(tmp_path):
+def test_each_host_of_a_pair_runs_its_one_rank_itself_that_meets_rank_0(tmp_path):
+    # No torchrun across hosts: the rank is launch.sh's own process, so a stop signal reaches it.
     code, err, call, _ = run_launch(
         tmp_path, "--config", "configs/gb10-pair.yaml", "--rank", "1", "--master", "hostA:29600"
     )
     assert code == 0, err
-    assert call == (
-        "-m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr hostA "
-        "--master-port 29600 -m tpserve.cli serve --config configs/gb10-pair.yaml"
+    assert call == "-m tpserve.cli serve --rank 1 --master hostA:29600 --config configs/gb10-pair.yaml"
+    assert (tmp_path / "calls.log.interface").read_text().strip() == ":"  # none named: gloo picks
+
+
+def test_the_interface_is_passed_to_the_rank_and_named_to_gloo_and_nccl(tmp_path):
+    code, err, call, _ = run_launch(
+        tmp_path, "--rank", "0", "--master", "10.0.0.1", "--interface", "enp1s0f0np0", "--lanes", "4"
     )
+    assert code == 0, err
+    assert call.startswith("-m tpserve.cli serve --rank 0 --master 10.0.0.1 --config ")
+    assert "--interface enp1s0f0np0 --lanes 4" in call
+    assert (tmp_path / "calls.log.interface").read_text().strip() == "enp1s0f0np0:enp1s0f0np0"
 
 
 def test_a_rank_that_refuses_to_start_fails_the_launch_with_its_code(tmp_path):
@@ -66,4 +77,10 @@ def test_a_rank_that_refuses_to_start_fails_the_launch_with_its_code(tmp_path):
 def test_master_without_rank_is_refused_before_anything_starts(tmp_path):
     code, err, call, _ = run_launch(tmp_path, "--master", "hostA")
     assert code == 2 and "--master needs --rank" in err
+    assert call is None
+
+
+def test_rank_without_master_is_refused_before_anything_starts(tmp_path):
+    code, err, call, _ = run_launch(tmp_path, "--rank", "1")
+    assert code == 2 and "--rank needs --master" in err
     assert call is None

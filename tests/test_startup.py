@@ -51,6 +51,7 @@ def _rank_worker(rank: int, tasks, results) -> None:
     torch.set_num_threads(1)
     while (task := _next_task(tasks)) is not None:
         settings, port = task
+        runtime = None
         try:
             runtime = start_rank(settings, rank, 2, "127.0.0.1", port)
             report = ("ok", runtime.room, runtime.engine.kv.num_slots)
@@ -58,7 +59,7 @@ def _rank_worker(rank: int, tasks, results) -> None:
             report = ("refused", str(error), None)
         except BaseException:
             report = ("crashed", traceback.format_exc(), None)
-        shutdown()  # a refusal comes after the group formed: leave it, so the next start can form one
+        shutdown(runtime)  # a refusal comes after the group formed: leave it, so the next start can form one
         results.put((rank, report))
     results.close()
     results.join_thread()  # else the last report can be lost at exit

@@ -52,7 +52,7 @@ def single_stream_leader(settings: EngineSettings) -> Iterator[Leader]:
                 if leader.broken is None:
                     leader.stop()
         finally:
-            shutdown()
+            shutdown(runtime)
 
 
 def generate_tokens(

@@ -11,12 +11,14 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from tpserve.prepare import prepare
+from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.follow import run_follower
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.logs import setup_logging
@@ -133,25 +135,20 @@ def ignoring(*signums: int) -> Iterator[None]:
 def wait_for_stop_on_signals(rank: int, patience_s: float) -> None:
     """A follower leaves when rank 0 sends Stop. torchrun forwards SIGTERM and SIGINT to every rank
     at once, and rank 0 first drains its live streams, which need this follower; so a signal here
-    starts a countdown instead, which ends the process only if rank 0's Stop never comes (rank 0
-    died while this rank waited, idle, on the store)."""
+    starts a countdown instead, which ends the process (exit 1) only if rank 0's Stop never comes
+    (rank 0 died, or the link to it is down, while this rank waited, idle, on the store)."""
     signums = {signal.SIGINT, signal.SIGTERM}
-    countdown: list[threading.Timer] = []
+    started: list[int] = []
     lock = threading.RLock()  # the main thread's handler may run inside it
-
-    def give_up() -> None:
-        log.error("rank %d: no Stop from rank 0 within %.0f s of the stop signal; exiting", rank, patience_s)
-        logging.shutdown()
-        os._exit(1)
 
     def start_countdown(signum: int) -> None:
         with lock:
-            if countdown:
+            if started:
                 return
-            timer = threading.Timer(patience_s, give_up)
-            timer.daemon = True
-            timer.start()
-            countdown.append(timer)
+            started.append(signum)
+            leave_after(
+                patience_s, f"rank {rank}: no Stop from rank 0 within {patience_s:.0f} s of the stop signal"
+            )
         log.warning(
             "rank %d: got %s; waiting up to %.0f s for rank 0 to drain and send Stop",
             rank,
@@ -163,10 +160,26 @@ def wait_for_stop_on_signals(rank: int, patience_s: float) -> None:
         while True:
             start_countdown(signal.sigwait(signums))
 
+    def watch_wakeups(wakeups: socket.socket, wakeup_end: socket.socket) -> None:
+        # Holds wakeup_end too: the interpreter writes to its descriptor, which must stay open.
+        while True:
+            signum = wakeups.recv(1)[0]
+            if signum in signums:
+                start_countdown(signum)
+
     # Python runs signal handlers on the main thread only, between bytecodes, and a follower's
     # main thread sits for long spells in a collective or a store wait. Blocked there (and in
     # every thread started from now on), the signals reach the watcher, which hears them at once.
     signal.pthread_sigmask(signal.SIG_BLOCK, signums)
     threading.Thread(target=watch, name="stop-signals", daemon=True).start()
-    for signum in signums:  # should one land on a thread started earlier
+    # Should one land on a thread started earlier, its Python handler would wait for the main
+    # thread; the interpreter's C handler also writes the signal's number to the wakeup socket at
+    # once, from whatever thread, and a second watcher hears it there.
+    wakeups, wakeup_end = socket.socketpair()
+    wakeup_end.setblocking(False)
+    signal.set_wakeup_fd(wakeup_end.fileno(), warn_on_full_buffer=False)
+    threading.Thread(
+        target=watch_wakeups, args=(wakeups, wakeup_end), name="stop-wakeups", daemon=True
+    ).start()
+    for signum in signums:
         signal.signal(signum, lambda received, frame: start_countdown(received))
