@@ -309,6 +309,22 @@ def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tpserve.cli", "serve", *args]
 
 
+def serve_args(model_dir: str | Path, daemon: Daemon) -> list[str]:
+    """The flags every test daemon is served with: its model, its ports, one thread per rank."""
+    return [
+        "--model",
+        str(model_dir),
+        "--port",
+        str(daemon.port),
+        "--metrics-port",
+        str(daemon.metrics_port),
+        "--http-port",
+        str(daemon.http_port),
+        "--threads-per-rank",
+        "1",
+    ]
+
+
 def launch(
     layout: str,
     model_dir: str | Path,
@@ -322,19 +338,7 @@ def launch(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     daemon = Daemon(layout, free_port(), free_port(), free_port(), log_dir)
-    common = [
-        "--model",
-        str(model_dir),
-        "--port",
-        str(daemon.port),
-        "--metrics-port",
-        str(daemon.metrics_port),
-        "--http-port",
-        str(daemon.http_port),
-        "--threads-per-rank",
-        "1",
-        *args,
-    ]
+    common = [*serve_args(model_dir, daemon), *args]
     if layout == "spawn":
         commands = {"daemon": serve_command(*common)}
     elif layout == "ranks":

@@ -30,7 +30,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon import REPO, Daemon, daemon_env, free_port
+from daemon import REPO, Daemon, daemon_env, free_port, serve_args
 
 NETWORK = ipaddress.ip_network("10.213.77.0/24")
 LOCK_PATH = Path("/tmp/tpserve-two-hosts.lock")  # serialises picking a /30 among parallel runs
@@ -192,16 +192,7 @@ def pair(
     daemon = Pair("ranks", free_port(), free_port(), free_port(), log_dir)
     daemon.master = f"{link.near_address}:{free_port_on(link.near_address)}"
     daemon.args = (
-        "--model",
-        str(model_dir),
-        "--port",
-        str(daemon.port),
-        "--metrics-port",
-        str(daemon.metrics_port),
-        "--http-port",
-        str(daemon.http_port),
-        "--threads-per-rank",
-        "1",
+        *serve_args(model_dir, daemon),
         "--cpu-collectives",
         "gloo",
         "--master",
