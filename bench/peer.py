@@ -69,7 +69,10 @@ PROMPT_FILLERS = 0  # set by --prompt-fillers: copies of FILLER before each prom
 
 
 def prompt(index: int) -> str:
-    return f"{FILLER * PROMPT_FILLERS}Here is fact number {index} about {TOPICS[index % len(TOPICS)]}, explained at length:"
+    # The index comes first, so no two prompts share a prefix a prompt cache could serve.
+    return (
+        f"Request {index}. {FILLER * PROMPT_FILLERS}Here is fact {index} about {TOPICS[index % len(TOPICS)]}:"
+    )
 
 
 class Server:
@@ -131,17 +134,8 @@ def start_tpserve(name: str, flags: list[str], repo: Path = REPO) -> Server:
 
 def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:
     port = free_port()
-    argv = [
-        binary,
-        "-m",
-        str(gguf),
-        "-np",
-        str(num_slots),
-        "-t",
-        "2",
-        "-c",
-        str(num_slots * (num_tokens + 256)),
-    ]
+    context = num_tokens + 64 * PROMPT_FILLERS + 256  # per slot: the prompt and the reply
+    argv = [binary, "-m", str(gguf), "-np", str(num_slots), "-t", "2", "-c", str(num_slots * context)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--no-webui"]
 
     def ready() -> bool:
@@ -255,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 burst(server, 1, 8, 1000)  # warm-up
                 for streams in (1, args.streams):
-                    samples[name][streams].append(burst(server, streams, args.tokens, 0))
+                    # Fresh prompts for each burst: none repeats one a prompt cache holds.
+                    samples[name][streams].append(burst(server, streams, args.tokens, 100 * streams))
             finally:
                 server.close()
     peer = "llama-server" if binary else names[0]
