@@ -378,13 +378,21 @@ def running_daemon(
     env: dict[str, str] | None = None,
 ) -> Iterator[Daemon]:
     """A started daemon (serving, unless wait=False); every process of it is killed on exit."""
-    daemon = launch(layout, model_dir, log_dir, *args, ranks_to_start=ranks_to_start, env=env)
+    with serving(
+        launch(layout, model_dir, log_dir, *args, ranks_to_start=ranks_to_start, env=env), wait
+    ) as daemon:
+        yield daemon
+
+
+@contextmanager
+def serving(daemon, wait: bool = True):
+    """`daemon` once it serves (unless wait=False); every process of it killed on exit, and its logs
+    printed when the test fails (pytest shows a failing test's output: the daemon's side of the story)."""
     try:
         if wait:
             daemon.wait_serving()
         yield daemon
     except BaseException:
-        # pytest shows a failing test's captured output: the daemon's side of the story.
         print(daemon.logs()[-20000:])
         raise
     finally:

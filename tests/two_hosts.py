@@ -30,7 +30,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon import REPO, Daemon, daemon_env, free_port, serve_args
+from daemon import REPO, Daemon, daemon_env, free_port, serve_args, serving
 
 NETWORK = ipaddress.ip_network("10.213.77.0/24")
 LOCK_PATH = Path("/tmp/tpserve-two-hosts.lock")  # serialises picking a /30 among parallel runs
@@ -208,13 +208,5 @@ def pair(
 def running_pair(
     link: Link, model_dir, log_dir, *args: str, ranks: tuple[int, ...] = (0, 1), wait: bool = True
 ) -> Iterator[Pair]:
-    daemon = pair(link, model_dir, log_dir, *args, ranks=ranks)
-    try:
-        if wait:
-            daemon.wait_serving()
+    with serving(pair(link, model_dir, log_dir, *args, ranks=ranks), wait) as daemon:
         yield daemon
-    except BaseException:
-        print(daemon.logs()[-20000:])
-        raise
-    finally:
-        daemon.close()
