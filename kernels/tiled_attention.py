@@ -54,12 +54,17 @@ class TiledPlan:
         self.spans, self.group, self.num_slots, self.device = spans, group, num_slots, device
         self.num_rows = sum(s.length for s in spans) if num_rows is None else num_rows
         self.short = [s for s in spans if num_tiles(s.length * group) <= SHORT_TILES]
-        self.long = [s for s in spans if num_tiles(s.length * group) > SHORT_TILES]
         self._short: dict[int, _ShortBatch] = {}
-        self._long_bias = {
-            s.offset: _bias(_row_positions(s, group), num_blocks(s.end)).to(device) for s in self.long
-        }
-        self._long_keys = {s.offset: _key_slots(s, num_blocks(s.end), device) for s in self.long}
+        # Each long span with its mask bias [tiles, blocks, ROW_TILE, KEY_BLOCK] and key slots.
+        self.long = [
+            (
+                s,
+                _bias(_row_positions(s, group), num_blocks(s.end)).to(device),
+                _key_slots(s, num_blocks(s.end), device),
+            )
+            for s in spans
+            if num_tiles(s.length * group) > SHORT_TILES
+        ]
 
     def short_batch(self, num_kv_heads: int) -> _ShortBatch | None:
         if not self.short:
@@ -151,23 +156,22 @@ def tiled_attention(
         result = _normalised(sums, totals, q.dtype)
         out.index_copy_(0, batch.out_index, result.view(-1, head_dim))
     out = out[:-1].view(num_tokens, num_heads, head_dim)
-    for span in plan.long:
+    for span, bias, slots in plan.long:
         rows = span.length * group
-        bias, slots = plan._long_bias[span.offset], plan._long_keys[span.offset]
-        num_tiles_, blocks = bias.shape[0], bias.shape[1]
+        span_tiles, blocks = bias.shape[0], bias.shape[1]
         for head in range(num_kv_heads):
             heads = slice(head * group, (head + 1) * group)
             tiles = q[span.offset : span.offset + span.length, heads].reshape(rows, head_dim)
-            tiles = torch.cat([tiles, tiles.new_zeros(num_tiles_ * ROW_TILE - rows, head_dim)])
-            tiles = tiles.view(num_tiles_, ROW_TILE, head_dim)
+            tiles = torch.cat([tiles, tiles.new_zeros(span_tiles * ROW_TILE - rows, head_dim)])
+            tiles = tiles.view(span_tiles, ROW_TILE, head_dim)
             # The span's keys once, shared by every tile (a stride-0 batch), a block at a time.
             keys = pool_k[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
             values = pool_v[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
             scores = torch.stack(
-                [torch.bmm(tiles, keys[b].t().expand(num_tiles_, -1, -1)) for b in range(blocks)], dim=1
+                [torch.bmm(tiles, keys[b].t().expand(span_tiles, -1, -1)) for b in range(blocks)], dim=1
             )  # [tiles, blocks, ROW_TILE, KEY_BLOCK]
             weights = _softmax_weights(scores, bias, scale, values.dtype)
-            sums = [torch.bmm(weights[:, b], values[b].expand(num_tiles_, -1, -1)) for b in range(blocks)]
+            sums = [torch.bmm(weights[:, b], values[b].expand(span_tiles, -1, -1)) for b in range(blocks)]
             totals = [torch.bmm(weights[:, b], _ones(weights[:, b])) for b in range(blocks)]
             result = _normalised(sums, totals, q.dtype).view(-1, head_dim)[:rows]
             out[span.offset : span.offset + span.length, heads] = result.view(span.length, group, head_dim)
