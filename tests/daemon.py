@@ -200,6 +200,14 @@ class Daemon:
 
         return wait_until(idle, "every lane and all room to be free", timeout_s)
 
+    def wait_count(self, series: str, reaches: float, timeout_s: float = 10.0) -> dict[str, float]:
+        """Waits for a counter to reach `reaches` and returns the metrics then.
+
+        A reply's outcome is counted by the thread that relayed it, a moment after its lane went
+        back, so a test that saw the lane free still waits for the count."""
+        wait_until(lambda: self.metrics().get(series, 0) >= reaches, f"{series} to reach {reaches:g}", timeout_s)
+        return self.metrics()
+
     # -- processes --
 
     def track(self) -> None:

@@ -570,13 +570,13 @@ def test_a_killed_client_frees_its_lane(daemon):
         killed_at = time.monotonic()
         client.wait(10)
     freed_after = daemon.wait_idle(timeout_s=5)
-    values = daemon.metrics()
+    cancelled = 'tpserve_requests_total{outcome="cancelled"}'
+    values = daemon.wait_count(cancelled, before.get(cancelled, 0) + 1)
     figures(
         "killed client",
         lane_free_after_s=round(freed_after, 3),
         total_s=round(time.monotonic() - killed_at, 3),
     )
-    cancelled = 'tpserve_requests_total{outcome="cancelled"}'
     assert values.get(cancelled, 0) == before.get(cancelled, 0) + 1
     length = 'tpserve_requests_total{outcome="length"}'
     assert values.get(length, 0) == before.get(length, 0)  # its 500 tokens never all ran
