@@ -58,6 +58,7 @@ class Leader:
         self.context_size = context_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batches_prompts = batches_prompts
+        self.verifies_drafts = True
         self.broken: str | None = None
         self._broken_error = broken_error
         self._idle = False
@@ -132,17 +133,17 @@ class Leader:
         """The top logits of every row of the lane's last Verify (recorded runs only)."""
         return self._draft_features.get(lane, [])
 
-    def logprobs(self, lane: int, position: int) -> TokenLogprob | None:
-        """The log probability of the token the last pass sampled for `lane` at `position`, when its
-        sampling asked for them (SamplingParams.logprobs >= 0); else None."""
-        return self._logprobs.get((lane, position))
-
-    # Beyond the protocol -------------------------------------------------------------------------
     def idle(self) -> None:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
         if not self._idle and self.broken is None:
             self._run(Idle())
             self._idle = True
+
+    # Beyond the protocol -------------------------------------------------------------------------
+    def logprobs(self, lane: int, position: int) -> TokenLogprob | None:
+        """The log probability of the token the last pass sampled for `lane` at `position`, when its
+        sampling asked for them (SamplingParams.logprobs >= 0); else None."""
+        return self._logprobs.get((lane, position))
 
     def stop(self) -> None:
         if self.broken is None:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from tpserve.kernels.sampling_params import SamplingParams
 
-__all__ = ["Backend", "BackendBroken", "PrefillItem", "DecodeItem", "SamplingParams", "TopLogits"]
+__all__ = ["Backend", "BackendBroken", "PrefillItem", "DecodeItem", "SamplingParams", "check_backend"]
 
 
 class BackendBroken(RuntimeError):
@@ -50,10 +50,16 @@ class DecodeItem:
 
 
 class Backend(Protocol):
+    """Every operation the lane host may call. A backend, and every wrapper of one, has them all: what
+    one cannot do it declares with a flag (`batches_prompts`, `verifies_drafts`), never by lacking a
+    method, so wrapping a backend can never switch a capability off unseen. `check_backend` refuses
+    one that lacks any, once, where it is taken."""
+
     num_lanes: int
     room: int  # KV tokens the ranks can hold in all (the smallest rank's figure)
     context_size: int  # most tokens (prompt + reply) one stream may reach
     batches_prompts: bool  # prefill_many is worth calling
+    verifies_drafts: bool  # decode_drafts checks draft tokens (draft tokens are worth making)
     max_prefill_tokens: int  # most prompt tokens one pass takes (a longer prompt goes in chunks)
 
     def free_room(self) -> int:
@@ -81,31 +87,56 @@ class Backend(Protocol):
         Raises BackendBroken when the round failed: the engine cannot go on.
         """
 
+    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+        """A decode round whose items carry draft tokens (called only when verifies_drafts).
+
+        Per item, 1 + len(draft) sampled tokens, the i-th sampled after feeding the token and its
+        first i drafts. The host keeps the samples up to the first that differs from the next draft;
+        the lane's later positions are rewritten by the next round (which starts where the kept
+        tokens end). Raises BackendBroken as decode does.
+        """
+
     def close(self, lane: int) -> None:
         """Drop the lane's KV and its reservation."""
 
-    # Optional: `decode_drafts(items) -> list[list[int]]`, a decode round whose items carry draft
-    # tokens: per item, 1 + len(draft) sampled tokens, the i-th sampled after feeding the token and
-    # its first i drafts. The host keeps the samples up to the first that differs from the next
-    # draft; the lane's later positions are rewritten by the next round (which starts where the
-    # kept tokens end). Raises BackendBroken as decode does.
-    #
-    # Optional: `idle()`, called once when the host runs out of work, before it waits. Rank 0's
-    # leader tells the followers to wait off any collective timeout (see ranks/channel.py).
-    #
-    # Prompt-cache storage, needed when the host is given a PromptCache (ids come from the cache):
-    #   keep(lane, num_tokens, entry_id) -> bool: save the lane's first num_tokens of KV as the entry;
-    #   restore(lane, entry_id, num_tokens) -> bool: an open, empty lane takes the entry's first
-    #       num_tokens as its prefix;
-    #   evict(entry_id): free the entry (an id never kept is ignored).
+    def idle(self) -> None:
+        """Called once when the host runs out of work, before it waits. Rank 0's leader tells the
+        followers to wait off any collective timeout (see ranks/channel.py); a backend with no
+        followers does nothing."""
+
+    # Prompt-cache storage, used when the host is given a PromptCache (ids come from the cache).
     # False leaves nothing changed anywhere.
+    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
+        """Save the lane's first num_tokens of KV as the entry."""
 
+    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
+        """An open, empty lane takes the entry's first num_tokens as its prefix."""
 
-class TopLogits(Protocol):
-    """Optional: a backend that also implements this gives `--record` its per-step features."""
+    def evict(self, entry_id: int) -> None:
+        """Free the entry (an id never kept is ignored)."""
 
+    # Per-step features for `--record`: empty where the backend keeps none.
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         """(token id, logit) pairs with the highest logits at the lane's last sampled step, best first.
 
         Called right after the prefill or decode round that sampled the lane's latest token.
         """
+
+    def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
+        """top_logits for each sampled row of the lane's last decode_drafts round, in order."""
+
+
+# Every name a Backend has: its figures, flags and operations.
+BACKEND_NAMES = (
+    *Backend.__annotations__,
+    *(name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")),
+)
+
+
+def check_backend(backend: object) -> None:
+    """Refuse, at start-up, a backend (or wrapper) that lacks part of the protocol, naming each part."""
+    missing = [name for name in BACKEND_NAMES if not hasattr(backend, name)]
+    if missing:
+        raise TypeError(
+            f"{type(backend).__name__} is not a whole Backend (server/backend.py): it lacks {', '.join(missing)}"
+        )

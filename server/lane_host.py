@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tpserve.server.backend import Backend, BackendBroken, DecodeItem
+from tpserve.server.backend import Backend, BackendBroken, DecodeItem, check_backend
 from tpserve.server.drafts import Drafter
 from tpserve.server.job_queue import JobQueue
 from tpserve.server.lane_admit import Admission
@@ -62,6 +62,7 @@ class LaneHost:
     ):
         """logprobs(lane, position): the backend's log probability of the token its last pass
         sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none."""
+        check_backend(backend)
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
                 f"the backend needs at least one lane and one prompt token per pass "
@@ -98,7 +99,9 @@ class LaneHost:
         )
         self.prompt_cache = prompt_cache
         # Draft tokens (server/drafts.py) when asked for and the backend can check them.
-        speculates = max_draft_tokens > 0 and hasattr(backend, "decode_drafts")
+        speculates = max_draft_tokens > 0 and backend.verifies_drafts
+        if max_draft_tokens > 0 and not speculates:
+            log.warning("draft tokens are off: %s does not verify drafts", type(backend).__name__)
         self.drafter = Drafter(max_draft_tokens, draft_rows) if speculates else None
 
     # ---- client side (any thread) ----
@@ -314,13 +317,14 @@ class LaneHost:
 
     def _going_idle(self) -> None:
         # A backend with followers tells them no message is coming soon (see ranks/channel.py),
-        # so they wait off any collective timeout. It sends that once per idle spell.
-        idle = getattr(self._backend, "idle", None)
-        if idle is not None:
-            try:
-                idle()
-            except BackendBroken as error:
-                self._latch_broken(str(error))
+        # so they wait off any collective timeout. It sends that once per idle spell. A broken
+        # engine has no followers to tell.
+        if self.broken:
+            return
+        try:
+            self._backend.idle()
+        except BackendBroken as error:
+            self._latch_broken(str(error))
 
     def stop(self, grace_s: float) -> bool:
         """Stop admitting; live streams get grace_s to finish, the rest end cancelled. False when

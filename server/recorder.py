@@ -10,11 +10,15 @@ background stream that yields and resumes gets a second file). One JSON object p
     {"step": "decode", "position": 71, "fed": 12, "sampled": 30, "features": [...]}
 
 `position` is where the fed token went; the sampled token goes at position + 1. `features` are the
-inner backend's top logits (server/backend.py TopLogits) when it has them, else absent. A prompt in a
+inner backend's top logits (Backend.top_logits) when it keeps them, else absent. A prompt in a
 joint prefill_many is written exactly as after its own prefill, and a pass that was refused or failed
-writes nothing, so a batched run and a solo run can be compared file by file. Every call is forwarded
-unchanged, prefill_many and decode_drafts included; a Verify is written as the decode steps of the
-samples its stream keeps, so drafts on or off, and however many a round checked, write the same lines.
+writes nothing, so a batched run and a solo run can be compared file by file. Every operation of the
+Backend protocol is forwarded unchanged, flags included (drafts stay on when recording); a Verify is
+written as the decode steps of the samples its stream keeps, so drafts on or off, and however many a
+round checked, write the same lines.
+
+A stream's file is closed when its lane closes. Only a broken engine leaves files open (its lanes are
+forgotten, never closed, and the process exits); every line is flushed as written, so they lose nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 from pathlib import Path
 from typing import IO
 
-from tpserve.server.backend import Backend, DecodeItem, PrefillItem
+from tpserve.server.backend import Backend, DecodeItem, PrefillItem, check_backend
 from tpserve.server.drafts import count_kept
 
 FILE_PATTERN = "stream-*.jsonl"
@@ -31,17 +35,12 @@ FILE_PATTERN = "stream-*.jsonl"
 
 class RecordingBackend:
     def __init__(self, inner: Backend, out_dir: str | Path):
+        check_backend(inner)
         self._inner = inner
         self._out_dir = Path(out_dir)
         self._out_dir.mkdir(parents=True, exist_ok=True)
         if any(self._out_dir.glob(FILE_PATTERN)):
             raise FileExistsError(f"{self._out_dir} already holds a recording; record into an empty folder")
-        self._top_logits = getattr(inner, "top_logits", None)
-        if self._top_logits is not None:
-            self.top_logits = self._top_logits  # forwarded only when the inner backend has it
-        self._inner_drafts = getattr(inner, "decode_drafts", None)
-        if self._inner_drafts is not None:
-            self.decode_drafts = self._decode_drafts  # likewise: drafts stay on when recording
         self._files: dict[int, IO[str]] = {}
         self._num_streams = 0
 
@@ -61,6 +60,10 @@ class RecordingBackend:
     @property
     def batches_prompts(self) -> bool:
         return self._inner.batches_prompts
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return self._inner.verifies_drafts
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -97,17 +100,16 @@ class RecordingBackend:
             self._write(item.lane, self._with_features(item.lane, step))
         return tokens
 
-    def _decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
         """A Verify, written as the decode steps of the samples the stream keeps (count_kept): the
         very lines plain decoding writes, so a run with drafts records what one without does."""
-        samples = self._inner_drafts(items)
-        row_features = getattr(self._inner, "draft_top_logits", None)
+        samples = self._inner.decode_drafts(items)
         for item, tokens in zip(items, samples):
-            features = row_features(item.lane) if row_features is not None else None
+            features = self._inner.draft_top_logits(item.lane)
             fed = (item.token_id, *item.draft)
             for i in range(count_kept(item.draft, tokens)):
                 step = {"step": "decode", "position": item.position + i, "fed": fed[i], "sampled": tokens[i]}
-                if features is not None:
+                if features:
                     step["features"] = [list(pair) for pair in features[i]]
                 self._write(item.lane, step)
         return samples
@@ -135,15 +137,13 @@ class RecordingBackend:
         self._inner.evict(entry_id)
 
     def idle(self) -> None:
-        idle = getattr(self._inner, "idle", None)
-        if idle is not None:
-            idle()
+        self._inner.idle()
 
-    def close_files(self) -> None:
-        """Close every open stream file (at shutdown, when lanes were never closed)."""
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
+    def top_logits(self, lane: int) -> list[tuple[int, float]]:
+        return self._inner.top_logits(lane)
+
+    def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
+        return self._inner.draft_top_logits(lane)
 
     def _write_prefill(self, item: PrefillItem, token: int | None) -> None:
         step: dict = {"step": "prefill", "start": item.start, "token_ids": list(item.token_ids)}
@@ -154,8 +154,9 @@ class RecordingBackend:
         self._write(item.lane, step)
 
     def _with_features(self, lane: int, step: dict) -> dict:
-        if self._top_logits is not None:
-            step["features"] = [list(pair) for pair in self._top_logits(lane)]
+        features = self._inner.top_logits(lane)
+        if features:
+            step["features"] = [list(pair) for pair in features]
         return step
 
     def _write(self, lane: int, step: dict) -> None:

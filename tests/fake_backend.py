@@ -63,6 +63,7 @@ class _Lane:
     pending: int | None = None  # the last sampled token, fed next at position len(history)
     num_samples: int = 0
     features: list[tuple[int, float]] = field(default_factory=list)
+    draft_features: list[list[tuple[int, float]]] = field(default_factory=list)  # per row of a Verify
 
 
 class FakeBackend:
@@ -77,12 +78,14 @@ class FakeBackend:
         max_batch_streams: int = 16,
         repeat_period: int = 0,
         break_period: int = 0,
+        verifies_drafts: bool = True,
     ):
         self.num_lanes = num_lanes
         self.room = room
         self.context_size = context_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batches_prompts = batched
+        self.verifies_drafts = verifies_drafts
         self.max_batch_streams = max_batch_streams
         self.repeat_period = repeat_period  # > 0: greedy tokens repeat the history with this period
         self.break_period = break_period  # > 0: except at positions divisible by it (drafts fail there)
@@ -99,6 +102,7 @@ class FakeBackend:
         self.num_prefills = 0
         self.num_decodes = 0
         self.num_verifies = 0
+        self.num_idles = 0
         self.joint_passes: list[int] = []  # sizes of the prefill_many passes that went through
         self.refused_passes: list[int] = []
         self.failed_passes: list[int] = []
@@ -211,6 +215,8 @@ class FakeBackend:
         then keeps what the host keeps (up to the first sample that differs from the next draft), so
         the next round finds it where the engine's cut would leave it."""
         self._call()
+        if not self.verifies_drafts:
+            self._misuse("decode_drafts on a backend that does not verify drafts")
         self.num_verifies += 1
         self.timeline.append(("verify", sum(1 + len(item.draft) for item in items)))
         out = []
@@ -220,10 +226,11 @@ class FakeBackend:
                 self._misuse(f"lane {item.lane} verified at position {item.position}, token {item.token_id}")
             if item.position + len(item.draft) >= lane.reserve:
                 self._misuse(f"lane {item.lane} drafts run past its reserve {lane.reserve}")
-            samples = []
+            samples, lane.draft_features = [], []
             for token in (item.token_id, *item.draft):
                 self._feed(lane, (token,))
                 samples.append(self._sample(lane, item.sampling))
+                lane.draft_features.append(lane.features)
             num_kept = 1
             while num_kept <= len(item.draft) and samples[num_kept - 1] == item.draft[num_kept - 1]:
                 num_kept += 1
@@ -262,9 +269,17 @@ class FakeBackend:
         self._call()
         self.states.pop(entry_id, None)
 
+    def idle(self) -> None:
+        self._call()
+        self.num_idles += 1
+
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         """The top logits of the lane's last sampled step (derived from its history)."""
         return list(self._open_lane(lane).features)
+
+    def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
+        """The top logits of each row of the lane's last decode_drafts round."""
+        return list(self._open_lane(lane).draft_features)
 
     # ---- checks for tests ----
 

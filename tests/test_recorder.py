@@ -105,3 +105,51 @@ def test_recording_into_an_old_recording_is_refused(tmp_path):
     run(requests_from([1]), tmp_path)
     with pytest.raises(FileExistsError, match="already holds a recording"):
         RecordingBackend(FakeBackend(), tmp_path)
+
+
+def test_recording_keeps_drafts_on_and_writes_what_plain_decoding_writes(tmp_path):
+    # A model that repeats itself (period 5): prompt lookup guesses right, so drafts are kept.
+    requests = [make_request((3, 14, 15, 9, 26, 5, 35), 30, ignore_eos=True), *requests_from([1, 5], 20)]
+    plain = FakeBackend(repeat_period=5, num_lanes=3)
+    plain_host = LaneHost(
+        RecordingBackend(plain, tmp_path / "plain"), detokenize=fake_detokenize, eos_ids=EOS_IDS
+    )
+    plain_replies = run_all(plain_host, [plain_host.submit(request) for request in requests])
+    drafted = FakeBackend(repeat_period=5, num_lanes=3)
+    host = LaneHost(
+        RecordingBackend(drafted, tmp_path / "drafts"),
+        detokenize=fake_detokenize,
+        eos_ids=EOS_IDS,
+        max_draft_tokens=15,
+    )
+    replies = run_all(host, [host.submit(request) for request in requests])
+    assert host.drafter is not None and host.drafter.num_accepted > 0 and drafted.num_verifies > 0
+    assert replies == plain_replies
+    assert records(tmp_path / "drafts") == records(tmp_path / "plain")
+    drafted.assert_clean()
+
+
+class NoIdle(FakeBackend):
+    """A wrapper that forgot an operation of the protocol."""
+
+    def __getattribute__(self, name):
+        if name == "idle":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_backend_that_lacks_an_operation_is_refused_at_start_naming_it(tmp_path):
+    with pytest.raises(TypeError, match="NoIdle is not a whole Backend .* it lacks idle"):
+        LaneHost(NoIdle(), detokenize=fake_detokenize, eos_ids=EOS_IDS)
+    with pytest.raises(TypeError, match="it lacks idle"):
+        RecordingBackend(NoIdle(), tmp_path)
+
+
+def test_a_backend_that_does_not_verify_drafts_serves_without_them_and_says_so(caplog):
+    backend = FakeBackend(repeat_period=5, verifies_drafts=False)
+    host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS, max_draft_tokens=15)
+    assert host.drafter is None
+    assert "draft tokens are off: FakeBackend does not verify drafts" in caplog.text
+    request = make_request((3, 14, 15, 9, 26), 12, ignore_eos=True)
+    assert run_all(host, [host.submit(request)]) == [backend.solo_reply(request)]
+    backend.assert_clean()
