@@ -1,4 +1,8 @@
-"""What one rank needs to start: a frozen value built once from the YAML config and flags."""
+"""What one rank needs to start: a frozen value built once from the YAML config and flags.
+
+Its defaults are the daemon's: the serving config (server/config.py ServeConfig) takes every engine
+default from here, so an engine test that leaves a setting alone runs what `tpserve serve` runs.
+"""
 
 from __future__ import annotations
 
@@ -13,34 +17,34 @@ class EngineSettings:
     # "auto" (a GPU where torch can use one; never a silent CPU fallback where a GPU is present),
     # "cpu" or "cuda"; see ranks/device.py.
     device: str = "auto"
-    dtype: str = "float32"  # or "auto": float32 on the CPU, bfloat16 on a GPU
+    dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU; or float32, bfloat16, float16
     tp_size: int = 2
     num_lanes: int = 8
     context_size: int = 2048
     # Bytes of KV memory each rank may use, one figure per rank (tests give the ranks different
     # budgets); empty: a share of the memory the rank finds free at start-up.
     kv_budget_bytes: tuple[int, ...] = ()
-    cache_budget_bytes: int = 0
+    cache_budget_bytes: int = 64 << 20  # the prompt cache's KV bytes on each rank; 0: no cache
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
     # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.
     # None: the device's default (on the CPU, where it is proven, yes; on a GPU, no).
-    batch_invariant: bool | None = True
+    batch_invariant: bool | None = None
     # Forward collectives between CPU ranks: "auto" (shared memory when every rank is on this host,
     # else gloo), "shared_memory" (required) or "gloo".
     cpu_collectives: str = "auto"
     # Prompt-lookup draft tokens a decode round may check per stream (0: none; None: 15 where
     # products are batch invariant, else 0); see server/drafts.py.
-    draft_tokens: int | None = 0
+    draft_tokens: int | None = None
     threads_per_rank: int = 0  # 0: half the cores, so tp=1 and tp=2 run the same kernels
-    init_timeout_s: float = 60.0
+    init_timeout_s: float = 120.0
     collective_timeout_s: float = 60.0
     leader_dead_after_s: float = 30.0
     # The network interface the ranks talk over (gloo, NCCL, the store, the liveness link); empty:
     # let gloo and NCCL choose. Checked at start-up (ranks/network.py).
     interface: str = ""
-    # Fault drill for tests: (rank, token id) — that rank refuses any prompt holding the token.
-    refuse_token_on_rank: tuple[int, int] | None = None
+    # Fault drill for tests: (rank, token id) — that rank refuses any prompt holding the token; ().
+    refuse_token_on_rank: tuple[int, ...] = ()
     # Fault drill for tests: that rank's start-up probe checks a deliberately shape-dependent product.
     shape_dependent_on_rank: int | None = None
 

@@ -27,23 +27,36 @@ class ConfigError(UserError):
     pass
 
 
+# The engine's defaults are the daemon's: every engine key below takes its default from here.
+_ENGINE = EngineSettings(model_dir="")
+# The engine settings whose key (a flag, a YAML key) is shorter than the code's name for it; every
+# other engine setting has one name in both.
+ENGINE_NAMES = {"tp": "tp_size", "lanes": "num_lanes", "context": "context_size"}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = ""  # empty: the prepared default model
-    device: str = "auto"  # a GPU where torch can use one, the CPU where there is none; never a fallback
-    dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU
-    tp: int = 2
-    lanes: int = 8
-    context: int = 2048
-    kv_budget_bytes: tuple[int, ...] = ()
-    cache_budget_bytes: int = 64 << 20
-    max_prefill_tokens: int = 512
-    batch_prefill: bool = True
-    batch_invariant: bool | None = None  # None (auto): on the CPU, where the rule holds; off on a GPU
-    cpu_collectives: str = "auto"
-    # Checked in the rows batch_invariant pads a decode product to; None (auto): 15 there, else 0.
-    draft_tokens: int | None = None
-    threads_per_rank: int = 0
+    # The engine's settings (ranks/settings.py says what each means).
+    device: str = _ENGINE.device
+    dtype: str = _ENGINE.dtype
+    tp: int = _ENGINE.tp_size
+    lanes: int = _ENGINE.num_lanes
+    context: int = _ENGINE.context_size
+    kv_budget_bytes: tuple[int, ...] = _ENGINE.kv_budget_bytes
+    cache_budget_bytes: int = _ENGINE.cache_budget_bytes
+    max_prefill_tokens: int = _ENGINE.max_prefill_tokens
+    batch_prefill: bool = _ENGINE.batch_prefill
+    batch_invariant: bool | None = _ENGINE.batch_invariant  # None: auto
+    cpu_collectives: str = _ENGINE.cpu_collectives
+    draft_tokens: int | None = _ENGINE.draft_tokens  # None: auto
+    threads_per_rank: int = _ENGINE.threads_per_rank
+    init_timeout_s: float = _ENGINE.init_timeout_s
+    collective_timeout_s: float = _ENGINE.collective_timeout_s
+    leader_dead_after_s: float = _ENGINE.leader_dead_after_s
+    interface: str = _ENGINE.interface
+    refuse_token_on_rank: tuple[int, ...] = _ENGINE.refuse_token_on_rank
+    # The serving side's own.
     queue_size: int = 64
     default_max_tokens: int = 256
     host: str = "127.0.0.1"
@@ -54,36 +67,19 @@ class ServeConfig:
     vision: bool = False
     record: str = ""  # a directory: record every stream there
     grace_s: float = 10.0
-    init_timeout_s: float = 120.0
-    collective_timeout_s: float = 60.0
-    leader_dead_after_s: float = 30.0
-    interface: str = ""  # the network interface between the hosts (e.g. enp1s0f0np0); empty: any
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
     master: str = ""  # HOST[:PORT] of rank 0, for one process per host
-    refuse_token_on_rank: tuple[int, ...] = ()  # fault drill for tests: (rank, token id)
 
     def engine_settings(self, model_dir: str) -> EngineSettings:
+        """The engine's settings, the one place they come from the config."""
         return EngineSettings(
-            model_dir=model_dir,
-            device=self.device,
-            dtype=self.dtype,
-            tp_size=self.tp,
-            num_lanes=self.lanes,
-            context_size=self.context,
-            kv_budget_bytes=self.kv_budget_bytes,
-            cache_budget_bytes=self.cache_budget_bytes,
-            max_prefill_tokens=self.max_prefill_tokens,
-            batch_prefill=self.batch_prefill,
-            batch_invariant=self.batch_invariant,
-            cpu_collectives=self.cpu_collectives,
-            draft_tokens=self.draft_tokens,
-            threads_per_rank=self.threads_per_rank,
-            init_timeout_s=self.init_timeout_s,
-            collective_timeout_s=self.collective_timeout_s,
-            leader_dead_after_s=self.leader_dead_after_s,
-            interface=self.interface,
-            refuse_token_on_rank=tuple(self.refuse_token_on_rank) or None,
+            model_dir=model_dir, **{ENGINE_NAMES.get(key, key): getattr(self, key) for key in ENGINE_KEYS}
         )
+
+
+# The config's keys that are engine settings (shape_dependent_on_rank is a drill tests set in code).
+_ENGINE_FIELDS = {f.name for f in fields(EngineSettings)} - {"model_dir", "shape_dependent_on_rank"}
+ENGINE_KEYS = tuple(f.name for f in fields(ServeConfig) if ENGINE_NAMES.get(f.name, f.name) in _ENGINE_FIELDS)
 
 
 _CHOICES = {

@@ -78,6 +78,9 @@ def pair_settings(model_dir: str, **changes) -> EngineSettings:
         init_timeout_s=30.0,
         collective_timeout_s=30.0,
         refuse_token_on_rank=(1, POISON),
+        # Each reply (and record file) is compared with its solo run: no prompt cache serves a
+        # second run from the first (tests/test_cache_pair.py has one). Drafts: the daemon's default.
+        cache_budget_bytes=0,
     )
     return replace(settings, **changes)
 
@@ -202,8 +205,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def solo(model_dir) -> dict[GenerationRequest, Reply]:
-    """Each request of REQUESTS run alone on a fresh float32 pair: the oracle."""
-    with local_engine(pair_settings(model_dir)) as engine:
+    """Each request of REQUESTS run alone on a fresh float32 pair, plain decoding: the oracle."""
+    with local_engine(pair_settings(model_dir, draft_tokens=0)) as engine:
         return dict(zip(REQUESTS, run_alone(engine.host, REQUESTS)))
 
 
@@ -380,7 +383,7 @@ def test_recording_keeps_draft_tokens_on_and_writes_what_plain_decoding_writes(m
     # Long greedy replies: the random tiny model falls into loops that prompt lookup guesses.
     requests = (*REQUESTS, request(range(3, 10), 200, GREEDY), request((7, 7, 7), 200, GREEDY))
     plain_dir, drafts_dir = tmp_path / "plain", tmp_path / "drafts"
-    with local_engine(pair_settings(model_dir), record_dir=str(plain_dir)) as engine:
+    with local_engine(pair_settings(model_dir, draft_tokens=0), record_dir=str(plain_dir)) as engine:
         plain = run_alone(engine.host, requests)
     with local_engine(pair_settings(model_dir, draft_tokens=15), record_dir=str(drafts_dir)) as engine:
         alone = run_alone(engine.host, requests)
@@ -461,7 +464,7 @@ def test_draft_tokens_change_no_reply(model_dir):
         request((9, 10, 9, 10, 9), 20, GREEDY, ignore_eos=False),
     )
     batch = repetitive + REQUESTS[:3]
-    with local_engine(pair_settings(model_dir)) as plain:
+    with local_engine(pair_settings(model_dir, draft_tokens=0)) as plain:
         expected = run_alone(plain.host, batch)
     with local_engine(pair_settings(model_dir, draft_tokens=15)) as drafted:
         alone = run_alone(drafted.host, batch)
