@@ -102,6 +102,7 @@ class TPModel:
         self.row_tile = row_tile  # see kernels/linear.py: batch-invariant products
 
     def kv_heads_per_piece(self) -> list[int]:
+        """KV heads of each of this rank's pieces: the KV store's shape (ranks/kv_store.py)."""
         return [piece.num_kv_heads() for piece in self.pieces]
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,6 @@ from tpserve.ranks.model_group import open_model_group
 from tpserve.ranks.network import check_interface, name_interface
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 from tpserve.ranks.settings import EngineSettings
-from tpserve.ranks.sharding import pieces_of_rank
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +197,7 @@ def start_rank(
     )
     if settings.batch_invariant:
         check_invariance(model, rank, control, drill=settings.shape_dependent_on_rank == rank)
-    kv_heads = [piece.num_kv_heads() for piece in pieces_of_rank(config, rank, world_size)]
+    kv_heads = model.kv_heads_per_piece()
     per_token = kv_bytes_per_token(config.num_layers, kv_heads, config.head_dim, dtype)
     room = settle_room(settings, rank, per_token, device, control)
     log.info(

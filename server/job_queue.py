@@ -43,9 +43,6 @@ class JobQueue(Generic[J]):
             return self._background[0]
         return None
 
-    def peek_foreground(self) -> J | None:
-        return self._foreground[0] if self._foreground else None
-
     def peek_many(self, num_jobs: int) -> list[J]:
         """The next `num_jobs` jobs (or fewer), in the order they would run."""
         jobs = list(self._foreground)[:num_jobs]

@@ -156,6 +156,8 @@ class LaneHost:
             room_used=self._lanes.room_used,
             num_lanes=self._lanes.num_lanes,
             room=self._room,
+            draft_tokens=self.drafter.num_drafted if self.drafter else 0,
+            draft_tokens_accepted=self.drafter.num_accepted if self.drafter else 0,
         )
 
     def _wake_scheduler(self) -> None:

@@ -2,9 +2,10 @@
 
 Everything lives in this object's own CollectorRegistry (never prometheus_client's global one), so
 several servers (or tests) in one process keep separate counts. The lane host's gauges (queue depth,
-lanes busy, room used) are read from `LaneHost.stats()` at scrape time, never pushed; so are the prompt
-cache's counters and gauges (lookups, hit tokens, keeps, evictions, held bytes, entries) from
-`PromptCache.stats()`, when the server has a cache.
+lanes busy, room used) and counters (draft tokens checked and accepted) are read from
+`LaneHost.stats()` at scrape time, never pushed; so are the prompt cache's counters and gauges
+(lookups, hit tokens, keeps, evictions, held bytes, entries) from `PromptCache.stats()`, when the
+server has a cache.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class _LaneHostCollector:
             ("tpserve_room_tokens", "KV tokens the ranks can hold in all", stats.room),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
+        for name, help_text, value in (
+            ("tpserve_draft_tokens", "Draft tokens decode rounds checked", stats.draft_tokens),
+            (
+                "tpserve_draft_tokens_accepted",
+                "Draft tokens the model agreed with (each saved a decode round)",
+                stats.draft_tokens_accepted,
+            ),
+        ):
+            yield CounterMetricFamily(name, help_text, value=value)
 
 
 class _PromptCacheCollector:

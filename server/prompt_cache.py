@@ -49,10 +49,10 @@ class CacheStats:
     restore_failures: int
     held_bytes: int
     budget_bytes: int
-    num_entries: int
-    num_dead: int
-    num_pending: int
-    num_live_states: int
+    num_entries: int  # live entries (findable)
+    num_dead: int  # removed entries still borrowed: not findable, still charged, not yet freed
+    num_pending: int  # reserved, not yet committed or aborted
+    num_live_states: int  # states the ranks hold: entries + dead + pending = ids reserved - frees
 
 
 @dataclass(eq=False)
@@ -256,39 +256,6 @@ class PromptCache:
         return len(doomed)
 
     # -- introspection ------------------------------------------------------------------------------
-
-    @property
-    def budget_bytes(self) -> int:
-        return self._budget_bytes
-
-    @property
-    def held_bytes(self) -> int:
-        with self._lock:
-            return self._held_bytes
-
-    @property
-    def num_entries(self) -> int:
-        """Live entries (findable)."""
-        with self._lock:
-            return len(self._lru)
-
-    @property
-    def num_dead(self) -> int:
-        """Removed entries still borrowed: not findable, still charged, not yet freed."""
-        with self._lock:
-            return len(self._dead)
-
-    @property
-    def num_pending(self) -> int:
-        """Reserved, not yet committed or aborted."""
-        with self._lock:
-            return len(self._pending)
-
-    @property
-    def num_live_states(self) -> int:
-        """States the ranks hold: entries + dead + pending = ids reserved - free_state calls."""
-        with self._lock:
-            return len(self._entries)
 
     def stats(self) -> CacheStats:
         with self._lock:

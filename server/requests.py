@@ -107,6 +107,8 @@ class HostStats:
     room_used: int  # KV tokens reserved by open lanes
     num_lanes: int
     room: int  # KV tokens the ranks can hold in all
+    draft_tokens: int = 0  # draft tokens decode rounds checked, since start
+    draft_tokens_accepted: int = 0  # of those, the ones the model agreed with (kept in replies)
 
 
 class QueueFull(Exception):

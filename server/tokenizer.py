@@ -107,10 +107,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; BOS first when the model wants it (add_bos=None) or when asked.
 

@@ -166,7 +166,7 @@ def assert_books_balance(pair: Pair) -> None:
     assert engine.lanes == {} and engine.kv.allocator.used == 0
     stats = cache.stats()
     assert (stats.num_dead, stats.num_pending) == (0, 0), stats
-    assert len(engine.cache_slots) == cache.num_live_states == stats.num_entries
+    assert len(engine.cache_slots) == cache.stats().num_live_states == stats.num_entries
     assert engine.cache_kv.allocator.used == sum(n for _, n in engine.cache_slots.values())
     assert stats.held_bytes == engine.cache_kv.allocator.used * pair.engine.runtime.room.kv_bytes_per_token
     assert stats.held_bytes <= stats.budget_bytes
@@ -210,7 +210,7 @@ class TestRoomyCache:
     def pair(cls, model_dir, cold, tmp_path_factory):
         settings = cache_settings(model_dir, CACHE_TOKENS)
         with started_pair(settings, tmp_path_factory.mktemp("roomy")) as pair:
-            assert pair.cache.budget_bytes == CACHE_TOKENS * RANK0_BYTES_PER_TOKEN
+            assert pair.cache.stats().budget_bytes == CACHE_TOKENS * RANK0_BYTES_PER_TOKEN
             yield pair
 
     def test_a_shared_prefix_is_restored_and_replies_equal_the_cold_ones(self, pair, cold):

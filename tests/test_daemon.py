@@ -7,10 +7,13 @@ golden error files name; the README flow serves the real default model (slow).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -79,6 +82,83 @@ def offline_reply(model_dir, *args: str) -> dict:
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+# ---- --record ----
+
+
+def record_requests() -> list[serving_pb2.GenerateRequest]:
+    """Long greedy replies (the random tiny model falls into loops that prompt lookup guesses) and a
+    sampled one; distinct prompts, so a stream's file is found by its prompt."""
+    loops = [
+        serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=44, ignore_eos=True)
+        for ids in ([5, 6, 7] * 6, [9, 10] * 8, [40, 41, 42, 43] * 4)
+    ]
+    sampled = serving_pb2.GenerateRequest(
+        prompt="the quick brown fox", max_tokens=30, temperature=0.9, seed=3
+    )
+    return [*loops, sampled]
+
+
+def files_by_prompt(paths: list[Path]) -> dict[tuple[int, ...], str]:
+    """Each stream file's text, keyed by the prompt its first prefill fed."""
+    out = {}
+    for path in paths:
+        text = path.read_text()
+        prefill = json.loads(text.splitlines()[1])
+        out[tuple(prefill["token_ids"])] = text
+    return out
+
+
+def open_files_under(pid: int, folder: Path) -> list[str]:
+    names = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(folder)):
+            names.append(target)
+    return names
+
+
+def test_recording_with_drafts_on_changes_no_reply_and_writes_each_streams_solo_file(
+    daemon, model_dir, tmp_path
+):
+    # The daemon's defaults draft tokens on the CPU; with --record they stay on. No prompt cache:
+    # the second run would otherwise restore the first run's prompts (a `restore` line of its own).
+    record_dir = tmp_path / "record"
+    args = (
+        "--context",
+        str(CONTEXT),
+        "--lanes",
+        "2",
+        "--record",
+        str(record_dir),
+        "--cache-budget-bytes",
+        "0",
+    )
+    requests = record_requests()
+
+    def generate(stub, request):
+        return read_reply(stub.Generate(request, timeout=60))
+
+    with running_daemon("spawn", model_dir, tmp_path / "logs", *args) as recorded:
+        alone = [generate(recorded.stub, request) for request in requests]  # each alone: solo runs
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda request: generate(recorded.stub, request), requests))
+        recorded.wait_idle()
+        values = recorded.metrics()
+        # Every stream has ended: its file is closed (rank 0 writes them), while the daemon serves on.
+        assert open_files_under(recorded.ranks()[0].pid, record_dir) == []
+    assert values["tpserve_draft_tokens_accepted_total"] > 0, "drafts were checked and kept"
+    plain = [generate(daemon.stub, request) for request in requests]  # unrecorded
+    assert all(reply.ok for reply in plain)
+    assert [r.token_ids for r in alone] == [r.token_ids for r in together] == [r.token_ids for r in plain]
+    files = sorted(record_dir.glob("stream-*.jsonl"))
+    assert len(files) == 2 * len(requests)
+    # Streams open in whatever order the calls arrive; each joint-run file equals its solo run's.
+    assert files_by_prompt(files[len(requests) :]) == files_by_prompt(files[: len(requests)])
 
 
 # ---- Generate, Tokenize, Info, health, reflection ----

@@ -57,7 +57,7 @@ def test_drain_empties_in_run_order():
     queue.push("b", background=True)
     queue.push("f", background=False)
     assert queue.drain() == ["f", "b"]
-    assert len(queue) == 0 and queue.peek_foreground() is None
+    assert len(queue) == 0 and queue.peek() is None
 
 
 def test_queue_size_must_be_positive():

@@ -28,8 +28,8 @@ def cached_tokens(host: LaneHost, request) -> tuple[int, tuple[int, ...]]:
 
 def assert_books_balance(backend: FakeBackend, cache: PromptCache) -> None:
     # Every state the cache still counts lives in the backend, and no other.
-    assert len(backend.states) == cache.num_live_states
-    assert cache.held_bytes <= cache.budget_bytes
+    assert len(backend.states) == cache.stats().num_live_states
+    assert cache.stats().held_bytes <= cache.stats().budget_bytes
 
 
 def test_a_shared_prefix_is_restored_and_the_reply_equals_the_cold_one():
@@ -69,7 +69,7 @@ def test_a_keep_with_no_budget_left_fails_cleanly_and_the_request_still_runs():
     request = make_request(SYSTEM + (3,), max_tokens=4)
     cached, tokens = cached_tokens(host, request)
     assert cached == 0 and tokens == backend.solo_reply(request).token_ids
-    assert cache.num_entries == 0 and backend.states == {}
+    assert cache.stats().num_entries == 0 and backend.states == {}
 
 
 def test_jobs_prefilled_together_each_restore_their_own_prefix():

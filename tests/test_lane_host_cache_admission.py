@@ -67,11 +67,11 @@ def second_turns(num_turns: int) -> list:
 
 def assert_nothing_held(backend: FakeBackend, cache: PromptCache) -> None:
     backend.assert_clean()
-    assert cache.num_pending == 0 and cache.num_dead == 0
-    assert len(backend.states) == cache.num_live_states
+    assert cache.stats().num_pending == 0 and cache.stats().num_dead == 0
+    assert len(backend.states) == cache.stats().num_live_states
     # A borrowed entry would survive a clear as a dead one, still held on the ranks.
     cache.clear()
-    assert cache.num_dead == 0 and cache.num_live_states == 0 and backend.states == {}
+    assert cache.stats().num_dead == 0 and cache.stats().num_live_states == 0 and backend.states == {}
 
 
 def test_mostly_cached_long_prompts_share_one_joint_pass():

@@ -37,12 +37,12 @@ def test_two_borrowers_and_a_failed_restore_keep_the_entry_until_the_last_releas
     assert first.entry_id == second.entry_id == entry_id
     cache.restore_failed(first)
     assert cache.lookup(SYSTEM + [3]) is None  # dead: lookups miss it at once
-    assert (cache.num_entries, cache.num_dead, cache.num_live_states) == (0, 1, 1)
-    assert cache.held_bytes == 20  # still charged while the second job restores from it
+    assert (cache.stats().num_entries, cache.stats().num_dead, cache.stats().num_live_states) == (0, 1, 1)
+    assert cache.stats().held_bytes == 20  # still charged while the second job restores from it
     assert freed == []
     cache.release(second)
     assert freed == [entry_id]
-    assert (cache.held_bytes, cache.num_dead, cache.num_live_states) == (0, 0, 0)
+    assert (cache.stats().held_bytes, cache.stats().num_dead, cache.stats().num_live_states) == (0, 0, 0)
 
 
 def test_forget_of_a_borrowed_entry_frees_it_at_its_release():
@@ -52,7 +52,7 @@ def test_forget_of_a_borrowed_entry_frees_it_at_its_release():
     borrow = cache.lookup(SYSTEM + [1])
     assert cache.forget(SYSTEM[:10]) == 1
     assert cache.lookup(SYSTEM + [1]) is None
-    assert freed == [] and cache.held_bytes == 28
+    assert freed == [] and cache.stats().held_bytes == 28
     assert_counts_add_up(cache)
     cache.release(borrow)
     assert freed == [entry_id]
@@ -65,9 +65,9 @@ def test_clear_frees_unborrowed_entries_now_and_borrowed_ones_at_release():
     idle_id = keep(cache, [7] * 8)
     borrow = cache.lookup(SYSTEM + [1])
     assert cache.clear() == 2
-    assert freed == [idle_id] and cache.num_dead == 1 and cache.held_bytes == 20
+    assert freed == [idle_id] and cache.stats().num_dead == 1 and cache.stats().held_bytes == 20
     cache.release(borrow)
-    assert freed == [idle_id, borrowed_id] and cache.held_bytes == 0
+    assert freed == [idle_id, borrowed_id] and cache.stats().held_bytes == 0
 
 
 def test_eviction_passes_borrowed_entries_over():
@@ -90,16 +90,16 @@ def test_reserve_with_everything_borrowed_fails_cleanly():
     idle_id = keep(cache, [7] * 20)
     cache.lookup(SYSTEM + [1])
     assert cache.reserve(30) is None  # evicting the idle entry would not be enough: evict nothing
-    assert freed == [] and cache.num_entries == 2 and cache.held_bytes == 40
+    assert freed == [] and cache.stats().num_entries == 2 and cache.stats().held_bytes == 40
     assert cache.stats().keeps_refused == 1
     assert cache.reserve(20) is not None  # enough: the idle one goes
-    assert freed == [idle_id] and cache.held_bytes == 40
+    assert freed == [idle_id] and cache.stats().held_bytes == 40
 
 
 def test_a_state_larger_than_the_budget_is_refused():
     cache, freed = make_cache(budget_bytes=10)
     assert cache.reserve(11) is None
-    assert cache.held_bytes == 0 and freed == []
+    assert cache.stats().held_bytes == 0 and freed == []
     assert cache.keep_points(list(range(11))) == []  # keep_points does not even propose it
 
 
@@ -142,9 +142,9 @@ def test_pending_and_aborted_reservations_count_and_free_once():
     cache, freed = make_cache()
     entry_id = cache.reserve(20)
     assert cache.lookup(SYSTEM + [1]) is None  # pending: not findable before its commit
-    assert (cache.num_pending, cache.num_live_states, cache.held_bytes) == (1, 1, 20)
+    assert (cache.stats().num_pending, cache.stats().num_live_states, cache.stats().held_bytes) == (1, 1, 20)
     cache.abort(entry_id)
-    assert freed == [entry_id] and cache.held_bytes == 0 and cache.num_live_states == 0
+    assert freed == [entry_id] and cache.stats().held_bytes == 0 and cache.stats().num_live_states == 0
     with pytest.raises(ValueError, match="not a pending reservation"):
         cache.commit(entry_id, SYSTEM)
 
@@ -154,7 +154,7 @@ def test_a_redundant_commit_is_freed_at_once():
     kept_id = keep(cache, SYSTEM)
     twin_id = cache.reserve(20)  # an equal prompt kept at the same time
     assert cache.commit(twin_id, SYSTEM) is False
-    assert freed == [twin_id] and cache.num_entries == 1 and cache.held_bytes == 20
+    assert freed == [twin_id] and cache.stats().num_entries == 1 and cache.stats().held_bytes == 20
     assert cache.lookup(SYSTEM + [1]).entry_id == kept_id
 
 
