@@ -8,6 +8,8 @@ be rolled back and latches the engine broken instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tpserve.ranks.engine import Engine
@@ -25,10 +27,8 @@ def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
     """
     if isinstance(msg, Admit):
         ok = engine.admit(msg.lane, msg.reserve_tokens)
-        if not channel.vote(ok):
-            if ok:
-                engine.release(msg.lane)
-            raise Refused(f"lane {msg.lane}: no room for {msg.reserve_tokens} tokens on some rank")
+        refusal = f"lane {msg.lane}: no room for {msg.reserve_tokens} tokens on some rank"
+        _vote(channel, ok, lambda: engine.release(msg.lane), refusal)
         return None
     if isinstance(msg, Prefill):
         spans = [(s.lane, s.start, s.token_ids) for s in msg.spans]
@@ -44,18 +44,18 @@ def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
         return None
     if isinstance(msg, Keep):
         ok = engine.keep(msg.lane, msg.num_tokens, msg.entry_id)
-        if not channel.vote(ok):
-            if ok:
-                engine.evict(msg.entry_id)
-            raise Refused(f"cache entry {msg.entry_id}: keep refused by some rank")
+        _vote(
+            channel,
+            ok,
+            lambda: engine.evict(msg.entry_id),
+            f"cache entry {msg.entry_id}: keep refused by some rank",
+        )
         return None
     if isinstance(msg, Restore):
         before = engine.lengths([msg.lane])
         ok = engine.restore(msg.lane, msg.entry_id, msg.num_tokens)
-        if not channel.vote(ok):
-            if ok:
-                engine.rewind(before)
-            raise Refused(f"cache entry {msg.entry_id}: restore refused by some rank")
+        refusal = f"cache entry {msg.entry_id}: restore refused by some rank"
+        _vote(channel, ok, lambda: engine.rewind(before), refusal)
         return None
     if isinstance(msg, Evict):
         engine.evict(msg.entry_id)
@@ -63,3 +63,12 @@ def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
     if isinstance(msg, (Idle, Stop)):
         return None
     raise TypeError(f"no rule to apply {type(msg).__name__}")
+
+
+def _vote(channel, ok: bool, undo: Callable[[], None], refusal: str) -> None:
+    """Every rank votes on what it just did; on a no anywhere, the ranks that did it undo it (so
+    nothing changed anywhere) and all raise Refused."""
+    if not channel.vote(ok):
+        if ok:
+            undo()
+        raise Refused(refusal)

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_TYPES, DeviceFacts
 from tpserve.ranks.errors import StartupError
-from tpserve.ranks.loader import DTYPES
-from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.settings import DTYPE_CHOICES, EngineSettings
 from tpserve.ranks.version import VERSION
 
 
@@ -47,7 +46,6 @@ FLAG_NAMES = (
     "cuda",
     "nccl",
 )
-DTYPE_NAMES = ("auto", *DTYPES)
 REFUSED = -1  # a rank that refused its device shows this as its device
 
 
@@ -56,7 +54,7 @@ def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
     version = int.from_bytes(hashlib.sha256(VERSION.encode()).digest()[:7], "little")
     return [
         fingerprint(settings.model_dir),
-        DTYPE_NAMES.index(settings.dtype),
+        DTYPE_CHOICES.index(settings.dtype),
         settings.tp_size,
         settings.num_lanes,
         settings.context_size,
@@ -87,7 +85,7 @@ def _unpacked(value: int) -> str:
 
 def shown_row(row: list[int]) -> str:
     """A flags row as a person reads it (named choices by name rather than by their index)."""
-    named = {"dtype": DTYPE_NAMES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
+    named = {"dtype": DTYPE_CHOICES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
     values = []
     for name, value in zip(FLAG_NAMES, row):
         if name in named:

@@ -30,30 +30,12 @@ def follow(engine: Engine, channel) -> int:
             apply(engine, channel, msg)
 
 
-def run_follower(
-    settings,
-    rank: int,
-    world_size: int,
-    host: str,
-    port: int,
-    agent_store: bool = False,
-    *,
-    local_rank: int | None = None,
-    local_world_size: int | None = None,
-) -> int:
-    """A follower process from start to exit code: start-up, follow, clean exit on Stop."""
+def run_follower(settings, rank: int, world_size: int, host: str, port: int, **placement) -> int:
+    """A follower process from start to exit code: start-up, follow, clean exit on Stop.
+    `placement`: start_rank's keywords (agent_store, local_rank, local_world_size)."""
     setup_logging(rank)
     try:
-        runtime = start_rank(
-            settings,
-            rank,
-            world_size,
-            host,
-            port,
-            agent_store=agent_store,
-            local_rank=local_rank,
-            local_world_size=local_world_size,
-        )
+        runtime = start_rank(settings, rank, world_size, host, port, **placement)
     except UserError as error:
         log.error("%s", error)
         return 2

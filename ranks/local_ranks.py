@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tpserve.ranks.follow import run_follower
 from tpserve.ranks.settings import EngineSettings
-from tpserve.ranks.startup import leave_if_failed
+from tpserve.ranks.startup import RankRuntime, leave_if_failed, shutdown, start_rank
 
 
 def free_port() -> int:
@@ -42,3 +43,18 @@ def local_followers(settings: EngineSettings, port: int, join_timeout_s: float =
             if process.is_alive():
                 process.kill()
                 process.join(5)
+
+
+@contextmanager
+def local_rank0(settings: EngineSettings) -> Iterator[tuple[RankRuntime, list]]:
+    """Rank 0 started in this process on a free port, ranks 1..tp-1 as its child processes; rank 0
+    leaves the group on exit (after the caller's Stop), then the followers are waited for.
+
+    Yields the runtime and the follower processes. One per process at a time."""
+    port = free_port()
+    with local_followers(settings, port) as followers:
+        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
+        try:
+            yield runtime, followers
+        finally:
+            shutdown(runtime)

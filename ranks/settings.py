@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the weights' and KV's types a rank can run
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: the device's (for_device)
 MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
 
 

@@ -7,16 +7,41 @@ host's single scheduling thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from tpserve.kernels.sampling_params import SamplingParams
 
-__all__ = ["Backend", "BackendBroken", "PrefillItem", "DecodeItem", "SamplingParams", "check_backend"]
+__all__ = [
+    "Backend",
+    "BackendBroken",
+    "PrefillItem",
+    "DecodeItem",
+    "SamplingParams",
+    "attempt",
+    "check_backend",
+]
 
 
 class BackendBroken(RuntimeError):
     """A decode round failed, a rank was lost or a collective timed out: nothing more can run."""
+
+
+T = TypeVar("T")
+
+
+def attempt(operation: Callable[..., T], *args) -> tuple[T | None, Exception | None]:
+    """Call a backend operation: (its result, None), or (None, the exception) when it raised.
+
+    A BackendBroken is never caught: nothing more can run, whatever the caller would do about a
+    failure (end one job, fall back, or count the engine broken)."""
+    try:
+        return operation(*args), None
+    except BackendBroken:
+        raise
+    except Exception as error:
+        return None, error
 
 
 @dataclass(frozen=True)

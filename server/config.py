@@ -19,7 +19,7 @@ import yaml
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
-from tpserve.ranks.settings import MAX_DRAFT_TOKENS, EngineSettings
+from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, EngineSettings
 from tpserve.server.api_key import API_KEY_ENV
 
 
@@ -84,7 +84,7 @@ ENGINE_KEYS = tuple(f.name for f in fields(ServeConfig) if ENGINE_NAMES.get(f.na
 
 _CHOICES = {
     "device": DEVICE_CHOICES,
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "dtype": DTYPE_CHOICES,
     "tp": (1, 2),
     "cpu_collectives": CHOICES,
 }

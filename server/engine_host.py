@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.leader import Leader
-from tpserve.ranks.local_ranks import free_port, local_followers
+from tpserve.ranks.local_ranks import local_rank0
 from tpserve.ranks.settings import EngineSettings
-from tpserve.ranks.startup import RankRuntime, shutdown, start_rank
+from tpserve.ranks.startup import RankRuntime
 from tpserve.server.backend import BackendBroken
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.prompt_cache import PromptCache
@@ -77,18 +77,12 @@ def local_engine(
 ) -> Iterator[LocalEngine]:
     """Rank 0 in this process with a started lane host, followers as child processes; all stopped
     on exit (Stop to the followers unless the engine broke). One per process at a time."""
-    port = free_port()
-    with local_followers(settings, port) as followers:
-        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
+    with local_rank0(settings) as (runtime, followers):
+        tokenizer = Tokenizer.from_model_dir(settings.model_dir)
+        host, leader = build_lane_host(runtime, tokenizer, queue_size=queue_size, record_dir=record_dir)
+        host.start()
         try:
-            tokenizer = Tokenizer.from_model_dir(settings.model_dir)
-            host, leader = build_lane_host(runtime, tokenizer, queue_size=queue_size, record_dir=record_dir)
-            host.start()
-            try:
-                yield LocalEngine(host, leader, runtime, tokenizer, followers)
-            finally:
-                host.stop(grace_s=0)
-                if leader.broken is None:
-                    leader.stop()
+            yield LocalEngine(host, leader, runtime, tokenizer, followers)
         finally:
-            shutdown(runtime)
+            host.stop(grace_s=0)
+            leader.stop()  # Stop to the followers, unless the engine broke

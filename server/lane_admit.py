@@ -23,7 +23,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tpserve.server.backend import Backend, BackendBroken, PrefillItem
+from tpserve.server.backend import Backend, BackendBroken, PrefillItem, attempt
 from tpserve.server.job_queue import JobQueue
 from tpserve.server.lane_cache import keep_prompt, restore_prefix
 from tpserve.server.lane_job import Job
@@ -148,11 +148,8 @@ class Admission:
         if job.cancel_requested:
             self._end(job, CANCELLED)
             return False
-        try:
-            opened = self._lanes.open(job)
-        except BackendBroken:
-            raise
-        except Exception as error:
+        opened, error = attempt(self._lanes.open, job)
+        if error is not None:
             self._end(job, ERROR, f"could not reserve {job.reserve} tokens of KV room: {error}")
             return False
         if not opened:
@@ -165,11 +162,8 @@ class Admission:
     def _prefill_together(self, jobs: list[Job]) -> bool:
         """One prefill_many over `jobs`. False when the backend refused or failed (none prefilled)."""
         items = [self._whole_prompt(job) for job in jobs]
-        try:
-            tokens = self._backend.prefill_many(items)
-        except BackendBroken:
-            raise
-        except Exception as error:
+        tokens, error = attempt(self._backend.prefill_many, items)
+        if error is not None:
             log.warning(
                 "a joint prompt pass over %d streams failed (%r); prefilling each alone", len(jobs), error
             )
@@ -233,11 +227,8 @@ class Admission:
         return PrefillItem(job.lane, start, job.feed_ids[start:], True, job.request.sampling)
 
     def _prefill(self, job: Job, item: PrefillItem) -> None:
-        try:
-            token = self._backend.prefill(item)
-        except BackendBroken:
-            raise
-        except Exception as error:
+        token, error = attempt(self._backend.prefill, item)
+        if error is not None:
             self._end(job, ERROR, f"prefill failed: {error}")
             return
         job.num_prefilled = item.start + len(item.token_ids)

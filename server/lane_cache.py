@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from tpserve.server.backend import Backend, BackendBroken
+from tpserve.server.backend import Backend, attempt
 from tpserve.server.lane_job import Job
 from tpserve.server.prompt_cache import PromptCache
 
@@ -23,13 +23,9 @@ def restore_prefix(cache: PromptCache | None, backend: Backend, job: Job) -> int
     borrow = cache.lookup(job.feed_ids)
     if borrow is None:
         return 0
-    try:
-        restored = backend.restore(job.lane, borrow.entry_id, borrow.num_tokens)
-    except BackendBroken:
-        raise
-    except Exception as error:
+    restored, error = attempt(backend.restore, job.lane, borrow.entry_id, borrow.num_tokens)
+    if error is not None:
         log.warning("restoring cache entry %d failed (%r); prefilling in full", borrow.entry_id, error)
-        restored = False
     if not restored:
         cache.restore_failed(borrow)  # lookups miss it now; freed once unborrowed
         return 0
@@ -46,13 +42,9 @@ def keep_prompt(cache: PromptCache | None, backend: Backend, job: Job) -> None:
         entry_id = cache.reserve(num_tokens)  # evicts (EVICT on the wire) to make room
         if entry_id is None:
             continue
-        try:
-            kept = backend.keep(job.lane, num_tokens, entry_id)
-        except BackendBroken:
-            raise
-        except Exception as error:
+        kept, error = attempt(backend.keep, job.lane, num_tokens, entry_id)
+        if error is not None:
             log.warning("keeping %d prompt tokens failed (%r)", num_tokens, error)
-            kept = False
         if kept:
             cache.commit(entry_id, job.feed_ids[:num_tokens])
         else:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tpserve.server.backend import Backend, BackendBroken, DecodeItem, check_backend
+from tpserve.server.backend import Backend, BackendBroken, DecodeItem, attempt, check_backend
 from tpserve.server.drafts import Drafter
 from tpserve.server.job_queue import JobQueue
 from tpserve.server.lane_admit import Admission
@@ -202,14 +202,12 @@ class LaneHost:
             DecodeItem(job.lane, job.next_position, job.produced[-1], job.request.sampling, draft)
             for job, draft in zip(live, drafts)
         ]
-        try:
-            if any(drafts):
-                samples = self._backend.decode_drafts(items)
-            else:
-                samples = [[token] for token in self._backend.decode(items)]
-        except BackendBroken:
-            raise
-        except Exception as error:
+        if any(drafts):
+            samples, error = attempt(self._backend.decode_drafts, items)
+        else:
+            tokens, error = attempt(self._backend.decode, items)
+            samples = [[token] for token in tokens] if error is None else None
+        if error is not None:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
         if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
             raise BackendBroken(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from tpserve.server.backend import Backend, BackendBroken
+from tpserve.server.backend import Backend, BackendBroken, attempt
 from tpserve.server.lane_job import Job
 
 
@@ -56,11 +56,8 @@ class LaneTable:
         self._free.append(lane)
         job.lane = None
         self.room_used -= job.reserve
-        try:
-            self._backend.close(lane)
-        except BackendBroken:
-            raise
-        except Exception as error:
+        _, error = attempt(self._backend.close, lane)
+        if error is not None:
             raise BackendBroken(f"closing lane {lane} failed: {error!r}") from error
 
     def forget_all(self) -> None:

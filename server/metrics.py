@@ -21,6 +21,62 @@ from tpserve.server.prompt_cache import PromptCache
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+# What the collectors read at scrape time: (series, help, the stats field), counters then gauges.
+HOST_COUNTERS = (
+    ("tpserve_draft_tokens", "Draft tokens decode rounds checked", "draft_tokens"),
+    (
+        "tpserve_draft_tokens_accepted",
+        "Draft tokens the model agreed with (each saved a decode round)",
+        "draft_tokens_accepted",
+    ),
+)
+HOST_GAUGES = (
+    ("tpserve_queue_depth", "Requests waiting for a lane", "queued"),
+    ("tpserve_lanes_busy", "Lanes running a stream", "lanes_busy"),
+    ("tpserve_lanes", "Lanes in all", "num_lanes"),
+    ("tpserve_room_used_tokens", "KV tokens reserved by open lanes", "room_used"),
+    ("tpserve_room_tokens", "KV tokens the ranks can hold in all", "room"),
+)
+CACHE_COUNTERS = (
+    ("tpserve_prompt_cache_hit_tokens", "Prompt tokens the cache's hits offered", "hit_tokens"),
+    ("tpserve_prompt_cache_keeps", "Prompt states kept", "keeps"),
+    (
+        "tpserve_prompt_cache_keeps_refused",
+        "Keeps refused: the rest of the budget was borrowed or pending",
+        "keeps_refused",
+    ),
+    ("tpserve_prompt_cache_evictions", "Kept states evicted to make room", "evictions"),
+    (
+        "tpserve_prompt_cache_restore_failures",
+        "Restores that failed (the prompt was prefilled in full)",
+        "restore_failures",
+    ),
+)
+CACHE_GAUGES = (
+    (
+        "tpserve_prompt_cache_held_bytes",
+        "KV bytes charged to kept states, at rank 0's bytes per token",
+        "held_bytes",
+    ),
+    ("tpserve_prompt_cache_budget_bytes", "The prompt cache's byte budget", "budget_bytes"),
+    ("tpserve_prompt_cache_entries", "Kept states a lookup can find", "num_entries"),
+    (
+        "tpserve_prompt_cache_dead_entries",
+        "Removed states still borrowed (freed at their last release)",
+        "num_dead",
+    ),
+    ("tpserve_prompt_cache_pending_entries", "States being kept right now", "num_pending"),
+)
+
+
+def _families(stats, counters, gauges):
+    """One snapshot's counters and gauges, as the tables above name them."""
+    for name, help_text, field in counters:
+        yield CounterMetricFamily(name, help_text, value=getattr(stats, field))
+    for name, help_text, field in gauges:
+        yield GaugeMetricFamily(name, help_text, value=getattr(stats, field))
+
+
 class _LaneHostCollector:
     """Reads the lane host's stats when Prometheus scrapes."""
 
@@ -32,24 +88,7 @@ class _LaneHostCollector:
         return []
 
     def collect(self):
-        stats = self._read_stats()
-        for name, help_text, value in (
-            ("tpserve_queue_depth", "Requests waiting for a lane", stats.queued),
-            ("tpserve_lanes_busy", "Lanes running a stream", stats.lanes_busy),
-            ("tpserve_lanes", "Lanes in all", stats.num_lanes),
-            ("tpserve_room_used_tokens", "KV tokens reserved by open lanes", stats.room_used),
-            ("tpserve_room_tokens", "KV tokens the ranks can hold in all", stats.room),
-        ):
-            yield GaugeMetricFamily(name, help_text, value=value)
-        for name, help_text, value in (
-            ("tpserve_draft_tokens", "Draft tokens decode rounds checked", stats.draft_tokens),
-            (
-                "tpserve_draft_tokens_accepted",
-                "Draft tokens the model agreed with (each saved a decode round)",
-                stats.draft_tokens_accepted,
-            ),
-        ):
-            yield CounterMetricFamily(name, help_text, value=value)
+        yield from _families(self._read_stats(), HOST_COUNTERS, HOST_GAUGES)
 
 
 class _PromptCacheCollector:
@@ -71,38 +110,7 @@ class _PromptCacheCollector:
         lookups.add_metric(["hit"], stats.hits)
         lookups.add_metric(["miss"], stats.misses)
         yield lookups
-        for name, help_text, value in (
-            ("tpserve_prompt_cache_hit_tokens", "Prompt tokens the cache's hits offered", stats.hit_tokens),
-            ("tpserve_prompt_cache_keeps", "Prompt states kept", stats.keeps),
-            (
-                "tpserve_prompt_cache_keeps_refused",
-                "Keeps refused: the rest of the budget was borrowed or pending",
-                stats.keeps_refused,
-            ),
-            ("tpserve_prompt_cache_evictions", "Kept states evicted to make room", stats.evictions),
-            (
-                "tpserve_prompt_cache_restore_failures",
-                "Restores that failed (the prompt was prefilled in full)",
-                stats.restore_failures,
-            ),
-        ):
-            yield CounterMetricFamily(name, help_text, value=value)
-        for name, help_text, value in (
-            (
-                "tpserve_prompt_cache_held_bytes",
-                "KV bytes charged to kept states, at rank 0's bytes per token",
-                stats.held_bytes,
-            ),
-            ("tpserve_prompt_cache_budget_bytes", "The prompt cache's byte budget", stats.budget_bytes),
-            ("tpserve_prompt_cache_entries", "Kept states a lookup can find", stats.num_entries),
-            (
-                "tpserve_prompt_cache_dead_entries",
-                "Removed states still borrowed (freed at their last release)",
-                stats.num_dead,
-            ),
-            ("tpserve_prompt_cache_pending_entries", "States being kept right now", stats.num_pending),
-        ):
-            yield GaugeMetricFamily(name, help_text, value=value)
+        yield from _families(stats, CACHE_COUNTERS, CACHE_GAUGES)
 
 
 class ServingMetrics:

@@ -33,6 +33,10 @@ from tpserve.server.drafts import count_kept
 FILE_PATTERN = "stream-*.jsonl"
 
 
+def _inner_figure(name: str) -> property:
+    return property(lambda self: getattr(self._inner, name), doc=f"The inner backend's {name}.")
+
+
 class RecordingBackend:
     def __init__(self, inner: Backend, out_dir: str | Path):
         check_backend(inner)
@@ -44,30 +48,13 @@ class RecordingBackend:
         self._files: dict[int, IO[str]] = {}
         self._num_streams = 0
 
-    # The inner backend's figures, read through (they are the inner's to change).
-    @property
-    def num_lanes(self) -> int:
-        return self._inner.num_lanes
-
-    @property
-    def room(self) -> int:
-        return self._inner.room
-
-    @property
-    def context_size(self) -> int:
-        return self._inner.context_size
-
-    @property
-    def batches_prompts(self) -> bool:
-        return self._inner.batches_prompts
-
-    @property
-    def verifies_drafts(self) -> bool:
-        return self._inner.verifies_drafts
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        return self._inner.max_prefill_tokens
+    # The inner backend's figures and flags, read through (they are the inner's to change).
+    num_lanes = _inner_figure("num_lanes")
+    room = _inner_figure("room")
+    context_size = _inner_figure("context_size")
+    batches_prompts = _inner_figure("batches_prompts")
+    verifies_drafts = _inner_figure("verifies_drafts")
+    max_prefill_tokens = _inner_figure("max_prefill_tokens")
 
     def free_room(self) -> int:
         return self._inner.free_room()

@@ -12,7 +12,6 @@ from tpserve.kernels.sampling_params import SamplingParams, TokenLogprob
 __all__ = [
     "CANCELLED",
     "ERROR",
-    "FINISH_REASONS",
     "LENGTH",
     "STOP",
     "Event",
@@ -33,7 +32,6 @@ STOP = "stop"  # an EOS token or a stop string
 LENGTH = "length"  # max_tokens reached
 CANCELLED = "cancelled"  # the client cancelled, or the host stopped before the reply ended
 ERROR = "error"  # this stream failed (Finished.error says why)
-FINISH_REASONS = (STOP, LENGTH, CANCELLED, ERROR)
 
 
 @dataclass(frozen=True)
@@ -90,7 +88,7 @@ class TokenDelta:
 class Finished:
     """The last event of every stream."""
 
-    reason: str  # one of FINISH_REASONS
+    reason: str  # STOP, LENGTH, CANCELLED or ERROR
     usage: Usage
     error: str | None = None
 

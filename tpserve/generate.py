@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.prepare import default_model_dir
+from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.leader import Leader
-from tpserve.ranks.local_ranks import free_port, local_followers
+from tpserve.ranks.local_ranks import local_rank0
 from tpserve.ranks.logs import setup_logging
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.settings import EngineSettings
-from tpserve.ranks.startup import shutdown, start_rank
+from tpserve.ranks.settings import DTYPE_CHOICES, EngineSettings
 from tpserve.server.backend import DecodeItem, PrefillItem
 from tpserve.server.tokenizer import Tokenizer
 
@@ -34,25 +34,19 @@ class Generation:
 @contextmanager
 def single_stream_leader(settings: EngineSettings) -> Iterator[Leader]:
     """Rank 0's leader with one lane, followers as child processes; stopped on exit."""
-    port = free_port()
-    with local_followers(settings, port):
-        runtime = start_rank(settings, 0, settings.tp_size, "127.0.0.1", port)
+    with local_rank0(settings) as (runtime, _):
+        leader = Leader(
+            runtime.engine,
+            runtime.channel,
+            num_lanes=1,
+            context_size=settings.context_size,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            batches_prompts=False,
+        )
         try:
-            leader = Leader(
-                runtime.engine,
-                runtime.channel,
-                num_lanes=1,
-                context_size=settings.context_size,
-                max_prefill_tokens=settings.max_prefill_tokens,
-                batches_prompts=False,
-            )
-            try:
-                yield leader
-            finally:
-                if leader.broken is None:
-                    leader.stop()
+            yield leader
         finally:
-            shutdown(runtime)
+            leader.stop()  # Stop to the followers, unless the engine broke
 
 
 def generate_tokens(
@@ -94,13 +88,8 @@ def register(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="auto: the device's",
-    )
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the device's")
     parser.add_argument("--no-batch-invariant", action="store_true", help="use the BLAS's fastest kernels")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)

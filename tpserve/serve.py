@@ -87,35 +87,22 @@ def run(args: argparse.Namespace) -> int:
         )
     model_dir = config.model or str(prepare(progress=placement.rank == 0))
     settings = config.engine_settings(model_dir)
+    address = (placement.world_size, placement.host, placement.port)
+    where = {
+        "agent_store": placement.agent_store,
+        "local_rank": placement.local_rank,
+        "local_world_size": placement.local_world_size,
+    }
     if placement.rank > 0:
         wait_for_stop_on_signals(placement.rank, config.grace_s + FOLLOWER_MARGIN_S)
-        code = run_follower(
-            settings,
-            placement.rank,
-            placement.world_size,
-            placement.host,
-            placement.port,
-            placement.agent_store,
-            local_rank=placement.local_rank,
-            local_world_size=placement.local_world_size,
-        )
-        return leave_if_failed(code)
+        return leave_if_failed(run_follower(settings, placement.rank, *address, **where))
     with ExitStack() as stack:
         if placement.spawn_followers:
             # The followers inherit ignored stop signals: Ctrl-C reaches this whole process group,
             # and rank 0 alone decides when they stop (Stop after the drain, or its own death).
             with ignoring(signal.SIGINT, signal.SIGTERM):
                 stack.enter_context(local_followers(settings, placement.port))
-        runtime = start_rank(
-            settings,
-            0,
-            placement.world_size,
-            placement.host,
-            placement.port,
-            agent_store=placement.agent_store,
-            local_rank=placement.local_rank,
-            local_world_size=placement.local_world_size,
-        )
+        runtime = start_rank(settings, 0, *address, **where)
         code = serve_rank0(config, runtime, runtime.settings)
     return leave_if_failed(code)
 
