@@ -36,9 +36,9 @@ def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
             raise Refused("prefill refused by some rank")
         return engine.forward(spans)
     if isinstance(msg, Round):
-        return engine.forward([(s.lane, s.position, (s.token_id,)) for s in msg.steps], cut=True)
+        return engine.decode_round([(s.lane, s.position, (s.token_id,)) for s in msg.steps])
     if isinstance(msg, Verify):
-        return engine.forward([(s.lane, s.start, s.token_ids) for s in msg.spans], every_row=True, cut=True)
+        return engine.verify([(s.lane, s.start, s.token_ids) for s in msg.spans])
     if isinstance(msg, Release):
         engine.release(msg.lane)
         return None

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from tpserve.ranks.wire import HEAD_SIZE, Idle, Message, Stop, WireError, decode, encode, read_head
 
-__all__ = ["Channel", "ChannelBroken", "LeaderLost", "brief"]
+__all__ = ["Channel", "ChannelBroken", "LeaderLost", "gist_of"]
 
 log = logging.getLogger(__name__)
 
@@ -226,13 +226,13 @@ class Channel:
                 raise self._break(
                     LeaderLost,
                     f"rank {self.rank}: lost the store while idle after #{idle_seq} "
-                    f"(rank 0 or the launcher that serves it is gone): {brief(err)}",
+                    f"(rank 0 or the launcher that serves it is gone): {gist_of(err)}",
                 ) from err
             except dist.DistError as err:
                 raise self._break(
                     LeaderLost,
                     f"rank {self.rank}: no heartbeat nor doorbell from rank 0 within "
-                    f"{self.leader_dead_after_s:g}s while idle after #{idle_seq}: {brief(err)}",
+                    f"{self.leader_dead_after_s:g}s while idle after #{idle_seq}: {gist_of(err)}",
                 ) from err
             if value == ring:
                 return
@@ -266,7 +266,7 @@ class Channel:
                             log.error("rank 0: %s", self.lost_follower)
                 except dist.DistError as err:
                     if not failing:
-                        log.warning("heartbeat: cannot reach the store: %s", brief(err))
+                        log.warning("heartbeat: cannot reach the store: %s", gist_of(err))
                     failing = True
                     continue
             if failing:
@@ -278,7 +278,7 @@ class Channel:
             for follower in range(1, self.world_size):
                 self._store.queue_push(self._wake_key(follower), value)
         except dist.DistError as err:
-            raise self._break(ChannelBroken, f"rank 0: {what}: the store failed: {brief(err)}") from err
+            raise self._break(ChannelBroken, f"rank 0: {what}: the store failed: {gist_of(err)}") from err
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Rank 0's tensor to every rank, as a sum in which the followers add zeros (see the module
@@ -312,7 +312,7 @@ class Channel:
             raise self._break(
                 ChannelBroken,
                 f"rank {self.rank}: {what}: {peers} did not answer "
-                f"({time.monotonic() - started:.1f}s, timeout {self.timeout_s:g}s): {brief(err)}",
+                f"({time.monotonic() - started:.1f}s, timeout {self.timeout_s:g}s): {gist_of(err)}",
             ) from err
 
     def _break(self, kind: type[ChannelBroken], message: str) -> ChannelBroken:
@@ -330,7 +330,7 @@ class Channel:
         return f"wake/{follower}"
 
 
-def brief(err: BaseException) -> str:
+def gist_of(err: BaseException) -> str:
     """The gist of a gloo or store error: its first lines, without source paths or sign-offs."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip() and "GLHF" not in line]
     text = " ".join(lines[:2]) if lines else type(err).__name__

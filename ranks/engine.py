@@ -25,7 +25,7 @@ class Lane:
     base: int  # first slot of the lane's range in the KV pool
     capacity: int  # slots reserved
     length: int = 0  # tokens whose KV is computed (positions 0..length-1)
-    cut_floor: int = 0  # after a Verify: the shortest a later round may cut the lane back to
+    drafts_from: int = 0  # after a Verify: where its drafts begin (a later round may drop them); 0: none
 
 
 class EngineError(RuntimeError):
@@ -87,19 +87,36 @@ class Engine:
         return self.refuse_token is not None and any(self.refuse_token in tokens for _, _, tokens in spans)
 
     def forward(
-        self, spans: list[tuple[int, int, tuple[int, ...]]], *, every_row: bool = False, cut: bool = False
+        self, spans: list[tuple[int, int, tuple[int, ...]]], *, every_row: bool = False
     ) -> torch.Tensor | None:
-        """spans: (lane, start, token ids) that pass check(). Computes and stores their KV, advances
-        the lanes, and returns the next-token logits of each span's last token ([num_spans, vocab]
-        float32; with every_row, of every token in order) on rank 0, None elsewhere.
+        """A prompt pass. spans: (lane, start, token ids) that pass check(). Computes and stores their
+        KV, advances the lanes, and returns the next-token logits of each span's last token
+        ([num_spans, vocab] float32; with every_row, of every token in order) on rank 0, None elsewhere."""
+        return self._pass(spans, every_row)
 
-        With `cut`, a lane longer than its span's start is first cut back to it: a decode step after
-        a Verify whose last drafts the host did not accept."""
-        if cut:  # only the drafts a Verify fed may be dropped: anything else fails check()
-            for lane, start, _ in spans:
-                state = self.lanes.get(lane)
-                if state is not None and state.cut_floor and state.cut_floor <= start < state.length:
-                    state.length = start
+    def decode_round(self, steps: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
+        """One token per lane: (lane, position, (token,)), as forward. A lane a Verify left longer
+        than `position` is first cut back to it: the drafts the host did not keep are dropped."""
+        self._drop_unkept_drafts(steps)
+        return self._pass(steps, every_row=False)
+
+    def verify(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
+        """A decode round with drafts: (lane, position, (token, *drafts)), with the logits of every
+        row. The next round keeps the samples the host kept and drops the rest of the drafts."""
+        self._drop_unkept_drafts(spans)
+        logits = self._pass(spans, every_row=True)
+        for lane, start, _ in spans:
+            self.lanes[lane].drafts_from = start + 1  # the fed token stays; its drafts may go
+        return logits
+
+    def _drop_unkept_drafts(self, spans) -> None:
+        # Only the drafts a Verify fed may be dropped: a span anywhere else fails check().
+        for lane, start, _ in spans:
+            state = self.lanes.get(lane)
+            if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
+                state.length = start
+
+    def _pass(self, spans, every_row: bool) -> torch.Tensor | None:
         if not self.check(spans):
             raise EngineError(f"inconsistent pass {[(lane, start, len(t)) for lane, start, t in spans]}")
         views, token_ids, positions, logit_rows = [], [], [], []
@@ -122,10 +139,10 @@ class Engine:
             )
         if logits is not None:
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
-        for lane, start, tokens in spans:
+        for lane, _, tokens in spans:
             state = self.lanes[lane]
             state.length += len(tokens)
-            state.cut_floor = start + 1 if every_row and cut else 0  # a Verify keeps its first token
+            state.drafts_from = 0
         return logits
 
     def _pass_name(self, spans) -> str:

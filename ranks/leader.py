@@ -12,7 +12,7 @@ import logging
 from tpserve.kernels.sampling import sample, token_logprobs, top_logits
 from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import Refused, apply
-from tpserve.ranks.channel import ChannelBroken, brief
+from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.wire import (
     Admit,
@@ -173,7 +173,7 @@ class Leader:
         except Exception as error:  # the ranks may now disagree: nothing more can be trusted
             peers = ", ".join(str(rank) for rank in range(1, self.channel.world_size))
             where = f" (a collective with rank {peers} failed or timed out)" if peers else ""
-            self.broken = f"{type(msg).__name__} failed{where}: {brief(error)}"
+            self.broken = f"{type(msg).__name__} failed{where}: {gist_of(error)}"
             log.error("rank 0: engine broken: %s", self.broken)
             raise self._broken_error(self.broken) from error
 

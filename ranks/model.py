@@ -166,7 +166,7 @@ class TPModel:
     ) -> torch.Tensor | None:
         """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
         are wanted. Returns float32 logits [len(logit_rows), vocab] on rank 0, None elsewhere."""
-        cfg, rep = self.config, self.replicated
+        cfg, replicated = self.config, self.replicated
         plan = PassPlan(self, spans, positions, kv.num_slots)
         if plan.padding:  # padding rows read token 0; their results are dropped
             token_ids = F.pad(token_ids, (0, plan.padding))
@@ -175,17 +175,20 @@ class TPModel:
             prefix = f"model.layers.{index}."
             qk_norms = None
             if cfg.qk_norm:
-                qk_norms = (rep[prefix + "self_attn.q_norm.weight"], rep[prefix + "self_attn.k_norm.weight"])
-            x = rms_norm(h, rep[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
+                qk_norms = (
+                    replicated[prefix + "self_attn.q_norm.weight"],
+                    replicated[prefix + "self_attn.k_norm.weight"],
+                )
+            x = rms_norm(h, replicated[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
             attended = (
                 self._attention(layer, x, plan, *kv.layer(local, index), qk_norms)
                 for local, layer in enumerate(pieces)
                 if layer.num_kv_heads
             )
             h = h + self._reduce(self._sum_pieces(attended, h))
-            x = rms_norm(h, rep[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = rms_norm(h, replicated[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             h = h + self._reduce(self._sum_pieces((self._mlp(layer, x) for layer in pieces), h))
-        last = rms_norm(h[logit_rows], rep["model.norm.weight"], cfg.rms_norm_eps)
+        last = rms_norm(h[logit_rows], replicated["model.norm.weight"], cfg.rms_norm_eps)
         local = torch.cat(
             [linear(last, head, None, self.row_tile) for head in self.head], dim=-1
         )  # [n, V_rank]

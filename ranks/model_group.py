@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpserve.ranks.channel import brief
+from tpserve.ranks.channel import gist_of
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.errors import UserError
 
@@ -59,7 +59,7 @@ def exercise(group, rank: int, world_size: int, device: torch.device, timeout_s:
         seen = to_host(results, timeout_s, f"rank {rank}: NCCL's first all_reduce and gather with {peers}")
     except RuntimeError as error:  # DeviceTimeout, or NCCL's own errors
         raise ModelGroupError(
-            f"rank {rank}: NCCL between the GPUs failed at start-up: {brief(error)}"
+            f"rank {rank}: NCCL between the GPUs failed at start-up: {gist_of(error)}"
         ) from None
     want = [world_size * (world_size + 1) / 2] + (list(range(world_size)) if rank == 0 else [])
     if seen.tolist() != want:
@@ -85,5 +85,5 @@ def _within(timeout_s: float, what: str, build):
         raise ModelGroupError(f"{what} did not form within {timeout_s:g}s")
     kind, value = outcome[0]
     if kind == "error":
-        raise ModelGroupError(f"{what} failed: {brief(value)}") from value
+        raise ModelGroupError(f"{what} failed: {gist_of(value)}") from value
     return value

@@ -35,6 +35,7 @@ __all__ = [
     "Span",
     "Step",
     "Stop",
+    "Verify",
     "WireError",
     "decode",
     "encode",

@@ -55,11 +55,11 @@ def test_only_the_drafts_a_verify_fed_may_be_cut_back(tmp_path):
     assert engine.admit(0, 40)
     engine.forward([(0, 0, PROMPT)])
     with pytest.raises(EngineError):  # no Verify yet: a stale position is a host bug, not a cut
-        engine.forward([(0, len(PROMPT) - 1, (7,))], cut=True)
+        engine.decode_round([(0, len(PROMPT) - 1, (7,))])
     start = len(PROMPT)
-    logits = engine.forward([(0, start, (7, 8, 9, 10))], every_row=True, cut=True)
+    logits = engine.verify([(0, start, (7, 8, 9, 10))])
     assert logits.shape[0] == 4  # every row's logits
     with pytest.raises(EngineError):  # below the Verify's first token: not a draft
-        engine.forward([(0, start, (7,))], cut=True)
-    engine.forward([(0, start + 2, (11,))], cut=True)  # drafts 9 and 10 dropped, 8 kept
+        engine.decode_round([(0, start, (7,))])
+    engine.decode_round([(0, start + 2, (11,))])  # drafts 9 and 10 dropped, 8 kept
     assert engine.lanes[0].length == start + 3
