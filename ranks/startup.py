@@ -140,28 +140,71 @@ def start_rank(
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    # A refusal here is told to the other ranks through the flags row, so they refuse at once
-    # rather than wait for this rank until init_timeout_s.
-    device, facts, refusal = torch.device("cpu"), None, None
+    device, settings, facts, refusal = _place_on_device(settings, local_rank, local_world_size)
+    config = load_model_config(settings.model_dir)
+    store, control = _join_control_group(settings, rank, world_size, host, port, agent_store)
+    agree_on_flags(settings, facts, rank, world_size, control, refusal)
+    model = _load_model(settings, config, rank, world_size, device, control)
+    dtype = DTYPES[settings.dtype]
+    per_token = kv_bytes_per_token(config.num_layers, model.kv_heads_per_piece(), config.head_dim, dtype)
+    room = settle_room(settings, rank, per_token, device, control)
+    log.info(
+        "rank %d: room %d KV tokens (%d bytes each here), cache %d tokens",
+        rank,
+        room.kv_tokens,
+        per_token,
+        room.cache_tokens,
+    )
+    engine = _build_engine(settings, model, room, rank, device)
+    channel = Channel(
+        control,
+        store,
+        rank=rank,
+        timeout_s=settings.collective_timeout_s,
+        leader_dead_after_s=settings.leader_dead_after_s,
+    )
+    # Last, once nothing can refuse any more: the heartbeat between rank 0 and each follower.
+    liveness = watch_peers(store, rank, world_size, host, settings)
+    return RankRuntime(rank, world_size, config, engine, channel, room, store, settings, device, liveness)
+
+
+def _place_on_device(settings: EngineSettings, local_rank: int, local_world_size: int):
+    """(device, settings with every "auto" decided for it, its facts, None), or with a refusal in
+    place of None: a refusal is told to the other ranks through the flags row, so they refuse at
+    once rather than wait for this rank until init_timeout_s."""
+    device, facts = torch.device("cpu"), None
     try:
         device = choose_device(settings.device, local_rank, local_world_size)
         settings = settings.for_device(device.type)
         facts = device_facts(device)
     except UserError as error:
-        refusal = error
-    config = load_model_config(settings.model_dir)
+        return device, settings, facts, error
+    return device, settings, facts, None
+
+
+def _join_control_group(
+    settings: EngineSettings, rank: int, world_size: int, host: str, port: int, agent_store: bool
+):
+    """Meet the other ranks through the store, then form the control group: (store, group).
+
+    It forms first, on every device: wire messages, votes, flags and room travel here as CPU
+    tensors; the model's collectives get a group of their own between GPUs."""
     if settings.interface:
         check_interface(settings.interface, host, port, rank)
         name_interface(settings.interface)
     store = meet(rank, world_size, host, port, settings.init_timeout_s, agent_store)
-    timeout = timedelta(seconds=settings.collective_timeout_s)
-    # The control group first, on every device: wire messages, votes, flags and room travel here
-    # as CPU tensors; the model's collectives get a group of their own between GPUs.
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout
+        "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=settings.collective_timeout_s),
     )
-    control = dist.group.WORLD
-    agree_on_flags(settings, facts, rank, world_size, control, refusal)
+    return store, dist.group.WORLD
+
+
+def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_size: int, device, control):
+    """This rank's shard on its device, with its collectives, proven batch invariant when asked."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model_group = open_model_group(device, rank, world_size, settings.collective_timeout_s)
@@ -174,7 +217,6 @@ def start_rank(
         control_group=control,
         timeout_s=settings.collective_timeout_s,
     )
-    dtype = DTYPES[settings.dtype]
     log.info(
         "rank %d: loading %s on %s (%s, tp=%d, batch_invariant=%s)",
         rank,
@@ -188,7 +230,7 @@ def start_rank(
         settings.model_dir,
         tp_rank=rank,
         tp_size=world_size,
-        dtype=dtype,
+        dtype=DTYPES[settings.dtype],
         max_positions=settings.context_size,
         collectives=collectives,
         config=config,
@@ -197,16 +239,12 @@ def start_rank(
     )
     if settings.batch_invariant:
         check_invariance(model, rank, control, drill=settings.shape_dependent_on_rank == rank)
-    kv_heads = model.kv_heads_per_piece()
-    per_token = kv_bytes_per_token(config.num_layers, kv_heads, config.head_dim, dtype)
-    room = settle_room(settings, rank, per_token, device, control)
-    log.info(
-        "rank %d: room %d KV tokens (%d bytes each here), cache %d tokens",
-        rank,
-        room.kv_tokens,
-        per_token,
-        room.cache_tokens,
-    )
+    return model
+
+
+def _build_engine(settings: EngineSettings, model, room: Room, rank: int, device) -> Engine:
+    """The KV store (and the prompt cache's pool) sized by room, and the engine over them."""
+    config, dtype, kv_heads = model.config, DTYPES[settings.dtype], model.kv_heads_per_piece()
     kv = KVPool(config.num_layers, room.kv_tokens, kv_heads, config.head_dim, dtype, device)
     cache_kv = (
         KVPool(config.num_layers, room.cache_tokens, kv_heads, config.head_dim, dtype, device)
@@ -214,23 +252,13 @@ def start_rank(
         else None
     )
     drill = settings.refuse_token_on_rank
-    engine = Engine(
+    return Engine(
         model,
         kv,
         cache_kv,
         refuse_token=drill[1] if drill and drill[0] == rank else None,
         device_timeout_s=settings.collective_timeout_s,
     )
-    channel = Channel(
-        control,
-        store,
-        rank=rank,
-        timeout_s=settings.collective_timeout_s,
-        leader_dead_after_s=settings.leader_dead_after_s,
-    )
-    # Last, once nothing can refuse any more: the heartbeat between rank 0 and each follower.
-    liveness = watch_peers(store, rank, world_size, host, settings)
-    return RankRuntime(rank, world_size, config, engine, channel, room, store, settings, device, liveness)
 
 
 def shutdown(runtime: RankRuntime | None = None) -> None:

@@ -58,23 +58,7 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         vision=config.vision,
         default_max_tokens=config.default_max_tokens,
     )
-    # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
-    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache))
-    server = GrpcServer(
-        host,
-        tokenizer,
-        info,
-        port=config.port,
-        host=config.host,
-        metrics_port=config.metrics_port or None,
-        queue_size=config.queue_size,
-        submitter=submitter,
-        api_key=config.api_key,
-    )
-    http = None
-    if config.http_port:
-        api = OpenAIApi(submitter, api_key=config.api_key, queue_size=config.queue_size)
-        http = HttpServer(api.app(), host=config.host, port=config.http_port)
+    server, http = _build_apis(config, host, tokenizer, info)
     if not config.api_key and not _is_loopback(config.host):
         log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -104,15 +88,56 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         if lost is not None:
             host.fail(lost)  # ends every stream now; its on_broken sets `broken`
     if broken.is_set():
-        log.error("the engine broke; ending every stream and exiting so a supervisor restarts both ranks")
-        # The live streams already failed with UNAVAILABLE; for a moment longer new requests
-        # hear why (the engine is broken) instead of finding the port closed. The lane host is
-        # not joined: its thread may sit in a collective with a lost follower until the timeout.
-        stop.wait(BROKEN_FLUSH_S)
-        server.stop(grace_s=FLUSH_S)
-        if http is not None:
-            http.stop(grace_s=FLUSH_S)
-        return 1
+        return _exit_broken(stop, server, http)
+    return _stop_gracefully(config, host, leader, server, http, runtime, broken)
+
+
+def _exit_broken(stop: threading.Event, server: GrpcServer, http: HttpServer | None) -> int:
+    log.error("the engine broke; ending every stream and exiting so a supervisor restarts both ranks")
+    # The live streams already failed with UNAVAILABLE; for a moment longer new requests hear why
+    # (the engine is broken) instead of finding the port closed. The lane host is not joined: its
+    # thread may sit in a collective with a lost follower until the timeout.
+    stop.wait(BROKEN_FLUSH_S)
+    server.stop(grace_s=FLUSH_S)
+    if http is not None:
+        http.stop(grace_s=FLUSH_S)
+    return 1
+
+
+def _build_apis(
+    config: ServeConfig, host: LaneHost, tokenizer: Tokenizer, info: ServingInfo
+) -> tuple[GrpcServer, HttpServer | None]:
+    """The gRPC server and (when it has a port) the HTTP API, neither started yet."""
+    # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
+    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache))
+    server = GrpcServer(
+        host,
+        tokenizer,
+        info,
+        port=config.port,
+        host=config.host,
+        metrics_port=config.metrics_port or None,
+        queue_size=config.queue_size,
+        submitter=submitter,
+        api_key=config.api_key,
+    )
+    http = None
+    if config.http_port:
+        api = OpenAIApi(submitter, api_key=config.api_key, queue_size=config.queue_size)
+        http = HttpServer(api.app(), host=config.host, port=config.http_port)
+    return server, http
+
+
+def _stop_gracefully(
+    config: ServeConfig,
+    host: LaneHost,
+    leader: Leader,
+    server: GrpcServer,
+    http: HttpServer | None,
+    runtime: RankRuntime,
+    broken: threading.Event,
+) -> int:
+    """After the stop signal: drain, stop both APIs, Stop to the followers; the exit code."""
     log.info("stopping: admission closed, live streams have %.0f s to finish", config.grace_s)
     deadline_s = config.grace_s + STOP_MARGIN_S
     leave_after(
