@@ -35,9 +35,9 @@ from bench.common import (  # noqa: E402
     watch_streams,
 )
 from tpserve.kernels.sampling_params import SamplingParams  # noqa: E402
-from tpserve.server.engine_host import local_engine  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
+from tpserve.server.wiring import local_engine  # noqa: E402
 
 MODES = (False, True)  # batch_prefill off first: a cold machine favours neither side
 

@@ -34,9 +34,9 @@ from bench.common import (  # noqa: E402
     submit_together,
     watch_streams,
 )
-from tpserve.server.engine_host import local_engine  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
+from tpserve.server.wiring import local_engine  # noqa: E402
 
 MIN_LANES = 16
 

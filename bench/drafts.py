@@ -30,9 +30,9 @@ from bench.common import (  # noqa: E402
     print_table,
     watch_streams,
 )
-from tpserve.server.engine_host import local_engine  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
+from tpserve.server.wiring import local_engine  # noqa: E402
 
 PASSAGE = "The lane host admits waiting requests and runs one decode round over every live lane."
 TASKS = {

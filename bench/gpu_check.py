@@ -156,7 +156,7 @@ def decode_checks(
         for num_lanes in lanes:
             prompts = [chat_prompt(tokenizer, i) for i in range(num_lanes)]
             rate, mean_kv = decode_speed(rt.engine, prompts, num_rounds=args.rounds)
-            per_round = weights + num_lanes * mean_kv * rt.room.kv_bytes_per_token
+            per_round = weights + num_lanes * mean_kv * rt.kv_budget.kv_bytes_per_token
             roof = num_lanes * bandwidth / per_round
             rows.append(
                 {

@@ -37,9 +37,9 @@ from bench.common import (  # noqa: E402
     watch_streams,
 )
 from tpserve.kernels.sampling_params import SamplingParams  # noqa: E402
-from tpserve.server.engine_host import LocalEngine, local_engine  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
+from tpserve.server.wiring import LocalEngine, local_engine  # noqa: E402
 
 MODES = (False, True)  # the cache off first: a cold machine favours neither side
 SECOND_QUESTION = "Thanks. Summarise that in one sentence, then tell me what to read next."

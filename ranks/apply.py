@@ -16,14 +16,14 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Stop, Verify
 
 
-class Refused(Exception):
+class VotedDown(Exception):
     """Some rank refused a voted message; no rank changed anything."""
 
 
-def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
+def apply_message(engine: Engine, channel, msg) -> torch.Tensor | None:
     """Returns the logits of a Prefill, Round or Verify on rank 0 (None elsewhere and for other kinds).
 
-    Raises Refused when the ranks voted no.
+    Raises VotedDown when the ranks voted no.
     """
     if isinstance(msg, Admit):
         ok = engine.admit(msg.lane, msg.reserve_tokens)
@@ -33,7 +33,7 @@ def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
     if isinstance(msg, Prefill):
         spans = [(s.lane, s.start, s.token_ids) for s in msg.spans]
         if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
-            raise Refused("prefill refused by some rank")
+            raise VotedDown("prefill refused by some rank")
         return engine.forward(spans)
     if isinstance(msg, Round):
         return engine.decode_round([(s.lane, s.position, (s.token_id,)) for s in msg.steps])
@@ -67,8 +67,8 @@ def apply(engine: Engine, channel, msg) -> torch.Tensor | None:
 
 def _vote(channel, ok: bool, undo: Callable[[], None], refusal: str) -> None:
     """Every rank votes on what it just did; on a no anywhere, the ranks that did it undo it (so
-    nothing changed anywhere) and all raise Refused."""
+    nothing changed anywhere) and all raise VotedDown."""
     if not channel.vote(ok):
         if ok:
             undo()
-        raise Refused(refusal)
+        raise VotedDown(refusal)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from tpserve.ranks.apply import Refused, apply
+from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.logs import setup_logging
@@ -26,8 +26,8 @@ def follow(engine: Engine, channel) -> int:
             log.info("follower: stop received")
             return 0
         # A refusal was voted by every rank, and every rank rolled back the same way.
-        with contextlib.suppress(Refused):
-            apply(engine, channel, msg)
+        with contextlib.suppress(VotedDown):
+            apply_message(engine, channel, msg)
 
 
 def run_follower(settings, rank: int, world_size: int, host: str, port: int, **placement) -> int:

@@ -1,7 +1,7 @@
 """Rank 0's side of the engine: the Backend the lane host drives.
 
 Each call is sent on the wire, then applied here with the same code the followers run
-(`apply`), and only here are tokens sampled. Any failure of the wire or of a pass whose
+(`apply_message`), and only here are tokens sampled. Any failure of the wire or of a pass whose
 collectives already started latches the leader broken: it cannot know what the followers hold.
 """
 
@@ -11,7 +11,7 @@ import logging
 
 from tpserve.kernels.sampling import sample, token_logprobs, top_logits
 from tpserve.kernels.sampling_params import TokenLogprob
-from tpserve.ranks.apply import Refused, apply
+from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.wire import (
@@ -86,7 +86,7 @@ class Leader:
         msg = Prefill(tuple(Span(i.lane, i.start, tuple(i.token_ids)) for i in items))
         try:
             logits = self._run(msg)
-        except Refused:
+        except VotedDown:
             return None
         return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
 
@@ -154,7 +154,7 @@ class Leader:
         try:
             self._run(msg)
             return True
-        except Refused:
+        except VotedDown:
             return False
 
     def _run(self, msg):
@@ -163,8 +163,8 @@ class Leader:
         try:
             self.channel.send(msg)
             self._idle = False
-            return apply(self.engine, self.channel, msg)
-        except Refused:
+            return apply_message(self.engine, self.channel, msg)
+        except VotedDown:
             raise
         except ChannelBroken as error:  # names the rank that did not answer
             self.broken = f"{type(msg).__name__} failed: {error}"

@@ -44,8 +44,9 @@ KV_SHARE_OF_FREE_MEMORY = 0.5  # of what the rank finds free, after its weights 
 
 
 @dataclass(frozen=True)
-class Room:
-    """What the pair can hold, learned at start-up (the smallest rank's figures)."""
+class KVBudget:
+    """What the pair's KV can hold, learned at start-up (the smallest rank's figures): room (the
+    tokens of live streams) and the prompt cache's tokens."""
 
     kv_tokens: int
     cache_tokens: int
@@ -59,14 +60,14 @@ class RankRuntime:
     config: ModelConfig
     engine: Engine
     channel: Channel
-    room: Room
+    kv_budget: KVBudget
     store: dist.Store
     settings: EngineSettings  # as started: every "auto" decided for this rank's device
     device: torch.device
     liveness: LivenessHub | LeaderWatch | None = None  # None at tp=1
 
 
-def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, device, group) -> Room:
+def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, device, group) -> KVBudget:
     """room = MIN over ranks of what each rank's own budget holds, capped at lanes x context.
 
     Every check that can refuse is decided after the all-reduce, so every rank refuses together
@@ -99,7 +100,7 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
             f"rank {rank}: room for only {kv_tokens} KV tokens: the smallest rank's KV budget holds "
             f"none (this rank's: {budget} bytes at {bytes_per_token} bytes per token)"
         )
-    return Room(kv_tokens, cache_tokens, bytes_per_token)
+    return KVBudget(kv_tokens, cache_tokens, bytes_per_token)
 
 
 def check_invariance(model, rank: int, group, drill: bool = False) -> None:
@@ -147,15 +148,15 @@ def start_rank(
     model = _load_model(settings, config, rank, world_size, device, control)
     dtype = DTYPES[settings.dtype]
     per_token = kv_bytes_per_token(config.num_layers, model.kv_heads_per_piece(), config.head_dim, dtype)
-    room = settle_room(settings, rank, per_token, device, control)
+    kv_budget = settle_room(settings, rank, per_token, device, control)
     log.info(
         "rank %d: room %d KV tokens (%d bytes each here), cache %d tokens",
         rank,
-        room.kv_tokens,
+        kv_budget.kv_tokens,
         per_token,
-        room.cache_tokens,
+        kv_budget.cache_tokens,
     )
-    engine = _build_engine(settings, model, room, rank, device)
+    engine = _build_engine(settings, model, kv_budget, rank, device)
     channel = Channel(
         control,
         store,
@@ -165,7 +166,9 @@ def start_rank(
     )
     # Last, once nothing can refuse any more: the heartbeat between rank 0 and each follower.
     liveness = watch_peers(store, rank, world_size, host, settings)
-    return RankRuntime(rank, world_size, config, engine, channel, room, store, settings, device, liveness)
+    return RankRuntime(
+        rank, world_size, config, engine, channel, kv_budget, store, settings, device, liveness
+    )
 
 
 def _place_on_device(settings: EngineSettings, local_rank: int, local_world_size: int):
@@ -242,13 +245,13 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
     return model
 
 
-def _build_engine(settings: EngineSettings, model, room: Room, rank: int, device) -> Engine:
-    """The KV store (and the prompt cache's pool) sized by room, and the engine over them."""
+def _build_engine(settings: EngineSettings, model, kv_budget: KVBudget, rank: int, device) -> Engine:
+    """The KV store sized by room (and the prompt cache's pool by its tokens), and the engine."""
     config, dtype, kv_heads = model.config, DTYPES[settings.dtype], model.kv_heads_per_piece()
-    kv = KVPool(config.num_layers, room.kv_tokens, kv_heads, config.head_dim, dtype, device)
+    kv = KVPool(config.num_layers, kv_budget.kv_tokens, kv_heads, config.head_dim, dtype, device)
     cache_kv = (
-        KVPool(config.num_layers, room.cache_tokens, kv_heads, config.head_dim, dtype, device)
-        if room.cache_tokens
+        KVPool(config.num_layers, kv_budget.cache_tokens, kv_heads, config.head_dim, dtype, device)
+        if kv_budget.cache_tokens
         else None
     )
     drill = settings.refuse_token_on_rank

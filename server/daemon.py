@@ -20,7 +20,6 @@ from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
-from tpserve.server.engine_host import build_lane_host
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_server import HttpServer
@@ -29,6 +28,7 @@ from tpserve.server.metrics import ServingMetrics
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
+from tpserve.server.wiring import build_lane_host
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         tp_size=config.tp,
         num_lanes=config.lanes,
         context_size=config.context,
-        room=runtime.room.kv_tokens,
+        room=runtime.kv_budget.kv_tokens,
         vision=config.vision,
         default_max_tokens=config.default_max_tokens,
     )

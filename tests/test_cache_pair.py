@@ -31,13 +31,13 @@ from tiny_models import write_tiny_model
 
 from bench.prompt_cache import run_prompt_cache
 from tpserve.ranks.settings import EngineSettings
-from tpserve.server.engine_host import LocalEngine, local_engine
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.lane_stream import Stream
 from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import Finished, GenerationRequest, TokenDelta
 from tpserve.server.servicer import ServingInfo
 from tpserve.server.tokenizer import Tokenizer
+from tpserve.server.wiring import LocalEngine, local_engine
 
 EVENT_TIMEOUT_S = 30.0
 CACHE_TOKENS = 2000  # the roomy pair's cache: everything these tests keep fits
@@ -168,7 +168,9 @@ def assert_books_balance(pair: Pair) -> None:
     assert (stats.num_dead, stats.num_pending) == (0, 0), stats
     assert len(engine.cache_slots) == cache.stats().num_live_states == stats.num_entries
     assert engine.cache_kv.allocator.used == sum(n for _, n in engine.cache_slots.values())
-    assert stats.held_bytes == engine.cache_kv.allocator.used * pair.engine.runtime.room.kv_bytes_per_token
+    assert (
+        stats.held_bytes == engine.cache_kv.allocator.used * pair.engine.runtime.kv_budget.kv_bytes_per_token
+    )
     assert stats.held_bytes <= stats.budget_bytes
 
 

@@ -24,10 +24,10 @@ from tiny_models import write_tiny_model
 
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.settings import EngineSettings
-from tpserve.server.engine_host import local_engine
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.requests import ERROR, Event, Finished, GenerationRequest, HostUnavailable, TokenDelta
+from tpserve.server.wiring import local_engine
 
 EVENT_TIMEOUT_S = 30.0
 RANK0_BYTES_PER_TOKEN = 512  # tiny llama in float32: 2 layers x (K, V) x 2 KV heads x 16 x 4 bytes
@@ -230,7 +230,7 @@ class TestSharedPair:
 
     def test_room_is_rank_0s_figure(self, pair):
         # Equal budgets, uneven 2+1 KV split: rank 0 holds twice the bytes per token, so less room.
-        assert pair.runtime.room.kv_bytes_per_token == RANK0_BYTES_PER_TOKEN
+        assert pair.runtime.kv_budget.kv_bytes_per_token == RANK0_BYTES_PER_TOKEN
         assert pair.leader.room == ROOM
         assert pair.host.stats().room == ROOM
 

@@ -22,8 +22,8 @@ from test_engine_pair import (
 )
 
 from tpserve.ranks.settings import EngineSettings
-from tpserve.server.engine_host import local_engine
 from tpserve.server.tokenizer import Tokenizer
+from tpserve.server.wiring import local_engine
 
 pytestmark = pytest.mark.slow
 

@@ -54,7 +54,7 @@ def _rank_worker(rank: int, tasks, results) -> None:
         runtime = None
         try:
             runtime = start_rank(settings, rank, 2, "127.0.0.1", port)
-            report = ("ok", runtime.room, runtime.engine.kv.num_slots)
+            report = ("ok", runtime.kv_budget, runtime.engine.kv.num_slots)
         except StartupError as error:
             report = ("refused", str(error), None)
         except BaseException:

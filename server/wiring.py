@@ -1,4 +1,5 @@
-"""Rank 0's serving core: the leader as the lane host's backend (with the recorder when asked).
+"""Rank 0's wiring: the leader as the lane host's backend (with the recorder when asked), and the
+prompt cache over the leader's cache pool.
 
 The daemon builds it behind gRPC; tests and benchmarks build it with `local_engine` (no gRPC).
 """
@@ -42,9 +43,9 @@ def build_lane_host(
     )
     backend = RecordingBackend(leader, record_dir) if record_dir else leader
     cache = None
-    if runtime.room.cache_tokens:
-        per_token = runtime.room.kv_bytes_per_token
-        cache = PromptCache(runtime.room.cache_tokens * per_token, per_token, free_state=leader.evict)
+    if runtime.kv_budget.cache_tokens:
+        per_token = runtime.kv_budget.kv_bytes_per_token
+        cache = PromptCache(runtime.kv_budget.cache_tokens * per_token, per_token, free_state=leader.evict)
     host = LaneHost(
         backend,
         detokenize=tokenizer.decode,
