@@ -55,7 +55,7 @@ class ServeConfig:
     collective_timeout_s: float = _ENGINE.collective_timeout_s
     leader_dead_after_s: float = _ENGINE.leader_dead_after_s
     interface: str = _ENGINE.interface
-    refuse_token_on_rank: tuple[int, ...] = _ENGINE.refuse_token_on_rank
+    refuse_token_on_rank: tuple[int, ...] = _ENGINE.refuse_token_on_rank  # a fault drill for tests
     # The serving side's own.
     queue_size: int = 64
     default_max_tokens: int = 256
