@@ -65,6 +65,15 @@ class Admission:
         self.chunking: Job | None = None  # the one job whose long prompt goes in chunks
         self._max_iterations = 2 * lanes.num_lanes + 16  # bounds one admit() however many jobs fail
 
+    def forget(self, job: Job) -> None:
+        """The host ended `job`: if its long prompt was going in chunks, no more of them go."""
+        if job is self.chunking:
+            self.chunking = None
+
+    def forget_all(self) -> None:
+        """The engine broke: nothing is in progress any more."""
+        self.chunking = None
+
     def admit(self) -> bool:
         """Admit waiting jobs while lanes, room and this step's prompt budget allow. True when
         anything changed.

@@ -240,8 +240,7 @@ class LaneHost:
 
     def _end(self, job: Job, reason: str, error: str | None = None) -> None:
         """Close the job's lane if it holds one, then send Finished."""
-        if job is self._admission.chunking:
-            self._admission.chunking = None
+        self._admission.forget(job)
         if job.lane is not None:
             self._lanes.close(job)
         self._finish(job, reason, error)
@@ -265,7 +264,7 @@ class LaneHost:
         log.error("engine broken: %s; ending %d streams", reason, len(jobs))
         if forget_lanes:
             self._lanes.forget_all()
-            self._admission.chunking = None
+            self._admission.forget_all()
         for job in jobs:
             self._finish(job, ERROR, f"engine broken: {reason}")
         if self._on_broken is not None:
