@@ -1,4 +1,4 @@
-"""Linear layers with int8 weights on x86 CPUs: FBGEMM's int8 product, one row independent of the rest.
+"""Linear layers with int8 (and float16) weights on x86 CPUs: FBGEMM's products, a row independent of the rest.
 
 The weights are quantized once per output channel (symmetric, absmax / 127) and packed into
 FBGEMM's layout. FBGEMM's dynamic product quantizes its input with one scale and zero point for the
@@ -9,6 +9,8 @@ own, integer sums are exact in any order, and the float epilogue is elementwise.
 multiplied back by its absmax. A row thus comes out bit for bit the same alone, in a decode round or
 inside a long prompt, and the same at tp=1 and tp=2 (a column-parallel piece sees whole rows; a
 row-parallel piece quantizes its own slice at either size). The start-up probe checks it here.
+One layer stays out of int8: down_proj, whose input has outlier channels that one scale per row
+rounds away; its weight goes to float16 (FBGEMM's float16 product, float32 sums), nearly lossless.
 
 Why FBGEMM through torch's quantized ops (whose tensor API torch deprecates): on the x86 CPUs we
 measured it is 4-11x faster than float32 F.linear at SmolLM2's shapes, while torch's own int8 and
@@ -23,7 +25,7 @@ import warnings
 
 import torch
 
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = ("none", "int8", "auto")  # auto: int8 where it runs (int8_available), else none
 ENGINE = "fbgemm"
 # Inputs in 8 bits, not torch's default 7: half the rounding step (SmolLM2: +3.4% perplexity against
 # +9.8% in 7 bits). On a CPU without VNNI, FBGEMM adds pairs of u8 x s8 products in int16, which can
@@ -35,6 +37,10 @@ class QuantizeError(ValueError):
     """A quantization this device or weight cannot have."""
 
 
+def auto_quantize(device: torch.device | str) -> str:
+    return "int8" if int8_available(device) is None else "none"
+
+
 def int8_available(device: torch.device | str = "cpu") -> str | None:
     """None where int8 weights run on `device`; else why not, in words."""
     if torch.device(device).type != "cpu":
@@ -44,19 +50,26 @@ def int8_available(device: torch.device | str = "cpu") -> str | None:
     return None
 
 
-class Int8Weight:
-    """One [out, in] weight in int8 per output channel, packed for FBGEMM; `linear` dispatches on it."""
+class PackedWeight:
+    """One [out, in] weight packed for an FBGEMM product; `linear` dispatches on it."""
 
     def __init__(self, weight: torch.Tensor):
         why_not = int8_available(weight.device)
         if why_not:
             raise QuantizeError(why_not)
-        weight = weight.detach().float()
         self.shape = tuple(weight.shape)
         self.dtype = torch.float32  # what it computes in and returns
         self.device = weight.device
-        scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         torch.backends.quantized.engine = ENGINE
+
+
+class Int8Weight(PackedWeight):
+    """In int8, one scale per output channel; each input row quantized by its own absmax."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        weight = weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's product stays
             warnings.simplefilter("ignore")
             zero_points = torch.zeros(self.shape[0], dtype=torch.long)
@@ -64,8 +77,6 @@ class Int8Weight:
             self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self._sentinel = torch.zeros(1, self.shape[1])
         self._sentinel[0, :2] = torch.tensor([1.0, -1.0])
-        # What the packed copy holds: the int8 values and a float scale per output channel.
-        self.nbytes = weight.numel() + 4 * self.shape[0]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the products compute with (for tests and references)."""
@@ -75,17 +86,38 @@ class Int8Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out] float32
         x = x.float()
-        absmax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)
+        absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
         rows = torch.cat((x / absmax, self._sentinel))
         out = torch.ops.quantized.linear_dynamic(rows, self._packed, REDUCE_RANGE)[: x.shape[0]]
         out = out.mul_(absmax)
         return out.add_(bias) if bias is not None else out
 
 
-def quantize_weight(weight: torch.Tensor, quantize: str):
-    """`weight` as the products of `quantize` take it: itself for "none", an Int8Weight for "int8"."""
-    if quantize == "none" or weight.numel() == 0:  # a piece holding no KV head has an empty q/k/v
+class Fp16Weight(PackedWeight):
+    """In float16, products in float32: for a layer whose input int8 rows cannot hold (down_proj).
+
+    FBGEMM's float16 product adds along the input in one order whatever the number of rows, so a
+    row is the same at any batch without tiles (the start-up probe checks it)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack_fp16(self._packed)[0]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.ops.quantized.linear_dynamic_fp16(x.float(), self._packed)
+        return out.add_(bias) if bias is not None else out
+
+
+_KINDS = {"int8": Int8Weight, "fp16": Fp16Weight}
+
+
+def quantize_weight(weight: torch.Tensor, kind: str):
+    """`weight` packed as `kind` ("int8" or "fp16"), or itself for "none"."""
+    if kind == "none" or weight.numel() == 0:  # a piece holding no KV head has an empty q/k/v
         return weight
-    if quantize == "int8":
-        return Int8Weight(weight)
-    raise QuantizeError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if kind not in _KINDS:
+        raise QuantizeError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    return _KINDS[kind](weight)

@@ -35,15 +35,16 @@ class PieceLayer:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         # The fused copies replace the loaded ones, which are taken out of `tensors` so that no
         # second copy outlives loading (room is measured after it); so do quantized ones.
-        q = functools.partial(quantize_weight, quantize=quantize)
+        q = functools.partial(quantize_weight, kind=quantize)
         self.w_qkv = q(_fused(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
         self.b_qkv = _fused(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
         self.w_o = q(tensors.pop(attn + "o_proj.weight"))  # [hidden, Hq*D]
         self.w_gate_up = q(_fused(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
-        # down_proj stays in float: its input, SiLU(gate) * up, has outlier channels that one scale
-        # per row quantizes badly (SmolLM2, bench/quality.py: +3.4% perplexity with it in int8,
-        # +0.6% without).
-        self.w_down = tensors.pop(mlp + "down_proj.weight")  # [hidden, I_piece]
+        # down_proj's input, SiLU(gate) * up, has outlier channels that one scale per row rounds
+        # away (SmolLM2, bench/quality.py: +3.4% perplexity in int8, +0.6% kept in float): in int8
+        # mode its weight goes to float16 instead.
+        down = "fp16" if quantize == "int8" else quantize
+        self.w_down = quantize_weight(tensors.pop(mlp + "down_proj.weight"), down)  # [hidden, I_piece]
 
 
 def _fused(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:

@@ -190,11 +190,12 @@ def start_rank(
     )
     dtype = DTYPES[settings.dtype]
     log.info(
-        "rank %d: loading %s on %s (%s, tp=%d, batch_invariant=%s)",
+        "rank %d: loading %s on %s (%s, weights %s, tp=%d, batch_invariant=%s)",
         rank,
         settings.model_dir,
         device,
         settings.dtype,
+        settings.quantize,
         world_size,
         settings.batch_invariant,
     )

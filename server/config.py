@@ -32,7 +32,9 @@ class ServeConfig:
     model: str = ""  # empty: the prepared default model
     device: str = "auto"  # a GPU where torch can use one, the CPU where there is none; never a fallback
     dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU
-    quantize: str = "none"  # "int8": int8 weights, quantized at load (x86 CPUs; README, "Quantized weights")
+    # "int8": int8 weights, quantized at load (x86 CPUs; README, "Quantized weights"); "auto": int8
+    # where it runs, else none.
+    quantize: str = "none"
     tp: int = 2
     lanes: int = 8
     context: int = 2048

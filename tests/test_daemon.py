@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from test_grpc_api import GOLDEN_DIR, read_golden
 
 from tpserve import __version__
+from tpserve.server.config import load_config
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2
 
@@ -331,6 +332,7 @@ def test_readme_flow_launch_then_client_streams_a_reply(default_model, tmp_path)
             timeout=120,
         )
     assert client.returncode == 0, client.stderr
-    expected = offline_reply(default_model, "--prompt", prompt, "--max-tokens", "16")
+    quantize = load_config("configs/default.yaml", {}, environ={}).quantize  # the same weights offline
+    expected = offline_reply(default_model, "--prompt", prompt, "--max-tokens", "16", "--quantize", quantize)
     assert client.stdout == expected["text"] + "\n"
     assert client.stderr.startswith(f"[{expected['finish_reason']}: ")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_probe import tiny_rank
 
-from tpserve.kernels.int8_linear import Int8Weight, QuantizeError, int8_available, quantize_weight
+from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available, quantize_weight
 from tpserve.kernels.linear import linear
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.probe import probe_model
@@ -29,16 +29,17 @@ def weights_and_rows(out_features=160, in_features=96, num_rows=70, seed=0):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_row_is_the_same_alone_and_among_any_number_of_rows(threads):
+@pytest.mark.parametrize("kind", ["int8", "fp16"])
+def test_a_row_is_the_same_alone_and_among_any_number_of_rows(kind, threads):
     weight, rows = weights_and_rows()
-    int8 = Int8Weight(weight)
+    packed = quantize_weight(weight, kind)
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([int8(rows[i : i + 1]) for i in range(len(rows))])
+        alone = torch.cat([packed(rows[i : i + 1]) for i in range(len(rows))])
         for num_rows in (*range(1, 20), 31, 32, 33, 64, 70):
-            assert torch.equal(int8(rows[:num_rows]), alone[:num_rows]), f"{num_rows} rows"
+            assert torch.equal(packed(rows[:num_rows]), alone[:num_rows]), f"{num_rows} rows"
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(1))
-        assert torch.equal(int8(rows[order]), alone[order])
+        assert torch.equal(packed(rows[order]), alone[order])
     finally:
         torch.set_num_threads(1)
 
@@ -56,6 +57,10 @@ def test_the_product_is_near_the_float_one_and_linear_takes_it():
     # The weight it computes with is the float one in whole steps of its output channel's absmax / 127.
     steps = int8.dequantize() / (weight.abs().amax(dim=1, keepdim=True) / 127)
     assert torch.allclose(steps, steps.round(), atol=1e-3)
+    # down_proj's float16 weight is the float one rounded to float16.
+    fp16 = quantize_weight(weight, "fp16")
+    assert torch.equal(fp16.dequantize(), weight.half().float())
+    assert torch.allclose(linear(rows, fp16, bias), rows @ weight.half().float().t() + bias, atol=1e-5)
 
 
 def test_the_start_up_probe_passes_on_int8_weights(tmp_path):
@@ -63,7 +68,8 @@ def test_the_start_up_probe_passes_on_int8_weights(tmp_path):
     try:
         for tp_rank, tp_size in ((0, 1), (1, 2)):
             model = tiny_rank(tmp_path / f"{tp_rank}-{tp_size}", "qwen2", tp_rank, tp_size, quantize="int8")
-            assert isinstance(model.layers[0][0].w_qkv, Int8Weight)
+            layer = model.layers[0][0]
+            assert isinstance(layer.w_qkv, Int8Weight) and isinstance(layer.w_down, Fp16Weight)
             probe_model(model)
     finally:
         torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.logs import setup_logging
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.settings import QUANTIZE_CHOICES, EngineSettings
 from tpserve.ranks.startup import shutdown, start_rank
 from tpserve.server.backend import DecodeItem, PrefillItem
 from tpserve.server.tokenizer import Tokenizer
@@ -101,6 +101,7 @@ def register(subparsers) -> None:
         default="auto",
         help="auto: the device's",
     )
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none", help="the weights' format")
     parser.add_argument("--no-batch-invariant", action="store_true", help="use the BLAS's fastest kernels")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir=model_dir,
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
         tp_size=args.tp,
         num_lanes=1,
         context_size=len(prompt_ids) + args.max_tokens,
