@@ -19,7 +19,12 @@ from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.vision_config import VisionConfig
 from tpserve.ranks.weights import checkpoint_files
 
-TOWER_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "vision_tower.", "model.vision_tower.")
+TOWER_PREFIXES = (
+    "vision_tower.vision_model.",
+    "model.vision_tower.vision_model.",
+    "vision_tower.",
+    "model.vision_tower.",
+)
 PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 
@@ -39,7 +44,9 @@ class VisionTower:
         self.device = tensors["embeddings.patch_embedding.weight"].device
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], self.config.layer_norm_eps)
+        return F.layer_norm(
+            x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], self.config.layer_norm_eps
+        )
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -56,7 +63,9 @@ class VisionTower:
         x = self._norm(h, p + "layer_norm1")
         num_tokens, head_dim = x.shape[0], cfg.hidden_size // cfg.num_heads
         q, k, v = (
-            self._linear(x, p + f"self_attn.{n}_proj").view(num_tokens, cfg.num_heads, head_dim).transpose(0, 1)
+            self._linear(x, p + f"self_attn.{n}_proj")
+            .view(num_tokens, cfg.num_heads, head_dim)
+            .transpose(0, 1)
             for n in "qkv"
         )  # [heads, tokens, head_dim] each
         attended = F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
@@ -64,8 +73,10 @@ class VisionTower:
         x = self._norm(h, p + "layer_norm2")
         return h + self._linear(_activation(cfg.hidden_act, self._linear(x, p + "mlp.fc1")), p + "mlp.fc2")
 
-    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+    def features(self, pixels) -> torch.Tensor:
+        """pixels: [3, H, W] float32, a tensor or a numpy array (the server prepares numpy)."""
         cfg = self.config
+        pixels = torch.as_tensor(pixels)
         with torch.inference_mode():
             h = self._norm(self._embed(pixels.to(self.device, self.dtype)), "pre_layrnorm")
             hidden = [h]  # hidden[i]: the input of encoder layer i (transformers' hidden_states)
@@ -89,7 +100,14 @@ def tower_names(config: VisionConfig) -> list[str]:
     ]
     for index in range(config.layers_needed):
         p = f"encoder.layers.{index}."
-        for leaf in ("layer_norm1", "layer_norm2", *(f"self_attn.{n}_proj" for n in "qkv"), "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+        for leaf in (
+            "layer_norm1",
+            "layer_norm2",
+            *(f"self_attn.{n}_proj" for n in "qkv"),
+            "self_attn.out_proj",
+            "mlp.fc1",
+            "mlp.fc2",
+        ):
             names += [p + leaf + ".weight", p + leaf + ".bias"]
     return names
 
@@ -99,7 +117,9 @@ def projector_names(config: VisionConfig) -> list[str]:
     return [layer + leaf for layer in ("linear_1", "linear_2") for leaf in leaves]
 
 
-def load_vision_tower(model_dir: str | Path, config: VisionConfig, dtype: torch.dtype, device="cpu") -> VisionTower:
+def load_vision_tower(
+    model_dir: str | Path, config: VisionConfig, dtype: torch.dtype, device="cpu"
+) -> VisionTower:
     """The tower and projector of a LLaVA checkpoint (transformers 4 or 5 naming), whole, on one rank."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
@@ -107,13 +127,20 @@ def load_vision_tower(model_dir: str | Path, config: VisionConfig, dtype: torch.
     wanted += [(name, PROJECTOR_PREFIXES) for name in projector_names(config)]
     tensors = {}
     with ExitStack() as stack:
-        handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in sorted(set(files.values()))}
+        handles = {
+            path: stack.enter_context(safe_open(str(path), framework="pt"))
+            for path in sorted(set(files.values()))
+        }
         for name, prefixes in wanted:
             stored = next((prefix + name for prefix in prefixes if prefix + name in files), None)
             if stored is None:
-                raise ModelFileError(model_dir, f"checkpoint has no vision tensor {name!r} (under {prefixes[0]!r})")
+                raise ModelFileError(
+                    model_dir, f"checkpoint has no vision tensor {name!r} (under {prefixes[0]!r})"
+                )
             tensors[name] = handles[files[stored]].get_tensor(stored).to(device=device, dtype=dtype)
     expected = (config.num_patches + 1, config.hidden_size)
     if tuple(tensors["embeddings.position_embedding.weight"].shape) != expected:
-        raise ModelFileError(model_dir, f"vision position embeddings are not {list(expected)} (image_size/patch_size)")
+        raise ModelFileError(
+            model_dir, f"vision position embeddings are not {list(expected)} (image_size/patch_size)"
+        )
     return VisionTower(config, tensors)

@@ -61,15 +61,22 @@ def parse_vision_config(raw: dict, text_hidden_size: int, path: str | Path) -> V
     vision = {**CLIP_DEFAULTS, **(raw.get("vision_config") or {})}
     model_type = vision.get("model_type", "clip_vision_model")
     if model_type != "clip_vision_model":
-        raise ModelFileError(path, f"vision tower {model_type!r} is not supported (supported: clip_vision_model)")
+        raise ModelFileError(
+            path, f"vision tower {model_type!r} is not supported (supported: clip_vision_model)"
+        )
     num_layers = int(vision["num_hidden_layers"])
     layers = raw.get("vision_feature_layer", -2)
     layers = list(layers) if isinstance(layers, list) else [layers]
     feature_layers = tuple(layer % (num_layers + 1) for layer in layers)  # hidden_states has L + 1 entries
     strategy = raw.get("vision_feature_select_strategy", "default")
     if strategy not in SELECT_STRATEGIES:
-        raise ModelFileError(path, f"vision_feature_select_strategy {strategy!r} is not one of {SELECT_STRATEGIES}")
-    for key, act in (("vision_config.hidden_act", vision["hidden_act"]), ("projector_hidden_act", raw.get("projector_hidden_act", "gelu"))):
+        raise ModelFileError(
+            path, f"vision_feature_select_strategy {strategy!r} is not one of {SELECT_STRATEGIES}"
+        )
+    for key, act in (
+        ("vision_config.hidden_act", vision["hidden_act"]),
+        ("projector_hidden_act", raw.get("projector_hidden_act", "gelu")),
+    ):
         if act not in ACTIVATIONS:
             raise ModelFileError(path, f"{key} {act!r} is not one of {', '.join(ACTIVATIONS)}")
     image_token_id = raw.get("image_token_index", raw.get("image_token_id"))

@@ -305,7 +305,9 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
         at += 2 * num_media
         for offset, length in media:
             if offset < 0 or length <= 0 or offset + length > num_tokens:
-                raise WireError(f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens")
+                raise WireError(
+                    f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens"
+                )
         spans.append(Span(lane, start, tokens, media))
     if at != len(payload):
         raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")

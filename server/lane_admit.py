@@ -230,7 +230,9 @@ class Admission:
 
     def _whole_prompt(self, job: Job) -> PrefillItem:
         start = job.cached_tokens
-        return PrefillItem(job.lane, start, job.feed_ids[start:], True, job.request.sampling, job.request.images)
+        return PrefillItem(
+            job.lane, start, job.feed_ids[start:], True, job.request.sampling, job.request.images
+        )
 
     def _prefill(self, job: Job, item: PrefillItem) -> None:
         try:
