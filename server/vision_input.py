@@ -51,7 +51,7 @@ class VisionInput:
         if len(found) != num_images:
             raise RequestRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt holds {len(found)} image tokens for {num_images} images "
+                f"the prompt holds {len(found)} image tokens for {num_images} image parts "
                 f"(the text may not contain {self.image_token!r})",
             )
         out, offsets, at = [], [], 0
