@@ -50,9 +50,10 @@ def features_of(model_dir: str, data: bytes) -> torch.Tensor:
     return tower.features(pixels_of(model_dir, data))
 
 
-def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=None, features=None):
-    """Prefill `prompts` in one pass (images: per prompt, (offset, image bytes) or None), then
-    NUM_STEPS greedy rounds; the logits of every step and the tokens (rank 0)."""
+def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=None, features=None, chunk=0):
+    """Prefill `prompts` in one pass (images: per prompt, (offset, image bytes) or None; with
+    `chunk`, one prompt in passes of that many tokens), then NUM_STEPS greedy rounds; the logits
+    of every step and the tokens (rank 0)."""
     model = load_rank_model(
         model_dir,
         tp_rank=tp_rank,
@@ -78,8 +79,17 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
         runs, feature_rows = media_in_chunk(prompt_images, 0, len(prompt))
         media_rows.append([offset + k for offset, length in runs for k in range(length)])
         media += feature_rows
-    rank0_media = torch.cat(media) if media and tp_rank == 0 else None
-    logits = engine.forward(spans, media_rows=media_rows, media=rank0_media)
+    if chunk:  # one prompt, its image cut wherever the chunks fall
+        (prompt,) = prompts
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            runs, rows = media_in_chunk(prompt_images, start, len(piece))
+            chunk_rows = [offset + k for offset, length in runs for k in range(length)]
+            chunk_media = torch.cat(rows) if rows else None
+            logits = engine.forward([(0, start, piece)], media_rows=[chunk_rows], media=chunk_media)
+    else:
+        rank0_media = torch.cat(media) if media and tp_rank == 0 else None
+        logits = engine.forward(spans, media_rows=media_rows, media=rank0_media)
     steps, tokens, positions = [], [], [len(p) for p in prompts]
     for _ in range(NUM_STEPS):
         step = [0] * len(prompts)
@@ -130,6 +140,10 @@ def test_logits_and_greedy_tokens_match_transformers(llava_dir):
     theirs_tokens.append(int(theirs_logits[-1].argmax()))
     torch.testing.assert_close(ours_logits[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
     assert [step[0] for step in ours_tokens] == theirs_tokens
+    # In chunks that cut the image (as a long prompt's prefill, or a cached prefix, does).
+    chunked_logits, chunked_tokens = run_prompts(llava_dir, [prompt], [(offset, data)], chunk=7)
+    torch.testing.assert_close(chunked_logits[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
+    assert [step[0] for step in chunked_tokens] == theirs_tokens
     # The image changed the reply's logits: the features really went in.
     text_logits, _ = run_prompts(llava_dir, [prompt], [None])
     assert (text_logits[0, 0] - ours_logits[0, 0]).abs().max() > 1e-2
