@@ -117,7 +117,9 @@ def _check_media(media, where: str, limits: Limits) -> None:
     if media.mime_type.startswith("video/"):
         raise _invalid(f"{where}.media: video inputs are not supported (send a video's frames as images)")
     if media.mime_type == "image/*":  # what the HTTP API makes of an image_url that is no data: URL
-        raise _invalid(f"{where}.media is a URL; this server fetches none: send the image's bytes (a data: URL)")
+        raise _invalid(
+            f"{where}.media is a URL; this server fetches none: send the image's bytes (a data: URL)"
+        )
     if media.mime_type not in IMAGE_TYPES:
         raise _invalid(f"{where}.media.mime_type {media.mime_type!r} is not one of {', '.join(IMAGE_TYPES)}")
     if len(media.data) > limits.max_image_bytes:

@@ -205,7 +205,9 @@ class Daemon:
 
         A reply's outcome is counted by the thread that relayed it, a moment after its lane went
         back, so a test that saw the lane free still waits for the count."""
-        wait_until(lambda: self.metrics().get(series, 0) >= reaches, f"{series} to reach {reaches:g}", timeout_s)
+        wait_until(
+            lambda: self.metrics().get(series, 0) >= reaches, f"{series} to reach {reaches:g}", timeout_s
+        )
         return self.metrics()
 
     # -- processes --

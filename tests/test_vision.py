@@ -5,22 +5,27 @@ a batch with and without images against each prompt's solo run."""
 from __future__ import annotations
 
 import io
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from multiproc import RankPool
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from tiny_llava import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, block_image, write_tiny_llava
 
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.collectives_choice import choose_collectives
 from tpserve.ranks.engine import Engine
+from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.leader import media_in_chunk
 from tpserve.ranks.loader import load_rank_model
-from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.model_config import load_model_config, parse_model_config
 from tpserve.ranks.vision import load_vision_tower
 from tpserve.server.images import Preprocessor, decode_image
 from tpserve.server.requests import PromptImage
@@ -196,3 +201,33 @@ def test_tp2_equals_tp1_bit_for_bit_with_images(pool, llava_dir, choice):
     pair_logits, pair_tokens = pool.run(_tp2, llava_dir, prompts, images, features, choice, timeout_s=120)[0]
     assert pair_tokens == solo_tokens
     torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
+
+
+def test_the_newer_checkpoint_naming_loads_the_same_model(llava_dir, tmp_path):
+    # transformers 4 wrote language_model.model.* and vision_tower.*; checkpoints converted for the
+    # newer layout hold model.language_model.*, model.vision_tower.*, lm_head.*.
+    renamed = tmp_path / "renamed"
+    shutil.copytree(llava_dir, renamed)
+    tensors = load_file(str(renamed / "model.safetensors"))
+    prefixes = {
+        "language_model.model.": "model.language_model.",
+        "language_model.lm_head.": "lm_head.",
+        "vision_tower.": "model.vision_tower.vision_model.",
+        "multi_modal_projector.": "model.multi_modal_projector.",
+    }
+    out = {}
+    for name, tensor in tensors.items():
+        old = next(prefix for prefix in prefixes if name.startswith(prefix))
+        out[prefixes[old] + name.removeprefix(old)] = tensor
+    save_file(out, str(renamed / "model.safetensors"))
+    prompt, offset = image_prompt()
+    expected, _ = run_prompts(llava_dir, [prompt], [(offset, block_image(9))])
+    got, _ = run_prompts(str(renamed), [prompt], [(offset, block_image(9))])
+    assert torch.equal(expected, got)
+
+
+def test_an_unsupported_vision_tower_is_refused_by_name(llava_dir, tmp_path):
+    raw = json.loads((Path(llava_dir) / "config.json").read_text())
+    raw["vision_config"]["model_type"] = "siglip_vision_model"
+    with pytest.raises(ModelFileError, match="vision tower 'siglip_vision_model' is not supported"):
+        parse_model_config(raw)

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 from test_grpc_api import GOLDEN_DIR, LLAVA_LIMITS, read_golden
 from tiny_llava import TOKENS_PER_IMAGE, block_image, write_tiny_llava
 
+from tpserve.server.validation import VISION_NEEDED
 from tpserve.v1 import serving_pb2
 
 MAX_TOKENS = 6
@@ -127,3 +128,11 @@ def test_fuzzed_image_bytes_fail_their_own_request_only(served):
         assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
     assert served.health() == health_pb2.HealthCheckResponse.SERVING
     assert generate(served, ask(good)).ok
+
+
+def test_without_vision_a_llava_serves_text_and_refuses_images_as_before(tmp_path):
+    model_dir = write_tiny_llava(tmp_path / "model")
+    with running_daemon("spawn", model_dir, tmp_path / "logs", "--context", "256") as daemon:
+        assert generate(daemon, ask(None, "hello world")).ok
+        refused = generate(daemon, ask(block_image(61)))
+    assert (refused.code, refused.details) == (grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
