@@ -65,7 +65,12 @@ class Preprocessor:
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ModelFileError(path, f"not valid JSON ({error})") from None
         size = raw.get("size", {"shortest_edge": 224})
-        shortest = size.get("shortest_edge") if isinstance(size, dict) else None
+        # An int is a shortest edge too: CLIP's processor reads sizes with default_to_square=False.
+        shortest = (
+            size.get("shortest_edge") if isinstance(size, dict) else size if isinstance(size, int) else None
+        )
+        if not raw.get("do_resize", True):
+            shortest = None
         return cls(
             shortest_edge=int(shortest) if shortest is not None else None,
             resize_to=None
