@@ -1,6 +1,6 @@
 """The flags row: what every rank must have been started with alike, agreed before anything loads.
 
-Each rank all-gathers one row of integers (model fingerprint, dtype, tp, lanes, context, cache
+Each rank all-gathers one row of integers (model fingerprint, dtype, quantization, tp, lanes, context, cache
 budget, code version, the device type and the torch, CUDA and NCCL versions); rows that differ make
 every rank refuse, printing every row. A rank that refused its device says so in its row, so the
 others refuse at once instead of waiting for it.
@@ -18,7 +18,7 @@ from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_TYPES, DeviceFacts
 from tpserve.ranks.errors import StartupError
 from tpserve.ranks.loader import DTYPES
-from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.settings import QUANTIZE_CHOICES, EngineSettings
 from tpserve.ranks.version import VERSION
 
 
@@ -34,6 +34,7 @@ def fingerprint(model_dir: str | Path) -> int:
 FLAG_NAMES = (
     "model",
     "dtype",
+    "quantize",
     "tp",
     "lanes",
     "context",
@@ -57,6 +58,7 @@ def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
     return [
         fingerprint(settings.model_dir),
         DTYPE_NAMES.index(settings.dtype),
+        QUANTIZE_CHOICES.index(settings.quantize),
         settings.tp_size,
         settings.num_lanes,
         settings.context_size,
@@ -87,7 +89,7 @@ def _unpacked(value: int) -> str:
 
 def shown_row(row: list[int]) -> str:
     """A flags row as a person reads it (named choices by name rather than by their index)."""
-    named = {"dtype": DTYPE_NAMES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
+    named = {"dtype": DTYPE_NAMES, "quantize": QUANTIZE_CHOICES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
     values = []
     for name, value in zip(FLAG_NAMES, row):
         if name in named:

@@ -7,12 +7,15 @@ is vocab-parallel and its logits are gathered to rank 0 only. At tp=1 no collect
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
 from tpserve.kernels.collectives import Collectives
 from tpserve.kernels.embedding import place_features
+from tpserve.kernels.int8_linear import quantize_weight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
@@ -25,17 +28,23 @@ from tpserve.ranks.weights import RankWeights
 class PieceLayer:
     """One layer's weights for one piece: fused q/k/v and gate/up, and the row-parallel halves."""
 
-    def __init__(self, config: ModelConfig, piece: Piece, tensors: dict[str, torch.Tensor], prefix: str):
+    def __init__(
+        self, config: ModelConfig, piece: Piece, tensors: dict[str, torch.Tensor], prefix: str, quantize: str
+    ):
         self.num_kv_heads = piece.num_kv_heads()
         self.num_q_heads = self.num_kv_heads * config.num_queries_per_kv
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         # The fused copies replace the loaded ones, which are taken out of `tensors` so that no
-        # second copy outlives loading (room is measured after it).
-        self.w_qkv = _fused(tensors, [attn + f"{n}_proj.weight" for n in "qkv"])  # [(Hq+2Hkv)*D, hidden]
+        # second copy outlives loading (room is measured after it); so do quantized ones.
+        q = functools.partial(quantize_weight, quantize=quantize)
+        self.w_qkv = q(_fused(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
         self.b_qkv = _fused(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
-        self.w_o = tensors[attn + "o_proj.weight"]  # [hidden, Hq*D]
-        self.w_gate_up = _fused(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-        self.w_down = tensors[mlp + "down_proj.weight"]  # [hidden, I_piece]
+        self.w_o = q(tensors.pop(attn + "o_proj.weight"))  # [hidden, Hq*D]
+        self.w_gate_up = q(_fused(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
+        # down_proj stays in float: its input, SiLU(gate) * up, has outlier channels that one scale
+        # per row quantizes badly (SmolLM2, bench/quality.py: +3.4% perplexity with it in int8,
+        # +0.6% without).
+        self.w_down = tensors.pop(mlp + "down_proj.weight")  # [hidden, I_piece]
 
 
 def _fused(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
@@ -76,6 +85,7 @@ class TPModel:
         collectives: Collectives | None = None,
         max_positions: int,
         row_tile: int = 0,
+        quantize: str = "none",
     ):
         self.config = config
         self.pieces = pieces
@@ -85,14 +95,15 @@ class TPModel:
         self.dtype, self.device = first.dtype, first.device
         self.layers = [
             [
-                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.")
+                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.", quantize)
                 for i, piece in enumerate(pieces)
             ]
             for layer in range(config.num_layers)
         ]
         self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.head = [w[head_name] for w in weights.pieces]
+        self.head = [quantize_weight(w[head_name], quantize) for w in weights.pieces]
+        self.quantize = quantize
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tpserve.kernels.int8_linear import QUANTIZE_CHOICES
+
 MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
+__all__ = ["MAX_DRAFT_TOKENS", "QUANTIZE_CHOICES", "EngineSettings"]
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,8 @@ class EngineSettings:
     # "cpu" or "cuda"; see ranks/device.py.
     device: str = "auto"
     dtype: str = "float32"  # or "auto": float32 on the CPU, bfloat16 on a GPU
+    # "none" or "int8": the linear layers' and head's weights quantized at load (kernels/int8_linear.py).
+    quantize: str = "none"
     tp_size: int = 2
     num_lanes: int = 8
     context_size: int = 2048

@@ -19,7 +19,7 @@ import yaml
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
-from tpserve.ranks.settings import MAX_DRAFT_TOKENS, EngineSettings
+from tpserve.ranks.settings import MAX_DRAFT_TOKENS, QUANTIZE_CHOICES, EngineSettings
 from tpserve.server.api_key import API_KEY_ENV
 
 
@@ -32,6 +32,7 @@ class ServeConfig:
     model: str = ""  # empty: the prepared default model
     device: str = "auto"  # a GPU where torch can use one, the CPU where there is none; never a fallback
     dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU
+    quantize: str = "none"  # "int8": int8 weights, quantized at load (x86 CPUs; README, "Quantized weights")
     tp: int = 2
     lanes: int = 8
     context: int = 2048
@@ -70,6 +71,7 @@ class ServeConfig:
             model_dir=model_dir,
             device=self.device,
             dtype=self.dtype,
+            quantize=self.quantize,
             tp_size=self.tp,
             num_lanes=self.lanes,
             context_size=self.context,
@@ -92,6 +94,7 @@ class ServeConfig:
 _CHOICES = {
     "device": DEVICE_CHOICES,
     "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "quantize": QUANTIZE_CHOICES,
     "tp": (1, 2),
     "cpu_collectives": CHOICES,
 }
