@@ -44,7 +44,9 @@ def load(model_dir: str, quantize: str, context: int) -> Engine:
         row_tile=ROW_TILE,
         quantize=quantize,
     )
-    kv = KVPool(model.config.num_layers, 2 * context, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
+    kv = KVPool(
+        model.config.num_layers, 2 * context, model.kv_heads_per_piece(), model.config.head_dim, model.dtype
+    )
     return Engine(model, kv)
 
 
@@ -84,7 +86,9 @@ def agreement(reference: list[int], other: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--formats", nargs="+", default=list(QUANTIZE_CHOICES), choices=QUANTIZE_CHOICES)
     parser.add_argument("--text", default=DEFAULT_TEXT)
     parser.add_argument("--max-text-tokens", type=int, default=4096)

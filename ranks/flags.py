@@ -89,7 +89,12 @@ def _unpacked(value: int) -> str:
 
 def shown_row(row: list[int]) -> str:
     """A flags row as a person reads it (named choices by name rather than by their index)."""
-    named = {"dtype": DTYPE_NAMES, "quantize": QUANTIZE_CHOICES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
+    named = {
+        "dtype": DTYPE_NAMES,
+        "quantize": QUANTIZE_CHOICES,
+        "cpu_collectives": CHOICES,
+        "device": DEVICE_TYPES,
+    }
     values = []
     for name, value in zip(FLAG_NAMES, row):
         if name in named:

@@ -160,7 +160,9 @@ def test_int8_logits_are_near_the_float_ones_but_not_the_same(tmp_path):
     model_dir = str(write_tiny_model(tmp_path / "llama", "llama"))
     torch.set_num_threads(1)
     float_logits, _ = run_streams(model_dir, 0, 1, prompts=PROMPTS[:1], samplings=SAMPLINGS[:1])
-    int8_logits, _ = run_streams(model_dir, 0, 1, prompts=PROMPTS[:1], samplings=SAMPLINGS[:1], quantize="int8")
+    int8_logits, _ = run_streams(
+        model_dir, 0, 1, prompts=PROMPTS[:1], samplings=SAMPLINGS[:1], quantize="int8"
+    )
     first_float, first_int8 = float_logits[0], int8_logits[0]  # the prompt's logits, before the paths part
     error = (first_int8 - first_float).norm() / first_float.norm()
     assert 0 < error < 0.05, f"int8 logits {error:.4f} away from float32 (relative)"
