@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
 from tpserve.kernels.collectives import Collectives
+from tpserve.kernels.embedding import place_features
 from tpserve.kernels.int8_linear import quantize_weight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
@@ -122,7 +123,7 @@ class TPModel:
             self.collectives.all_reduce_sum(partial)
         return partial if partial.dtype == self.dtype else partial.to(self.dtype)
 
-    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, token_ids: torch.Tensor, media_rows, media) -> torch.Tensor:
         out = torch.zeros(
             token_ids.shape[0], self.config.hidden_size, dtype=torch.float32, device=self.device
         )
@@ -131,6 +132,8 @@ class TPModel:
             owned = (token_ids >= start) & (token_ids < end)
             local = (token_ids - start).clamp(0, end - start - 1)
             out += F.embedding(local, table).float() * owned.unsqueeze(1)
+        if media_rows is not None:
+            place_features(out, media_rows, media)
         return self._reduce(out)
 
     def _attention(self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms) -> torch.Tensor:
@@ -174,14 +177,18 @@ class TPModel:
         spans: list[SpanView],
         kv,
         logit_rows: list[int],
+        media_rows: torch.Tensor | None = None,
+        media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
-        are wanted. Returns float32 logits [len(logit_rows), vocab] on rank 0, None elsewhere."""
+        are wanted. media_rows: [M] packed rows whose embedding is an image feature instead of their
+        token's; media: those features [M, hidden] on rank 0 (None elsewhere). Returns float32 logits
+        [len(logit_rows), vocab] on rank 0, None elsewhere."""
         cfg, rep = self.config, self.replicated
         plan = PassPlan(self, spans, positions, kv.num_slots)
         if plan.padding:  # padding rows read token 0; their results are dropped
             token_ids = F.pad(token_ids, (0, plan.padding))
-        h = self._embed(token_ids)  # [rows, hidden]
+        h = self._embed(token_ids, media_rows, media)  # [rows, hidden]
         for index, pieces in enumerate(self.layers):
             prefix = f"model.layers.{index}."
             qk_norms = None

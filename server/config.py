@@ -54,7 +54,10 @@ class ServeConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` beside gRPC; 0: none
     api_key: str = field(default="", repr=False)  # "": anyone may call; else Bearer KEY on both APIs
-    vision: bool = False
+    vision: bool = False  # read image parts (a vision-language model only)
+    max_images: int = 4  # with --vision: image parts per request
+    max_image_bytes: int = 10 << 20  # with --vision: encoded bytes per image
+    max_image_pixels: int = 4096 * 4096  # with --vision: width x height per image
     record: str = ""  # a directory: record every stream there
     grace_s: float = 10.0
     init_timeout_s: float = 120.0
@@ -110,6 +113,9 @@ _POSITIVE = {
     "collective_timeout_s",
     "leader_dead_after_s",
     "grace_s",
+    "max_images",
+    "max_image_bytes",
+    "max_image_pixels",
 }
 
 
