@@ -7,7 +7,7 @@ collectives that only count (no follower: the numbers are not checked, the calls
 hold `--context`-token prompts, and one decode round over 1, 8, 16 and 32 lanes is counted with a
 dispatch mode and timed without one.
 
-    python -m bench.ops [--lanes 1 8 16 32] [--context 64] [--no-batch-invariant] [--json FILE]
+    python -m bench.ops [--lanes 1 8 16 32] [--context 64] [--no-batch-invariant] [--quantize int8] [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.ranks.engine import Engine  # noqa: E402
 from tpserve.ranks.kv_store import KVPool  # noqa: E402
 from tpserve.ranks.loader import load_rank_model  # noqa: E402
+from tpserve.ranks.settings import QUANTIZE_CHOICES  # noqa: E402
 
 
 class CountingCollectives:
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=2, choices=(1, 2), help="count rank 0 of this tp")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per lane count")
     parser.add_argument("--no-batch-invariant", action="store_true")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = load_rank_model(
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         max_positions=args.context + args.rounds + 8,
         collectives=CountingCollectives(),
         row_tile=0 if args.no_batch_invariant else ROW_TILE,
+        quantize=args.quantize,
     )
     cfg = model.config
     kv_heads = [piece.num_kv_heads() for piece in model.pieces]

@@ -14,12 +14,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tpserve.kernels.int8_linear import PackedWeight
+
 # Rows of every batch-invariant product (linear layers, the head and attention's tiles).
 ROW_TILE = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 0):
     # x: [T, in], weight: [out, in] -> [T, out]
+    if isinstance(weight, PackedWeight):  # a row is the same at any batch there: no tiles
+        return weight(x, bias)
     if not row_tile:
         return F.linear(x, weight, bias)
     num_rows = x.shape[0]

@@ -20,9 +20,10 @@ class VotedDown(Exception):
     """Some rank refused a voted message; no rank changed anything."""
 
 
-def apply_message(engine: Engine, channel, msg) -> torch.Tensor | None:
+def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = None) -> torch.Tensor | None:
     """Returns the logits of a Prefill, Round or Verify on rank 0 (None elsewhere and for other kinds).
 
+    `media`: on rank 0, the image features of a Prefill's media runs, in message order.
     Raises VotedDown when the ranks voted no.
     """
     if isinstance(msg, Admit):
@@ -34,7 +35,9 @@ def apply_message(engine: Engine, channel, msg) -> torch.Tensor | None:
         spans = [(s.lane, s.start, s.token_ids) for s in msg.spans]
         if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
             raise VotedDown("prefill refused by some rank")
-        return engine.forward(spans)
+        if not any(s.media for s in msg.spans):
+            return engine.forward(spans)
+        return engine.forward(spans, media_rows=[s.media_rows() for s in msg.spans], media=media)
     if isinstance(msg, Round):
         return engine.decode_round([(s.lane, s.position, (s.token_id,)) for s in msg.steps])
     if isinstance(msg, Verify):

@@ -87,12 +87,20 @@ class Engine:
         return self.refuse_token is not None and any(self.refuse_token in tokens for _, _, tokens in spans)
 
     def forward(
-        self, spans: list[tuple[int, int, tuple[int, ...]]], *, every_row: bool = False
+        self,
+        spans: list[tuple[int, int, tuple[int, ...]]],
+        *,
+        every_row: bool = False,
+        media_rows: list[list[int]] | None = None,
+        media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """A prompt pass. spans: (lane, start, token ids) that pass check(). Computes and stores their
         KV, advances the lanes, and returns the next-token logits of each span's last token
-        ([num_spans, vocab] float32; with every_row, of every token in order) on rank 0, None elsewhere."""
-        return self._pass(spans, every_row)
+        ([num_spans, vocab] float32; with every_row, of every token in order) on rank 0, None elsewhere.
+
+        media_rows: per span, the offsets of its tokens embedded as image features; media: those
+        features in the same order ([rows, hidden], rank 0 only)."""
+        return self._pass(spans, every_row, media_rows, media)
 
     def decode_round(self, steps: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
         """One token per lane: (lane, position, (token,)), as forward. A lane a Verify left longer
@@ -116,26 +124,34 @@ class Engine:
             if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
                 state.length = start
 
-    def _pass(self, spans, every_row: bool) -> torch.Tensor | None:
+    def _pass(self, spans, every_row: bool, media_rows=None, media=None) -> torch.Tensor | None:
         if not self.check(spans):
             raise EngineError(f"inconsistent pass {[(lane, start, len(t)) for lane, start, t in spans]}")
-        views, token_ids, positions, logit_rows = [], [], [], []
-        for lane, start, tokens in spans:
+        views, token_ids, positions, logit_rows, packed_media = [], [], [], [], []
+        for index, (lane, start, tokens) in enumerate(spans):
             state = self.lanes[lane]
             views.append(SpanView(len(token_ids), state.base, start, len(tokens)))
+            if media_rows is not None:
+                packed_media.extend(len(token_ids) + row for row in media_rows[index])
             token_ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
             if every_row:
                 logit_rows.extend(range(len(token_ids) - len(tokens), len(token_ids)))
             else:
                 logit_rows.append(len(token_ids) - 1)
+        if media is not None and media.shape[0] != len(packed_media):
+            raise EngineError(f"{media.shape[0]} image feature rows for {len(packed_media)} image positions")
+        device = self.model.device
+        rows = torch.tensor(packed_media, dtype=torch.int64, device=device) if packed_media else None
         with torch.inference_mode():
             logits = self.model.forward(
-                torch.tensor(token_ids, dtype=torch.int64, device=self.model.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.model.device),
+                torch.tensor(token_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device),
                 views,
                 self.kv,
                 logit_rows,
+                rows,
+                media if packed_media else None,
             )
         if logits is not None:
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))

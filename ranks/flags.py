@@ -1,6 +1,6 @@
 """The flags row: what every rank must have been started with alike, agreed before anything loads.
 
-Each rank all-gathers one row of integers (model fingerprint, dtype, tp, lanes, context, cache
+Each rank all-gathers one row of integers (model fingerprint, dtype, quantization, tp, lanes, context, cache
 budget, code version, the device type and the torch, CUDA and NCCL versions); rows that differ make
 every rank refuse, printing every row. A rank that refused its device says so in its row, so the
 others refuse at once instead of waiting for it.
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_TYPES, DeviceFacts
 from tpserve.ranks.errors import StartupError
-from tpserve.ranks.settings import DTYPE_CHOICES, EngineSettings
+from tpserve.ranks.settings import DTYPE_CHOICES, QUANTIZE_CHOICES, EngineSettings
 from tpserve.ranks.version import VERSION
 
 
@@ -33,6 +33,7 @@ def fingerprint(model_dir: str | Path) -> int:
 FLAG_NAMES = (
     "model",
     "dtype",
+    "quantize",
     "tp",
     "lanes",
     "context",
@@ -55,6 +56,7 @@ def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
     return [
         fingerprint(settings.model_dir),
         DTYPE_CHOICES.index(settings.dtype),
+        QUANTIZE_CHOICES.index(settings.quantize),
         settings.tp_size,
         settings.num_lanes,
         settings.context_size,
@@ -85,7 +87,12 @@ def _unpacked(value: int) -> str:
 
 def shown_row(row: list[int]) -> str:
     """A flags row as a person reads it (named choices by name rather than by their index)."""
-    named = {"dtype": DTYPE_CHOICES, "cpu_collectives": CHOICES, "device": DEVICE_TYPES}
+    named = {
+        "dtype": DTYPE_CHOICES,
+        "quantize": QUANTIZE_CHOICES,
+        "cpu_collectives": CHOICES,
+        "device": DEVICE_TYPES,
+    }
     values = []
     for name, value in zip(FLAG_NAMES, row):
         if name in named:

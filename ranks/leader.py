@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from tpserve.kernels.sampling import sample, token_logprobs, top_logits
 from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import VotedDown, apply_message
@@ -32,6 +34,22 @@ from tpserve.ranks.wire import (
 log = logging.getLogger(__name__)
 
 NUM_FEATURES = 8  # top logits kept per step for the recorder
+
+
+def media_in_chunk(images, start: int, num_tokens: int):
+    """The image runs of a prompt chunk at positions start..start+num_tokens-1: (offset in the
+    chunk, length) per run, and the feature rows of each run ([length, hidden] each).
+
+    images: the prompt's images (offset, num_tokens, features [num_tokens, hidden]); a chunk or a
+    cached prefix can cut an image anywhere, so a run may be a slice of one."""
+    runs, rows = [], []
+    for image in images:
+        first = max(image.offset, start)
+        end = min(image.offset + image.num_tokens, start + num_tokens)
+        if first < end:
+            runs.append((first - start, end - first))
+            rows.append(image.features[first - image.offset : end - image.offset])
+    return tuple(runs), rows
 
 
 class LeaderBroken(RuntimeError):
@@ -83,9 +101,14 @@ class Leader:
         return tokens[0] if item.last else None
 
     def prefill_many(self, items) -> list[int] | None:
-        msg = Prefill(tuple(Span(i.lane, i.start, tuple(i.token_ids)) for i in items))
+        spans, features = [], []
+        for item in items:
+            runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
+            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs))
+            features += rows
+        msg = Prefill(tuple(spans))
         try:
-            logits = self._run(msg)
+            logits = self._run(msg, torch.cat(features) if features else None)
         except VotedDown:
             return None
         return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
@@ -157,13 +180,13 @@ class Leader:
         except VotedDown:
             return False
 
-    def _run(self, msg):
+    def _run(self, msg, media=None):
         if self.broken is not None:
             raise self._broken_error(self.broken)
         try:
             self.channel.send(msg)
             self._idle = False
-            return apply_message(self.engine, self.channel, msg)
+            return apply_message(self.engine, self.channel, msg, media)
         except VotedDown:
             raise
         except ChannelBroken as error:  # names the rank that did not answer

@@ -27,6 +27,7 @@ def load_rank_model(
     config: ModelConfig | None = None,
     row_tile: int = 0,
     device="cpu",
+    quantize: str = "none",
 ) -> TPModel:
     config = config or load_model_config(model_dir)
     pieces = pieces_of_rank(config, tp_rank, tp_size)
@@ -40,4 +41,5 @@ def load_rank_model(
         collectives=collectives,
         max_positions=max_positions,
         row_tile=row_tile,
+        quantize=quantize,
     )

@@ -7,11 +7,15 @@ is vocab-parallel and its logits are gathered to rank 0 only. At tp=1 no collect
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
 from tpserve.kernels.collectives import Collectives
+from tpserve.kernels.embedding import place_features
+from tpserve.kernels.int8_linear import quantize_weight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
@@ -24,17 +28,24 @@ from tpserve.ranks.weights import RankWeights
 class PieceLayer:
     """One layer's weights for one piece: fused q/k/v and gate/up, and the row-parallel halves."""
 
-    def __init__(self, config: ModelConfig, piece: Piece, tensors: dict[str, torch.Tensor], prefix: str):
+    def __init__(
+        self, config: ModelConfig, piece: Piece, tensors: dict[str, torch.Tensor], prefix: str, quantize: str
+    ):
         self.num_kv_heads = piece.num_kv_heads()
         self.num_q_heads = self.num_kv_heads * config.num_queries_per_kv
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         # The fused copies replace the loaded ones, which are taken out of `tensors` so that no
-        # second copy outlives loading (room is measured after it).
-        self.w_qkv = _fused(tensors, [attn + f"{n}_proj.weight" for n in "qkv"])  # [(Hq+2Hkv)*D, hidden]
+        # second copy outlives loading (room is measured after it); so do quantized ones.
+        q = functools.partial(quantize_weight, kind=quantize)
+        self.w_qkv = q(_fused(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
         self.b_qkv = _fused(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
-        self.w_o = tensors[attn + "o_proj.weight"]  # [hidden, Hq*D]
-        self.w_gate_up = _fused(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-        self.w_down = tensors[mlp + "down_proj.weight"]  # [hidden, I_piece]
+        self.w_o = q(tensors.pop(attn + "o_proj.weight"))  # [hidden, Hq*D]
+        self.w_gate_up = q(_fused(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
+        # down_proj's input, SiLU(gate) * up, has outlier channels that one scale per row rounds
+        # away (SmolLM2, bench/quality.py: +3.4% perplexity in int8, +0.6% kept in float): in int8
+        # mode its weight goes to float16 instead.
+        down = "fp16" if quantize == "int8" else quantize
+        self.w_down = quantize_weight(tensors.pop(mlp + "down_proj.weight"), down)  # [hidden, I_piece]
 
 
 def _fused(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
@@ -75,6 +86,7 @@ class TPModel:
         collectives: Collectives | None = None,
         max_positions: int,
         row_tile: int = 0,
+        quantize: str = "none",
     ):
         self.config = config
         self.pieces = pieces
@@ -84,14 +96,15 @@ class TPModel:
         self.dtype, self.device = first.dtype, first.device
         self.layers = [
             [
-                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.")
+                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.", quantize)
                 for i, piece in enumerate(pieces)
             ]
             for layer in range(config.num_layers)
         ]
         self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.head = [w[head_name] for w in weights.pieces]
+        self.head = [quantize_weight(w[head_name], quantize) for w in weights.pieces]
+        self.quantize = quantize
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
@@ -111,7 +124,7 @@ class TPModel:
             self.collectives.all_reduce_sum(partial)
         return partial if partial.dtype == self.dtype else partial.to(self.dtype)
 
-    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, token_ids: torch.Tensor, media_rows, media) -> torch.Tensor:
         out = torch.zeros(
             token_ids.shape[0], self.config.hidden_size, dtype=torch.float32, device=self.device
         )
@@ -120,6 +133,8 @@ class TPModel:
             owned = (token_ids >= start) & (token_ids < end)
             local = (token_ids - start).clamp(0, end - start - 1)
             out += F.embedding(local, table).float() * owned.unsqueeze(1)
+        if media_rows is not None:
+            place_features(out, media_rows, media)
         return self._reduce(out)
 
     def _attention(self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms) -> torch.Tensor:
@@ -163,14 +178,18 @@ class TPModel:
         spans: list[SpanView],
         kv,
         logit_rows: list[int],
+        media_rows: torch.Tensor | None = None,
+        media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
-        are wanted. Returns float32 logits [len(logit_rows), vocab] on rank 0, None elsewhere."""
+        are wanted. media_rows: [M] packed rows whose embedding is an image feature instead of their
+        token's; media: those features [M, hidden] on rank 0 (None elsewhere). Returns float32 logits
+        [len(logit_rows), vocab] on rank 0, None elsewhere."""
         cfg, replicated = self.config, self.replicated
         plan = PassPlan(self, spans, positions, kv.num_slots)
         if plan.padding:  # padding rows read token 0; their results are dropped
             token_ids = F.pad(token_ids, (0, plan.padding))
-        h = self._embed(token_ids)  # [rows, hidden]
+        h = self._embed(token_ids, media_rows, media)  # [rows, hidden]
         for index, pieces in enumerate(self.layers):
             prefix = f"model.layers.{index}."
             qk_norms = None

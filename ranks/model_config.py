@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
 # Every family here is a Llama-style decoder; they differ in biases, q/k norms and defaults.
 FAMILIES = {
@@ -18,6 +19,16 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# A vision-language checkpoint's text_config names its decoder by model_type only.
+TEXT_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# transformers' LlamaConfig defaults, which llava-hf text_configs leave out.
+LLAMA_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,8 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    architecture: str = ""
+    vision: VisionConfig | None = None  # a vision-language model's tower, projector and image token
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -62,10 +75,34 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConfig:
     architectures = raw.get("architectures") or []
+    vision_arch = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
+    if vision_arch is not None:
+        return _parse_vision_language(raw, vision_arch, path)
     family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
     if family is None:
-        supported = ", ".join(FAMILIES)
+        supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES))
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
+    return _parse_text(raw, family, architectures[0], path)
+
+
+def _parse_vision_language(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
+    """LLaVA: the text decoder from text_config (a Llama-family model), the tower from vision_config."""
+    text = dict(raw.get("text_config") or {})
+    model_type = text.get("model_type", "llama")
+    if model_type not in TEXT_MODEL_TYPES:
+        raise ModelFileError(
+            path, f"text model {model_type!r} is not supported (supported: {', '.join(TEXT_MODEL_TYPES)})"
+        )
+    if model_type == "llama":
+        text = {**LLAMA_DEFAULTS, **text}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    config = _parse_text(text, TEXT_MODEL_TYPES[model_type], architecture, path)
+    return replace(config, vision=parse_vision_config(raw, config.hidden_size, path))
+
+
+def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> ModelConfig:
 
     def need(key: str, kind: type = int):
         if key not in raw:
@@ -83,6 +120,12 @@ def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConf
     head_dim = raw.get("head_dim") or hidden_size // num_heads
     if num_heads % num_kv_heads:
         raise ModelFileError(path, f"{num_heads} attention heads do not divide into {num_kv_heads} KV heads")
+    # transformers 5 writes rope_theta and the scaling inside rope_parameters.
+    rope = raw.get("rope_parameters") or {}
+    rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_scaling = raw.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -95,14 +138,15 @@ def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConf
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rope_scaling=parse_rope_scaling(raw.get("rope_scaling"), path),
+        rope_theta=float(rope_theta),
+        rope_scaling=parse_rope_scaling(rope_scaling, path),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=family == "qwen3",
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        architecture=architecture,
     )
 
 

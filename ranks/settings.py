@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tpserve.kernels.int8_linear import QUANTIZE_CHOICES, auto_quantize
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the weights' and KV's types a rank can run
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: the device's (for_device)
 MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
+__all__ = ["DTYPE_CHOICES", "DTYPE_NAMES", "MAX_DRAFT_TOKENS", "QUANTIZE_CHOICES", "EngineSettings"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,9 @@ class EngineSettings:
     # "cpu" or "cuda"; see ranks/device.py.
     device: str = "auto"
     dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU; or float32, bfloat16, float16
+    # "none", "int8" (the linear layers' and head's weights quantized at load, kernels/int8_linear.py)
+    # or "auto": int8 where FBGEMM runs it (an x86 CPU), else none.
+    quantize: str = "none"
     tp_size: int = 2
     num_lanes: int = 8
     context_size: int = 2048
@@ -65,4 +71,7 @@ class EngineSettings:
         if draft_tokens is None:
             draft_tokens = MAX_DRAFT_TOKENS if batch_invariant else 0
         dtype = ("bfloat16" if gpu else "float32") if self.dtype == "auto" else self.dtype
-        return replace(self, batch_invariant=batch_invariant, draft_tokens=draft_tokens, dtype=dtype)
+        quantize = auto_quantize(device_type) if self.quantize == "auto" else self.quantize
+        return replace(
+            self, batch_invariant=batch_invariant, draft_tokens=draft_tokens, dtype=dtype, quantize=quantize
+        )

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
 from tpserve.ranks.channel import Channel
@@ -103,6 +104,17 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
     return KVBudget(kv_tokens, cache_tokens, bytes_per_token)
 
 
+def check_quantize(settings: EngineSettings, device: torch.device) -> None:
+    """Refuses a quantization this device cannot run, by name, before any rank loads a weight."""
+    if settings.quantize == "none":
+        return
+    why_not = int8_available(device)
+    if why_not:
+        raise UserError(f"quantize {settings.quantize}: {why_not}; serve with quantize: none")
+    if settings.dtype != "float32":
+        raise UserError(f"quantize {settings.quantize} computes in float32, not dtype {settings.dtype}")
+
+
 def check_invariance(model, rank: int, group, drill: bool = False) -> None:
     """The start-up probe on every rank, then a vote: one rank's failure stops them all."""
     log.info("rank %d: checking batch invariance on %s", rank, describe_machine())
@@ -179,6 +191,7 @@ def _place_on_device(settings: EngineSettings, local_rank: int, local_world_size
     try:
         device = choose_device(settings.device, local_rank, local_world_size)
         settings = settings.for_device(device.type)
+        check_quantize(settings, device)
         facts = device_facts(device)
     except UserError as error:
         return device, settings, facts, error
@@ -221,11 +234,12 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
         timeout_s=settings.collective_timeout_s,
     )
     log.info(
-        "rank %d: loading %s on %s (%s, tp=%d, batch_invariant=%s)",
+        "rank %d: loading %s on %s (%s, weights %s, tp=%d, batch_invariant=%s)",
         rank,
         settings.model_dir,
         device,
         settings.dtype,
+        settings.quantize,
         world_size,
         settings.batch_invariant,
     )
@@ -239,6 +253,7 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
         config=config,
         row_tile=ROW_TILE if settings.batch_invariant else 0,
         device=device,
+        quantize=settings.quantize,
     )
     if settings.batch_invariant:
         check_invariance(model, rank, control, drill=settings.shape_dependent_on_rank == rank)

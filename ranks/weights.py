@@ -40,6 +40,17 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
+def stored_name(files: dict[str, Path], name: str) -> str | None:
+    """Where a text-model tensor sits in this checkpoint: under its own name, or inside a
+    vision-language checkpoint (transformers 4 wrote `language_model.model.*`, 5 `model.language_model.*`)."""
+    candidates = [name]
+    if name.startswith("model."):
+        candidates += ["language_model." + name, "model.language_model." + name.removeprefix("model.")]
+    elif name == "lm_head.weight":
+        candidates.append("language_model.lm_head.weight")
+    return next((candidate for candidate in candidates if candidate in files), None)
+
+
 def _open(path: Path):
     if not path.exists():
         raise ModelFileError(path, "missing (named by the safetensors index)")
@@ -106,14 +117,14 @@ def read_rank_weights(
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(files.values()))}
         for name in required_names(config):
-            if name not in files:
+            stored = stored_name(files, name)
+            if stored is None:
                 raise ModelFileError(model_dir, f"checkpoint has no tensor {name!r}")
-            handle = handles[files[name]]
-            tensor_slice = handle.get_slice(name)
+            tensor_slice = handles[files[stored]].get_slice(stored)
             shape = tuple(tensor_slice.get_shape())
             if shape != expected_shape(config, name):
                 raise ModelFileError(
-                    files[name],
+                    files[stored],
                     f"tensor {name} has shape {list(shape)}, config.json implies {list(expected_shape(config, name))}",
                 )
             split, unit = rule_for(name)

@@ -42,7 +42,7 @@ __all__ = [
     "read_head",
 ]
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 64
@@ -68,14 +68,24 @@ class Admit:
 
 @dataclass(frozen=True)
 class Span:
-    """Prompt tokens for positions start..start+len(token_ids)-1 of `lane`."""
+    """Prompt tokens for positions start..start+len(token_ids)-1 of `lane`.
+
+    `media`: (offset, length) runs of the span's tokens whose embeddings are image features (rank 0
+    holds the features; every rank zeroes those rows, see kernels/embedding.py).
+    """
 
     lane: int
     start: int
     token_ids: tuple[int, ...]
+    media: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "media", tuple((int(o), int(n)) for o, n in self.media))
+
+    def media_rows(self) -> list[int]:
+        """The span's own row offsets that carry image features, in order."""
+        return [offset + k for offset, length in self.media for k in range(length)]
 
 
 @dataclass(frozen=True)
@@ -177,7 +187,7 @@ _KINDS: dict[int, type] = {
     cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Keep, Restore, Evict, Idle, Stop)
 }
 _STEP_SIZE = len(fields(Step))
-_SPAN_HEAD_SIZE = 3  # lane, start, number of tokens
+_SPAN_HEAD_SIZE = 4  # lane, start, number of tokens, number of media runs
 
 
 @dataclass(frozen=True)
@@ -250,7 +260,8 @@ def _payload(msg: Message) -> list:
     if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
         for span in msg.spans:
-            payload += [span.lane, span.start, len(span.token_ids), *span.token_ids]
+            payload += [span.lane, span.start, len(span.token_ids), len(span.media), *span.token_ids]
+            payload += [value for run in span.media for value in run]
         return payload
     if isinstance(msg, Round):
         return [value for step in msg.steps for value in (step.lane, step.position, step.token_id)]
@@ -282,14 +293,23 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
             raise WireError(
                 f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints"
             )
-        lane, start, num_tokens = payload[at : at + _SPAN_HEAD_SIZE]
+        lane, start, num_tokens, num_media = payload[at : at + _SPAN_HEAD_SIZE]
         at += _SPAN_HEAD_SIZE
-        if num_tokens < 0 or at + num_tokens > len(payload):
+        if num_tokens < 0 or num_media < 0 or at + num_tokens + 2 * num_media > len(payload):
             raise WireError(
-                f"Prefill span {index} claims {num_tokens} tokens; the payload has {len(payload) - at} left"
+                f"Prefill span {index} claims {num_tokens} tokens and {num_media} media runs; "
+                f"the payload has {len(payload) - at} ints left"
             )
-        spans.append(Span(lane, start, tuple(payload[at : at + num_tokens])))
+        tokens = tuple(payload[at : at + num_tokens])
         at += num_tokens
+        media = tuple((payload[at + 2 * i], payload[at + 2 * i + 1]) for i in range(num_media))
+        at += 2 * num_media
+        for offset, length in media:
+            if offset < 0 or length <= 0 or offset + length > num_tokens:
+                raise WireError(
+                    f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens"
+                )
+        spans.append(Span(lane, start, tokens, media))
     if at != len(payload):
         raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")
     return tuple(spans)

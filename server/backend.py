@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.server.requests import PromptImage
 
 __all__ = [
     "Backend",
@@ -49,7 +50,8 @@ class PrefillItem:
     """Compute the KV of `token_ids` at positions start..start+len-1 of `lane`.
 
     When `last` is set this chunk ends the prompt and the backend samples the stream's next token
-    at position start+len (keyed by `sampling`).
+    at position start+len (keyed by `sampling`). `images`: the whole prompt's images; the backend
+    embeds the features of those that fall in this chunk at their positions.
     """
 
     lane: int
@@ -57,6 +59,7 @@ class PrefillItem:
     token_ids: tuple[int, ...]
     last: bool
     sampling: SamplingParams
+    images: tuple[PromptImage, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import yaml
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
-from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, EngineSettings
+from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTIZE_CHOICES, EngineSettings
 from tpserve.server.api_key import API_KEY_ENV
 
 
@@ -40,6 +40,7 @@ class ServeConfig:
     # The engine's settings (ranks/settings.py says what each means).
     device: str = _ENGINE.device
     dtype: str = _ENGINE.dtype
+    quantize: str = _ENGINE.quantize  # README, "Quantized weights"
     tp: int = _ENGINE.tp_size
     lanes: int = _ENGINE.num_lanes
     context: int = _ENGINE.context_size
@@ -64,7 +65,10 @@ class ServeConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` beside gRPC; 0: none
     api_key: str = field(default="", repr=False)  # "": anyone may call; else Bearer KEY on both APIs
-    vision: bool = False
+    vision: bool = False  # read image parts (a vision-language model only)
+    max_images: int = 4  # with --vision: image parts per request
+    max_image_bytes: int = 10 << 20  # with --vision: encoded bytes per image
+    max_image_pixels: int = 4096 * 4096  # with --vision: width x height per image
     record: str = ""  # a directory: record every stream there
     grace_s: float = 10.0
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
@@ -85,6 +89,7 @@ ENGINE_KEYS = tuple(f.name for f in fields(ServeConfig) if ENGINE_NAMES.get(f.na
 _CHOICES = {
     "device": DEVICE_CHOICES,
     "dtype": DTYPE_CHOICES,
+    "quantize": QUANTIZE_CHOICES,
     "tp": (1, 2),
     "cpu_collectives": CHOICES,
 }
@@ -101,6 +106,9 @@ _POSITIVE = {
     "collective_timeout_s",
     "leader_dead_after_s",
     "grace_s",
+    "max_images",
+    "max_image_bytes",
+    "max_image_pixels",
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.leader import Leader
+from tpserve.ranks.loader import DTYPES
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
@@ -28,6 +29,7 @@ from tpserve.server.metrics import ServingMetrics
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
+from tpserve.server.vision_input import VisionInput
 from tpserve.server.wiring import build_lane_host
 
 log = logging.getLogger(__name__)
@@ -57,8 +59,20 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         room=runtime.kv_budget.kv_tokens,
         vision=config.vision,
         default_max_tokens=config.default_max_tokens,
+        max_images=config.max_images,
+        max_image_bytes=config.max_image_bytes,
+        max_image_pixels=config.max_image_pixels,
     )
-    server, http = _build_apis(config, host, tokenizer, info)
+    vision = None
+    if config.vision:  # the tower and projector load here, on rank 0 only (see ranks/vision.py)
+        vision = VisionInput.from_model_dir(
+            model_dir,
+            runtime.config,
+            tokenizer.token_text(runtime.config.vision.image_token_id),
+            DTYPES[settings.dtype],
+            runtime.device,
+        )
+    server, http = _build_apis(config, host, tokenizer, info, vision)
     if not config.api_key and not _is_loopback(config.host):
         log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -105,11 +119,11 @@ def _exit_broken(stop: threading.Event, server: GrpcServer, http: HttpServer | N
 
 
 def _build_apis(
-    config: ServeConfig, host: LaneHost, tokenizer: Tokenizer, info: ServingInfo
+    config: ServeConfig, host: LaneHost, tokenizer: Tokenizer, info: ServingInfo, vision: VisionInput | None
 ) -> tuple[GrpcServer, HttpServer | None]:
     """The gRPC server and (when it has a port) the HTTP API, neither started yet."""
     # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
-    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache))
+    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache), vision)
     server = GrpcServer(
         host,
         tokenizer,

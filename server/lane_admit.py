@@ -111,9 +111,8 @@ class Admission:
 
         A forecast only (setup's restore may still fail); `_launch_alone` copes when it was wrong.
         """
-        feed = job.feed_ids
-        hit = 0 if self._cache is None else self._cache.cached_length(feed)
-        return len(feed) - hit
+        hit = 0 if self._cache is None else self._cache.cached_length(job.cache_ids)
+        return len(job.feed_ids) - hit
 
     def _expects_chunks(self, job: Job) -> bool:
         """Before setup: `_needs_chunks`, counting the prefix the prompt cache would restore now."""
@@ -229,11 +228,14 @@ class Admission:
         feed = job.feed_ids
         start = job.num_prefilled
         chunk = feed[start : start + self._max_prefill_tokens]
-        return PrefillItem(job.lane, start, chunk, start + len(chunk) == len(feed), job.request.sampling)
+        last = start + len(chunk) == len(feed)
+        return PrefillItem(job.lane, start, chunk, last, job.request.sampling, job.request.images)
 
     def _whole_prompt(self, job: Job) -> PrefillItem:
         start = job.cached_tokens
-        return PrefillItem(job.lane, start, job.feed_ids[start:], True, job.request.sampling)
+        return PrefillItem(
+            job.lane, start, job.feed_ids[start:], True, job.request.sampling, job.request.images
+        )
 
     def _prefill(self, job: Job, item: PrefillItem) -> None:
         token, error = attempt(self._backend.prefill, item)

@@ -20,7 +20,7 @@ def restore_prefix(cache: PromptCache | None, backend: Backend, job: Job) -> int
     """Restore the longest cached prefix of the job's prompt into its lane; the tokens restored."""
     if cache is None:
         return 0
-    borrow = cache.lookup(job.feed_ids)
+    borrow = cache.lookup(job.cache_ids)
     if borrow is None:
         return 0
     restored, error = attempt(backend.restore, job.lane, borrow.entry_id, borrow.num_tokens)
@@ -38,7 +38,7 @@ def keep_prompt(cache: PromptCache | None, backend: Backend, job: Job) -> None:
     that start the same way."""
     if cache is None:
         return
-    for num_tokens in cache.keep_points(job.feed_ids, job.request.keep_boundaries):
+    for num_tokens in cache.keep_points(job.cache_ids, job.request.keep_boundaries):
         entry_id = cache.reserve(num_tokens)  # evicts (EVICT on the wire) to make room
         if entry_id is None:
             continue
@@ -46,7 +46,7 @@ def keep_prompt(cache: PromptCache | None, backend: Backend, job: Job) -> None:
         if error is not None:
             log.warning("keeping %d prompt tokens failed (%r)", num_tokens, error)
         if kept:
-            cache.commit(entry_id, job.feed_ids[:num_tokens])
+            cache.commit(entry_id, job.cache_ids[:num_tokens])
         else:
             cache.abort(entry_id)
         return

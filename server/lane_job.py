@@ -39,6 +39,7 @@ class Job:
         cancel: Callable[[Job], None],
     ):
         self.request = request
+        self._cache_prompt = request.cache_ids()
         self.reserve = reserve  # KV tokens its lane holds: prompt + max_tokens, capped by the context
         self.stream = Stream(lambda: cancel(self))
         self.text = TextStream(detokenize, request.stop, context_ids=request.prompt_ids)
@@ -66,6 +67,11 @@ class Job:
         position it would have reached without the yield.
         """
         return self.request.prompt_ids + tuple(self.produced)
+
+    @property
+    def cache_ids(self) -> tuple[int, ...]:
+        """feed_ids as the prompt cache keys them (image positions by their image's key)."""
+        return self._cache_prompt + tuple(self.produced)
 
     @property
     def next_position(self) -> int:

@@ -5,7 +5,7 @@ Plain frozen values shared by the lane host, the gRPC servicer and the tests; no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpserve.kernels.sampling_params import SamplingParams, TokenLogprob
 
@@ -20,6 +20,7 @@ __all__ = [
     "HostStats",
     "HostUnavailable",
     "Prefilled",
+    "PromptImage",
     "QueueFull",
     "SamplingParams",
     "TokenDelta",
@@ -32,6 +33,21 @@ STOP = "stop"  # an EOS token or a stop string
 LENGTH = "length"  # max_tokens reached
 CANCELLED = "cancelled"  # the client cancelled, or the host stopped before the reply ended
 ERROR = "error"  # this stream failed (Finished.error says why)
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image's place in a prompt: positions offset..offset+num_tokens-1 hold its features.
+
+    `features` is opaque here (a [num_tokens, hidden] tensor the vision tower made; the lane host
+    only hands it to the backend). `key` stands for the image's tokens in the prompt cache: it is
+    derived from the image's content hash and negative, so it never equals a token id.
+    """
+
+    offset: int
+    num_tokens: int
+    key: int
+    features: object = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,17 @@ class GenerationRequest:
     # Prompt offsets worth keeping in the prompt cache besides the prompt's end (the start of the
     # last user turn, the end of a system block), from the chat template.
     keep_boundaries: tuple[int, ...] = ()
+    images: tuple[PromptImage, ...] = ()  # in prompt order; only from a server started with --vision
+
+    def cache_ids(self) -> tuple[int, ...]:
+        """The prompt as the prompt cache keys it: each image's positions hold its key, not the
+        image token, so the same image matches and a different one never does."""
+        if not self.images:
+            return self.prompt_ids
+        ids = list(self.prompt_ids)
+        for image in self.images:
+            ids[image.offset : image.offset + image.num_tokens] = [image.key] * image.num_tokens
+        return tuple(ids)
 
 
 @dataclass(frozen=True)

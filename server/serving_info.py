@@ -17,3 +17,6 @@ class ServingInfo:
     room: int
     vision: bool = False
     default_max_tokens: int = 256
+    max_images: int = 4  # with --vision: image parts per request, bytes and pixels per image
+    max_image_bytes: int = 10 << 20
+    max_image_pixels: int = 4096 * 4096

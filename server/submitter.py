@@ -38,6 +38,8 @@ from tpserve.server.validation import (
     sampling_from,
     tokenize_kind,
 )
+from tpserve.server.vision_input import VisionInput
+from tpserve.v1 import serving_pb2
 
 QUEUE_FULL = "the queue is full; try again later"
 ENGINE_BROKEN = "the engine is broken; the server must be restarted"
@@ -53,10 +55,13 @@ class Submitter:
         tokenizer: Tokenizer,
         info: ServingInfo,
         metrics: ServingMetrics | None = None,
+        vision: VisionInput | None = None,
     ):
+        """`vision`: the model's image reader, on a server started with --vision for a vision model."""
         self.lane_host = lane_host
         self.tokenizer = tokenizer
         self.info = info
+        self.vision = vision
         self.metrics = metrics if metrics is not None else ServingMetrics()
         self.limits = Limits(
             context_size=info.context_size,
@@ -64,6 +69,9 @@ class Submitter:
             room=info.room if info.room < info.context_size else None,
             vision=info.vision,
             default_max_tokens=info.default_max_tokens,
+            max_images=info.max_images,
+            max_image_bytes=info.max_image_bytes,
+            max_image_pixels=info.max_image_pixels,
         )
         self._stopping = False
 
@@ -94,21 +102,28 @@ class Submitter:
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         kind = check_generate(request, self.limits)
         boundaries: tuple[int, ...] = ()
+        offsets: list[int] = []
         if kind == "prompt":
             prompt_ids = self.tokenizer.encode(request.prompt)
         elif kind == "messages":
-            prompt_ids = self.encode_chat(request.messages)
+            prompt_ids, offsets = self._encode_chat(request.messages)
             boundaries = self.chat_boundaries(request.messages, prompt_ids)
         else:
             prompt_ids = list(request.prompt_token_ids)
+        max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
+        images = ()
+        if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
+            media, wheres = _media_parts(request.messages)
+            images = self.vision.read(media, offsets, wheres, self.limits.max_image_pixels)
         job = GenerationRequest(
             prompt_ids=tuple(prompt_ids),
-            max_tokens=max_tokens_for(request, len(prompt_ids), self.limits),
+            max_tokens=max_tokens,
             sampling=sampling_from(request, fresh_seed=secrets.randbits(63)),
             stop=tuple(request.stop),
             ignore_eos=request.ignore_eos,
             background=request.background,
             keep_boundaries=boundaries,
+            images=images,
         )
         try:
             return self.lane_host.submit(job)
@@ -174,15 +189,42 @@ class Submitter:
         return tuple(boundaries)
 
     def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Checked messages -> token ids through the model's chat template."""
+        """Checked messages -> token ids through the model's chat template (each image as its
+        tokens_per_image image tokens)."""
+        return self._encode_chat(messages, add_generation_prompt)[0]
+
+    def _encode_chat(self, messages, add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+        """The token ids and where each image's positions start."""
+        num_images = sum(part.HasField("media") for message in messages for part in message.parts)
+        if num_images and self.vision is None:
+            # Validation let media through (--vision), but this server's model reads none.
+            raise RequestRefused(grpc.StatusCode.UNIMPLEMENTED, NO_MEDIA_MODEL)
         chat = []
         for message in messages:
-            if any(part.HasField("media") for part in message.parts):
-                # Validation let media through (--vision), but no model here reads it yet.
-                raise RequestRefused(grpc.StatusCode.UNIMPLEMENTED, NO_MEDIA_MODEL)
-            content = "".join(part.text for part in message.parts) if message.parts else message.content
+            if self.vision is not None:  # vision templates read content as a list of typed parts
+                parts = message.parts if message.parts else [serving_pb2.ContentPart(text=message.content)]
+                content = [
+                    {"type": "image"} if part.HasField("media") else {"type": "text", "text": part.text}
+                    for part in parts
+                ]
+            else:
+                content = "".join(part.text for part in message.parts) if message.parts else message.content
             chat.append({"role": message.role, "content": content})
         try:
-            return self.tokenizer.encode_chat(chat, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.encode_chat(chat, add_generation_prompt=add_generation_prompt)
         except UserError as error:  # the template refused the conversation, or there is none
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+        if self.vision is None:
+            return ids, []
+        return self.vision.expand(ids, num_images)
+
+
+def _media_parts(messages) -> tuple[list, list[str]]:
+    """Every media part in prompt order, and where each sits in the request (for refusals)."""
+    media, wheres = [], []
+    for index, message in enumerate(messages):
+        for part_index, part in enumerate(message.parts):
+            if part.HasField("media"):
+                media.append(part.media)
+                wheres.append(f"messages[{index}].parts[{part_index}]")
+    return media, wheres

@@ -125,6 +125,10 @@ class Tokenizer:
         """Token ids of the rendered conversation. No BOS is added: templates write their own."""
         return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False)
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token id (such as a vision model's image token), as the vocabulary has it."""
+        return self._backend.id_to_token(token_id) or f"<token {token_id}>"
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` with special tokens (BOS, EOS, role markers) left out.
 
@@ -194,6 +198,9 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
     if template_file.is_file():
         return template_file.read_text(encoding="utf-8")
     template = tokenizer_config.get("chat_template")
+    processor_file = model_dir / "chat_template.json"  # a multimodal processor's (llava-hf)
+    if template is None and processor_file.is_file():
+        template = _read_json(processor_file, required=True).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
         template = named.get("default")

@@ -17,6 +17,7 @@ from tpserve.kernels.sampling_params import SamplingParams
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 MEDIA_TYPES = ("image/", "video/")
 VISION_NEEDED = "image and video inputs need a server started with --vision"
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 MAX_SEED = 2**63 - 1  # seeds travel between ranks as int64
 
 
@@ -33,6 +34,9 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     max_logprobs: int = 20  # likeliest alternatives reported per token
+    max_images: int = 4  # image parts per request (with --vision)
+    max_image_bytes: int = 10 << 20  # encoded bytes per image
+    max_image_pixels: int = 4096 * 4096  # width x height per image, checked before decoding
 
 
 class RequestRefused(Exception):
@@ -98,6 +102,9 @@ def check_messages(messages, limits: Limits) -> None:
                 raise _invalid(f"{part_where} has neither text nor media")
             if kind == "media":
                 _check_media(part.media, part_where, limits)
+    num_images = sum(part.HasField("media") for message in messages for part in message.parts)
+    if num_images > limits.max_images:
+        raise _invalid(f"at most {limits.max_images} images are allowed per request (got {num_images})")
 
 
 def _check_media(media, where: str, limits: Limits) -> None:
@@ -107,6 +114,18 @@ def _check_media(media, where: str, limits: Limits) -> None:
         raise RequestRefused(grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
     if not media.data:
         raise _invalid(f"{where}.media.data is empty")
+    if media.mime_type.startswith("video/"):
+        raise _invalid(f"{where}.media: video inputs are not supported (send a video's frames as images)")
+    if media.mime_type == "image/*":  # what the HTTP API makes of an image_url that is no data: URL
+        raise _invalid(
+            f"{where}.media is a URL; this server fetches none: send the image's bytes (a data: URL)"
+        )
+    if media.mime_type not in IMAGE_TYPES:
+        raise _invalid(f"{where}.media.mime_type {media.mime_type!r} is not one of {', '.join(IMAGE_TYPES)}")
+    if len(media.data) > limits.max_image_bytes:
+        raise _invalid(
+            f"{where}.media.data is {len(media.data)} bytes; the most per image is {limits.max_image_bytes}"
+        )
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> None:

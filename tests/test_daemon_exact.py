@@ -2,7 +2,8 @@
 
 Twelve requests at once with prompts of 5 to 900 tokens (the long ones prefilled in chunks of
 max_prefill_tokens, the short ones in joint passes, all decoding in shared rounds), greedy and
-sampled, beside a chat's second turn whose history comes from the prompt cache.
+sampled, beside a chat's second turn whose history comes from the prompt cache; with float32 weights
+and with int8 ones.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def chat(turns, **fields) -> serving_pb2.GenerateRequest:
     return request
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["none", "int8"], ids=["float32", "int8"])
+def served(tmp_path_factory, request):
     model_dir = write_daemon_model(tmp_path_factory.mktemp("exact-model"))
     args = ("--lanes", "13", "--context", "1024", "--max-prefill-tokens", "128", "--queue-size", "32")
+    args += ("--quantize", request.param)
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("exact-logs"), *args) as daemon:
         yield daemon
 

@@ -18,20 +18,26 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from fake_backend import FakeBackend, run_all
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from tiny_llava import IMAGE_TOKEN, write_tiny_llava
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from tpserve import bench, client
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.ranks.model_config import load_model_config
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.lane_host import LaneHost
+from tpserve.server.metrics import ServingMetrics
 from tpserve.server.requests import GenerationRequest
 from tpserve.server.servicer import ServingInfo
+from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
+from tpserve.server.vision_input import VisionInput
 from tpserve.v1 import serving_pb2, serving_pb2_grpc
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "errors"
@@ -41,6 +47,8 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CONTEXT_SIZE = 64
+# The golden `llava` server's image limits (tests/golden/errors/README.md).
+LLAVA_LIMITS = {"max_images": 2, "max_image_bytes": 1024, "max_image_pixels": 64 * 64}
 WAIT_S = 10.0
 
 
@@ -93,9 +101,17 @@ class Served:
 
 @contextmanager
 def serving(
-    backend: FakeBackend, *, vision: bool = False, queue_size: int = 8, metrics_port: int | None = None
+    backend: FakeBackend,
+    *,
+    vision: bool = False,
+    queue_size: int = 8,
+    metrics_port: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    vision_input: VisionInput | None = None,
+    **limits,
 ):
-    tokenizer = tiny_tokenizer()
+    """`limits`: further ServingInfo fields (the image limits)."""
+    tokenizer = tokenizer or tiny_tokenizer()
     host = LaneHost(backend, detokenize=tokenizer.decode, eos_ids=tokenizer.eos_ids, queue_size=queue_size)
     host.start()
     info = ServingInfo(
@@ -105,9 +121,17 @@ def serving(
         context_size=backend.context_size,
         room=backend.room,
         vision=vision,
+        **limits,
     )
+    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache), vision_input)
     server = GrpcServer(
-        host, tokenizer, info, queue_size=queue_size, metrics_port=metrics_port, health_poll_s=0.05
+        host,
+        tokenizer,
+        info,
+        queue_size=queue_size,
+        metrics_port=metrics_port,
+        health_poll_s=0.05,
+        submitter=submitter,
     )
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
@@ -121,6 +145,20 @@ def serving(
     assert backend.misuse == []
     if not host.broken:
         backend.assert_clean()
+
+
+@pytest.fixture(scope="module")
+def llava_served(tmp_path_factory):
+    """The golden files' `llava` server: --vision on a tiny LLaVA's tokenizer and vision tower (the
+    fake stands in for the text model), with the small image limits of LLAVA_LIMITS. Built only
+    for the tests that ask for it."""
+    model_dir = write_tiny_llava(tmp_path_factory.mktemp("llava"))
+    config = load_model_config(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    reader = VisionInput.from_model_dir(model_dir, config, IMAGE_TOKEN, torch.float32)
+    backend = FakeBackend(num_lanes=1, context_size=CONTEXT_SIZE)
+    with serving(backend, vision=True, tokenizer=tokenizer, vision_input=reader, **LLAVA_LIMITS) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -325,13 +363,15 @@ def read_golden(path: Path) -> tuple[dict[str, str], str]:
 
 
 @contextmanager
-def server_in_state(state: str, default_served: Served):
+def server_in_state(state: str, default_served: Served, request=None):
     """A server in the golden file's `server` state (see tests/golden/errors/README.md)."""
     if state == "default":
         yield default_served
     elif state == "vision":
         with serving(FakeBackend(num_lanes=1, context_size=CONTEXT_SIZE), vision=True) as served:
             yield served
+    elif state == "llava":
+        yield request.getfixturevalue("llava_served")
     elif state == "broken":
         with serving(broken_backend()) as served:
             with pytest.raises(grpc.RpcError):
@@ -362,19 +402,19 @@ def server_in_state(state: str, default_served: Served):
 
 
 @pytest.mark.parametrize("path", sorted(GOLDEN_DIR.glob("*.txt")), ids=lambda path: path.stem)
-def test_golden_error(served, path):
+def test_golden_error(served, path, request):
     header, request_text = read_golden(path)
     rpc = header.get("rpc", "Generate")
     request_type = {"Generate": serving_pb2.GenerateRequest, "Tokenize": serving_pb2.TokenizeRequest}[rpc]
-    request = text_format.Parse(request_text, request_type())
+    message = text_format.Parse(request_text, request_type())
     with (
-        server_in_state(header.get("server", "default"), served) as target,
+        server_in_state(header.get("server", "default"), served, request) as target,
         pytest.raises(grpc.RpcError) as raised,
     ):
         if rpc == "Generate":
-            collect(target.stub.Generate(request, timeout=WAIT_S))
+            collect(target.stub.Generate(message, timeout=WAIT_S))
         else:
-            target.stub.Tokenize(request, timeout=WAIT_S)
+            target.stub.Tokenize(message, timeout=WAIT_S)
     assert (raised.value.code().name, raised.value.details()) == (header["code"], header["message"])
 
 

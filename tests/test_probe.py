@@ -12,7 +12,7 @@ from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 
 
-def tiny_rank(tmp_path, variant: str, tp_rank: int, tp_size: int, dtype=torch.float32):
+def tiny_rank(tmp_path, variant: str, tp_rank: int, tp_size: int, dtype=torch.float32, quantize="none"):
     return load_rank_model(
         write_tiny_model(tmp_path / variant, variant),
         tp_rank=tp_rank,
@@ -20,6 +20,7 @@ def tiny_rank(tmp_path, variant: str, tp_rank: int, tp_size: int, dtype=torch.fl
         dtype=dtype,
         max_positions=1024,
         row_tile=ROW_TILE,
+        quantize=quantize,
     )
 
 

@@ -37,6 +37,7 @@ def run_streams(
     collectives=None,
     prompts=PROMPTS,
     samplings=SAMPLINGS,
+    quantize: str = "none",
 ):
     """Prefill `prompts` in one pass, then NUM_STEPS decode rounds; logits and tokens (rank 0)."""
     torch.manual_seed(0)
@@ -48,6 +49,7 @@ def run_streams(
         max_positions=256,
         collectives=collectives,
         row_tile=16,
+        quantize=quantize,
     )
     kv = KVPool(model.config.num_layers, 512, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
     engine = Engine(model, kv)
@@ -74,7 +76,7 @@ def run_streams(
     return (torch.stack(all_logits), tokens) if tp_rank == 0 else None
 
 
-def _tp2(ctx, model_dir, dtype, choice):
+def _tp2(ctx, model_dir, dtype, choice, quantize="none"):
     torch.set_num_threads(1)
     collectives = choose_collectives(
         choice,
@@ -85,7 +87,7 @@ def _tp2(ctx, model_dir, dtype, choice):
         control_group=dist.group.WORLD,
         timeout_s=30.0,
     )
-    return run_streams(model_dir, ctx.rank, 2, dtype, collectives)
+    return run_streams(model_dir, ctx.rank, 2, dtype, collectives, quantize=quantize)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,39 @@ def test_each_stream_of_a_batch_has_the_logits_of_its_solo_run(tmp_path, variant
     for lane, (prompt, sampling) in enumerate(zip(PROMPTS, SAMPLINGS)):
         alone, _ = run_streams(model_dir, 0, 1, dtype, prompts=[prompt], samplings=[sampling])
         assert torch.equal(together[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
+
+
+# ---- int8 weights (kernels/int8_linear.py) ----
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_int8_tp2_equals_tp1(pool, tmp_path, variant):
+    model_dir = str(write_tiny_model(tmp_path / variant, variant))
+    torch.set_num_threads(1)
+    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, quantize="int8")
+    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", "gloo", "int8", timeout_s=120)[0]
+    assert pair_tokens == solo_tokens
+    assert torch.equal(pair_logits, solo_logits)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_int8_streams_of_a_batch_have_the_logits_of_their_solo_runs(tmp_path, variant):
+    model_dir = str(write_tiny_model(tmp_path / variant, variant))
+    torch.set_num_threads(1)
+    together, _ = run_streams(model_dir, 0, 1, quantize="int8")
+    for lane, (prompt, sampling) in enumerate(zip(PROMPTS, SAMPLINGS)):
+        alone, _ = run_streams(model_dir, 0, 1, prompts=[prompt], samplings=[sampling], quantize="int8")
+        assert torch.equal(together[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
+
+
+def test_int8_logits_are_near_the_float_ones_but_not_the_same(tmp_path):
+    model_dir = str(write_tiny_model(tmp_path / "llama", "llama"))
+    torch.set_num_threads(1)
+    float_logits, _ = run_streams(model_dir, 0, 1, prompts=PROMPTS[:1], samplings=SAMPLINGS[:1])
+    int8_logits, _ = run_streams(
+        model_dir, 0, 1, prompts=PROMPTS[:1], samplings=SAMPLINGS[:1], quantize="int8"
+    )
+    first_float, first_int8 = float_logits[0], int8_logits[0]  # the prompt's logits, before the paths part
+    error = (first_int8 - first_float).norm() / first_float.norm()
+    assert 0 < error < 0.05, f"int8 logits {error:.4f} away from float32 (relative)"
+    assert torch.equal(first_int8.argmax(-1), first_float.argmax(-1))

@@ -60,11 +60,16 @@ def test_the_prompt_kind_is_whichever_one_is_set():
 
 
 def test_media_passes_on_a_vision_server_only():
-    message = serving_pb2.ChatMessage(role="user")
-    message.parts.add(media=serving_pb2.Media(mime_type="video/mp4", data=b"\0"))
-    request = serving_pb2.GenerateRequest(messages=[message])
-    assert refusal(request).code == grpc.StatusCode.FAILED_PRECONDITION
-    assert check_generate(request, Limits(context_size=100, vocab_size=50, vision=True)) == "messages"
+    vision = Limits(context_size=100, vocab_size=50, vision=True)
+    for mime_type, code in (("image/png", None), ("video/mp4", grpc.StatusCode.INVALID_ARGUMENT)):
+        message = serving_pb2.ChatMessage(role="user")
+        message.parts.add(media=serving_pb2.Media(mime_type=mime_type, data=b"\0"))
+        request = serving_pb2.GenerateRequest(messages=[message])
+        assert refusal(request).code == grpc.StatusCode.FAILED_PRECONDITION
+        if code is None:
+            assert check_generate(request, vision) == "messages"
+        else:  # video is refused clearly, even with --vision
+            assert refusal(request, vision).code == code
 
 
 def test_unset_sampling_fields_take_the_defaults_and_a_fresh_seed():

@@ -32,14 +32,28 @@ from tpserve.ranks.wire import (
 int64s = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 counts = st.integers(min_value=0, max_value=1 << 40)
 token_ids = st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=200).map(tuple)
-spans = st.builds(Span, lane=counts, start=counts, token_ids=token_ids)
+
+
+@st.composite
+def spans(draw):
+    """A span, with media runs inside its tokens (image positions) now and then."""
+    tokens = draw(token_ids)
+    runs, at = [], 0
+    while at < len(tokens) and draw(st.booleans()):
+        offset = draw(st.integers(min_value=at, max_value=len(tokens) - 1))
+        length = draw(st.integers(min_value=1, max_value=len(tokens) - offset))
+        runs.append((offset, length))
+        at = offset + length
+    return Span(draw(counts), draw(counts), tokens, tuple(runs))
+
+
 steps = st.builds(Step, lane=counts, position=counts, token_id=int64s)
 
 messages = st.one_of(
     st.builds(Admit, lane=counts, reserve_tokens=counts),
-    st.builds(Prefill, spans=st.lists(spans, max_size=16).map(tuple)),
+    st.builds(Prefill, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Round, steps=st.lists(steps, max_size=64).map(tuple)),
-    st.builds(Verify, spans=st.lists(spans, max_size=16).map(tuple)),
+    st.builds(Verify, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Release, lane=counts),
     st.builds(Keep, lane=counts, num_tokens=counts, entry_id=int64s),
     st.builds(Restore, lane=counts, entry_id=int64s, num_tokens=counts),
@@ -64,7 +78,7 @@ def test_a_long_packed_prefill_goes_in_the_overflow():
     msg = Prefill(tuple(Span(lane, 17 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
     tensor = encode(msg, seq=9)
     head = read_head(tensor[:HEAD_SIZE])
-    assert head.payload_size == 1 + 16 * (3 + 500)
+    assert head.payload_size == 1 + 16 * (4 + 500)  # lane, start, tokens, media runs
     assert head.overflow_size == head.payload_size - INLINE_SIZE
     assert decode(tensor) == msg
 
@@ -114,7 +128,7 @@ def _tampered(msg, index, value):
     "tensor, problem",
     [
         (_tampered(Idle(), 0, 12345), "bad magic"),
-        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 3"),
+        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 4"),
         (_tampered(Idle(), 1, 77), "unknown message kind 77"),
         (_tampered(Idle(), 2, -4), "negative sequence"),
         (_tampered(Idle(), 3, MAX_PAYLOAD_SIZE + 1), "payload size"),
@@ -122,7 +136,14 @@ def _tampered(msg, index, value):
         (_tampered(Round((Step(1, 2, 3),)), 3, 4), "3 ints per step"),
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 7, 9), "claims 9 tokens"),
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 4, 2), "runs past"),
-        (_tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 4), "claims 2 tokens; the payload has 0 left"),
+        (
+            _tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 5),
+            "claims 2 tokens and 0 media runs; the payload has 0",
+        ),
+        (
+            _tampered(Prefill((Span(0, 0, (5, 6), ((0, 1),)),)), 12, 3),
+            r"media run \(0, 3\) outside its 2 tokens",
+        ),
         (_tampered(Prefill(()), 3, 0), "starts with its number of spans"),
         (_tampered(Prefill(()), 4, -1), "-1 spans"),
         (encode(Idle())[: HEAD_SIZE - 1], f"holds {HEAD_SIZE} ints"),

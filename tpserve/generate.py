@@ -17,7 +17,7 @@ from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import local_rank0
 from tpserve.ranks.logs import setup_logging
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.settings import DTYPE_CHOICES, EngineSettings
+from tpserve.ranks.settings import DTYPE_CHOICES, QUANTIZE_CHOICES, EngineSettings
 from tpserve.server.backend import DecodeItem, PrefillItem
 from tpserve.server.tokenizer import Tokenizer
 
@@ -90,6 +90,7 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the device's")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none", help="the weights' format")
     parser.add_argument("--no-batch-invariant", action="store_true", help="use the BLAS's fastest kernels")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir=model_dir,
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
         tp_size=args.tp,
         num_lanes=1,
         context_size=len(prompt_ids) + args.max_tokens,

@@ -16,12 +16,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from tpserve.prepare import prepare
 from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.follow import run_follower
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.logs import setup_logging
+from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.startup import leave_if_failed, start_rank
 from tpserve.server.config import ConfigError, add_config_flags, load_config, overrides_from
 from tpserve.server.daemon import serve_rank0
@@ -79,13 +81,16 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides_from(args))
     placement = place(config)
     setup_logging(placement.rank)
-    if config.vision:
-        # Every rank refuses alike, so none waits for a partner that will never come.
-        raise ConfigError(
-            "--vision: no model family tpserve serves has a vision tower yet, so image and video "
-            "inputs cannot be read; start without --vision"
-        )
     model_dir = config.model or str(prepare(progress=placement.rank == 0))
+    if config.vision:
+        # Every rank reads the same config.json and refuses alike, so none waits for a partner.
+        model_config = load_model_config(model_dir)
+        if model_config.vision is None:
+            raise ConfigError(
+                f"--vision: the model {Path(model_dir).name} ({model_config.architecture}) has no vision "
+                "tower, so it cannot read image inputs; start without --vision or serve a "
+                "LlavaForConditionalGeneration model"
+            )
     settings = config.engine_settings(model_dir)
     address = (placement.world_size, placement.host, placement.port)
     where = {
