@@ -87,5 +87,8 @@ def test_what_int8_cannot_run_with_is_refused_before_loading():
     with pytest.raises(UserError, match="int8 computes in float32, not dtype bfloat16"):
         check_quantize(settings, torch.device("cpu"))
     with pytest.raises(UserError, match="x86 CPUs.*not on cuda.*quantize: none"):
-        check_quantize(EngineSettings(model_dir="unused", quantize="int8"), torch.device("cuda"))
-    check_quantize(EngineSettings(model_dir="unused", quantize="int8"), torch.device("cpu"))
+        check_quantize(
+            EngineSettings(model_dir="unused", quantize="int8").for_device("cuda"), torch.device("cuda")
+        )
+    # As a rank checks it: with "auto" decided for its device (the CPU's dtype is float32).
+    check_quantize(EngineSettings(model_dir="unused", quantize="int8").for_device("cpu"), torch.device("cpu"))
