@@ -55,6 +55,10 @@ ARGS = (
     "60",
     "--grace-s",
     str(GRACE_S),
+    # launch.sh serves configs/default.yaml, whose weights are "auto" (int8 on an x86 CPU): the
+    # one-host reference, started without it, names the same.
+    "--quantize",
+    "auto",
 )
 
 
