@@ -57,6 +57,10 @@ class WireError(ValueError):
     """A message that cannot be encoded, or a tensor that is not a well-formed message."""
 
 
+# One frozen dataclass per kind, each spelled out (STYLE 3): that they look alike is the wire's
+# shape (a KIND and a few ints), not logic written twice.
+
+
 @dataclass(frozen=True)
 class Admit:
     """Open `lane` with a KV reservation of `reserve_tokens` tokens (the ranks vote after)."""

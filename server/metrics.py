@@ -22,6 +22,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 
 
 # What the collectors read at scrape time: (series, help, the stats field), counters then gauges.
+# Tables of data: their rows look alike by nature.
 HOST_COUNTERS = (
     ("tpserve_draft_tokens", "Draft tokens decode rounds checked", "draft_tokens"),
     (
