@@ -46,7 +46,8 @@ from bench.gpu_passes import (  # noqa: E402
 )
 from tpserve.generate import generate_tokens  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
-from tpserve.ranks.leader import Leader, LeaderBroken  # noqa: E402
+from tpserve.ranks.errors import BackendBroken  # noqa: E402
+from tpserve.ranks.leader import Leader  # noqa: E402
 from tpserve.ranks.local_ranks import free_port, local_followers  # noqa: E402
 from tpserve.ranks.model_config import load_model_config  # noqa: E402
 from tpserve.ranks.settings import EngineSettings  # noqa: E402
@@ -239,7 +240,7 @@ def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
             while position < len(prompt) + 4000:
                 token = leader.decode([DecodeItem(0, position, token, GREEDY)])[0]
                 position += 1
-        except LeaderBroken as broken:
+        except BackendBroken as broken:
             error = str(broken)
         seconds = time.monotonic() - killed_at[0] if killed_at else None
         killer.cancel()

@@ -20,3 +20,9 @@ class ModelFileError(UserError):
 
 class StartupError(UserError):
     """A rank could not start: another never arrived, flags differ, or there is no room."""
+
+
+class BackendBroken(RuntimeError):
+    """A decode round failed, a rank was lost or a collective timed out: nothing more can run.
+
+    Raised by rank 0's Leader and caught by the lane host; the ranks may disagree, so the pair stops."""

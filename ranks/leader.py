@@ -16,6 +16,7 @@ from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
+from tpserve.ranks.errors import BackendBroken
 from tpserve.ranks.wire import (
     Admit,
     Evict,
@@ -52,10 +53,6 @@ def media_in_chunk(images, start: int, num_tokens: int):
     return tuple(runs), rows
 
 
-class LeaderBroken(RuntimeError):
-    """The wire or a pass failed; the ranks may disagree, so nothing more can run."""
-
-
 class Leader:
     def __init__(
         self,
@@ -66,7 +63,6 @@ class Leader:
         context_size: int,
         max_prefill_tokens: int,
         batches_prompts: bool,
-        broken_error: type[Exception] = LeaderBroken,
         record_features: bool = False,
     ):
         self.engine = engine
@@ -78,7 +74,6 @@ class Leader:
         self.batches_prompts = batches_prompts
         self.verifies_drafts = True
         self.broken: str | None = None
-        self._broken_error = broken_error
         self._idle = False
         self._features: dict[int, list[tuple[int, float]]] = {}
         self._draft_features: dict[int, list[list[tuple[int, float]]]] = {}  # per row of a Verify
@@ -182,7 +177,7 @@ class Leader:
 
     def _run(self, msg, media=None):
         if self.broken is not None:
-            raise self._broken_error(self.broken)
+            raise BackendBroken(self.broken)
         try:
             self.channel.send(msg)
             self._idle = False
@@ -192,13 +187,13 @@ class Leader:
         except ChannelBroken as error:  # names the rank that did not answer
             self.broken = f"{type(msg).__name__} failed: {error}"
             log.error("rank 0: engine broken: %s", self.broken)
-            raise self._broken_error(self.broken) from error
+            raise BackendBroken(self.broken) from error
         except Exception as error:  # the ranks may now disagree: nothing more can be trusted
             peers = ", ".join(str(rank) for rank in range(1, self.channel.world_size))
             where = f" (a collective with rank {peers} failed or timed out)" if peers else ""
             self.broken = f"{type(msg).__name__} failed{where}: {gist_of(error)}"
             log.error("rank 0: engine broken: %s", self.broken)
-            raise self._broken_error(self.broken) from error
+            raise BackendBroken(self.broken) from error
 
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.ranks.errors import BackendBroken
 from tpserve.server.requests import PromptImage
 
 __all__ = [
@@ -23,10 +24,6 @@ __all__ = [
     "attempt",
     "check_backend",
 ]
-
-
-class BackendBroken(RuntimeError):
-    """A decode round failed, a rank was lost or a collective timed out: nothing more can run."""
 
 
 T = TypeVar("T")

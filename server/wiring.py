@@ -15,7 +15,6 @@ from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import local_rank0
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime
-from tpserve.server.backend import BackendBroken
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.recorder import RecordingBackend
@@ -38,7 +37,6 @@ def build_lane_host(
         context_size=settings.context_size,
         max_prefill_tokens=settings.max_prefill_tokens,
         batches_prompts=settings.batch_prefill,
-        broken_error=BackendBroken,
         record_features=bool(record_dir),
     )
     backend = RecordingBackend(leader, record_dir) if record_dir else leader

@@ -18,7 +18,6 @@ from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config
-from tpserve.server.backend import BackendBroken
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.requests import Finished, GenerationRequest, HostUnavailable
 
@@ -76,7 +75,6 @@ def stuck_leader(tmp_path, monkeypatch) -> Leader:
         context_size=128,
         max_prefill_tokens=64,
         batches_prompts=False,
-        broken_error=BackendBroken,
     )
 
 
