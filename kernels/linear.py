@@ -20,9 +20,19 @@ from tpserve.kernels.int8_linear import PackedWeight
 ROW_TILE = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 0):
-    # x: [T, in], weight: [out, in] -> [T, out]
-    if isinstance(weight, PackedWeight):  # a row is the same at any batch there: no tiles
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    row_tile: int = 0,
+    num_real: int | None = None,
+):
+    # x: [T, in], weight: [out, in] -> [T, out]. num_real: rows past it are a pass's padding.
+    if isinstance(weight, PackedWeight):
+        # A row is the same at any batch there: no tiles, and the padding rows are left at zero
+        # rather than computed (a decode step of one stream is 1 row of 16).
+        if num_real is not None and num_real < x.shape[0]:
+            return F.pad(weight(x[:num_real], bias), (0, 0, 0, x.shape[0] - num_real))
         return weight(x, bias)
     if not row_tile:
         return F.linear(x, weight, bias)

@@ -139,7 +139,7 @@ class TPModel:
 
     def _attention(self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms) -> torch.Tensor:
         cfg, num_rows = self.config, x.shape[0]
-        qkv = linear(x, layer.w_qkv, layer.b_qkv, self.row_tile)
+        qkv = linear(x, layer.w_qkv, layer.b_qkv, self.row_tile, plan.num_tokens)
         num_q, num_kv = layer.num_q_heads, layer.num_kv_heads
         heads = qkv.view(num_rows, num_q + 2 * num_kv, cfg.head_dim)  # q heads, k heads, v heads
         if qk_norms is None:  # q and k rotated together
@@ -156,11 +156,11 @@ class TPModel:
             attended = tiled_attention(q, pool_k, pool_v, plan.tiles, self.scale)
         else:
             attended = span_attention(q, pool_k, pool_v, plan.spans, self.scale)
-        return linear(attended, layer.w_o, None, self.row_tile)
+        return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
 
-    def _mlp(self, layer: PieceLayer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, layer.w_gate_up, None, self.row_tile).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, layer.w_down, None, self.row_tile)
+    def _mlp(self, layer: PieceLayer, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+        gate, up = linear(x, layer.w_gate_up, None, self.row_tile, plan.num_tokens).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, layer.w_down, None, self.row_tile, plan.num_tokens)
 
     def _sum_pieces(self, outputs, rows: torch.Tensor) -> torch.Tensor:
         """The row-parallel partial sums of this rank's pieces, in piece order, in float32 (zeros
@@ -206,7 +206,7 @@ class TPModel:
             )
             h = h + self._reduce(self._sum_pieces(attended, h))
             x = rms_norm(h, replicated[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + self._reduce(self._sum_pieces((self._mlp(layer, x) for layer in pieces), h))
+            h = h + self._reduce(self._sum_pieces((self._mlp(layer, x, plan) for layer in pieces), h))
         last = rms_norm(h[logit_rows], replicated["model.norm.weight"], cfg.rms_norm_eps)
         local = torch.cat(
             [linear(last, head, None, self.row_tile) for head in self.head], dim=-1
