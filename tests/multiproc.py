@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tpserve.ranks.collectives_choice import choose_collectives
 from tpserve.ranks.local_ranks import free_port
 
 __all__ = ["Exited", "RankContext", "RankPool", "RanksFailed", "free_port", "run_ranks"]
@@ -46,6 +47,20 @@ class RankContext:
     world_size: int
     store: dist.Store
     pg_timeout_s: float
+
+
+def world_collectives(ctx: RankContext, choice: str, timeout_s: float = 30.0, **options):
+    """The forward collectives `choice` picks for this rank, over the pool's world group, on the CPU."""
+    return choose_collectives(
+        choice,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=torch.device("cpu"),
+        model_group=dist.group.WORLD,
+        control_group=dist.group.WORLD,
+        timeout_s=timeout_s,
+        **options,
+    )
 
 
 @dataclass(frozen=True)

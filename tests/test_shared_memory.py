@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import Exited, RankPool, run_ranks
+from multiproc import Exited, RankPool, run_ranks, world_collectives
 
 from tpserve.kernels.shared_memory import SLOT_BYTES, PeerLost, SharedMemoryCollectives
 from tpserve.ranks.collectives_choice import choose_collectives
@@ -26,16 +26,7 @@ SIZES = [1, 576, 16 * 576, FLOATS_PER_SLOT, FLOATS_PER_SLOT + 3, 3 * FLOATS_PER_
 
 
 def _choose(ctx, choice="shared_memory", directory="/dev/shm", timeout_s=10.0):
-    return choose_collectives(
-        choice,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        device=CPU,
-        model_group=dist.group.WORLD,
-        control_group=dist.group.WORLD,
-        timeout_s=timeout_s,
-        directory=directory,
-    )
+    return world_collectives(ctx, choice, timeout_s, directory=directory)
 
 
 @pytest.fixture(scope="module")

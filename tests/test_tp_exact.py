@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import RankPool
+from multiproc import RankPool, world_collectives
 from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.collectives_choice import choose_collectives
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
@@ -78,16 +77,7 @@ def run_streams(
 
 def _tp2(ctx, model_dir, dtype, choice, quantize="none"):
     torch.set_num_threads(1)
-    collectives = choose_collectives(
-        choice,
-        rank=ctx.rank,
-        world_size=2,
-        device=torch.device("cpu"),
-        model_group=dist.group.WORLD,
-        control_group=dist.group.WORLD,
-        timeout_s=30.0,
-    )
-    return run_streams(model_dir, ctx.rank, 2, dtype, collectives, quantize=quantize)
+    return run_streams(model_dir, ctx.rank, 2, dtype, world_collectives(ctx, choice), quantize=quantize)
 
 
 @pytest.fixture(scope="module")

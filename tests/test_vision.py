@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import RankPool
+from multiproc import RankPool, world_collectives
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from tiny_llava import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, block_image, write_tiny_llava
 
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.collectives_choice import choose_collectives
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.kv_store import KVPool
@@ -169,15 +168,7 @@ def test_a_batch_with_and_without_images_equals_each_solo_run(llava_dir):
 
 def _tp2(ctx, model_dir, prompts, images, features, choice):
     torch.set_num_threads(1)
-    collectives = choose_collectives(
-        choice,
-        rank=ctx.rank,
-        world_size=2,
-        device=torch.device("cpu"),
-        model_group=dist.group.WORLD,
-        control_group=dist.group.WORLD,
-        timeout_s=30.0,
-    )
+    collectives = world_collectives(ctx, choice)
     # Rank 0 alone holds the features (the server's vision tower runs there); rank 1 gets none.
     return run_prompts(
         model_dir, prompts, images, ctx.rank, 2, collectives, features if ctx.rank == 0 else {}
