@@ -55,15 +55,20 @@ def run_streams(
     for lane in range(len(prompts)):
         assert engine.admit(lane, 100)
     logits = engine.forward([(lane, 0, prompt) for lane, prompt in enumerate(prompts)])
+    return decode_steps(engine, logits, [len(p) for p in prompts], samplings, tp_rank, tp_size)
+
+
+def decode_steps(engine, logits, positions, samplings, tp_rank: int, tp_size: int, num_steps=NUM_STEPS):
+    """After a prefill whose logits are `logits`, `num_steps` decode rounds of every lane (lane i at
+    positions[i]); every step's logits and the sampled tokens on rank 0, None elsewhere."""
     all_logits, tokens = [], []
-    positions = [len(p) for p in prompts]
-    for _ in range(NUM_STEPS):
+    for _ in range(num_steps):
         if tp_rank == 0:
             all_logits.append(logits.clone())
             step = sample(logits, samplings, positions)
             tokens.append(step)
         else:
-            step = [0] * len(prompts)
+            step = [0] * len(positions)
         # Followers learn the sampled tokens the way the wire would tell them.
         shared = torch.tensor(step, dtype=torch.int64)
         if tp_size > 1:

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from test_tp_exact import decode_steps
 from tiny_llava import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, block_image, write_tiny_llava
 
-from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import ModelFileError
@@ -94,21 +93,8 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
     else:
         rank0_media = torch.cat(media) if media and tp_rank == 0 else None
         logits = engine.forward(spans, media_rows=media_rows, media=rank0_media)
-    steps, tokens, positions = [], [], [len(p) for p in prompts]
-    for _ in range(NUM_STEPS):
-        step = [0] * len(prompts)
-        if tp_rank == 0:
-            steps.append(logits.clone())
-            step = sample(logits, [GREEDY] * len(prompts), positions)
-            tokens.append(step)
-        shared = torch.tensor(step, dtype=torch.int64)
-        if tp_size > 1:
-            dist.broadcast(shared, src=0)
-        logits = engine.forward(
-            [(lane, positions[lane], (int(t),)) for lane, t in enumerate(shared.tolist())]
-        )
-        positions = [p + 1 for p in positions]
-    return (torch.stack(steps), tokens) if tp_rank == 0 else None
+    positions = [len(p) for p in prompts]
+    return decode_steps(engine, logits, positions, [GREEDY] * len(prompts), tp_rank, tp_size, NUM_STEPS)
 
 
 def test_preprocessing_matches_transformers_clip_processor(llava_dir):
