@@ -152,3 +152,21 @@ def test_the_gpu_check_runs_on_the_cpu_and_writes_one_report(tiny_model, tmp_pat
     assert checks["tp2_equals_tp1"]["equal"] is True
     killed = checks["follower_sigkill"]
     assert killed["ended_with_error_in_time"] is True and killed["stream_error"], killed
+
+
+def test_quality_reports_perplexity_and_agreement_of_each_format(tiny_model, tmp_path):
+    from bench.quality import main as run_quality
+
+    text = tmp_path / "text.txt"
+    text.write_text("The lane host admits waiting requests and prefills their prompts. " * 20)
+    out = tmp_path / "quality.json"
+    argv = ["--model", tiny_model, "--text", str(text), "--max-text-tokens", "400", "--window", "64"]
+    argv += ["--prompts", "2", "--tokens", "6", "--threads", "1", "--json", str(out)]
+    assert run_quality(argv) == 0
+    report = json.loads(out.read_text())
+    formats = report["formats"]
+    assert set(formats) == {"none", "int8"} and report["machine"]["torch"]
+    assert formats["none"]["perplexity_vs_reference"] == 1.0 and formats["none"]["agreement"] == 1.0
+    assert 1.0 < formats["int8"]["perplexity"] < math.inf
+    assert 0.0 <= formats["int8"]["agreement"] <= 1.0
+    assert len(formats["int8"]["agreed_tokens"]) == 2
