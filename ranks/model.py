@@ -104,7 +104,6 @@ class TPModel:
         self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.head = [quantize_weight(w[head_name], quantize) for w in weights.pieces]
-        self.quantize = quantize
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)

@@ -39,6 +39,14 @@ DAEMON_VOCAB_SIZE = 259
 START_TIMEOUT_S = 120.0  # two torch processes starting on a busy two-core machine
 EXIT_TIMEOUT_S = 30.0
 POLL_S = 0.05
+
+
+def one_lane_args(context: int) -> tuple[str, ...]:
+    """One lane and one queue place, with `context` tokens of room: a daemon for cancels, deadlines,
+    hang-ups and a full queue."""
+    return ("--context", str(context), "--lanes", "1", "--queue-size", "1")
+
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

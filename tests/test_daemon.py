@@ -22,6 +22,7 @@ from daemon import (
     SERVING,
     BackgroundReply,
     daemon_env,
+    one_lane_args,
     read_reply,
     running_daemon,
     wait_until,
@@ -65,8 +66,7 @@ def daemon(model_dir, tmp_path_factory):
 def one_lane_daemon(model_dir, tmp_path_factory):
     """One lane, one queue place, long replies: for cancels, deadlines and the golden `full` state."""
     log_dir = tmp_path_factory.mktemp("one-lane-logs")
-    args = ("--context", str(LONG_CONTEXT), "--lanes", "1", "--queue-size", "1")
-    with running_daemon("spawn", model_dir, log_dir, *args) as served:
+    with running_daemon("spawn", model_dir, log_dir, *one_lane_args(LONG_CONTEXT)) as served:
         yield served
 
 

@@ -15,7 +15,7 @@ import subprocess
 import httpx
 import openai
 import pytest
-from daemon import running_daemon, wait_until, write_daemon_model
+from daemon import one_lane_args, running_daemon, wait_until, write_daemon_model
 from test_grpc_api import GOLDEN_DIR, read_golden
 
 LONG_CONTEXT = 4096
@@ -37,8 +37,7 @@ def model_dir(tmp_path_factory):
 def one_lane_daemon(model_dir, tmp_path_factory):
     """One lane, one queue place, room for long replies."""
     log_dir = tmp_path_factory.mktemp("wire-logs")
-    args = ("--context", str(LONG_CONTEXT), "--lanes", "1", "--queue-size", "1")
-    with running_daemon("spawn", model_dir, log_dir, *args) as served:
+    with running_daemon("spawn", model_dir, log_dir, *one_lane_args(LONG_CONTEXT)) as served:
         yield served
 
 
