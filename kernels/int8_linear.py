@@ -85,7 +85,7 @@ class Int8Weight(PackedWeight):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out] float32
-        x = x.float()
+        x = x if x.dtype == torch.float32 else x.float()
         absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
         rows = torch.cat((x / absmax, self._sentinel))
         out = torch.ops.quantized.linear_dynamic(rows, self._packed, REDUCE_RANGE)[: x.shape[0]]
@@ -107,7 +107,8 @@ class Fp16Weight(PackedWeight):
         return torch.ops.quantized.linear_unpack_fp16(self._packed)[0]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.ops.quantized.linear_dynamic_fp16(x.float(), self._packed)
+        x = x if x.dtype == torch.float32 else x.float()
+        out = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         return out.add_(bias) if bias is not None else out
 
 

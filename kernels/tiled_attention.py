@@ -2,7 +2,8 @@
 
 A span's queries are grouped under their KV head (query head h reads KV head h // g), laid out
 position-major ([n positions x g heads] rows) and cut into tiles of ROW_TILE rows; its keys are cut
-into blocks of KEY_BLOCK. Every product is then a batch of
+into blocks of KEY_BLOCK. (ROW_TILE is attention's own, smaller than the linear layers' tile: a decode
+step has only g rows per KV head, and every row past them in its tile is work thrown away.) Every product is then a batch of
     scores   [ROW_TILE, D] x [D, KEY_BLOCK]
     values   [ROW_TILE, KEY_BLOCK] x [KEY_BLOCK, D]
     weights  [ROW_TILE, KEY_BLOCK] x [KEY_BLOCK, ROW_TILE] of ones
@@ -19,19 +20,25 @@ So a chunk, a prompt after a prompt-cache restore, a decode step and a Verify gi
 numbers of a whole prefill, on any CPU whose BLAS is deterministic for a fixed shape; the start-up
 probe (ranks/probe.py) checks that on the machine at hand.
 
-Spans of up to SHORT_TILES tiles per head (decode steps, Verifies, short prompts) are computed
+Spans of up to SHORT_ROWS grouped rows per head (decode steps, Verifies, short prompts) are computed
 together, keys gathered per tile; a longer span is computed alone, its keys shared by every tile
-(a stride-0 batch), so a long prompt's keys are not copied once per tile.
+(a stride-0 batch), so a long prompt's keys are not copied once per tile. A long span's tile skips
+the key blocks that lie wholly past its last row's position (causal: about half of a long prompt's
+blocks): their weights would all be zero, and a skipped block adds nothing where it would have added
+exact zeros.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
-from tpserve.kernels.linear import ROW_TILE
-
+# Rows of every attention product. Against 16 (the linear layers' tile), 4 made a 16-lane decode
+# round of the default model 21-24% faster at 160 and 600 keys (CPU time, one thread, int8).
+ROW_TILE = 4
 KEY_BLOCK = 128  # keys per product (a decode round at 100 and 600 keys: 1.3-1.8x faster than 256)
-SHORT_TILES = 4  # a span of at most this many row tiles per KV head is batched with the others
+SHORT_ROWS = 64  # a span of at most this many grouped rows per KV head is batched with the others
 
 
 def num_tiles(num_rows: int) -> int:
@@ -53,17 +60,19 @@ class TiledPlan:
     def __init__(self, spans, group: int, num_slots: int, device, num_rows: int | None = None):
         self.spans, self.group, self.num_slots, self.device = spans, group, num_slots, device
         self.num_rows = sum(s.length for s in spans) if num_rows is None else num_rows
-        self.short = [s for s in spans if num_tiles(s.length * group) <= SHORT_TILES]
+        self.short = [s for s in spans if s.length * group <= SHORT_ROWS]
         self._short: dict[int, _ShortBatch] = {}
-        # Each long span with its mask bias [tiles, blocks, ROW_TILE, KEY_BLOCK] and key slots.
+        # Each long span with its mask bias [tiles, blocks, ROW_TILE, KEY_BLOCK], key slots and the
+        # first tile that sees each key block.
         self.long = [
             (
                 s,
                 _bias(_row_positions(s, group), num_blocks(s.end)).to(device),
                 _key_slots(s, num_blocks(s.end), device),
+                _first_tiles(s, group),
             )
             for s in spans
-            if num_tiles(s.length * group) > SHORT_TILES
+            if s.length * group > SHORT_ROWS
         ]
 
     def short_batch(self, num_kv_heads: int) -> _ShortBatch | None:
@@ -87,24 +96,35 @@ class _ShortBatch:
     def __init__(self, spans, group: int, num_kv_heads: int, num_slots: int, device, dump_row: int):
         num_heads = num_kv_heads * group
         self.num_blocks = max(num_blocks(s.end) for s in spans)
-        q_rows, out_rows, positions, key_rows = [], [], [], []
+        # Built in Python lists and turned into tensors once: a round of many lanes runs no
+        # operation per entry.
+        q_rows, out_rows, positions, first_keys, last_keys = [], [], [], [], []
         for span in spans:
             rows = span.length * group
-            slots = _key_slots(span, self.num_blocks, "cpu")
-            span_positions = _row_positions(span, group)
             for head in range(num_kv_heads):
                 for tile in range(num_tiles(rows)):
                     for i in range(ROW_TILE):
                         r = min(tile * ROW_TILE + i, rows - 1)  # padding rows repeat the last row
                         q_rows.append((span.offset + r // group) * num_heads + head * group + r % group)
                         out_rows.append(q_rows[-1] if tile * ROW_TILE + i < rows else dump_row)
-                    positions.append(span_positions[tile])
-                    key_rows.append(slots + head * num_slots)  # rows of the pool as [Hkv*slots, D]
-        self.num_entries = len(positions)
+                        positions.append(span.start + r // group)
+                    # The entry's keys as rows of the pool seen as [Hkv*slots, D] (_key_slots).
+                    first_keys.append(head * num_slots + span.base)
+                    last_keys.append(head * num_slots + span.base + span.end - 1)
+        self.num_entries = len(first_keys)
         self.q_index = torch.tensor(q_rows, device=device)  # [E*ROW_TILE] rows of q as [T*Hq, D]
         self.out_index = torch.tensor(out_rows, device=device)  # where they go; padding: the dump row
-        self.bias = _bias(torch.stack(positions), self.num_blocks).to(device)
-        self.key_rows = torch.stack(key_rows).view(-1).to(device)  # [E * nb * KEY_BLOCK]
+        # The other way round, where every row of q finds its result (a row no span holds, a pass's
+        # padding, reads entry 0's): a pass of short spans only gathers its output in one call.
+        result_rows = [0] * dump_row
+        for entry_row, q_row in enumerate(out_rows):
+            if q_row != dump_row:
+                result_rows[q_row] = entry_row
+        self.result_index = torch.tensor(result_rows, device=device)  # [T*Hq]
+        self.bias = _bias(torch.tensor(positions), self.num_blocks).to(device)
+        keys = torch.arange(self.num_blocks * KEY_BLOCK) + torch.tensor(first_keys).unsqueeze(1)
+        keys = torch.minimum(keys, torch.tensor(last_keys).unsqueeze(1))
+        self.key_rows = keys.view(-1).to(device)  # [E * nb * KEY_BLOCK]
 
 
 def _row_positions(span, group: int) -> torch.Tensor:
@@ -112,6 +132,13 @@ def _row_positions(span, group: int) -> torch.Tensor:
     rows = span.length * group
     padded = torch.arange(num_tiles(rows) * ROW_TILE).clamp(max=rows - 1)
     return (span.start + padded // group).view(-1, ROW_TILE)
+
+
+def _first_tiles(span, group: int) -> list[int]:
+    """Per key block of a span, the first of its tiles whose last row sees a key of the block (the
+    tiles before it lie wholly before the block: causal)."""
+    last = _row_positions(span, group)[:, -1].tolist()  # each tile's last (largest) position
+    return [bisect.bisect_left(last, block * KEY_BLOCK) for block in range(num_blocks(span.end))]
 
 
 def _bias(positions: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
@@ -135,8 +162,6 @@ def tiled_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = pool_k.shape[0]
     group = plan.group
-    # One spare row past q's: where the short batch's padding rows are written, and dropped.
-    out = torch.zeros(num_tokens * num_heads + 1, head_dim, dtype=q.dtype, device=q.device)
     batch = plan.short_batch(num_kv_heads)
     if batch is not None:
         num_entries, blocks = batch.num_entries, batch.num_blocks
@@ -153,10 +178,15 @@ def tiled_attention(
         shape = (num_entries, blocks, ROW_TILE, -1)
         sums = torch.bmm(weights, values).view(shape).unbind(1)
         totals = torch.bmm(weights, _ones(weights)).view(shape).unbind(1)
-        result = _normalised(sums, totals, q.dtype)
-        out.index_copy_(0, batch.out_index, result.view(-1, head_dim))
+        result = _normalised(sums, totals, q.dtype).view(-1, head_dim)
+        if not plan.long:
+            return result.index_select(0, batch.result_index).view(num_tokens, num_heads * head_dim)
+    # One spare row past q's: where the short batch's padding rows are written, and dropped.
+    out = torch.zeros(num_tokens * num_heads + 1, head_dim, dtype=q.dtype, device=q.device)
+    if batch is not None:
+        out.index_copy_(0, batch.out_index, result)
     out = out[:-1].view(num_tokens, num_heads, head_dim)
-    for span, bias, slots in plan.long:
+    for span, bias, slots, firsts in plan.long:
         rows = span.length * group
         span_tiles, blocks = bias.shape[0], bias.shape[1]
         for head in range(num_kv_heads):
@@ -164,16 +194,19 @@ def tiled_attention(
             tiles = q[span.offset : span.offset + span.length, heads].reshape(rows, head_dim)
             tiles = torch.cat([tiles, tiles.new_zeros(span_tiles * ROW_TILE - rows, head_dim)])
             tiles = tiles.view(span_tiles, ROW_TILE, head_dim)
-            # The span's keys once, shared by every tile (a stride-0 batch), a block at a time.
+            # The span's keys once, shared by every tile (a stride-0 batch), a block at a time; a
+            # block's product runs on the tiles that see it only (the bias hides the rest's zeros).
             keys = pool_k[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
             values = pool_v[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
-            scores = torch.stack(
-                [torch.bmm(tiles, keys[b].t().expand(span_tiles, -1, -1)) for b in range(blocks)], dim=1
-            )  # [tiles, blocks, ROW_TILE, KEY_BLOCK]
+            scores = tiles.new_zeros(span_tiles, blocks, ROW_TILE, KEY_BLOCK)
+            for b, first in enumerate(firsts):
+                seen = tiles[first:]
+                scores[first:, b] = torch.bmm(seen, keys[b].t().expand(seen.shape[0], -1, -1))
             weights = _softmax_weights(scores, bias, scale, values.dtype)
-            sums = [torch.bmm(weights[:, b], values[b].expand(span_tiles, -1, -1)) for b in range(blocks)]
-            totals = [torch.bmm(weights[:, b], _ones(weights[:, b])) for b in range(blocks)]
-            result = _normalised(sums, totals, q.dtype).view(-1, head_dim)[:rows]
+            seen = [weights[first:, b] for b, first in enumerate(firsts)]
+            sums = [torch.bmm(w, values[b].expand(w.shape[0], -1, -1)) for b, w in enumerate(seen)]
+            totals = [torch.bmm(w, _ones(w)) for w in seen]
+            result = _normalised(sums, totals, q.dtype, firsts).view(-1, head_dim)[:rows]
             out[span.offset : span.offset + span.length, heads] = result.view(span.length, group, head_dim)
     return out.reshape(num_tokens, num_heads * head_dim)
 
@@ -193,16 +226,21 @@ def _softmax_weights(scores: torch.Tensor, bias: torch.Tensor, scale: float, dty
     return weights if weights.dtype == dtype else weights.to(dtype)
 
 
-def _normalised(sums, totals, dtype) -> torch.Tensor:
+def _normalised(sums, totals, dtype, firsts=None) -> torch.Tensor:
     """The weighted values divided by the summed weights: each the blocks' partial sums ([E,
-    ROW_TILE, D] and [E, ROW_TILE, ROW_TILE]) added in block order in float32. Returns [E, ROW_TILE, D]."""
-    out = _in_block_order(sums) / _in_block_order(totals)[..., :1]
+    ROW_TILE, D] and [E, ROW_TILE, ROW_TILE]; block b's for entries firsts[b]: on) added in block
+    order in float32. Returns [E, ROW_TILE, D]."""
+    firsts = firsts or [0] * len(sums)
+    out = _in_block_order(sums, firsts) / _in_block_order(totals, firsts)[..., :1]
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def _in_block_order(parts) -> torch.Tensor:
+def _in_block_order(parts, firsts) -> torch.Tensor:
     total = None
-    for part in parts:
+    for first, part in zip(firsts, parts):
         part = part if part.dtype == torch.float32 else part.float()
-        total = part if total is None else total + part
+        if total is None:  # block 0: every entry sees key 0
+            total = part
+        else:
+            total[first:] += part
     return total

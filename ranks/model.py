@@ -56,13 +56,13 @@ class PassPlan:
     """What every layer of one pass shares, built once: the KV slots its tokens write, the rotary
     tables of its positions and (batch-invariant) the attention tiles' index tensors.
 
-    In batch-invariant mode the pass's rows are padded once to whole row tiles (kernels/linear.py),
-    so every layer's products run on them as they are; the padding rows are never written to the KV
-    pool nor read back as logits.
+    In batch-invariant mode with float weights the pass's rows are padded once to whole row tiles
+    (kernels/linear.py), so every layer's products run on them as they are; the padding rows are never
+    written to the KV pool nor read back as logits. Packed (int8) products need no tiles: no padding.
     """
 
     def __init__(self, model: TPModel, spans: list[SpanView], positions: torch.Tensor, num_slots: int):
-        tile = model.row_tile
+        tile = model.pad_rows
         self.spans = spans
         self.num_tokens = positions.shape[0]
         self.num_rows = -(-self.num_tokens // tile) * tile if tile else self.num_tokens
@@ -71,7 +71,9 @@ class PassPlan:
         padded = F.pad(positions, (0, self.padding)) if self.padding else positions
         self.rotary = model.rotary.tables(padded, model.dtype)
         group = model.config.num_queries_per_kv
-        self.tiles = TiledPlan(spans, group, num_slots, model.device, self.num_rows) if tile else None
+        self.tiles = (
+            TiledPlan(spans, group, num_slots, model.device, self.num_rows) if model.row_tile else None
+        )
 
 
 class TPModel:
@@ -112,6 +114,9 @@ class TPModel:
         )
         self.scale = config.head_dim**-0.5
         self.row_tile = row_tile  # see kernels/linear.py: batch-invariant products
+        # Packed products give a row the same bits at any batch (kernels/int8_linear.py): only float
+        # weights need a pass padded to whole tiles.
+        self.pad_rows = row_tile if quantize == "none" else 0
 
     def kv_heads_per_piece(self) -> list[int]:
         """KV heads of each of this rank's pieces: the KV store's shape (ranks/kv_store.py)."""
