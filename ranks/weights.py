@@ -123,29 +123,41 @@ def read_rank_weights(
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(files.values()))}
         for name in required_names(config):
             tensor = _stored_tensor(model_dir, config, files, handles, name)
-            shape = tuple(tensor.shape) if isinstance(tensor, StoredInt8) else tuple(tensor.get_shape())
-            if shape != expected_shape(config, name):
+            if tensor.shape != expected_shape(config, name):
                 raise ModelFileError(
-                    _path_of(files, tensor, name),
-                    f"tensor {name} has shape {list(shape)}, config.json implies {list(expected_shape(config, name))}",
+                    tensor.path,
+                    f"tensor {name} has shape {list(tensor.shape)}, config.json implies {list(expected_shape(config, name))}",
                 )
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
-                weights.replicated[name] = _owned(tensor[:], device, dtype)
+                weights.replicated[name] = _owned(tensor.read(), device, dtype)
                 continue
             for local, piece in enumerate(pieces):
                 start, end = piece_range(config, piece, unit)
-                if isinstance(tensor, StoredInt8):
-                    part = tensor.read(start, end, columns=split is Split.ROW)
-                else:
-                    part = tensor[:, start:end] if split is Split.ROW else tensor[start:end]
+                part = tensor.read(start, end, columns=split is Split.ROW)
                 weights.pieces[local][name] = _owned(part, device, dtype)
     return weights
 
 
-def _stored_tensor(model_dir: Path, config: ModelConfig, files: dict[str, Path], handles: dict, name: str):
-    """`name`'s tensor in the checkpoint: a safetensors slice of a float tensor, or (an int8
-    checkpoint's quantized layer, a weight_scale beside it) its StoredInt8."""
+class StoredFloat:
+    """A float tensor in the checkpoint; `read` takes a piece's slice of it, as StoredInt8's does."""
+
+    def __init__(self, path: Path, tensor_slice):
+        self.path, self._slice = path, tensor_slice
+        self.shape = tuple(tensor_slice.get_shape())
+
+    def read(self, start: int = 0, end: int | None = None, columns: bool = False) -> torch.Tensor:
+        """The whole tensor, or rows [start, end), or (columns) columns [start, end)."""
+        if end is None and not start:
+            return self._slice[:]
+        return self._slice[:, start:end] if columns else self._slice[start:end]
+
+
+def _stored_tensor(
+    model_dir: Path, config: ModelConfig, files: dict[str, Path], handles: dict, name: str
+) -> StoredFloat | StoredInt8:
+    """`name`'s tensor in the checkpoint: float, or (an int8 checkpoint's quantized layer, a
+    weight_scale beside it) int8."""
     scale = stored_name(files, name + "_scale") if config.quantization and may_be_int8(name) else None
     if scale is not None:
         return StoredInt8(handles, files, scale.removesuffix("_scale"))
@@ -156,11 +168,7 @@ def _stored_tensor(model_dir: Path, config: ModelConfig, files: dict[str, Path],
     if tensor.get_dtype() not in FLOAT_DTYPES:
         why = "no weight_scale beside it" if config.quantization else "config.json declares no quantization"
         raise ModelFileError(files[stored], f"tensor {stored} is {tensor.get_dtype()}, not a float ({why})")
-    return tensor
-
-
-def _path_of(files: dict[str, Path], tensor, name: str) -> Path:
-    return tensor.path if isinstance(tensor, StoredInt8) else files[stored_name(files, name)]
+    return StoredFloat(files[stored], tensor)
 
 
 def _owned(part: torch.Tensor | Int8Values, device, dtype: torch.dtype) -> torch.Tensor | Int8Values:
