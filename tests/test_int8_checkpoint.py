@@ -283,6 +283,17 @@ def test_a_packed_weight_of_the_wrong_shape_is_refused_by_name(tmp_path):
         load(model_dir)
 
 
+def test_a_fused_product_stored_partly_in_float_is_refused_by_name(tmp_path):
+    # q, k and v run as one product: the file cannot leave only k_proj in float.
+    model_dir = int8_model(
+        tmp_path, "llama", "int-quantized", ignore=("lm_head", Q_PROJ.replace("q_proj", "k_proj"))
+    )
+    with pytest.raises(
+        ModelFileError, match="q_proj.weight, .*k_proj.weight, .*: one fused product, stored partly"
+    ):
+        load(model_dir)
+
+
 def test_a_device_or_dtype_without_int8_products_refuses_the_checkpoint_by_name(tmp_path):
     config = load_model_config(int8_model(tmp_path, "llama", "int-quantized"))
     on_cpu = EngineSettings(model_dir="m", quantize="none").for_device("cpu")
