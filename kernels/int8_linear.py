@@ -73,8 +73,30 @@ class Int8Weight(PackedWeight):
         with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's product stays
             warnings.simplefilter("ignore")
             zero_points = torch.zeros(self.shape[0], dtype=torch.long)
-            quantized = torch.quantize_per_channel(weight, scale.double(), zero_points, 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+            self._pack(torch.quantize_per_channel(weight, scale.double(), zero_points, 0, torch.qint8))
+
+    @classmethod
+    def from_int8(cls, values: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+        """A checkpoint's own int8 weight, packed as stored: values [out, in] int8, scales [out] (one
+        per output channel, weight = values * scale). Nothing is rounded again: unpacked, it gives
+        back these values and scales (in float32, which holds a float16 or bfloat16 scale exactly)."""
+        if values.dtype != torch.int8 or values.dim() != 2 or scales.shape != values.shape[:1]:
+            raise QuantizeError(
+                f"int8 values [out, in] with one scale per output channel expected, got {values.dtype} "
+                f"{list(values.shape)} with scales {list(scales.shape)}"
+            )
+        weight = cls.__new__(cls)
+        PackedWeight.__init__(weight, values)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+            scales = scales.float().double()  # FBGEMM keeps float32 scales: round there first, once
+            weight._pack(torch._make_per_channel_quantized_tensor(values, scales, zero_points, 0))
+        return weight
+
+    def _pack(self, quantized: torch.Tensor) -> None:
+        # quantized: [out, in] qint8, per output channel, zero points 0
+        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self._sentinel = torch.zeros(1, self.shape[1])
         self._sentinel[0, :2] = torch.tensor([1.0, -1.0])
 

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
 from tpserve.kernels.collectives import Collectives
 from tpserve.kernels.embedding import place_features
-from tpserve.kernels.int8_linear import quantize_weight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
 from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
+from tpserve.ranks.int8_tensors import fuse, pack_weight
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
@@ -36,20 +36,17 @@ class PieceLayer:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         # The fused copies replace the loaded ones, which are taken out of `tensors` so that no
         # second copy outlives loading (room is measured after it); so do quantized ones.
-        q = functools.partial(quantize_weight, kind=quantize)
-        self.w_qkv = q(_fused(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
-        self.b_qkv = _fused(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
+        # A weight an int8 checkpoint ships in int8 is served as stored (ranks/int8_tensors.py).
+        q = functools.partial(pack_weight, kind=quantize)
+        self.w_qkv = q(fuse(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
+        self.b_qkv = fuse(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
         self.w_o = q(tensors.pop(attn + "o_proj.weight"))  # [hidden, Hq*D]
-        self.w_gate_up = q(_fused(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
+        self.w_gate_up = q(fuse(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
         # down_proj's input, SiLU(gate) * up, has outlier channels that one scale per row rounds
         # away (SmolLM2, bench/quality.py: +3.4% perplexity in int8, +0.6% kept in float): in int8
-        # mode its weight goes to float16 instead.
+        # mode its float weight goes to float16 instead; a checkpoint's int8 down_proj stays int8.
         down = "fp16" if quantize == "int8" else quantize
-        self.w_down = quantize_weight(tensors.pop(mlp + "down_proj.weight"), down)  # [hidden, I_piece]
-
-
-def _fused(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    return torch.cat([tensors.pop(name) for name in names])
+        self.w_down = pack_weight(tensors.pop(mlp + "down_proj.weight"), down)  # [hidden, I_piece]
 
 
 class PassPlan:
@@ -105,7 +102,7 @@ class TPModel:
         ]
         self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.head = [quantize_weight(w[head_name], quantize) for w in weights.pieces]
+        self.head = [pack_weight(w[head_name], quantize) for w in weights.pieces]
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpserve.kernels.rope_scaling import RopeScaling
+from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
@@ -52,6 +53,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     architecture: str = ""
     vision: VisionConfig | None = None  # a vision-language model's tower, projector and image token
+    quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -74,6 +76,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConfig:
+    config = _parse_model(raw, path)
+    text = raw.get("text_config") or {}
+    quantization = raw.get("quantization_config", text.get("quantization_config"))
+    return replace(config, quantization=parse_quantization_config(quantization, path))
+
+
+def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
     architectures = raw.get("architectures") or []
     vision_arch = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
     if vision_arch is not None:

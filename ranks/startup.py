@@ -115,6 +115,23 @@ def check_quantize(settings: EngineSettings, device: torch.device) -> None:
         raise UserError(f"quantize {settings.quantize} computes in float32, not dtype {settings.dtype}")
 
 
+def check_checkpoint_quantization(
+    config: ModelConfig, settings: EngineSettings, device: torch.device
+) -> None:
+    """Refuses a pre-quantized (int8) checkpoint this device cannot serve, by name, before loading.
+
+    Its int8 layers are served as stored whatever `quantize` says; `quantize` decides only the
+    layers it left in float (usually the head): none keeps them float, int8 quantizes them at load."""
+    if config.quantization is None:
+        return
+    what = f"{settings.model_dir} is a {config.quantization.describe()} checkpoint"
+    why_not = int8_available(device)
+    if why_not:
+        raise UserError(f"{what}: {why_not}; serve a float checkpoint there")
+    if settings.dtype != "float32":
+        raise UserError(f"{what}: its int8 layers compute in float32, not dtype {settings.dtype}")
+
+
 def check_invariance(model, rank: int, group, drill: bool = False) -> None:
     """The start-up probe on every rank, then a vote: one rank's failure stops them all."""
     log.info("rank %d: checking batch invariance on %s", rank, describe_machine())
@@ -153,8 +170,8 @@ def start_rank(
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    device, settings, facts, refusal = _place_on_device(settings, local_rank, local_world_size)
     config = load_model_config(settings.model_dir)
+    device, settings, facts, refusal = _place_on_device(settings, config, local_rank, local_world_size)
     store, control = _join_control_group(settings, rank, world_size, host, port, agent_store)
     agree_on_flags(settings, facts, rank, world_size, control, refusal)
     model = _load_model(settings, config, rank, world_size, device, control)
@@ -183,7 +200,7 @@ def start_rank(
     )
 
 
-def _place_on_device(settings: EngineSettings, local_rank: int, local_world_size: int):
+def _place_on_device(settings: EngineSettings, config: ModelConfig, local_rank: int, local_world_size: int):
     """(device, settings with every "auto" decided for it, its facts, None), or with a refusal in
     place of None: a refusal is told to the other ranks through the flags row, so they refuse at
     once rather than wait for this rank until init_timeout_s."""
@@ -192,6 +209,7 @@ def _place_on_device(settings: EngineSettings, local_rank: int, local_world_size
         device = choose_device(settings.device, local_rank, local_world_size)
         settings = settings.for_device(device.type)
         check_quantize(settings, device)
+        check_checkpoint_quantization(config, settings, device)
         facts = device_facts(device)
     except UserError as error:
         return device, settings, facts, error
@@ -243,6 +261,13 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
         world_size,
         settings.batch_invariant,
     )
+    if config.quantization is not None:
+        log.info(
+            "rank %d: %s: its int8 layers served as stored, quantize %s applies to those it left in float",
+            rank,
+            config.quantization.describe(),
+            settings.quantize,
+        )
     model = load_rank_model(
         settings.model_dir,
         tp_rank=rank,

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
 
@@ -21,7 +22,11 @@ from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
 @dataclass
 class RankWeights:
     replicated: dict[str, torch.Tensor] = field(default_factory=dict)
-    pieces: list[dict[str, torch.Tensor]] = field(default_factory=list)  # one per local piece
+    # One per local piece; a weight an int8 checkpoint ships in int8 is its Int8Values.
+    pieces: list[dict[str, torch.Tensor | Int8Values]] = field(default_factory=list)
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -46,8 +51,8 @@ def stored_name(files: dict[str, Path], name: str) -> str | None:
     candidates = [name]
     if name.startswith("model."):
         candidates += ["language_model." + name, "model.language_model." + name.removeprefix("model.")]
-    elif name == "lm_head.weight":
-        candidates.append("language_model.lm_head.weight")
+    elif name.startswith("lm_head."):  # the head's weight, or its int8 scale
+        candidates.append("language_model." + name)
     return next((candidate for candidate in candidates if candidate in files), None)
 
 
@@ -117,31 +122,62 @@ def read_rank_weights(
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(files.values()))}
         for name in required_names(config):
-            stored = stored_name(files, name)
-            if stored is None:
-                raise ModelFileError(model_dir, f"checkpoint has no tensor {name!r}")
-            tensor_slice = handles[files[stored]].get_slice(stored)
-            shape = tuple(tensor_slice.get_shape())
-            if shape != expected_shape(config, name):
+            tensor = _stored_tensor(model_dir, config, files, handles, name)
+            if tensor.shape != expected_shape(config, name):
                 raise ModelFileError(
-                    files[stored],
-                    f"tensor {name} has shape {list(shape)}, config.json implies {list(expected_shape(config, name))}",
+                    tensor.path,
+                    f"tensor {name} has shape {list(tensor.shape)}, config.json implies {list(expected_shape(config, name))}",
                 )
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
-                weights.replicated[name] = _owned(tensor_slice[:], device, dtype)
+                weights.replicated[name] = _owned(tensor.read(), device, dtype)
                 continue
             for local, piece in enumerate(pieces):
                 start, end = piece_range(config, piece, unit)
-                part = tensor_slice[:, start:end] if split is Split.ROW else tensor_slice[start:end]
+                part = tensor.read(start, end, columns=split is Split.ROW)
                 weights.pieces[local][name] = _owned(part, device, dtype)
     return weights
 
 
-def _owned(part: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
-    """`part` on the device in `dtype`, in storage of its own size. A slice of the rows comes back
-    from safetensors as a view of the whole tensor, and `.to()` on the same device and dtype keeps
-    that view: the rank would hold the full tensor, and room would see the memory as taken."""
+class StoredFloat:
+    """A float tensor in the checkpoint; `read` takes a piece's slice of it, as StoredInt8's does."""
+
+    def __init__(self, path: Path, tensor_slice):
+        self.path, self._slice = path, tensor_slice
+        self.shape = tuple(tensor_slice.get_shape())
+
+    def read(self, start: int = 0, end: int | None = None, columns: bool = False) -> torch.Tensor:
+        """The whole tensor, or rows [start, end), or (columns) columns [start, end)."""
+        if end is None and not start:
+            return self._slice[:]
+        return self._slice[:, start:end] if columns else self._slice[start:end]
+
+
+def _stored_tensor(
+    model_dir: Path, config: ModelConfig, files: dict[str, Path], handles: dict, name: str
+) -> StoredFloat | StoredInt8:
+    """`name`'s tensor in the checkpoint: float, or (an int8 checkpoint's quantized layer, a
+    weight_scale beside it) int8."""
+    scale = stored_name(files, name + "_scale") if config.quantization and may_be_int8(name) else None
+    if scale is not None:
+        return StoredInt8(handles, files, scale.removesuffix("_scale"))
+    stored = stored_name(files, name)
+    if stored is None:
+        raise ModelFileError(model_dir, f"checkpoint has no tensor {name!r}")
+    tensor = handles[files[stored]].get_slice(stored)
+    if tensor.get_dtype() not in FLOAT_DTYPES:
+        why = "no weight_scale beside it" if config.quantization else "config.json declares no quantization"
+        raise ModelFileError(files[stored], f"tensor {stored} is {tensor.get_dtype()}, not a float ({why})")
+    return StoredFloat(files[stored], tensor)
+
+
+def _owned(part: torch.Tensor | Int8Values, device, dtype: torch.dtype) -> torch.Tensor | Int8Values:
+    """`part` on the device in `dtype` (int8 values and float32 scales as they are), in storage of
+    its own size. A slice of the rows comes back from safetensors as a view of the whole tensor, and
+    `.to()` on the same device and dtype keeps that view: the rank would hold the full tensor, and
+    room would see the memory as taken."""
+    if isinstance(part, Int8Values):
+        return Int8Values(_owned(part.values, device, torch.int8), _owned(part.scales, device, torch.float32))
     out = part.to(device=device, dtype=dtype)
     if not out.is_contiguous() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
         out = out.clone(memory_format=torch.contiguous_format)
