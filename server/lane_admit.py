@@ -212,11 +212,12 @@ class Admission:
             if outcome is not None:  # the last chunk's first token, or a failed chunk's end
                 return outcome
 
-    def prefill_chunk(self, job: Job) -> Outcome | None:
-        """The next chunk of `job`'s long prompt. None when more chunks are to come."""
+    def prefill_chunk(self, job: Job) -> list[Outcome]:
+        """The next chunk of `job`'s long prompt. No outcome while more chunks are to come."""
         if job.cancel_requested:
-            return Ended(job, CANCELLED)
-        return self._prefill(job, self._next_chunk(job))
+            return [Ended(job, CANCELLED)]
+        outcome = self._prefill(job, self._next_chunk(job))
+        return [] if outcome is None else [outcome]
 
     def _next_chunk(self, job: Job) -> PrefillItem:
         feed = job.feed_ids

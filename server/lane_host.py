@@ -238,9 +238,7 @@ class LaneHost:
         """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
         if self._chunking is None:
             return False
-        outcome = self._admission.prefill_chunk(self._chunking)
-        if outcome is not None:
-            self._apply([outcome])
+        self._apply(self._admission.prefill_chunk(self._chunking))
         return True
 
     def _apply(self, outcomes: list[Outcome]) -> None:
