@@ -4,10 +4,12 @@ One scheduling thread drives the backend (every Backend call happens there); cli
 and cancel from any thread. The host's lock guards only the queue and the set of unfinished jobs
 and is never held across a backend call, so submit, cancel and stats never wait on the engine.
 
-Each step: end cancelled streams, admit waiting jobs (lane_admit.py), run one chunk of a long
-prompt, then one decode round over every live lane (continuous batching: streams join and leave
-between rounds). A BackendBroken anywhere latches the host broken: every stream ends with an error,
-new work is refused and `on_broken` is called once so the daemon can exit non-zero.
+Each step: end cancelled streams, admit waiting jobs, run one chunk of a long prompt, then one
+decode round over every live lane (continuous batching: streams join and leave between rounds).
+Admission (lane_admit.py) decides what to take and runs the prompt passes; it returns what happened
+and the host applies it: the queue, the streams and which job is chunking are the host's alone.
+A BackendBroken anywhere latches the host broken: every stream ends with an error, new work is
+refused and `on_broken` is called once so the daemon can exit non-zero.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from tpserve.server.backend import Backend, BackendBroken, DecodeItem, attempt, check_backend
 from tpserve.server.drafts import Drafter
 from tpserve.server.job_queue import JobQueue
-from tpserve.server.lane_admit import Admission
+from tpserve.server.lane_admit import Admission, Chunking, Ended, FirstToken, Outcome
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_stream import Stream
 from tpserve.server.lane_table import LaneTable
@@ -88,15 +90,9 @@ class LaneHost:
         self._thread: threading.Thread | None = None
         self._lanes = LaneTable(backend)
         self._admission = Admission(
-            backend,
-            self._lanes,
-            self._queue,
-            self._cond,
-            batch_prefill=batch_prefill,
-            first_token=self._first_token,
-            end=self._end,
-            prompt_cache=prompt_cache,
+            backend, self._lanes, batch_prefill=batch_prefill, prompt_cache=prompt_cache
         )
+        self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
         self.prompt_cache = prompt_cache
         # Draft tokens (server/drafts.py) when asked for and the backend can check them.
         speculates = max_draft_tokens > 0 and backend.verifies_drafts
@@ -177,8 +173,8 @@ class LaneHost:
             try:
                 changed = self._end_cancelled()
                 if not self._stopping:
-                    changed = self._admission.admit() or changed
-                changed = self._admission.prefill_chunk() or changed
+                    changed = self._admit() or changed
+                changed = self._prefill_chunk() or changed
                 return self._decode_round() or changed
             except BackendBroken as error:
                 self._latch_broken(str(error))
@@ -192,9 +188,75 @@ class LaneHost:
             self._end(job, CANCELLED)
         return bool(cancelled)
 
+    def _admit(self) -> bool:
+        """Admit waiting jobs while lanes, room and this step's prompt budget allow (lane_admit.py
+        says why that budget). True when anything changed."""
+        changed = False
+        budget = None  # None: nothing prefilled yet this step
+        for _ in range(self._admission.max_iterations):
+            with self._cond:
+                waiting = self._queue.peek_many(self._admission.max_joint_prompts)
+            victim = self._admission.yielding_stream(waiting, self._chunking)
+            if victim is not None:
+                self._yield_lane(victim)
+                changed = True
+                continue
+            jobs, budget = self._take_jobs(budget)
+            if not jobs:
+                break
+            changed = True
+            self._apply(self._admission.launch(jobs, self._chunking))
+        return changed
+
+    def _take_jobs(self, budget: int | None) -> tuple[list[Job], int | None]:
+        """Pop the head jobs Admission takes; with the step's prompt budget left after them."""
+        num_free = self._lanes.num_free
+        with self._cond:
+            if not self._admission.can_take(num_free, budget) or self._queue.peek() is None:
+                return [], budget
+        free_room = self._backend.free_room()
+        with self._cond:
+            head = self._queue.peek_many(min(self._admission.max_joint_prompts, num_free))
+            num_taken, budget = self._admission.num_to_take(head, free_room, budget, self._chunking)
+            taken = [self._queue.pop() for _ in range(num_taken)]
+        return taken, budget
+
+    def _yield_lane(self, job: Job) -> None:
+        """A background stream gives up its lane and goes back to the front of the background line."""
+        if job is self._chunking:
+            self._chunking = None
+        self._lanes.close(job)
+        with self._cond:
+            cancelled = job.cancel_requested
+            if not cancelled:
+                self._queue.push_front_background(job)
+        if cancelled:
+            self._end(job, CANCELLED)
+        log.debug("background stream yielded its lane after %d tokens", len(job.produced))
+
+    def _prefill_chunk(self) -> bool:
+        """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
+        if self._chunking is None:
+            return False
+        self._apply(self._admission.prefill_chunk(self._chunking))
+        return True
+
+    def _apply(self, outcomes: list[Outcome]) -> None:
+        """What Admission reports, in its order."""
+        for outcome in outcomes:
+            match outcome:
+                case Chunking(job):
+                    self._chunking = job
+                case FirstToken(job, token):
+                    if job is self._chunking:
+                        self._chunking = None  # its last chunk went
+                    self._first_token(job, token)
+                case Ended(job, reason, error):
+                    self._end(job, reason, error)
+
     def _decode_round(self) -> bool:
         self._end_cancelled()
-        live = [job for job in self._lanes.jobs() if job is not self._admission.chunking]
+        live = [job for job in self._lanes.jobs() if job is not self._chunking]
         if not live:
             return False
         drafts = self.drafter.drafts(live) if self.drafter else [()] * len(live)
@@ -240,7 +302,8 @@ class LaneHost:
 
     def _end(self, job: Job, reason: str, error: str | None = None) -> None:
         """Close the job's lane if it holds one, then send Finished."""
-        self._admission.forget(job)
+        if job is self._chunking:
+            self._chunking = None  # no more of its chunks go
         if job.lane is not None:
             self._lanes.close(job)
         self._finish(job, reason, error)
@@ -264,7 +327,7 @@ class LaneHost:
         log.error("engine broken: %s; ending %d streams", reason, len(jobs))
         if forget_lanes:
             self._lanes.forget_all()
-            self._admission.forget_all()
+            self._chunking = None
         for job in jobs:
             self._finish(job, ERROR, f"engine broken: {reason}")
         if self._on_broken is not None:

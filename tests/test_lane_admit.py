@@ -1,0 +1,41 @@
+"""Admission reports, the lane host applies: one admission's refusals, failures and first tokens come
+back as outcomes in the jobs' order, and no client hears of any of them before the host applies it."""
+
+from __future__ import annotations
+
+from fake_backend import FakeBackend, fake_detokenize, make_request
+
+from tpserve.server.lane_admit import Admission, Ended, FirstToken
+from tpserve.server.lane_job import Job, reserve_for
+from tpserve.server.lane_table import LaneTable
+
+
+def make_job(backend, first):
+    request = make_request([first, first + 2, first + 1], 4)
+    reserve = reserve_for(request, backend.context_size)
+    return Job(
+        request, reserve=reserve, detokenize=fake_detokenize, submitted_at=0.0, cancel=lambda job: None
+    )
+
+
+def test_a_refusal_and_a_failed_prefill_are_returned_and_the_other_jobs_still_get_their_tokens():
+    backend = FakeBackend(batched=True)
+    backend.refused_opens = {1}  # the second job's lane
+    backend.poisoned_prompts = {9}  # the third job's prefill fails (alone and in the joint pass)
+    lanes = LaneTable(backend)
+    admission = Admission(backend, lanes, batch_prefill=True)
+    jobs = [make_job(backend, first) for first in (1, 5, 9, 13)]
+
+    outcomes = admission.launch(jobs, chunking=None)
+
+    assert [(type(outcome), outcome.job) for outcome in outcomes] == [
+        (Ended, jobs[1]),  # refused at setup, before any pass
+        (FirstToken, jobs[0]),  # the joint pass failed: each prefilled alone, in order
+        (Ended, jobs[2]),
+        (FirstToken, jobs[3]),
+    ]
+    assert "refused to reserve" in outcomes[0].error and "prefill failed" in outcomes[2].error
+    assert backend.failed_passes == [3]
+    assert all(job.stream.next_events(timeout=0) == [] for job in jobs), "the host sends, not Admission"
+    # The failed job still holds its lane: closing it is the host's part of applying its end.
+    assert [job.lane for job in jobs] == [0, None, 1, 2]
