@@ -144,8 +144,15 @@ class Admission:
                 ready.append(job)
             else:
                 outcomes.append(refusal)
-        # A job taken as short can turn out long when its restore failed: it launches alone.
-        whole = [job for job in ready if not self._needs_chunks(job)]
+        # A job taken as short can turn out long when its restore failed: it launches alone. Jobs
+        # whose restores failed can also be short each and too long together: the joint pass takes
+        # them while they fit in one pass, the rest go alone.
+        whole, num_tokens = [], 0
+        for job in ready:
+            new_tokens = len(job.feed_ids) - job.cached_tokens
+            if num_tokens + new_tokens <= self._max_prefill_tokens:
+                whole.append(job)
+                num_tokens += new_tokens
         if len(whole) >= 2:
             joint = self._prefill_together(whole)
             if joint is not None:

@@ -121,6 +121,21 @@ def test_in_one_admission_restored_prompts_pass_together_and_failed_ones_prefill
     assert_nothing_held(backend, cache)
 
 
+def test_prompts_short_alone_but_too_long_together_after_failed_restores_split_their_joint_pass():
+    # Three turns after a 40-token history, taken as mostly cached; the restore fails, so each is
+    # 42 prompt tokens, short alone, but 126 together: more than one pass may carry.
+    history = HISTORY[:40]
+    backend, host, cache = make_warm_host(history)
+    backend.failing_entries = {backend.entry_of(history)}
+    requests = [second_turn(history, i) for i in range(3)]
+    replies = run_all(host, [host.submit(request) for request in requests])
+    assert backend.misuse == []
+    assert all(size * 42 <= MAX_PREFILL_TOKENS for size in backend.joint_passes)
+    assert all(num_tokens <= MAX_PREFILL_TOKENS for _, num_tokens, _ in backend.prefill_calls)
+    assert replies == [backend.solo_reply(request) for request in requests]
+    assert_nothing_held(backend, cache)
+
+
 def test_prompts_long_even_after_the_cache_still_go_in_chunks_and_cached_ones_pass_them():
     backend, host, cache = make_warm_host()
     uncached = make_request(tuple(2 + (5 * i) % 31 for i in range(150)), max_tokens=4, seed=3)
