@@ -30,6 +30,7 @@ from bench.common import (  # noqa: E402
     print_table,
     watch_streams,
 )
+from tpserve.ranks.settings import QUANTIZE_CHOICES  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 from tpserve.server.wiring import local_engine  # noqa: E402
@@ -41,7 +42,9 @@ TASKS = {
 }
 
 
-def run_mode(model_dir: str, prompt_ids: list[int], *, draft_tokens: int, max_tokens: int, dtype: str):
+def run_mode(
+    model_dir: str, prompt_ids: list[int], *, draft_tokens: int, max_tokens: int, dtype: str, quantize: str
+):
     """One stream on a fresh engine: its decode speed (tokens after the first, per second), its
     tokens, and the drafts the host checked and kept."""
     settings = bench_settings(
@@ -51,6 +54,7 @@ def run_mode(model_dir: str, prompt_ids: list[int], *, draft_tokens: int, max_to
         num_lanes=1,
         context_size=len(prompt_ids) + max_tokens,
         draft_tokens=draft_tokens,
+        quantize=quantize,
     )
     request = GenerationRequest(tuple(prompt_ids), max_tokens, GREEDY, ignore_eos=True)
     with local_engine(settings) as engine:
@@ -70,6 +74,7 @@ def run_drafts(
     max_tokens: int = 96,
     num_rounds: int = 1,
     dtype: str = "float32",
+    quantize: str = "none",
 ) -> dict:
     tokenizer = Tokenizer.from_model_dir(model_dir)
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": TASKS[task]}])
@@ -78,7 +83,12 @@ def run_drafts(
     for _ in range(num_rounds):
         for mode in speeds:
             speed, tokens, counts = run_mode(
-                model_dir, prompt_ids, draft_tokens=mode, max_tokens=max_tokens, dtype=dtype
+                model_dir,
+                prompt_ids,
+                draft_tokens=mode,
+                max_tokens=max_tokens,
+                dtype=dtype,
+                quantize=quantize,
             )
             speeds[mode].append(speed)
             replies.setdefault(mode, tokens)
@@ -88,6 +98,7 @@ def run_drafts(
         "model": model_dir,
         "task": task,
         "dtype": dtype,
+        "quantize": quantize,
         "max_tokens": max_tokens,
         "draft_tokens": draft_tokens,
         "rounds": num_rounds,
@@ -121,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft-tokens", type=int, default=15, choices=range(1, 16), metavar="1..15")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1, help="times both modes run, in turn")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none")
     args = parser.parse_args(argv)
     report = run_drafts(
         args.model or default_model_dir(),
@@ -129,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         num_rounds=args.rounds,
         dtype=args.dtype,
+        quantize=args.quantize,
     )
     print_report(report)
     return finish(report, args.json, None if report["replies_identical"] else "the modes replied differently")

@@ -276,7 +276,7 @@ class LaneHost:
                 f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
             )
         for job, draft, tokens in zip(live, drafts, samples):
-            for token in self.drafter.kept(draft, tokens) if draft else tokens:
+            for token in self.drafter.kept(job, draft, tokens) if draft else tokens:
                 self._take_token(job, token)
                 if job.lane is None:  # the reply ended: later tokens are not part of it
                     break
