@@ -21,19 +21,33 @@ class HostState:
         self._cond = threading.Condition()  # guards everything below
         self._queue: JobQueue[Job] = JobQueue(queue_size)
         self._alive: set[Job] = set()  # every job not yet Finished, wherever it is
-        self.broken_reason: str | None = None
+        self._broken_reason: str | None = None
         self._stopping = False
         self._failure: str | None = None  # set by fail(), latched by the scheduler thread
         self._wake = False
-        self.thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None
+
+    # Read without the lock: each only goes from unset to set, under it.
+
+    @property
+    def broken_reason(self) -> str | None:
+        return self._broken_reason
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
 
     # ---- clients ----
 
     def add(self, job: Job, *, queued: bool) -> None:
         """A new job, queued unless it can never run. Raises HostUnavailable or QueueFull."""
         with self._cond:
-            if self.broken_reason is not None:
-                raise HostUnavailable(f"the engine is broken: {self.broken_reason}")
+            if self._broken_reason is not None:
+                raise HostUnavailable(f"the engine is broken: {self._broken_reason}")
             if self._stopping:
                 raise HostUnavailable("the server is stopping")
             if queued:
@@ -102,9 +116,9 @@ class HostState:
 
     def claim_thread(self, thread: threading.Thread) -> None:
         with self._cond:
-            if self.thread is not None or self._stopping:
+            if self._thread is not None or self._stopping:
                 raise RuntimeError("the lane host was already started or stopped")
-            self.thread = thread
+            self._thread = thread
 
     def next_signals(self) -> tuple[bool, str | None]:
         """Whether the host is stopping, and a failure to latch; clears the wake-up."""
@@ -114,7 +128,7 @@ class HostState:
 
     def wait_for_wake(self, timeout_s: float) -> None:
         with self._cond:
-            if not (self._wake or self._stopping or self.broken_reason is not None or self._failure):
+            if not (self._wake or self._stopping or self._broken_reason is not None or self._failure):
                 self._cond.wait(timeout_s)
 
     def set_failure(self, reason: str) -> None:
@@ -128,18 +142,14 @@ class HostState:
             self._stopping = True
             queued = self._queue.drain()
             self._wake_scheduler()
-            return queued, self.thread
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
+            return queued, self._thread
 
     def latch_broken(self, reason: str) -> list[Job] | None:
         """Latch the host broken and empty the queue: the jobs to end. None when already broken."""
         with self._cond:
-            if self.broken_reason is not None:
+            if self._broken_reason is not None:
                 return None
-            self.broken_reason = reason
+            self._broken_reason = reason
             self._queue.drain()
             jobs = list(self._alive)
             self._cond.notify_all()
