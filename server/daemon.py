@@ -40,10 +40,9 @@ STOP_MARGIN_S = 10.0  # past grace_s, for the last messages and Stop to the foll
 
 
 def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> int:
-    model_dir = settings.model_dir
     stop = threading.Event()
     broken = threading.Event()
-    tokenizer = Tokenizer.from_model_dir(model_dir)
+    tokenizer = Tokenizer.from_model_dir(settings.model_dir)
     host, leader = build_lane_host(
         runtime,
         tokenizer,
@@ -51,8 +50,31 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         record_dir=config.record,
         on_broken=lambda reason: broken.set(),
     )
-    info = ServingInfo(
-        model_name=Path(model_dir).name,
+    info = _serving_info(config, runtime, settings)
+    vision = _vision_input(config, runtime, settings, tokenizer)
+    server, http = _build_apis(config, host, tokenizer, info, vision)
+    if not config.api_key and not _is_loopback(config.host):
+        log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    host.start()
+    try:
+        http_port, port = _start_apis(server, http)
+    except BaseException:
+        # A port already taken, say: the followers hear Stop now instead of noticing, after
+        # leader_dead_after_s, that rank 0 went away.
+        _stop_unserved(host, leader, http, runtime)
+        raise
+    _log_serving(config, info, port, http_port)
+    _watch_followers(host, runtime, stop, broken)
+    if broken.is_set():
+        return _exit_broken(stop, server, http)
+    return _stop_gracefully(config, host, leader, server, http, runtime, broken)
+
+
+def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> ServingInfo:
+    return ServingInfo(
+        model_name=Path(settings.model_dir).name,
         tp_size=config.tp,
         num_lanes=config.lanes,
         context_size=config.context,
@@ -63,30 +85,32 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         max_image_bytes=config.max_image_bytes,
         max_image_pixels=config.max_image_pixels,
     )
-    vision = None
-    if config.vision:  # the tower and projector load here, on rank 0 only (see ranks/vision.py)
-        vision = VisionInput.from_model_dir(
-            model_dir,
-            runtime.config,
-            tokenizer.token_text(runtime.config.vision.image_token_id),
-            DTYPES[settings.dtype],
-            runtime.device,
-        )
-    server, http = _build_apis(config, host, tokenizer, info, vision)
-    if not config.api_key and not _is_loopback(config.host):
-        log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    host.start()
-    try:
-        # HTTP first: gRPC health turning SERVING then means both APIs answer.
-        http_port = http.start() if http is not None else None
-        port = server.start()
-    except BaseException:
-        # A port already taken, say: the followers hear Stop now instead of noticing, after
-        # leader_dead_after_s, that rank 0 went away.
-        _stop_unserved(host, leader, http, runtime)
-        raise
+
+
+def _vision_input(
+    config: ServeConfig, runtime: RankRuntime, settings: EngineSettings, tokenizer: Tokenizer
+) -> VisionInput | None:
+    """The tower and projector, loaded here on rank 0 only (see ranks/vision.py); None without vision."""
+    if not config.vision:
+        return None
+    return VisionInput.from_model_dir(
+        settings.model_dir,
+        runtime.config,
+        tokenizer.token_text(runtime.config.vision.image_token_id),
+        DTYPES[settings.dtype],
+        runtime.device,
+    )
+
+
+def _start_apis(server: GrpcServer, http: HttpServer | None) -> tuple[int | None, int]:
+    """Both APIs' ports (HTTP's None when off). HTTP first: gRPC health turning SERVING then means
+    both APIs answer."""
+    http_port = http.start() if http is not None else None
+    port = server.start()
+    return http_port, port
+
+
+def _log_serving(config: ServeConfig, info: ServingInfo, port: int, http_port: int | None) -> None:
     log.info(
         "serving %s on %s:%d, HTTP %s (tp=%d, %d lanes, room %d tokens)",
         info.model_name,
@@ -97,13 +121,16 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         config.lanes,
         info.room,
     )
+
+
+def _watch_followers(
+    host: LaneHost, runtime: RankRuntime, stop: threading.Event, broken: threading.Event
+) -> None:
+    """Until the stop signal or a broken engine: a lost follower fails the lane host."""
     while not (stop.wait(0.2) or broken.is_set()):
         lost = lost_follower(runtime)
         if lost is not None:
             host.fail(lost)  # ends every stream now; its on_broken sets `broken`
-    if broken.is_set():
-        return _exit_broken(stop, server, http)
-    return _stop_gracefully(config, host, leader, server, http, runtime, broken)
 
 
 def _exit_broken(stop: threading.Event, server: GrpcServer, http: HttpServer | None) -> int:

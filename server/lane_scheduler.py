@@ -1,0 +1,213 @@
+"""The scheduler's step: what one scheduling iteration does with the lanes and the backend.
+
+Each step: end cancelled streams, admit waiting jobs, run one chunk of a long prompt, then one
+decode round over every live lane (continuous batching: streams join and leave between rounds).
+Admission (lane_admit.py) decides what to take and runs the prompt passes; it returns what happened
+and the scheduler applies it: the streams and which job is chunking are the scheduler's alone, the
+queue is HostState's (taken under its lock, never across a backend call).
+A BackendBroken anywhere latches the host broken: every stream ends with an error, new work is
+refused and `on_broken` is called once so the daemon can exit non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from tpserve.server.backend import Backend, BackendBroken, DecodeItem, attempt
+from tpserve.server.drafts import Drafter
+from tpserve.server.host_state import HostState
+from tpserve.server.lane_admit import Admission, Chunking, Ended, FirstToken, Outcome
+from tpserve.server.lane_job import Job
+from tpserve.server.lane_table import LaneTable
+from tpserve.server.requests import CANCELLED, ERROR, Prefilled, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        backend: Backend,
+        state: HostState,
+        admission: Admission,
+        lanes: LaneTable,
+        *,
+        eos_ids: frozenset[int],
+        clock: Callable[[], float],
+        drafter: Drafter | None,
+        logprobs: Callable[[int, int], TokenLogprob | None] | None,
+        on_broken: Callable[[str], None] | None,
+    ):
+        self._backend = backend
+        self._state = state
+        self._admission = admission
+        self.lanes = lanes
+        self._eos_ids = eos_ids
+        self._clock = clock
+        self._drafter = drafter
+        self._logprobs = logprobs
+        self._on_broken = on_broken
+        self._step_lock = threading.Lock()
+        self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
+
+    def step(self) -> bool:
+        """One scheduling iteration. False when there was nothing it could do."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("step() is already running on another thread")
+        try:
+            if self._state.broken_reason is not None:
+                return False
+            try:
+                changed = self._end_cancelled()
+                if not self._state.stopping:
+                    changed = self._admit() or changed
+                changed = self._prefill_chunk() or changed
+                return self._decode_round() or changed
+            except BackendBroken as error:
+                self.latch_broken(str(error))
+                return False
+        finally:
+            self._step_lock.release()
+
+    def _end_cancelled(self) -> bool:
+        cancelled = [job for job in self.lanes.jobs() if job.cancel_requested]
+        for job in cancelled:
+            self._end(job, CANCELLED)
+        return bool(cancelled)
+
+    def _admit(self) -> bool:
+        """Admit waiting jobs while lanes, room and this step's prompt budget allow (lane_admit.py
+        says why that budget). True when anything changed."""
+        changed = False
+        budget = None  # None: nothing prefilled yet this step
+        for _ in range(self._admission.max_iterations):
+            waiting = self._state.peek_many(self._admission.max_joint_prompts)
+            victim = self._admission.yielding_stream(waiting, self._chunking)
+            if victim is not None:
+                self._yield_lane(victim)
+                changed = True
+                continue
+            jobs, budget = self._take_jobs(budget)
+            if not jobs:
+                break
+            changed = True
+            self._apply(self._admission.launch(jobs, self._chunking))
+        return changed
+
+    def _take_jobs(self, budget: int | None) -> tuple[list[Job], int | None]:
+        """Pop the head jobs Admission takes; with the step's prompt budget left after them."""
+        num_free = self.lanes.num_free
+        if not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
+            return [], budget
+        free_room = self._backend.free_room()
+        return self._state.pop_chosen(
+            min(self._admission.max_joint_prompts, num_free),
+            lambda head: self._admission.num_to_take(head, free_room, budget, self._chunking),
+        )
+
+    def _yield_lane(self, job: Job) -> None:
+        """A background stream gives up its lane and goes back to the front of the background line."""
+        if job is self._chunking:
+            self._chunking = None
+        self.lanes.close(job)
+        if not self._state.requeue_yielded(job):
+            self._end(job, CANCELLED)
+        log.debug("background stream yielded its lane after %d tokens", len(job.produced))
+
+    def _prefill_chunk(self) -> bool:
+        """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
+        if self._chunking is None:
+            return False
+        self._apply(self._admission.prefill_chunk(self._chunking))
+        return True
+
+    def _apply(self, outcomes: list[Outcome]) -> None:
+        """What Admission reports, in its order."""
+        for outcome in outcomes:
+            match outcome:
+                case Chunking(job):
+                    self._chunking = job
+                case FirstToken(job, token):
+                    if job is self._chunking:
+                        self._chunking = None  # its last chunk went
+                    self._first_token(job, token)
+                case Ended(job, reason, error):
+                    self._end(job, reason, error)
+
+    def _decode_round(self) -> bool:
+        self._end_cancelled()
+        live = [job for job in self.lanes.jobs() if job is not self._chunking]
+        if not live:
+            return False
+        drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
+        items = [
+            DecodeItem(job.lane, job.next_position, job.produced[-1], job.request.sampling, draft)
+            for job, draft in zip(live, drafts)
+        ]
+        if any(drafts):
+            samples, error = attempt(self._backend.decode_drafts, items)
+        else:
+            tokens, error = attempt(self._backend.decode, items)
+            samples = [[token] for token in tokens] if error is None else None
+        if error is not None:
+            raise BackendBroken(f"a decode round failed: {error!r}") from error
+        if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
+            raise BackendBroken(
+                f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
+            )
+        for job, draft, tokens in zip(live, drafts, samples):
+            for token in self._drafter.kept(job, draft, tokens) if draft else tokens:
+                self._take_token(job, token)
+                if job.lane is None:  # the reply ended: later tokens are not part of it
+                    break
+        return True
+
+    def _first_token(self, job: Job, token: int) -> None:
+        if not job.prefilled_sent:
+            job.prefilled_sent = True
+            job.stream.put(Prefilled(cached_tokens=job.cached_tokens))
+        self._take_token(job, token)
+
+    def _take_token(self, job: Job, token: int) -> None:
+        logprob = None
+        if self._logprobs is not None and job.wants_logprobs and job.lane is not None:
+            logprob = self._logprobs(job.lane, job.next_token_position)
+        try:
+            reason = job.accept(token, self._eos_ids, self._clock(), logprob)
+        except Exception as error:  # a token the tokenizer cannot decode fails this stream alone
+            self._end(job, ERROR, f"could not decode token {token}: {error}")
+            return
+        if reason is not None:
+            self._end(job, reason)
+
+    def end_all(self, reason: str) -> None:
+        """End every stream holding a lane (a stop's deadline passed)."""
+        for job in self.lanes.jobs():
+            self._end(job, reason)
+
+    def _end(self, job: Job, reason: str, error: str | None = None) -> None:
+        """Close the job's lane if it holds one, then send Finished."""
+        if job is self._chunking:
+            self._chunking = None  # no more of its chunks go
+        if job.lane is not None:
+            self.lanes.close(job)
+        self._state.finish(job, reason, error)
+
+    def latch_broken(self, reason: str, forget_lanes: bool = True) -> None:
+        """On the scheduler thread (or with none running): forget_lanes; from another, not."""
+        jobs = self._state.latch_broken(reason)
+        if jobs is None:
+            return
+        log.error("engine broken: %s; ending %d streams", reason, len(jobs))
+        if forget_lanes:
+            self.lanes.forget_all()
+            self._chunking = None
+        for job in jobs:
+            self._state.finish(job, ERROR, f"engine broken: {reason}")
+        if self._on_broken is not None:
+            try:
+                self._on_broken(reason)
+            except Exception:
+                log.exception("the on_broken callback failed")
