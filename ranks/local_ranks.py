@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from tpserve.ranks.follow import run_follower
 from tpserve.ranks.settings import EngineSettings
-from tpserve.ranks.startup import RankRuntime, leave_if_failed, shutdown, start_rank
+from tpserve.ranks.startup import RankRuntime, leave, shutdown, start_rank
 
 
 def free_port() -> int:
@@ -19,7 +19,7 @@ def free_port() -> int:
 
 
 def _follower_process(settings: EngineSettings, rank: int, world_size: int, port: int) -> None:
-    raise SystemExit(leave_if_failed(run_follower(settings, rank, world_size, "127.0.0.1", port)))
+    leave(run_follower(settings, rank, world_size, "127.0.0.1", port))
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from tpserve.ranks.follow import run_follower
 from tpserve.ranks.local_ranks import free_port, local_followers
 from tpserve.ranks.logs import setup_logging
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.startup import leave_if_failed, start_rank
+from tpserve.ranks.startup import leave, start_rank
 from tpserve.server.config import ConfigError, add_config_flags, load_config, overrides_from
 from tpserve.server.daemon import serve_rank0
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if placement.rank > 0:
         wait_for_stop_on_signals(placement.rank, config.grace_s + FOLLOWER_MARGIN_S)
-        return leave_if_failed(run_follower(settings, placement.rank, *address, **where))
+        leave(run_follower(settings, placement.rank, *address, **where))
     with ExitStack() as stack:
         if placement.spawn_followers:
             # The followers inherit ignored stop signals: Ctrl-C reaches this whole process group,
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 stack.enter_context(local_followers(settings, placement.port))
         runtime = start_rank(settings, 0, *address, **where)
         code = serve_rank0(config, runtime, runtime.settings)
-    return leave_if_failed(code)
+    leave(code)
 
 
 @contextmanager
