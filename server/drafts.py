@@ -54,10 +54,10 @@ class Drafter:
 
     A round feeds at most `num_rows` tokens, shared evenly: a stream's drafts never run past its
     KV reservation or its max_tokens. Checking a draft is not free (a quantized product computes
-    every row it is given: int8, one lane, 15 drafts cost 2.3x a plain step), so each stream drafts
-    as far as its guesses have lately been right: it starts at FIRST_DRAFT tokens, doubles while
-    every draft is kept, falls back to the number kept when one is wrong, and after a round that
-    keeps none rests RETRY_AFTER rounds before guessing one token again.
+    every row it is given: int8, one lane, 15 drafts cost 2.3x a plain step in CPU time), so a
+    stream whose guesses keep failing guesses less: each round that keeps none of its drafts halves
+    its reach, a round that keeps them all doubles it (up to max_draft_tokens), and at zero it rests
+    RETRY_AFTER rounds before guessing one token again.
     """
 
     def __init__(self, max_draft_tokens: int, num_rows: int):
@@ -74,7 +74,7 @@ class Drafter:
             return [()] * len(jobs)
         out = []
         for job in jobs:
-            reach = self._streams.setdefault(job, _Reach(min(FIRST_DRAFT, self.max_draft_tokens)))
+            reach = self._streams.setdefault(job, _Reach(self.max_draft_tokens))
             room = min(job.reserve - job.next_position, job.request.max_tokens - len(job.produced)) - 1
             out.append(propose(job.feed_ids, min(per_job, room, reach.next_round())))
         return out
@@ -90,8 +90,7 @@ class Drafter:
         return tokens[:num_kept]
 
 
-FIRST_DRAFT = 4  # a stream's first guesses: tokens
-RETRY_AFTER = 8  # rounds a stream rests after a round that kept none of its drafts
+RETRY_AFTER = 8  # rounds a stream rests once its reach fell to zero
 
 
 class _Reach:
@@ -111,7 +110,10 @@ class _Reach:
     def checked(self, num_drafted: int, num_accepted: int, most: int) -> None:
         if num_drafted == 0:  # nothing recurred: no evidence either way
             return
-        self.tokens = min(most, 2 * num_drafted) if num_accepted == num_drafted else num_accepted
+        if num_accepted == num_drafted:
+            self.tokens = min(most, 2 * self.tokens)
+        elif num_accepted == 0:
+            self.tokens //= 2
 
 
 def count_kept(draft: Sequence[int], tokens: Sequence[int]) -> int:
