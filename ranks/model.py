@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
 from tpserve.kernels.collectives import Collectives
 from tpserve.kernels.embedding import place_features
+from tpserve.kernels.int8_linear import PackedWeight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
@@ -47,6 +48,11 @@ class PieceLayer:
         # mode its float weight goes to float16 instead; a checkpoint's int8 down_proj stays int8.
         down = "fp16" if quantize == "int8" else quantize
         self.w_down = pack_weight(tensors.pop(mlp + "down_proj.weight"), down)  # [hidden, I_piece]
+
+    def products(self) -> list:
+        """The layer's computed weights (a piece holding no KV head computes no q/k/v nor o)."""
+        attention = [self.w_qkv, self.w_o] if self.num_kv_heads else []
+        return [*attention, self.w_gate_up, self.w_down]
 
 
 class PassPlan:
@@ -112,8 +118,9 @@ class TPModel:
         self.scale = config.head_dim**-0.5
         self.row_tile = row_tile  # see kernels/linear.py: batch-invariant products
         # Packed products give a row the same bits at any batch (kernels/int8_linear.py): only float
-        # weights need a pass padded to whole tiles.
-        self.pad_rows = row_tile if quantize == "none" else 0
+        # layer weights need a pass padded to whole tiles (the head tiles its own rows).
+        products = [w for pieces in self.layers for layer in pieces for w in layer.products()]
+        self.pad_rows = row_tile if any(not isinstance(w, PackedWeight) for w in products) else 0
 
     def kv_heads_per_piece(self) -> list[int]:
         """KV heads of each of this rank's pieces: the KV store's shape (ranks/kv_store.py)."""
