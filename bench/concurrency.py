@@ -34,6 +34,7 @@ from bench.common import (  # noqa: E402
     submit_together,
     watch_streams,
 )
+from tpserve.ranks.settings import QUANTIZE_CHOICES  # noqa: E402
 from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 from tpserve.server.wiring import local_engine  # noqa: E402
@@ -62,6 +63,7 @@ def run_concurrency(
     num_rounds: int = 1,
     dtype: str = "float32",
     batch_invariant: bool = True,
+    quantize: str = "none",
 ) -> dict:
     """Each stream count once per round on one two-rank engine; median tokens/s over rounds."""
     num_lanes = max(MIN_LANES, *stream_counts)
@@ -73,6 +75,7 @@ def run_concurrency(
             num_lanes=num_lanes,
             context_size=_context_size(model_dir, num_lanes, max_tokens),
             batch_invariant=batch_invariant,
+            quantize=quantize,
         )
     ) as engine:
         prompts = [chat_prompt(engine.tokenizer, index) for index in range(num_lanes)]
@@ -139,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens every reply runs to")
     parser.add_argument("--rounds", type=int, default=1, help="times every stream count runs, in turn")
     parser.add_argument("--no-batch-invariant", action="store_true", help="the BLAS's fastest kernels")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none")
     args = parser.parse_args(argv)
     if min(args.streams) < 1:
         parser.error("--streams must be at least 1")
@@ -149,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_rounds=args.rounds,
         dtype=args.dtype,
         batch_invariant=not args.no_batch_invariant,
+        quantize=args.quantize,
     )
     print_report(report)
     return finish(report, args.json)

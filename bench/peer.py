@@ -197,14 +197,15 @@ def find_llama_server(given: str | None) -> str | None:
 
 
 def roofline(model_dir: str) -> dict:
-    """Rank 0's float32 weight bytes per token, the read bandwidth here, and their ratio."""
+    """The float32 weight bytes per token of the rank that reads most, the read bandwidth here, and
+    their ratio."""
     config = load_model_config(model_dir)
-    bytes_per_token = weight_bytes_per_token(config, 0, 2, 4)
+    bytes_per_token = max(weight_bytes_per_token(config, rank, 2, 4) for rank in range(2))
     torch.set_num_threads(1)
     buffer = torch.ones(64 << 20)  # 256 MiB, past the caches
     bandwidth = median([read_bandwidth(buffer) for _ in range(5)])
     return {
-        "rank0_mb_per_token": bytes_per_token / 1e6,
+        "mb_per_token": bytes_per_token / 1e6,
         "gb_s": bandwidth / 1e9,
         "tok_s": bandwidth / bytes_per_token,
     }
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     roof = report["roofline"]
     print(
-        f"fp32 roofline: {roof['gb_s']:.1f} GB/s / {roof['rank0_mb_per_token']:.0f} MB/token = {roof['tok_s']:.1f} tok/s"
+        f"fp32 roofline: {roof['gb_s']:.1f} GB/s / {roof['mb_per_token']:.0f} MB/token = {roof['tok_s']:.1f} tok/s"
     )
     incomplete = [
         name
