@@ -71,27 +71,11 @@ class Piece:
         return self.kv_heads[1] - self.kv_heads[0]
 
 
-MLP_ALIGN = 32  # MLP columns a piece takes come in multiples of this when the split is uneven
-
-
 def plan_pieces(config: ModelConfig) -> list[Piece]:
     kv = split_evenly(config.num_kv_heads, NUM_PIECES)
-    mlp = mlp_split(config.intermediate_size, [end - start for start, end in kv])
+    mlp = split_evenly(config.intermediate_size, NUM_PIECES)
     vocab = split_evenly(config.vocab_size, NUM_PIECES)
     return [Piece(i, kv[i], mlp[i], vocab[i]) for i in range(NUM_PIECES)]
-
-
-def mlp_split(intermediate: int, kv_heads: list[int]) -> list[tuple[int, int]]:
-    """The MLP columns of each piece: even, unless the KV heads split unevenly (3 over 2: 2 + 1).
-    Then the piece with more attention takes fewer columns, in inverse proportion (1/3 and 2/3 of
-    them for 2 + 1), so that two ranks' work evens out: SmolLM2's rank 0, with 2 KV heads, took
-    24.0 ms a one-lane decode round against rank 1's 21.1 and 68 against 51 at 16 lanes, with
-    the columns even."""
-    if len(set(kv_heads)) == 1 or min(kv_heads) == 0 or len(kv_heads) != 2:
-        return split_evenly(intermediate, len(kv_heads))
-    first = intermediate * kv_heads[1] / sum(kv_heads)
-    first = min(max(MLP_ALIGN, round(first / MLP_ALIGN) * MLP_ALIGN), intermediate - MLP_ALIGN)
-    return [(0, first), (first, intermediate)]
 
 
 def pieces_of_rank(config: ModelConfig, tp_rank: int, tp_size: int) -> list[Piece]:

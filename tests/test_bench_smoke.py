@@ -47,10 +47,9 @@ def test_decode_roofline_reports_every_mode_and_tp2_decodes_the_tokens_of_tp1(ti
         ]
         assert math.isclose(row["roofline_fraction"], statistics.median(fractions))
         assert row["bytes_per_token"] == max(row["rank_bytes_per_token"])
-    # The uneven 2+1 KV split, evened out by an uneven MLP split: the ranks read different
-    # amounts, the larger bounds the pair, yet less than tp=1 reads.
+    # The uneven 2+1 KV split: rank 0 reads more and bounds the pair, yet less than tp=1 reads.
     tp1, tp2 = modes[(1, True)], modes[(2, True)]
-    assert tp2["rank_bytes_per_token"][0] != tp2["rank_bytes_per_token"][1]
+    assert tp2["rank_bytes_per_token"][0] > tp2["rank_bytes_per_token"][1]
     assert tp1["bytes_per_token"] / 2 < tp2["bytes_per_token"] < tp1["bytes_per_token"]
     assert report["ratios"]["tp2_tokens_equal_tp1_invariant"] is True
     assert report["ratios"]["tp2_tokens_equal_tp1_fast"] is True

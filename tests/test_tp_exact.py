@@ -18,7 +18,6 @@ from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
-from tpserve.ranks.sharding import mlp_split
 
 PROMPTS = [(5, 17, 99, 3, 42, 8, 250), tuple(range(20, 60)), (7,)]
 SAMPLINGS = [
@@ -163,12 +162,3 @@ def test_int8_logits_are_near_the_float_ones_but_not_the_same(tmp_path):
     error = (first_int8 - first_float).norm() / first_float.norm()
     assert 0 < error < 0.05, f"int8 logits {error:.4f} away from float32 (relative)"
     assert torch.equal(first_int8.argmax(-1), first_float.argmax(-1))
-
-
-def test_an_uneven_kv_split_is_evened_out_by_the_mlp_columns():
-    # SmolLM2-135M: 3 KV heads over 2 pieces (2 + 1); the piece with one KV head takes 2/3 of the
-    # MLP columns. Even KV splits, and a piece with no KV head, keep the columns even.
-    assert mlp_split(1536, [2, 1]) == [(0, 512), (512, 1536)]
-    assert mlp_split(1536, [1, 1]) == [(0, 768), (768, 1536)]
-    assert mlp_split(1536, [1, 0]) == [(0, 768), (768, 1536)]
-    assert mlp_split(128, [2, 1]) == [(0, 32), (32, 128)]  # the tiny models above: tp=2 == tp=1 holds
