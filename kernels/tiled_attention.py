@@ -2,8 +2,9 @@
 
 A span's queries are grouped under their KV head (query head h reads KV head h // g), laid out
 position-major ([n positions x g heads] rows) and cut into tiles of ROW_TILE rows; its keys are cut
-into blocks of KEY_BLOCK. (ROW_TILE is attention's own, smaller than the linear layers' tile: a decode
-step has only g rows per KV head, and every row past them in its tile is work thrown away.) Every product is then a batch of
+into blocks of KEY_BLOCK. (ROW_TILE is attention's own, smaller than the linear layers' tile: a
+decode step has only g rows per KV head, and every row past them in its tile is work thrown away.)
+Every product is then a batch of
     scores   [ROW_TILE, D] x [D, KEY_BLOCK]
     values   [ROW_TILE, KEY_BLOCK] x [KEY_BLOCK, D]
     weights  [ROW_TILE, KEY_BLOCK] x [KEY_BLOCK, ROW_TILE] of ones

@@ -3,9 +3,9 @@
 Text often repeats what came earlier (a name, a quoted line, code being edited). When the last
 `n` tokens of a stream's history also occur earlier in it, the tokens that followed them there
 are a guess at what comes next. The host has the engine check the guesses in the same pass as the
-stream's next token; with batch-invariant products a checked guess costs almost nothing (a decode
-product is padded to 16 rows anyway) and changes no token: the reply is the one plain decoding
-gives. No model is needed, and a wrong guess only costs its rows.
+stream's next token; with batch-invariant products a checked guess changes no token: the reply is
+the one plain decoding gives. No model is needed, and a wrong guess only costs its rows (nearly
+nothing where float products are padded to 16 rows anyway; more in int8, hence `_Reach`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Drafter:
         self.num_accepted += num_kept - 1
         reach = self._streams.get(job)
         if reach is not None:
-            reach.checked(len(draft), num_kept - 1, self.max_draft_tokens)
+            reach.checked(len(draft), num_kept - 1)
         return tokens[:num_kept]
 
 
@@ -96,8 +96,9 @@ RETRY_AFTER = 8  # rounds a stream rests once its reach fell to zero
 class _Reach:
     """How many draft tokens one stream may have checked next (0: resting)."""
 
-    def __init__(self, tokens: int):
-        self.tokens = tokens
+    def __init__(self, most: int):
+        self.most = most
+        self.tokens = most  # a stream starts at the most it may
         self.resting = 0
 
     def next_round(self) -> int:
@@ -107,11 +108,11 @@ class _Reach:
                 self.tokens, self.resting = 1, 0
         return self.tokens
 
-    def checked(self, num_drafted: int, num_accepted: int, most: int) -> None:
+    def checked(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:  # nothing recurred: no evidence either way
             return
         if num_accepted == num_drafted:
-            self.tokens = min(most, 2 * self.tokens)
+            self.tokens = min(self.most, 2 * self.tokens)
         elif num_accepted == 0:
             self.tokens //= 2
 
