@@ -12,14 +12,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tpserve.kernels.attention import SpanView, kv_slots, span_attention, write_kv
+from tpserve.kernels.attention import SpanView, kv_slots, write_kv
+from tpserve.kernels.attention_kernels import TILED, AttentionKernel, choose_attention
 from tpserve.kernels.collectives import Collectives
 from tpserve.kernels.embedding import place_features
 from tpserve.kernels.int8_linear import PackedWeight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
-from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
 from tpserve.ranks.int8_tensors import fuse, pack_weight
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, split_evenly
@@ -57,7 +57,7 @@ class PieceLayer:
 
 class PassPlan:
     """What every layer of one pass shares, built once: the KV slots its tokens write, the rotary
-    tables of its positions and (batch-invariant) the attention tiles' index tensors.
+    tables of its positions and what the attention kernel reads (spans, or tiles' index tensors).
 
     In batch-invariant mode with float weights the pass's rows are padded once to whole row tiles
     (kernels/linear.py), so every layer's products run on them as they are; the padding rows are never
@@ -74,9 +74,7 @@ class PassPlan:
         padded = F.pad(positions, (0, self.padding)) if self.padding else positions
         self.rotary = model.rotary.tables(padded, model.dtype)
         group = model.config.num_queries_per_kv
-        self.tiles = (
-            TiledPlan(spans, group, num_slots, model.device, self.num_rows) if model.row_tile else None
-        )
+        self.attention = model.attention.plan(spans, group, num_slots, model.device, self.num_rows)
 
 
 class TPModel:
@@ -92,6 +90,7 @@ class TPModel:
         max_positions: int,
         row_tile: int = 0,
         quantize: str = "none",
+        attention: AttentionKernel | None = None,
     ):
         self.config = config
         self.pieces = pieces
@@ -117,10 +116,17 @@ class TPModel:
         )
         self.scale = config.head_dim**-0.5
         self.row_tile = row_tile  # see kernels/linear.py: batch-invariant products
+        self.attention = attention or choose_attention(
+            bool(row_tile), config.head_dim, config.num_queries_per_kv, self.dtype, self.device
+        )
         # Packed products give a row the same bits at any batch (kernels/int8_linear.py): only float
         # layer weights need a pass padded to whole tiles (the head tiles its own rows).
         products = [w for pieces in self.layers for layer in pieces for w in layer.products()]
         self.pad_rows = row_tile if any(not isinstance(w, PackedWeight) for w in products) else 0
+
+    def serve_attention_tiled(self) -> None:
+        """Attention by tiled BLAS products from now on: where another rank has no C kernel."""
+        self.attention = TILED
 
     def kv_heads_per_piece(self) -> list[int]:
         """KV heads of each of this rank's pieces: the KV store's shape (ranks/kv_store.py)."""
@@ -160,10 +166,7 @@ class TPModel:
         v = heads[:, num_q + num_kv :]
         real = plan.num_tokens
         write_kv(pool_k, pool_v, k[:real] if plan.padding else k, v[:real] if plan.padding else v, plan.slots)
-        if self.row_tile:
-            attended = tiled_attention(q, pool_k, pool_v, plan.tiles, self.scale)
-        else:
-            attended = span_attention(q, pool_k, pool_v, plan.spans, self.scale)
+        attended = self.attention.attend(q, pool_k, pool_v, plan.attention, self.scale)
         return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
 
     def _mlp(self, layer: PieceLayer, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tpserve.kernels.attention import SpanView
 from tpserve.kernels.linear import linear
 from tpserve.kernels.machine import describe_machine
 from tpserve.kernels.norms import rms_norm
-from tpserve.kernels.tiled_attention import KEY_BLOCK, TiledPlan, tiled_attention
+from tpserve.kernels.tiled_attention import KEY_BLOCK
 
 PROBE_ROWS = 40  # three row tiles: a row alone, in a small batch, in the second and third tiles
 PROBE_KEYS = 2 * KEY_BLOCK + 88  # across two key-block edges
@@ -38,10 +38,11 @@ class ProbeFailure(Exception):
     """A product that rounds a row differently by its batch on this machine."""
 
 
-def probe_model(model, *, product=linear, attention=tiled_attention) -> None:
+def probe_model(model, *, product=linear, attention=None) -> None:
     """Raises ProbeFailure unless every product of `model` (a TPModel) is batch-invariant here.
 
-    product and attention are the kernels checked; tests pass a deliberately shape-dependent one.
+    product and attention are the kernels checked (attention: the model's own unless given, with the
+    model's plans); tests pass a deliberately shape-dependent one.
     """
     gen = torch.Generator().manual_seed(0)
     first = model.layers[0]
@@ -56,7 +57,7 @@ def probe_model(model, *, product=linear, attention=tiled_attention) -> None:
     cfg = model.config
     for num_kv_heads in sorted({layer.num_kv_heads for layer in first if layer.num_kv_heads}):
         shape = (num_kv_heads, cfg.num_queries_per_kv, cfg.head_dim)
-        _check_attention(attention, *shape, model.dtype, model.device, gen)
+        _check_attention(model.attention.plan, attention or model.attention.attend, *shape, model, gen)
 
 
 def _linears(piece):
@@ -81,14 +82,15 @@ def _check_rows(name: str, compute, x: torch.Tensor) -> None:
             )
 
 
-def _check_attention(attention, num_kv_heads: int, group: int, head_dim: int, dtype, device, gen) -> None:
+def _check_attention(make_plan, attention, num_kv_heads: int, group: int, head_dim: int, model, gen) -> None:
+    dtype, device = model.dtype, model.device
     q = torch.randn(PROBE_KEYS, num_kv_heads * group, head_dim, generator=gen).to(device, dtype)
     k, v = (
         torch.randn(num_kv_heads, PROBE_KEYS, head_dim, generator=gen).to(device, dtype) for _ in range(2)
     )
 
     def attend(queries, spans):
-        plan = TiledPlan(spans, group, PROBE_KEYS, q.device)
+        plan = make_plan(spans, group, PROBE_KEYS, q.device, queries.shape[0])
         return attention(queries, k, v, plan, head_dim**-0.5).view(queries.shape)
 
     whole = attend(q, [SpanView(0, 0, 0, PROBE_KEYS)])
@@ -105,7 +107,7 @@ def _check_attention(attention, num_kv_heads: int, group: int, head_dim: int, dt
         ):
             if not torch.equal(rows, whole[start : start + length]):
                 raise ProbeFailure(
-                    f"attention ({num_kv_heads} KV heads x {group} queries, head_dim {head_dim}, "
+                    f"{model.attention.name} attention ({num_kv_heads} KV heads x {group} queries, head_dim {head_dim}, "
                     f"{dtype}): {length} rows at position {start} {label} differ from the whole "
                     f"{PROBE_KEYS}-token prefill ({describe_machine()}); {OFF_SWITCH}"
                 )

@@ -20,6 +20,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from tpserve.kernels.attention_kernels import NATIVE
 from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
@@ -131,6 +132,17 @@ def check_checkpoint_quantization(
         raise UserError(f"{what}: {why_not}; serve a float checkpoint there")
     if settings.dtype != "float32":
         raise UserError(f"{what}: its int8 layers compute in float32, not dtype {settings.dtype}")
+
+
+def agree_on_attention(model, rank: int, group) -> None:
+    """Every rank serves with one attention kernel: the C one only where every rank built it (a
+    host with no compiler would otherwise give its heads other bits than tp=1 does)."""
+    native = torch.tensor([model.attention is NATIVE], dtype=torch.int64)
+    dist.all_reduce(native, op=dist.ReduceOp.MIN, group=group)
+    if model.attention is NATIVE and not native.item():
+        log.info("rank %d: another rank has no C attention kernel; all serve tiled", rank)
+        model.serve_attention_tiled()
+    log.info("rank %d: attention kernel: %s", rank, model.attention.name)
 
 
 def check_invariance(model, rank: int, group, drill: bool = False) -> None:
@@ -282,6 +294,7 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
         quantize=settings.quantize,
     )
     if settings.batch_invariant:
+        agree_on_attention(model, rank, control)
         check_invariance(model, rank, control, drill=settings.shape_dependent_on_rank == rank)
     return model
 

@@ -7,7 +7,6 @@ import torch
 from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.linear import ROW_TILE, linear
-from tpserve.kernels.tiled_attention import tiled_attention
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 
@@ -68,7 +67,7 @@ def test_a_shape_dependent_attention_is_refused(tmp_path):
     model = tiny_rank(tmp_path, "llama", 0, 2)
 
     def shifted(q, pool_k, pool_v, plan, scale):
-        out = tiled_attention(q, pool_k, pool_v, plan, scale)
+        out = model.attention.attend(q, pool_k, pool_v, plan, scale)
         return out * (1 + 1e-3 * (len(plan.spans) > 1))
 
     with pytest.raises(ProbeFailure, match=r"attention \(2 KV heads x 2 queries, head_dim 16"):

@@ -1,0 +1,52 @@
+"""Which attention kernel a model serves with, chosen once at load.
+
+- native: kernels/native_attention.py, one C call per layer, batch-invariant; CPUs, float32, where
+  a C compiler builds it.
+- tiled: kernels/tiled_attention.py, fixed-shape BLAS products, batch-invariant on any device.
+- spans: kernels/attention.py, SDPA a span at a time: fast, not batch-invariant.
+Every rank of a group must serve with the same one (ranks/startup.py agrees on it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.kernels.attention import span_attention
+from tpserve.kernels.native_attention import NativePlan, native_attention, native_unavailable
+from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    name: str
+    # (spans, group, num_slots, device, num_rows) -> what `attend` reads: built once per pass
+    plan: Callable
+    # (q [T, Hq, D], pool_k, pool_v [Hkv, slots, D], plan, scale) -> [T, Hq*D]
+    attend: Callable
+    batch_invariant: bool
+
+
+NATIVE = AttentionKernel(
+    "native", lambda spans, group, *_: NativePlan(spans, group), native_attention, batch_invariant=True
+)
+TILED = AttentionKernel("tiled", TiledPlan, tiled_attention, batch_invariant=True)
+SPANS = AttentionKernel("spans", lambda spans, *_: spans, span_attention, batch_invariant=False)
+
+
+def choose_attention(
+    batch_invariant: bool, head_dim: int, group: int, dtype: torch.dtype, device
+) -> AttentionKernel:
+    """The fastest kernel that keeps the exactness asked for on this device."""
+    if not batch_invariant:
+        return SPANS
+    why_not = native_unavailable(head_dim, group, dtype, device)
+    if why_not is None:
+        return NATIVE
+    log.info("attention: tiled BLAS products (%s)", why_not)
+    return TILED
