@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.kernels.attention import span_attention
-from tpserve.kernels.native_attention import NativePlan, native_attention, native_unavailable
+from tpserve.kernels.native_attention import (
+    NativePlan,
+    native_attention,
+    native_unavailable,
+    rotate_store_attend,
+)
 from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
 
 log = logging.getLogger(__name__)
@@ -30,10 +35,17 @@ class AttentionKernel:
     # (q [T, Hq, D], pool_k, pool_v [Hkv, slots, D], plan, scale) -> [T, Hq*D]
     attend: Callable
     batch_invariant: bool
+    # (q, k, v [T, H, D] unrotated, rotary tables, slots, pool_k, pool_v, plan, scale) -> [T, Hq*D]:
+    # rotary, the KV writes and attend in one call, where the kernel has one
+    rotate_store_attend: Callable | None = None
 
 
 NATIVE = AttentionKernel(
-    "native", lambda spans, group, *_: NativePlan(spans, group), native_attention, batch_invariant=True
+    "native",
+    lambda spans, group, *_: NativePlan(spans, group),
+    native_attention,
+    batch_invariant=True,
+    rotate_store_attend=rotate_store_attend,
 )
 TILED = AttentionKernel("tiled", TiledPlan, tiled_attention, batch_invariant=True)
 SPANS = AttentionKernel("spans", lambda spans, *_: spans, span_attention, batch_invariant=False)

@@ -21,9 +21,13 @@ CPU) are refused by name at start-up: serve them in float.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import warnings
 
 import torch
+
+from tpserve.kernels import native
 
 QUANTIZE_CHOICES = ("none", "int8", "auto")  # auto: int8 where it runs (int8_available), else none
 ENGINE = "fbgemm"
@@ -108,11 +112,36 @@ class Int8Weight(PackedWeight):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out] float32
         x = x if x.dtype == torch.float32 else x.float()
-        absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
-        rows = torch.cat((x / absmax, self._sentinel))
+        if _native_rows() is not None and x.stride(1) == 1:
+            rows, absmax = _rows_natively(x)
+        else:
+            absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
+            rows = torch.cat((x / absmax, self._sentinel))
         out = torch.ops.quantized.linear_dynamic(rows, self._packed, REDUCE_RANGE)[: x.shape[0]]
         out = out.mul_(absmax)
         return out.add_(bias) if bias is not None else out
+
+
+@functools.cache
+def _native_rows():
+    """kernels/native/int8_rows.c's entry, or None where no C kernel builds (the torch ops serve:
+    the same bits, in five calls instead of one)."""
+    try:
+        entry = native.load("int8_rows").tp_int8_rows
+    except native.NativeUnavailable:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    entry.restype, entry.argtypes = None, [p, i64, i64, i64, p, p]
+    return entry
+
+
+def _rows_natively(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, in] -> (x / its rows' absmax, then the sentinel row: [T + 1, in]; the absmax [T, 1])."""
+    num_rows, num_cols = x.shape
+    rows = torch.empty(num_rows + 1, num_cols)
+    absmax = torch.empty(num_rows, 1)
+    _native_rows()(x.data_ptr(), num_rows, num_cols, x.stride(0), rows.data_ptr(), absmax.data_ptr())
+    return rows, absmax
 
 
 class Fp16Weight(PackedWeight):

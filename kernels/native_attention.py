@@ -11,6 +11,7 @@ machines where no C kernel is built.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -46,24 +47,26 @@ def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) ->
     return None
 
 
+_P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# The tail every entry point shares: pool_k, pool_v, head_stride, num_kv_heads, group, head_dim,
+# spans, num_spans, scale, out.
+_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _P, _INT, _FLOAT, _P]
+_SIGNATURES = {
+    "tp_span_attention": [_P, _I64, *_ATTEND],
+    # q, k, v with their token strides, cos, sin, slots, num_real, then the shared tail
+    "tp_rotate_store_attend": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _I64, *_ATTEND],
+}
+
+
+@functools.cache
+def _entry(name: str):
+    entry = getattr(native.load("attention"), name)
+    entry.restype, entry.argtypes = ctypes.c_int, _SIGNATURES[name]
+    return entry
+
+
 def _kernel():
-    kernel = native.load("attention").tp_span_attention
-    kernel.restype = ctypes.c_int
-    kernel.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_void_p,
-    ]
-    return kernel
+    return _entry("tp_span_attention")
 
 
 def native_attention(
@@ -94,6 +97,79 @@ def native_attention(
         scale,
         out.data_ptr(),
     )
+    _check(failed)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def rotate_store_attend(
+    qkv, num_q: int, normed, tables, slots, pool_k, pool_v, plan: NativePlan, scale: float
+) -> torch.Tensor:
+    """A layer's attention block in one call: q and k rotated by `tables` (cos, signed sin: [T, 1,
+    D]), k and v stored at `slots` ([T_real]: rows past them are padding), then attention.
+
+    qkv: [T, (Hq + 2 Hkv) * D], the fused product (q heads, k heads, v heads); normed: None, or q
+    [T, Hq, D] and k [T, Hkv, D] normed first (qk_norm), read instead of qkv's; pool_*: [Hkv,
+    slots, D]. Returns [T, Hq*D], padding rows zero."""
+    _check_pool(pool_k, pool_v)
+    num_kv_heads, head_dim = pool_k.shape[0], pool_k.shape[2]
+    num_tokens = qkv.shape[0]
+    if qkv.stride(1) != 1:
+        raise ValueError("qkv must be rows of whole heads")
+    float_size = qkv.element_size()
+    base, stride = qkv.data_ptr(), qkv.stride(0)
+    q, q_stride = base, stride
+    k, k_stride = base + num_q * head_dim * float_size, stride
+    v = base + (num_q + num_kv_heads) * head_dim * float_size
+    if normed is not None:
+        (q, q_stride), (k, k_stride) = ((x.data_ptr(), x.stride(0)) for x in map(_rows_of_heads, normed))
+    cos, sin = tables
+    out = (torch.empty if plan.num_rows == num_tokens else torch.zeros)(num_tokens, num_q * head_dim)
+    failed = _entry("tp_rotate_store_attend")(
+        q,
+        q_stride,
+        k,
+        k_stride,
+        v,
+        stride,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        slots.shape[0],
+        *_attend_args(pool_k, pool_v, plan, head_dim, scale, out),
+    )
+    _check(failed)
+    return out
+
+
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with whole heads in rows (copied if not)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def _attend_args(pool_k, pool_v, plan: NativePlan, head_dim: int, scale: float, out) -> tuple:
+    num_kv_heads = pool_k.shape[0]
+    return (
+        pool_k.data_ptr(),
+        pool_v.data_ptr(),
+        pool_k.stride(0),
+        num_kv_heads,
+        plan.group,
+        head_dim,
+        plan.table.data_ptr(),
+        plan.table.shape[0],
+        scale,
+        out.data_ptr(),
+    )
+
+
+def _check_pool(pool_k, pool_v) -> None:
+    head_dim = pool_k.shape[2]
+    if pool_k.stride(2) != 1 or pool_k.stride(1) != head_dim or pool_v.stride() != pool_k.stride():
+        raise ValueError(
+            "the KV pool's heads must be [slots, head_dim] rows with one layout for keys and values"
+        )
+
+
+def _check(failed: int) -> None:
     if failed:
         raise MemoryError("the C attention kernel could not allocate its scores")
-    return out.view(num_tokens, num_heads * head_dim)

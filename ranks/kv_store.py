@@ -71,9 +71,11 @@ class KVPool:
             torch.zeros(num_layers, h, num_slots, head_dim, dtype=dtype, device=device) for h in kv_heads
         ]
         self.allocator = RangeAllocator(num_slots)
+        # Every (piece, layer)'s views made once: a pass takes them with no op per layer.
+        self._layers = [[(k[i], v[i]) for i in range(num_layers)] for k, v in zip(self.k, self.v)]
 
     def layer(self, piece: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[piece][layer], self.v[piece][layer]
+        return self._layers[piece][layer]
 
     def copy(self, source: KVPool, source_start: int, target_start: int, num_tokens: int) -> None:
         """Copy num_tokens slots of every layer from `source` (may be self) into this pool."""

@@ -155,6 +155,18 @@ class TPModel:
         cfg, num_rows = self.config, x.shape[0]
         qkv = linear(x, layer.w_qkv, layer.b_qkv, self.row_tile, plan.num_tokens)
         num_q, num_kv = layer.num_q_heads, layer.num_kv_heads
+        if self.attention.rotate_store_attend is not None:  # one call from here to the o product
+            normed = None  # q and k read from qkv itself, unless normed first
+            if qk_norms is not None:
+                heads = qkv.view(num_rows, num_q + 2 * num_kv, cfg.head_dim)
+                normed = (
+                    rms_norm(heads[:, :num_q], qk_norms[0], cfg.rms_norm_eps),
+                    rms_norm(heads[:, num_q : num_q + num_kv], qk_norms[1], cfg.rms_norm_eps),
+                )
+            attended = self.attention.rotate_store_attend(
+                qkv, num_q, normed, plan.rotary, plan.slots, pool_k, pool_v, plan.attention, self.scale
+            )
+            return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
         heads = qkv.view(num_rows, num_q + 2 * num_kv, cfg.head_dim)  # q heads, k heads, v heads
         if qk_norms is None:  # q and k rotated together
             q, k = self.rotary.apply(heads[:, : num_q + num_kv], plan.rotary).split((num_q, num_kv), dim=1)

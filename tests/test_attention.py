@@ -1,8 +1,9 @@
 """Batch-invariant attention: a row's output depends on its own query and keys only.
 
-Run against the product's kernel (kernels/tiled_attention.py) through the same plan the model
-builds: rows near the start, chunks at several offsets, key counts across block edges, decode
-rounds and Verifies beside other lanes; float32 and bfloat16; one and two torch threads.
+Run against both batch-invariant kernels (the C one, kernels/native_attention.py, and the tiled
+products, kernels/tiled_attention.py) through the same plans the model builds: rows near the
+start, chunks at several offsets, key counts across block edges, decode rounds and Verifies beside
+other lanes; float32 and (tiled) bfloat16; one and two torch threads.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, span_attention
-from tpserve.kernels.tiled_attention import KEY_BLOCK, TiledPlan, tiled_attention
+from tpserve.kernels.attention_kernels import NATIVE, TILED
+from tpserve.kernels.native_attention import native_unavailable
+from tpserve.kernels.tiled_attention import KEY_BLOCK
 
 NUM_KEYS = 700
 GROUP = 3  # SmolLM2: 9 query heads over 3 KV heads; a piece holds 2 of them
@@ -27,6 +30,18 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=[TILED, NATIVE], ids=lambda kernel: kernel.name, autouse=True)
+def kernel(request):
+    if request.param is NATIVE and (why := native_unavailable(64, GROUP, torch.float32, "cpu")):
+        pytest.skip(why)
+    _KERNEL[0] = request.param
+    yield request.param
+    _KERNEL[0] = TILED
+
+
+_KERNEL = [TILED]  # the kernel `attend` runs (the fixture above sets it)
+
+
 def make_qkv(num_keys: int, dtype, seed: int = 0, num_kv_heads: int = 2, head_dim: int = 64):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(num_keys, num_kv_heads * GROUP, head_dim, generator=gen).to(dtype)
@@ -35,8 +50,11 @@ def make_qkv(num_keys: int, dtype, seed: int = 0, num_kv_heads: int = 2, head_di
 
 
 def attend(q, pool_k, pool_v, spans):
-    plan = TiledPlan(spans, GROUP, pool_k.shape[1], "cpu")
-    return tiled_attention(q, pool_k, pool_v, plan, SCALE).view(q.shape)
+    kernel = _KERNEL[0]
+    if kernel is NATIVE and q.dtype != torch.float32:
+        pytest.skip("the C kernel computes float32 only")
+    plan = kernel.plan(spans, GROUP, pool_k.shape[1], "cpu", q.shape[0])
+    return kernel.attend(q, pool_k, pool_v, plan, SCALE).view(q.shape)
 
 
 def whole_prefill(q, k, v):

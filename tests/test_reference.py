@@ -6,6 +6,9 @@ import pytest
 import torch
 from tiny_models import VARIANTS, write_tiny_model
 
+from tpserve.kernels.attention_kernels import NATIVE, SPANS, TILED
+from tpserve.kernels.linear import ROW_TILE
+from tpserve.kernels.native_attention import native_unavailable
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
@@ -13,11 +16,22 @@ from tpserve.ranks.loader import load_rank_model
 transformers = pytest.importorskip("transformers")
 
 
+# Each attention kernel: SDPA span by span (batch_invariant off), the C kernel (on, on a CPU) and
+# the tiled products (on, where no C kernel builds).
+KERNELS = {"spans": (SPANS, 0), "native": (NATIVE, ROW_TILE), "tiled": (TILED, ROW_TILE)}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_match_transformers(tmp_path, variant):
+def test_logits_match_transformers(tmp_path, variant, kernel):
     model_dir = write_tiny_model(tmp_path / variant, variant)
     torch.set_num_threads(1)
-    model = load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=256)
+    model = load_rank_model(
+        model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=256, row_tile=KERNELS[kernel][1]
+    )
+    if kernel == "native" and (why := native_unavailable(16, 2, torch.float32, "cpu")):
+        pytest.skip(why)
+    model.attention = KERNELS[kernel][0]
     engine = Engine(
         model,
         KVPool(

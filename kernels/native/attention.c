@@ -140,3 +140,38 @@ int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const
     free(acc);
     return 0;
 }
+
+/* x * cos + roll(x, D/2) * signed_sin for one head's row (sin's first half negated): rotate-half,
+ * as kernels/rotary.py computes it (a multiply, a multiply, an add). */
+static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin,
+                   int head_dim, float *restrict y) {
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) y[i] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (int i = half; i < head_dim; i++) y[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+/* One layer's attention block after its q/k/v product, in one call: q and k rotated, k and v
+ * written to the pool at their slots, then every span's attention (tp_span_attention). The rotated
+ * q is kept in `out`, which each row block reads before it writes its own rows there.
+ * q, k, v: [T, heads, head_dim] rows of token stride q_stride, k_stride, v_stride (views of the
+ * fused product); cos, sin: [T, head_dim]; slots: [num_real] (the pass's real tokens; rows past
+ * them are padding, neither stored nor attended). */
+int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                           const float *v, int64_t v_stride, const float *cos, const float *sin,
+                           const int64_t *slots, int64_t num_real, float *pool_k, float *pool_v,
+                           int64_t head_stride, int num_kv_heads, int group, int head_dim,
+                           const int64_t *spans, int num_spans, float scale, float *out) {
+    int num_heads = num_kv_heads * group;
+    for (int64_t t = 0; t < num_real; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int j = 0; j < num_heads; j++)
+            rotate(q + t * q_stride + j * head_dim, c, s, head_dim, out + (t * num_heads + j) * head_dim);
+        for (int h = 0; h < num_kv_heads; h++) {
+            int64_t at = h * head_stride + slots[t] * head_dim;
+            rotate(k + t * k_stride + h * head_dim, c, s, head_dim, pool_k + at);
+            memcpy(pool_v + at, v + t * v_stride + h * head_dim, sizeof(float) * head_dim);
+        }
+    }
+    return tp_span_attention(out, (int64_t)num_heads * head_dim, pool_k, pool_v, head_stride, num_kv_heads,
+                             group, head_dim, spans, num_spans, scale, out);
+}
