@@ -7,7 +7,7 @@ does, not from the cache the previous call left warm. Kinds are timed side by si
 pass, and each reports its median ms per call; the ratios q4 / int8 and q4 / float32 are what
 counts (issue 13's targets: <= 1.0 at one row, about 1.3 at 16). Every kind runs one thread.
 
-    python -m bench.q4_linear [--rows 1 4 16 64] [--copies 30] [--passes 7] [--json FILE]
+    python -m bench.q4_linear [--rows 1 4 16 64] [--copies 30] [--passes 7] [--path avx2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.common import finish, median, print_table  # noqa: E402
 from tpserve.kernels.int8_linear import Int8Weight  # noqa: E402
-from tpserve.kernels.q4_linear import Q4Weight, supported_paths  # noqa: E402
+from tpserve.kernels.q4_linear import PATHS, Q4Weight, supported_paths  # noqa: E402
 
 SHAPES = ((640, 576), (576, 384), (1536, 576), (576, 768), (24576, 576))  # SmolLM2-135M at tp=2
 MAX_COPY_BYTES = 2**30  # per kind and shape: float32's head copies stop at 1 GiB (still far past L3)
@@ -45,7 +45,15 @@ def int8_weight(weight: torch.Tensor) -> Int8Weight:
     return packed
 
 
-KINDS = {"float32": FloatWeight, "int8": int8_weight, "q4": Q4Weight}
+class Q4Path:
+    """Q4Weight on one named code path (--path avx2 shows here what an AVX2-only CPU would run)."""
+
+    def __init__(self, weight: torch.Tensor, path: str):
+        self.packed, self.path = Q4Weight(weight), path
+        self.nbytes = self.packed.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed(x, path=self.path)
 
 
 def time_pass(copies, x: torch.Tensor) -> float:
@@ -56,24 +64,27 @@ def time_pass(copies, x: torch.Tensor) -> float:
     return (time.perf_counter() - start) * 1e3 / len(copies)
 
 
-def run_q4_linear(rows=(1, 4, 16, 64), num_copies: int = 30, num_passes: int = 7, shapes=SHAPES) -> dict:
+def run_q4_linear(
+    rows=(1, 4, 16, 64), num_copies: int = 30, num_passes: int = 7, shapes=SHAPES, path: str = "auto"
+) -> dict:
     torch.set_num_threads(1)
+    kinds = {"float32": FloatWeight, "int8": int8_weight, "q4": lambda weight: Q4Path(weight, path)}
     gen = torch.Generator().manual_seed(0)
     results = []
     for num_out, num_in in shapes:
         weight = torch.randn(num_out, num_in, generator=gen) * 0.05
         copies = {}
-        for kind, make in KINDS.items():
+        for kind, make in kinds.items():
             one = make(weight)
             count = max(2, min(num_copies, MAX_COPY_BYTES // one.nbytes))
             copies[kind] = [one] + [make(weight) for _ in range(count - 1)]
         for num_rows in rows:
             x = torch.randn(num_rows, num_in, generator=gen)
-            samples = {kind: [] for kind in KINDS}
-            for kind in KINDS:
+            samples = {kind: [] for kind in kinds}
+            for kind in kinds:
                 time_pass(copies[kind], x)  # warm-up: first touch, lazy builds
             for _ in range(num_passes):
-                for kind in KINDS:
+                for kind in kinds:
                     samples[kind].append(time_pass(copies[kind], x))
             ms = {kind: median(values) for kind, values in samples.items()}
             q4_bytes = copies["q4"][0].nbytes
@@ -91,7 +102,7 @@ def run_q4_linear(rows=(1, 4, 16, 64), num_copies: int = 30, num_passes: int = 7
                 }
             )
         del copies
-    return {"paths": supported_paths(), "results": results}
+    return {"path": path, "paths": supported_paths(), "results": results}
 
 
 def main(argv=None) -> int:
@@ -99,11 +110,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--copies", type=int, default=30, help="copies of each weight, called in turn")
     parser.add_argument("--passes", type=int, default=7, help="timed passes per kind (median)")
+    parser.add_argument("--path", choices=PATHS, default="auto", help="the q4 kernel's code path")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the figures to FILE")
     args = parser.parse_args(argv)
-    report = run_q4_linear(tuple(args.rows), args.copies, args.passes)
+    report = run_q4_linear(tuple(args.rows), args.copies, args.passes, path=args.path)
     print_table(
-        f"ms per call, one thread (q4 paths here: {', '.join(report['paths'])})",
+        f"ms per call, one thread (q4 on path {args.path}; paths here: {', '.join(report['paths'])})",
         ["out x in", "rows", "float32", "int8", "q4", "q4/int8", "q4/f32", "q4 GB/s"],
         [
             [

@@ -149,6 +149,8 @@ class Q4Weight:
             raise ValueError(
                 f"a [T, {num_in}] input expected by a {list(self.shape)} weight, got {list(x.shape)}"
             )
+        if x.device.type != "cpu":
+            raise ValueError(f"the 4-bit kernel runs on CPUs, not on {x.device.type}")
         x = x if x.dtype == torch.float32 else x.float()
         if x.stride(1) != 1:
             x = x.contiguous()

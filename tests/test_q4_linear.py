@@ -3,11 +3,14 @@ float product, packed blocks come back exactly, and bad input is refused by name
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.int8_linear import QuantizeError
+from tpserve.kernels.machine import machine_facts
 from tpserve.kernels.q4_linear import BLOCK, Q4Weight, q4_available, supported_paths
 
 pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
@@ -55,6 +58,19 @@ def test_every_path_this_cpu_runs_gives_the_scalar_paths_bits(shape):
     for x in (torch.ones(3, shape[1]), -torch.ones(3, shape[1]), signs.expand(3, -1)):
         for path in supported_paths():
             assert torch.equal(extreme(x, path=path), extreme(x, path="scalar")), path
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the vector paths are x86's")
+def test_the_kernel_offers_every_path_the_cpu_announces():
+    # The dispatch's own view (cpuid) against /proc/cpuinfo's: a path that went missing would
+    # otherwise skip its checks above in silence.
+    flags = set(machine_facts()["vector_extensions"])
+    expected = ["scalar"]
+    if {"avx2", "fma"} <= flags:
+        expected.append("avx2")
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        expected.append("avx512_vnni")
+    assert supported_paths() == expected
 
 
 def emulated(weight: Q4Weight, rows: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,10 @@ static inline float load_float(const uint8_t *p) {
     return v;
 }
 
-/* x: [T, K] (row stride x_stride floats) -> qa [T, K], da [T, nb], ms [T, nb]. Shared by every path.
- * A NaN is clamped like any value, so no conversion is undefined. */
+/* x: [T, K] (row stride x_stride floats) -> qa [T, K], da [T, nb], ms [T, nb]. Shared by every path,
+ * and written so the compiler vectorizes it: the absmax as the largest |x| bit pattern (a NaN counts
+ * as infinity), then qa = rint(x * (1 / da)) as llama.cpp's Q8_1 (one division a block), clamped so
+ * that no conversion is undefined. */
 static void quantize_rows(const float *x, int64_t x_stride, int num_rows, int K, int8_t *qa, float *da,
                           float *ms) {
     int nb = K / BLOCK;
@@ -54,14 +56,22 @@ static void quantize_rows(const float *x, int64_t x_stride, int num_rows, int K,
         for (int b = 0; b < nb; b++) {
             const float *v = x + t * x_stride + b * BLOCK;
             int8_t *q = qa + (int64_t)t * K + b * BLOCK;
-            float absmax = 0.0f;
-            for (int i = 0; i < BLOCK; i++) absmax = fmaxf(absmax, fabsf(v[i]));
-            float scale = absmax / 127.0f;
+            uint32_t bits[BLOCK], top = 0;
+            memcpy(bits, v, sizeof bits);
+            for (int i = 0; i < BLOCK; i++) {
+                uint32_t a = bits[i] & 0x7fffffffu;
+                a = a < 0x7f800000u ? a : 0x7f800000u;
+                top = a > top ? a : top;
+            }
+            float absmax;
+            memcpy(&absmax, &top, sizeof absmax);
+            float scale = absmax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
             int sum = 0;
             for (int i = 0; i < BLOCK; i++) {
-                float r = scale > 0.0f ? v[i] / scale : 0.0f;
-                r = fminf(fmaxf(r, -127.0f), 127.0f);
-                q[i] = (int8_t)lrintf(r);
+                float r = v[i] * inv;
+                r = r >= -127.0f ? r : -127.0f; /* a NaN becomes -127 */
+                r = r <= 127.0f ? r : 127.0f;
+                q[i] = (int8_t)(int)rintf(r);
                 sum += q[i];
             }
             da[(int64_t)t * nb + b] = scale;
@@ -105,15 +115,22 @@ static void scalar_rows(const uint8_t *w, int nb, const int8_t *qa, const float 
 #define AVX2 __attribute__((target("avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* R rows (t0..) by NG groups of 16 outputs (n0..): R and NG are constants where it is inlined. */
+/* R rows by NG groups of 16 outputs (n0..): R and NG are constants where it is inlined. `ahead`, where
+ * not NULL, is the next groups' weight, fetched into the cache block by block meanwhile. */
 VNNI INLINE void vnni_tile(const uint8_t *w, int64_t group_bytes, int nb, const int8_t *qa,
-                           const float *da, const float *ms, int R, int NG, float *out, int N, int n0) {
+                           const float *da, const float *ms, int R, int NG, float *out, int N, int n0,
+                           const uint8_t *ahead) {
     int K = nb * BLOCK;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[ROWS][2];
     for (int r = 0; r < R; r++)
         for (int h = 0; h < NG; h++) acc[r][h] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
+        if (ahead)
+            for (int h = 0; h < NG; h++)
+                for (int line = 0; line < GROUP_BLOCK_BYTES; line += 64)
+                    _mm_prefetch((const char *)(ahead + h * group_bytes + b * GROUP_BLOCK_BYTES + line),
+                                 _MM_HINT_T0);
         __m512i dot[ROWS][2];
         for (int r = 0; r < R; r++)
             for (int h = 0; h < NG; h++) dot[r][h] = _mm512_setzero_si512();
@@ -156,22 +173,23 @@ VNNI static void vnni_rows(const uint8_t *w, int num_groups, int nb, const int8_
     int K = nb * BLOCK;
     for (int g = 0; g < num_groups; g += 2) {
         const uint8_t *wg = w + g * group_bytes;
-        int n0 = g * GROUP;
+        int n0 = g * GROUP, pair = num_groups - g >= 2;
         for (int t = 0; t < num_rows; t += ROWS) {
             const int8_t *a = qa + (int64_t)t * K;
             const float *d = da + (int64_t)t * nb, *s = ms + (int64_t)t * nb;
             float *o = out + (int64_t)t * N;
-            int R = num_rows - t < ROWS ? num_rows - t : ROWS;
-            int pair = num_groups - g >= 2;
-#define VNNI_CASE(r)                                                       \
-    case r:                                                                \
-        if (pair)                                                          \
-            vnni_tile(wg, group_bytes, nb, a, d, s, r, 2, o, N, n0);       \
-        else                                                               \
-            vnni_tile(wg, group_bytes, nb, a, d, s, r, 1, o, N, n0);       \
-        break;
-            switch (R) { VNNI_CASE(1) VNNI_CASE(2) VNNI_CASE(3) VNNI_CASE(4) }
-#undef VNNI_CASE
+            const uint8_t *ahead = t == 0 && g + 2 < num_groups ? wg + 2 * group_bytes : NULL;
+            int R = num_rows - t < ROWS ? num_rows - t : ROWS, shape = 2 * R - 1 + pair;
+            switch (shape) { /* R and NG as constants, so the tile's arrays stay in registers */
+            case 1: vnni_tile(wg, group_bytes, nb, a, d, s, 1, 1, o, N, n0, ahead); break;
+            case 2: vnni_tile(wg, group_bytes, nb, a, d, s, 1, 2, o, N, n0, ahead); break;
+            case 3: vnni_tile(wg, group_bytes, nb, a, d, s, 2, 1, o, N, n0, ahead); break;
+            case 4: vnni_tile(wg, group_bytes, nb, a, d, s, 2, 2, o, N, n0, ahead); break;
+            case 5: vnni_tile(wg, group_bytes, nb, a, d, s, 3, 1, o, N, n0, ahead); break;
+            case 6: vnni_tile(wg, group_bytes, nb, a, d, s, 3, 2, o, N, n0, ahead); break;
+            case 7: vnni_tile(wg, group_bytes, nb, a, d, s, 4, 1, o, N, n0, ahead); break;
+            default: vnni_tile(wg, group_bytes, nb, a, d, s, 4, 2, o, N, n0, ahead); break;
+            }
         }
     }
 }
@@ -179,13 +197,16 @@ VNNI static void vnni_rows(const uint8_t *w, int num_groups, int nb, const int8_
 /* R rows by the 8 outputs n0.. of half `half` of a group. u8 x s8 pairs (vpmaddubsw) cannot saturate
  * (2 * 15 * 127), and a block's 16 products per int16 lane stay below 16 * 15 * 127 = 30480. */
 AVX2 INLINE void avx2_tile(const uint8_t *wg, int half, int nb, const int8_t *qa, const float *da,
-                           const float *ms, int R, float *out, int N, int n0) {
+                           const float *ms, int R, float *out, int N, int n0, const uint8_t *ahead) {
     int K = nb * BLOCK;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * GROUP_BLOCK_BYTES;
+        if (ahead)
+            for (int line = 0; line < GROUP_BLOCK_BYTES; line += 64)
+                _mm_prefetch((const char *)(ahead + b * GROUP_BLOCK_BYTES + line), _MM_HINT_T0);
         __m256i pairs[ROWS];
         for (int r = 0; r < R; r++) pairs[r] = _mm256_setzero_si256();
         for (int c = 0; c < CHUNKS; c++) {
@@ -231,11 +252,12 @@ AVX2 static void avx2_rows(const uint8_t *w, int num_groups, int nb, const int8_
                 const float *d = da + (int64_t)t * nb, *s = ms + (int64_t)t * nb;
                 float *o = out + (int64_t)t * N;
                 const uint8_t *wg = w + g * group_bytes;
+                const uint8_t *ahead = half == 0 && t == 0 && g + 1 < num_groups ? wg + group_bytes : NULL;
                 switch (num_rows - t < ROWS ? num_rows - t : ROWS) {
-                case 1: avx2_tile(wg, half, nb, a, d, s, 1, o, N, n0); break;
-                case 2: avx2_tile(wg, half, nb, a, d, s, 2, o, N, n0); break;
-                case 3: avx2_tile(wg, half, nb, a, d, s, 3, o, N, n0); break;
-                default: avx2_tile(wg, half, nb, a, d, s, 4, o, N, n0); break;
+                case 1: avx2_tile(wg, half, nb, a, d, s, 1, o, N, n0, ahead); break;
+                case 2: avx2_tile(wg, half, nb, a, d, s, 2, o, N, n0, ahead); break;
+                case 3: avx2_tile(wg, half, nb, a, d, s, 3, o, N, n0, ahead); break;
+                default: avx2_tile(wg, half, nb, a, d, s, 4, o, N, n0, ahead); break;
                 }
             }
         }
