@@ -9,7 +9,8 @@ inside a long prompt, and the AVX-512 VNNI, AVX2 and scalar paths agree bit for 
 a rank changes its speed, never its numbers. The C kernel runs on one thread, whatever torch's count.
 
 Why our own kernel: torch's `_weight_int4pack_mm_for_cpu` is row-invariant but 3x slower than
-FBGEMM's int8 at 16 rows here and 2x slower at one row on AVX2 machines; see bench/q4_linear.py.
+FBGEMM's int8 at 16 rows here and 2x slower at one row on AVX2 machines (issue 13's measurements).
+bench/q4_linear.py sets this kernel against int8 and float32.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 /* 4-bit weights times 8-bit activations (GGUF's Q4_1 x Q8_1), each output's arithmetic fixed by the code.
  *
  * Inputs go in blocks of 32. A weight is w[n, 32b+i] = d[n,b] * q[n,b,i] + m[n,b] with q in 0..15;
- * an input row t is quantized per block on its own: da[t,b] = absmax / 127, qa = round(x / da) in
- * -127..127, ms[t,b] = da[t,b] * sum_i qa[t,b,i]. Then, for b = 0, 1, 2, ... in that order,
+ * an input row t is quantized per block on its own: da[t,b] = absmax / 127, qa = rint(x * (1 / da))
+ * in -127..127, ms[t,b] = da[t,b] * sum_i qa[t,b,i]. Then, for b = 0, 1, 2, ... in that order,
  *     dot = sum_i q[n,b,i] * qa[t,b,i]                        an exact int32 (|dot| <= 60960)
  *     acc = fmaf(d[n,b] * da[t,b], (float)dot, acc)           acc starts at 0
  *     acc = fmaf(m[n,b], ms[t,b], acc)
