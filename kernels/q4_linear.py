@@ -1,0 +1,181 @@
+"""Linear layers with 4-bit weights and 8-bit inputs (GGUF's Q4_1 x Q8_1), a row independent of the rest.
+
+A weight is held in blocks of 32 inputs per output: w = d * q + m with q in 0..15 and float32 d and
+m per block, about 0.75 bytes a weight (0.5 for the nibbles, 0.25 for the scales: 1.2x a Q4_1 GGUF's
+0.625, whose scales are float16). Every input row is quantized per block of 32 on its own (absmax /
+127 to int8), each block's product is an exact int32, and the float epilogue per block is fixed
+elementwise in kernels/native/q4_linear.c. So a row has the same bits alone, in a decode round or
+inside a long prompt, and the AVX-512 VNNI, AVX2 and scalar paths agree bit for bit: which CPU runs
+a rank changes its speed, never its numbers. The C kernel runs on one thread, whatever torch's count.
+
+Why our own kernel: torch's `_weight_int4pack_mm_for_cpu` is row-invariant but 3x slower than
+FBGEMM's int8 at 16 rows here and 2x slower at one row on AVX2 machines (issue 13's measurements).
+bench/q4_linear.py sets this kernel against int8 and float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from tpserve.kernels import native
+from tpserve.kernels.int8_linear import QuantizeError
+
+BLOCK = 32  # inputs per block
+GROUP = 16  # outputs per group of the packed layout
+GROUP_BLOCK_BYTES = 384  # per (group, block): 256 bytes of nibbles, then d[16] and m[16] in float32
+PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}  # q4_linear.c's PATH_*
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # held exactly in float32
+
+
+@cache
+def _kernel():
+    library = native.load("q4_linear")
+    library.tp_q4_paths.restype = ctypes.c_int
+    library.tp_q4_paths.argtypes = []
+    kernel = library.tp_q4_linear
+    kernel.restype = ctypes.c_int
+    kernel.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_int64,  # x's row stride
+        ctypes.c_int,  # rows
+        ctypes.c_int,  # in
+        ctypes.c_void_p,  # packed weight
+        ctypes.c_int,  # out
+        ctypes.c_void_p,  # scratch
+        ctypes.c_void_p,  # out
+        ctypes.c_int,  # path
+    ]
+    return library
+
+
+def q4_available() -> str | None:
+    """None where the 4-bit kernel builds and runs here; else why not, in words."""
+    try:
+        _kernel()
+    except native.NativeUnavailable as err:
+        return str(err)
+    return None
+
+
+def supported_paths() -> list[str]:
+    """The kernel's code paths this CPU runs, "scalar" always among them."""
+    paths = _kernel().tp_q4_paths()
+    return [name for name, bit in PATHS.items() if bit and paths & (1 << bit)]
+
+
+class Q4Weight:
+    """One [out, in] weight in 4-bit blocks; `__call__(x [T, in]) -> [T, out]` float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        """Quantize a float weight asymmetrically per block of 32, as Q4_1 does: d = (max - min) / 15,
+        m = min, q = round((w - m) / d) in 0..15."""
+        _check_blocks(weight.dim() == 2, weight)
+        weight = weight.detach().float()
+        blocks = weight.view(weight.shape[0], -1, BLOCK)
+        low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+        d = (high - low) / 15
+        steps = (blocks - low[..., None]) / d.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+        q = steps.round_().clamp_(0, 15).to(torch.uint8).view(weight.shape)
+        self._pack(q, d, low)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Q4Weight:
+        return cls(weight)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Weight:
+        """A checkpoint's own blocks, packed as stored: q [out, in] uint8 in 0..15, d and m [out, in / 32]
+        (float32, float16 or bfloat16), weight = d * q + m. Nothing is rounded again. GGUF's Q4_0 is
+        m = -8 d."""
+        if q.dtype != torch.uint8 or q.dim() != 2:
+            raise QuantizeError(f"4-bit values must be uint8 [out, in], got {q.dtype} {list(q.shape)}")
+        _check_blocks(True, q)
+        blocks = (q.shape[0], q.shape[1] // BLOCK)
+        for name, scales in (("d", d), ("m", m)):
+            if scales.dtype not in SCALE_DTYPES or tuple(scales.shape) != blocks:
+                raise QuantizeError(
+                    f"block scales {name} must be float32, float16 or bfloat16 of shape {list(blocks)} "
+                    f"for values {list(q.shape)}, got {scales.dtype} {list(scales.shape)}"
+                )
+            if not torch.isfinite(scales).all():
+                raise QuantizeError(f"block scales {name} hold a value that is not finite")
+        if q.numel() and int(q.max()) > 15:
+            raise QuantizeError(f"4-bit values must lie in 0..15, got one of {int(q.max())}")
+        weight = cls.__new__(cls)
+        weight._pack(q, d.float(), m.float())
+        return weight
+
+    def _pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        # q: [N, K] uint8 0..15; d, m: [N, K/32] float32 -> [groups, blocks, 384] uint8 (q4_linear.c).
+        why_not = q4_available()
+        if why_not:
+            raise QuantizeError(why_not)
+        num_out, num_in = q.shape
+        self.shape = (num_out, num_in)
+        self.dtype = torch.float32  # what it computes in and returns
+        self.device = q.device
+        pad = -num_out % GROUP  # padding outputs: q, d, m all zero, never written out
+        q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q.cpu(), d.cpu(), m.cpu()))
+        num_groups, num_blocks = q.shape[0] // GROUP, num_in // BLOCK
+        # k within a block = 8 chunk + 4 nibble + j; byte (chunk, output, j) = low | high << 4.
+        q = q.view(num_groups, GROUP, num_blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(num_groups, num_blocks, 256)
+        scales = torch.stack((d, m)).view(2, num_groups, GROUP, num_blocks).permute(1, 3, 0, 2)
+        scale_bytes = scales.contiguous().view(torch.uint8).view(num_groups, num_blocks, 128)
+        self._packed = torch.cat((nibbles, scale_bytes), dim=-1).contiguous()
+        self.nbytes = self._packed.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight the products compute with, d * q + m (for tests and references)."""
+        num_groups, num_blocks, _ = self._packed.shape
+        nibbles = self._packed[..., :256].reshape(num_groups, num_blocks, 4, GROUP, 4)
+        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1)  # [g, b, chunk, output, j, nibble]
+        q = q.permute(0, 3, 1, 2, 5, 4).reshape(num_groups * GROUP, num_blocks, BLOCK)
+        scales = (
+            self._packed[..., 256:].contiguous().view(torch.float32).view(num_groups, num_blocks, 2, GROUP)
+        )
+        d, m = scales.permute(2, 0, 3, 1).reshape(2, num_groups * GROUP, num_blocks, 1)
+        weight = (q.float() * d + m).view(num_groups * GROUP, -1)
+        return weight[: self.shape[0]]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+        # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.
+        num_out, num_in = self.shape
+        if path not in PATHS:
+            raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+        if x.dim() != 2 or x.shape[1] != num_in:
+            raise ValueError(
+                f"a [T, {num_in}] input expected by a {list(self.shape)} weight, got {list(x.shape)}"
+            )
+        if x.device.type != "cpu":
+            raise ValueError(f"the 4-bit kernel runs on CPUs, not on {x.device.type}")
+        x = x if x.dtype == torch.float32 else x.float()
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        num_rows = x.shape[0]
+        out = torch.empty(num_rows, num_out)
+        scratch = torch.empty(num_rows * (num_in + 8 * num_in // BLOCK), dtype=torch.uint8)
+        failed = _kernel().tp_q4_linear(
+            x.data_ptr(),
+            x.stride(0),
+            num_rows,
+            num_in,
+            self._packed.data_ptr(),
+            num_out,
+            scratch.data_ptr(),
+            out.data_ptr(),
+            PATHS[path],
+        )
+        if failed:
+            raise QuantizeError(f"the 4-bit kernel's {path} path does not run on this CPU")
+        return out.add_(bias) if bias is not None else out
+
+
+def _check_blocks(ok: bool, weight: torch.Tensor) -> None:
+    if not ok or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise QuantizeError(
+            f"4-bit weights need [out, in] with in a multiple of {BLOCK}, got {list(weight.shape)}"
+        )
