@@ -29,7 +29,6 @@ import torch
 
 from tpserve.kernels import native
 
-QUANTIZE_CHOICES = ("none", "int8", "auto")  # auto: int8 where it runs (int8_available), else none
 ENGINE = "fbgemm"
 # Inputs in 8 bits, not torch's default 7: half the rounding step (SmolLM2: +3.4% perplexity against
 # +9.8% in 7 bits). On a CPU without VNNI, FBGEMM adds pairs of u8 x s8 products in int16, which can
@@ -39,10 +38,6 @@ REDUCE_RANGE = False
 
 class QuantizeError(ValueError):
     """A quantization this device or weight cannot have."""
-
-
-def auto_quantize(device: torch.device | str) -> str:
-    return "int8" if int8_available(device) is None else "none"
 
 
 def int8_available(device: torch.device | str = "cpu") -> str | None:
@@ -55,19 +50,25 @@ def int8_available(device: torch.device | str = "cpu") -> str | None:
 
 
 class PackedWeight:
-    """One [out, in] weight packed for an FBGEMM product; `linear` dispatches on it."""
+    """One [out, in] weight packed for a product of its own (FBGEMM's, or kernels/q4_linear.py's):
+    `linear` dispatches on it, and a row is the same at any batch there, so no tiles."""
 
+    shape: tuple[int, int]
+    dtype = torch.float32  # what it computes in and returns
+    device: torch.device
+
+
+class FbgemmWeight(PackedWeight):
     def __init__(self, weight: torch.Tensor):
         why_not = int8_available(weight.device)
         if why_not:
             raise QuantizeError(why_not)
         self.shape = tuple(weight.shape)
-        self.dtype = torch.float32  # what it computes in and returns
         self.device = weight.device
         torch.backends.quantized.engine = ENGINE
 
 
-class Int8Weight(PackedWeight):
+class Int8Weight(FbgemmWeight):
     """In int8, one scale per output channel; each input row quantized by its own absmax."""
 
     def __init__(self, weight: torch.Tensor):
@@ -90,7 +91,7 @@ class Int8Weight(PackedWeight):
                 f"{list(values.shape)} with scales {list(scales.shape)}"
             )
         weight = cls.__new__(cls)
-        PackedWeight.__init__(weight, values)
+        FbgemmWeight.__init__(weight, values)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
@@ -144,7 +145,7 @@ def _rows_natively(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, absmax
 
 
-class Fp16Weight(PackedWeight):
+class Fp16Weight(FbgemmWeight):
     """In float16, products in float32: for a layer whose input int8 rows cannot hold (down_proj).
 
     FBGEMM's float16 product adds along the input in one order whatever the number of rows, so a
@@ -161,15 +162,3 @@ class Fp16Weight(PackedWeight):
         x = x if x.dtype == torch.float32 else x.float()
         out = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         return out.add_(bias) if bias is not None else out
-
-
-_KINDS = {"int8": Int8Weight, "fp16": Fp16Weight}
-
-
-def quantize_weight(weight: torch.Tensor, kind: str):
-    """`weight` packed as `kind` ("int8" or "fp16"), or itself for "none"."""
-    if kind == "none" or weight.numel() == 0:  # a piece holding no KV head has an empty q/k/v
-        return weight
-    if kind not in _KINDS:
-        raise QuantizeError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
-    return _KINDS[kind](weight)

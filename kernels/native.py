@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -47,7 +48,11 @@ def load(name: str) -> ctypes.CDLL:
         ).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise NativeUnavailable(f"{compiler} --version failed: {err}") from err
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()
+    # -march=native: a build belongs to this CPU too (a cache shared with another machine must not
+    # hand it instructions it lacks).
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu().encode()
+    ).hexdigest()
     target = cache_dir() / f"{name}-{key[:16]}.so"
     if not target.exists():
         _compile(compiler, source, target)
@@ -55,6 +60,16 @@ def load(name: str) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
     except OSError as err:
         raise NativeUnavailable(f"cannot load {target}: {err}") from err
+
+
+def _cpu() -> str:
+    """The CPU's model name and flags (what -march=native builds for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() + platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
 def _compile(compiler: str, source: Path, target: Path) -> None:

@@ -21,7 +21,7 @@ from functools import cache
 import torch
 
 from tpserve.kernels import native
-from tpserve.kernels.int8_linear import QuantizeError
+from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 
 BLOCK = 32  # inputs per block
 GROUP = 16  # outputs per group of the packed layout
@@ -66,7 +66,7 @@ def supported_paths() -> list[str]:
     return [name for name, bit in PATHS.items() if bit and paths & (1 << bit)]
 
 
-class Q4Weight:
+class Q4Weight(PackedWeight):
     """One [out, in] weight in 4-bit blocks; `__call__(x [T, in]) -> [T, out]` float32."""
 
     def __init__(self, weight: torch.Tensor):
@@ -115,7 +115,6 @@ class Q4Weight:
             raise QuantizeError(why_not)
         num_out, num_in = q.shape
         self.shape = (num_out, num_in)
-        self.dtype = torch.float32  # what it computes in and returns
         self.device = q.device
         pad = -num_out % GROUP  # padding outputs: q, d, m all zero, never written out
         q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q.cpu(), d.cpu(), m.cpu()))

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tpserve.kernels.int8_linear import Int8Weight, quantize_weight
+from tpserve.kernels.int8_linear import Int8Weight
+from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.errors import ModelFileError
 
 VALUES_PER_INT32 = 4

@@ -20,6 +20,7 @@ from tpserve.kernels.int8_linear import PackedWeight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
+from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.int8_tensors import fuse, pack_weight
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, split_evenly
@@ -38,16 +39,15 @@ class PieceLayer:
         # The fused copies replace the loaded ones, which are taken out of `tensors` so that no
         # second copy outlives loading (room is measured after it); so do quantized ones.
         # A weight an int8 checkpoint ships in int8 is served as stored (ranks/int8_tensors.py).
-        q = functools.partial(pack_weight, kind=quantize)
+        formats = served_as(quantize)
+        q = functools.partial(pack_weight, kind=formats.linear)
         self.w_qkv = q(fuse(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
         self.b_qkv = fuse(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
         self.w_o = q(tensors.pop(attn + "o_proj.weight"))  # [hidden, Hq*D]
         self.w_gate_up = q(fuse(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
-        # down_proj's input, SiLU(gate) * up, has outlier channels that one scale per row rounds
-        # away (SmolLM2, bench/quality.py: +3.4% perplexity in int8, +0.6% kept in float): in int8
-        # mode its float weight goes to float16 instead; a checkpoint's int8 down_proj stays int8.
-        down = "fp16" if quantize == "int8" else quantize
-        self.w_down = pack_weight(tensors.pop(mlp + "down_proj.weight"), down)  # [hidden, I_piece]
+        # (kernels/weight_formats.py: down_proj and the head may be served in another format; a
+        # checkpoint's int8 down_proj stays int8)
+        self.w_down = pack_weight(tensors.pop(mlp + "down_proj.weight"), formats.down)  # [hidden, I_piece]
 
     def products(self) -> list:
         """The layer's computed weights (a piece holding no KV head computes no q/k/v nor o)."""
@@ -107,7 +107,7 @@ class TPModel:
         ]
         self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.head = [pack_weight(w[head_name], quantize) for w in weights.pieces]
+        self.head = [pack_weight(w[head_name], served_as(quantize).head) for w in weights.pieces]
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tpserve.kernels.int8_linear import QUANTIZE_CHOICES, auto_quantize
+from tpserve.kernels.weight_formats import QUANTIZE_CHOICES, auto_quantize
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the weights' and KV's types a rank can run
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: the device's (for_device)
@@ -23,8 +23,8 @@ class EngineSettings:
     # "cpu" or "cuda"; see ranks/device.py.
     device: str = "auto"
     dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU; or float32, bfloat16, float16
-    # "none", "int8" (the linear layers' and head's weights quantized at load, kernels/int8_linear.py)
-    # or "auto": int8 where FBGEMM runs it (an x86 CPU), else none.
+    # "none", "int8" or "int4" (the linear layers' and head's weights quantized at load) or "auto":
+    # see kernels/weight_formats.py.
     quantize: str = "none"
     tp_size: int = 2
     num_lanes: int = 8

@@ -24,6 +24,7 @@ from tpserve.kernels.attention_kernels import NATIVE
 from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
+from tpserve.kernels.weight_formats import quantize_unavailable
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.collectives_choice import choose_collectives
 from tpserve.ranks.device import choose_device, device_facts
@@ -110,7 +111,7 @@ def check_quantize(settings: EngineSettings, device: torch.device) -> None:
     """Refuses a quantization this device cannot run, by name, before any rank loads a weight."""
     if settings.quantize == "none":
         return
-    why_not = int8_available(device)
+    why_not = quantize_unavailable(settings.quantize, device)
     if why_not:
         raise UserError(f"quantize {settings.quantize}: {why_not}; serve with quantize: none")
     if settings.dtype != "float32":

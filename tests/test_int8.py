@@ -8,8 +8,9 @@ import pytest
 import torch
 from test_probe import tiny_rank
 
-from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available, quantize_weight
+from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available
 from tpserve.kernels.linear import linear
+from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.probe import probe_model
 from tpserve.ranks.settings import EngineSettings
@@ -76,10 +77,10 @@ def test_the_start_up_probe_passes_on_int8_weights(tmp_path):
 
 
 def test_an_unknown_format_is_refused_by_name(tmp_path):
-    with pytest.raises(ConfigError, match="quantize.*int4.*none, int8"):
-        load_config(None, {"quantize": "int4"}, environ={})
-    with pytest.raises(QuantizeError, match="int4"):
-        quantize_weight(torch.ones(4, 4), "int4")
+    with pytest.raises(ConfigError, match="quantize.*int3.*none, int8, int4"):
+        load_config(None, {"quantize": "int3"}, environ={})
+    with pytest.raises(QuantizeError, match="int3"):
+        quantize_weight(torch.ones(4, 4), "int3")
 
 
 def test_what_int8_cannot_run_with_is_refused_before_loading():
