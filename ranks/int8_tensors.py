@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from tpserve.kernels.int8_linear import Int8Weight
+from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.weight_formats import quantize_weight
+from tpserve.ranks.block_tensors import BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 
 VALUES_PER_INT32 = 4
@@ -33,20 +35,32 @@ class Int8Values:
     scales: torch.Tensor
 
 
-def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values:
-    """The weights `names`, taken out of `tensors`, stacked by rows (q/k/v, gate/up): all float, or
-    all int8 each keeping its scales."""
+def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockValues:
+    """The weights `names`, taken out of `tensors`, stacked by rows (q/k/v, gate/up): all float, all
+    int8 each keeping its scales, or all in blocks of one width (else all dequantized to float)."""
     parts = [tensors.pop(name) for name in names]
     if all(isinstance(part, torch.Tensor) for part in parts):
         return torch.cat(parts)
     if all(isinstance(part, Int8Values) for part in parts):
         return Int8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
+    if all(isinstance(part, BlockValues) for part in parts) and len({p.bits for p in parts}) == 1:
+        return cat_blocks(parts)
+    if not any(isinstance(part, Int8Values) for part in parts):  # floats and blocks (a mixed GGUF)
+        return torch.cat([p.dequantize() if isinstance(p, BlockValues) else p.float() for p in parts])
     raise ModelFileError(", ".join(names), "one fused product, stored partly in int8 and partly in float")
 
 
-def pack_weight(weight: torch.Tensor | Int8Values, kind: str):
+def pack_weight(weight: torch.Tensor | Int8Values | BlockValues, kind: str, dtype=torch.float32):
     """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
-    (down_proj included: the file chose int8 for it); a float one goes through quantize_weight."""
+    (down_proj included: the file chose int8 for it); a GGUF's 4-bit blocks are served as stored
+    where `kind` is int4; anything else goes through quantize_weight (blocks dequantized first,
+    to `dtype` where they stay float)."""
+    if isinstance(weight, BlockValues):
+        if weight.q.numel() == 0:
+            return weight.q.to(dtype)
+        if kind == "int4" and weight.bits == 4:
+            return Q4Weight.from_blocks(weight.q, weight.d, weight.m)
+        weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
     if not isinstance(weight, Int8Values):
         return quantize_weight(weight, kind)
     if weight.values.numel() == 0:  # a piece holding no KV head has an empty q/k/v

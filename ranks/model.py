@@ -21,6 +21,7 @@ from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rotary import Rotary
 from tpserve.kernels.weight_formats import served_as
+from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.int8_tensors import fuse, pack_weight
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, split_evenly
@@ -31,7 +32,13 @@ class PieceLayer:
     """One layer's weights for one piece: fused q/k/v and gate/up, and the row-parallel halves."""
 
     def __init__(
-        self, config: ModelConfig, piece: Piece, tensors: dict[str, torch.Tensor], prefix: str, quantize: str
+        self,
+        config: ModelConfig,
+        piece: Piece,
+        tensors: dict[str, torch.Tensor],
+        prefix: str,
+        quantize: str,
+        dtype: torch.dtype,
     ):
         self.num_kv_heads = piece.num_kv_heads()
         self.num_q_heads = self.num_kv_heads * config.num_queries_per_kv
@@ -40,14 +47,16 @@ class PieceLayer:
         # second copy outlives loading (room is measured after it); so do quantized ones.
         # A weight an int8 checkpoint ships in int8 is served as stored (ranks/int8_tensors.py).
         formats = served_as(quantize)
-        q = functools.partial(pack_weight, kind=formats.linear)
+        q = functools.partial(pack_weight, kind=formats.linear, dtype=dtype)
         self.w_qkv = q(fuse(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
         self.b_qkv = fuse(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
         self.w_o = q(tensors.pop(attn + "o_proj.weight"))  # [hidden, Hq*D]
         self.w_gate_up = q(fuse(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
         # (kernels/weight_formats.py: down_proj and the head may be served in another format; a
         # checkpoint's int8 down_proj stays int8)
-        self.w_down = pack_weight(tensors.pop(mlp + "down_proj.weight"), formats.down)  # [hidden, I_piece]
+        self.w_down = pack_weight(
+            tensors.pop(mlp + "down_proj.weight"), formats.down, dtype
+        )  # [hidden, I_piece]
 
     def products(self) -> list:
         """The layer's computed weights (a piece holding no KV head computes no q/k/v nor o)."""
@@ -100,14 +109,15 @@ class TPModel:
         self.dtype, self.device = first.dtype, first.device
         self.layers = [
             [
-                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.", quantize)
+                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.", quantize, self.dtype)
                 for i, piece in enumerate(pieces)
             ]
             for layer in range(config.num_layers)
         ]
-        self.embed = [w["model.embed_tokens.weight"] for w in weights.pieces]  # [V_piece, hidden] each
+        # [V_piece, hidden] each (a GGUF's blocks dequantized: a lookup reads few rows)
+        self.embed = [_float(w["model.embed_tokens.weight"], self.dtype) for w in weights.pieces]
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.head = [pack_weight(w[head_name], served_as(quantize).head) for w in weights.pieces]
+        self.head = [pack_weight(w[head_name], served_as(quantize).head, self.dtype) for w in weights.pieces]
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
@@ -242,3 +252,7 @@ class TPModel:
             return None
         widths = [end - start for start, end in split_evenly(cfg.vocab_size, self.tp_size)]
         return torch.cat([chunk[:, :width] for chunk, width in zip(chunks, widths)], dim=-1).float()
+
+
+def _float(weight: torch.Tensor | BlockValues, dtype: torch.dtype) -> torch.Tensor:
+    return weight.dequantize().to(dtype) if isinstance(weight, BlockValues) else weight

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tpserve.ranks.block_tensors import BlockValues, StoredBlocks, stored_blocks
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
 from tpserve.ranks.model_config import ModelConfig
@@ -22,8 +23,9 @@ from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
 @dataclass
 class RankWeights:
     replicated: dict[str, torch.Tensor] = field(default_factory=dict)
-    # One per local piece; a weight an int8 checkpoint ships in int8 is its Int8Values.
-    pieces: list[dict[str, torch.Tensor | Int8Values]] = field(default_factory=list)
+    # One per local piece; a weight an int8 checkpoint ships in int8 is its Int8Values, one an
+    # imported GGUF keeps in blocks its BlockValues.
+    pieces: list[dict[str, torch.Tensor | Int8Values | BlockValues]] = field(default_factory=list)
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names
@@ -161,6 +163,9 @@ def _stored_tensor(
     scale = stored_name(files, name + "_scale") if config.quantization and may_be_int8(name) else None
     if scale is not None:
         return StoredInt8(handles, files, scale.removesuffix("_scale"))
+    blocks = stored_blocks(files, name)
+    if blocks is not None:
+        return StoredBlocks(handles, files, name, blocks)
     stored = stored_name(files, name)
     if stored is None:
         raise ModelFileError(model_dir, f"checkpoint has no tensor {name!r}")
@@ -178,6 +183,9 @@ def _owned(part: torch.Tensor | Int8Values, device, dtype: torch.dtype) -> torch
     room would see the memory as taken."""
     if isinstance(part, Int8Values):
         return Int8Values(_owned(part.values, device, torch.int8), _owned(part.scales, device, torch.float32))
+    if isinstance(part, BlockValues):
+        m = None if part.m is None else _owned(part.m, device, torch.float16)
+        return BlockValues(_owned(part.q, device, part.q.dtype), _owned(part.d, device, torch.float16), m)
     out = part.to(device=device, dtype=dtype)
     if not out.is_contiguous() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
         out = out.clone(memory_format=torch.contiguous_format)

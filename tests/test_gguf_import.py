@@ -9,15 +9,20 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tpserve import cli
 from tpserve import prepare as prepare_module
+from tpserve.gguf_blocks import KEPT_TYPES, Blocks
 from tpserve.gguf_import import import_gguf
 from tpserve.prepare import default_model_dir, find_default_gguf, prepare
+from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import ModelFileError, UserError
+from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.loader import load_rank_model
 from tpserve.server.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -169,10 +174,28 @@ def write_tiny_gguf(
     return originals
 
 
+def imported_weights(out_dir: Path) -> dict[str, np.ndarray]:
+    """The import's tensors by Hugging Face name, blocks dequantized (tpserve/gguf_blocks.py)."""
+    stored = {}
+    for path in sorted(out_dir.glob("*.safetensors")):
+        stored.update(load_file(str(path)))
+    weights = {}
+    for name, array in stored.items():
+        if name.endswith(("_q4", "_q8")):
+            base = name[: -len("_q4")]
+            weights[base] = Blocks(array, stored[base + "_d"], stored.get(base + "_m")).dequantize()
+        elif not name.endswith(("_d", "_m")):
+            weights[name] = array
+    return weights
+
+
 def assert_weights_match(out_dir: Path, originals: dict[str, np.ndarray], types: dict[str, Q]) -> None:
-    weights = load_file(str(out_dir / "model.safetensors"))
+    stored = load_file(str(out_dir / "model.safetensors"))
+    weights = imported_weights(out_dir)
     assert set(weights) == set(originals)
     for name, original in originals.items():
+        if _type_of(name, types) in KEPT_TYPES and original.ndim == 2:  # kept in its own blocks
+            assert name not in stored and (name + "_q4" in stored or name + "_q8" in stored), name
         assert weights[name].dtype == np.float32
         assert weights[name].shape == original.shape, name
         kind = _type_of(name, types)
@@ -290,7 +313,8 @@ def test_sharded_weights_have_an_index(tmp_path: Path):
     loaded = {}
     for name in files:
         loaded.update(load_file(str(out_dir / name)))
-    assert set(loaded) == set(originals) == set(index["weight_map"])
+    assert set(loaded) == set(index["weight_map"])
+    assert set(imported_weights(out_dir)) == set(originals)
 
 
 def test_unknown_tensor_type_refused_with_exit_code_2(tmp_path: Path, capsys):
@@ -407,7 +431,7 @@ def test_default_model_import_matches_transformers(tmp_path: Path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out_dir)  # our config.json loads as-is
     expected = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-    weights = load_file(str(out_dir / "model.safetensors"))
+    weights = imported_weights(out_dir)
     assert set(weights) == set(expected)
     for name, tensor in expected.items():
         np.testing.assert_allclose(weights[name], tensor.float().numpy(), rtol=0, atol=1e-6, err_msg=name)
@@ -420,3 +444,41 @@ def test_abandoned_staging_directory_is_cleared(tmp_path: Path):
     (abandoned / "model.safetensors").write_bytes(b"half")
     import_gguf(tmp_path / "tiny.gguf", tmp_path / "model", progress=False)
     assert sorted(os.listdir(tmp_path)) == ["model", "tiny.gguf"]
+
+
+def _logits(model_dir: Path, quantize: str) -> torch.Tensor:
+    model = load_rank_model(
+        model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, row_tile=16, quantize=quantize
+    )
+    kv = KVPool(model.config.num_layers, 64, model.kv_heads_per_piece(), model.config.head_dim, torch.float32)
+    engine = Engine(model, kv)
+    assert engine.admit(0, 40)
+    prompt = engine.forward([(0, 0, tuple(range(3, 23)))])
+    return torch.cat([prompt, engine.forward([(0, 20, (7,))])])
+
+
+def test_kept_blocks_are_served_as_the_file_stores_them(tmp_path: Path):
+    # Every layer in Q4_1 but the head (Q8_0): int4 serves the file's own 4-bit blocks, so a
+    # float32 import quantized at load (which finds the same blocks again) gives the same bits;
+    # quantize none serves their exact dequantized values.
+    q4 = dict.fromkeys(
+        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), Q.Q4_1
+    )
+    write_tiny_gguf(tmp_path / "tiny.gguf", types=q4)
+    blocks = import_gguf(tmp_path / "tiny.gguf", tmp_path / "blocks", progress=False)
+    floats = import_gguf(tmp_path / "tiny.gguf", tmp_path / "floats", progress=False, dequantize=True)
+    stored = load_file(str(blocks / "model.safetensors"))
+    assert stored["model.layers.0.mlp.up_proj.weight_q4"].dtype == np.uint8
+    assert all(array.dtype == np.float32 for array in load_file(str(floats / "model.safetensors")).values())
+    assert (blocks / "model.safetensors").stat().st_size < (floats / "model.safetensors").stat().st_size / 2.5
+    torch.set_num_threads(1)
+    for quantize in ("none", "int4", "int8"):
+        assert torch.equal(_logits(blocks, quantize), _logits(floats, quantize)), quantize
+    model = load_rank_model(
+        blocks, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    up = imported_weights(blocks)["model.layers.0.mlp.up_proj.weight"]
+    gate_up = model.layers[0][0].w_gate_up.dequantize()
+    assert torch.equal(
+        gate_up[FFN // 2 : FFN], torch.from_numpy(up[: FFN // 2])
+    )  # piece 1's rows: up's first half

@@ -1,9 +1,10 @@
 """`tpserve import-gguf`: turns a GGUF file into a Hugging Face model directory the engine loads.
 
-The directory holds config.json, float32 safetensors under Hugging Face tensor names,
+The directory holds config.json, safetensors under Hugging Face tensor names (Q4_0, Q4_1 and Q8_0
+weights in their own blocks, tpserve/gguf_blocks.py; the rest float32),
 tokenizer.json, tokenizer_config.json, generation_config.json and gguf_source.json (which file it
-came from, so `prepare` can tell a stale import). Quantized tensors are dequantized with the `gguf`
-package; the q/k row permutation llama.cpp applies to llama-architecture models is undone.
+came from, so `prepare` can tell a stale import). Other quantized tensors are dequantized with the
+`gguf` package; the q/k row permutation llama.cpp applies to llama-architecture models is undone.
 Everything is written to a hidden sibling directory first and renamed at the end, so a crash never
 leaves a half-made model behind.
 """
@@ -55,6 +56,7 @@ def import_gguf(
     progress: bool = True,
     force: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    dequantize: bool = False,
 ) -> Path:
     """Convert `gguf_path` into a model directory at `out_dir` and return its path.
 
@@ -68,7 +70,7 @@ def import_gguf(
     metadata = read_metadata(reader)
     config = build_config(metadata, reader.tensors, gguf_path)
     family = FAMILIES[metadata["general.architecture"]]
-    plan = plan_tensors(reader.tensors, config, family.permutes_qk, gguf_path)
+    plan = plan_tensors(reader.tensors, config, family.permutes_qk, gguf_path, keep_blocks=not dequantize)
     tokenizer = build_tokenizer(metadata, gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -90,10 +92,20 @@ def import_gguf(
     return out_dir
 
 
+# 2: Q4_0, Q4_1 and Q8_0 weights kept in blocks (an import of format 1, all float32, is stale).
+IMPORT_FORMAT = 2
+
+
 def source_stamp(gguf_path: Path) -> dict[str, Any]:
-    """What identifies the GGUF an import came from, cheaply: its name, size and change time."""
+    """What identifies the GGUF an import came from, cheaply: its name, size and change time (and
+    the import's own format)."""
     stat = gguf_path.stat()
-    return {"file": gguf_path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {
+        "file": gguf_path.name,
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "format": IMPORT_FORMAT,
+    }
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -167,11 +179,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("out_dir", type=Path, help="the model directory to create")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write every weight in float32 (a directory Hugging Face tools load), not Q4/Q8 blocks",
+    )
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    out_dir = import_gguf(args.file, args.out_dir, progress=not args.no_progress, force=args.force)
+    out_dir = import_gguf(
+        args.file, args.out_dir, progress=not args.no_progress, force=args.force, dequantize=args.dequantize
+    )
     print(out_dir)
     return 0
 

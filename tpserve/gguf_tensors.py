@@ -1,8 +1,10 @@
-"""The weights side of a GGUF import: Hugging Face names, dequantizing, sharded safetensors.
+"""The weights side of a GGUF import: Hugging Face names, blocks or floats, sharded safetensors.
 
 Every GGUF tensor is mapped to its Hugging Face name and torch shape before anything is written, so
-an unknown tensor or type is refused up front. llama.cpp stores llama-architecture q/k rows permuted
-for its rotary kernel; `unpermute_rotary_rows` undoes that exactly.
+an unknown tensor or type is refused up front. A Q4_0, Q4_1 or Q8_0 weight matrix is kept in its own
+blocks (tpserve/gguf_blocks.py): `X.weight_q4` or `X.weight_q8` with `X.weight_d` (and `X.weight_m`);
+other types are dequantized to float32. llama.cpp stores llama-architecture q/k rows permuted for
+its rotary kernel; `unpermute_rotary_rows` undoes that exactly, blocks included.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from tpserve.gguf_blocks import KEPT_TYPES, read_blocks
 from tpserve.ranks.errors import ModelFileError
 
 # Shards stay well under the sizes that make single files awkward to copy or memory-map.
@@ -63,14 +66,16 @@ class PlannedTensor:
     name: str
     shape: tuple[int, ...]
     rotary_heads: int  # > 0: undo llama.cpp's q/k permutation over this many heads
+    keeps_blocks: bool = False  # written in its own blocks (a Q4_0, Q4_1 or Q8_0 matrix), not float32
 
     @property
     def num_bytes(self) -> int:
-        return 4 * int(np.prod(self.shape))
+        values = int(np.prod(self.shape))
+        return values + values // 8 if self.keeps_blocks else 4 * values  # a byte a value and 2 scales per 32
 
 
 def plan_tensors(
-    tensors: list[Any], config: dict[str, Any], permutes_qk: bool, gguf_path: Path
+    tensors: list[Any], config: dict[str, Any], permutes_qk: bool, gguf_path: Path, keep_blocks: bool = True
 ) -> list[PlannedTensor]:
     """Map every GGUF tensor to its Hugging Face name, refusing unknown names and types up front."""
     plan = []
@@ -95,7 +100,8 @@ def plan_tensors(
                 gguf_path,
                 f"tensor {tensor.name} has {shape[0]} rows, not {rotary_heads} heads x {config['head_dim']}",
             )
-        plan.append(PlannedTensor(tensor, name, shape, rotary_heads))
+        blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(shape) == 2
+        plan.append(PlannedTensor(tensor, name, shape, rotary_heads, blocks))
     return sorted(plan, key=lambda item: _storage_order(item.name))
 
 
@@ -108,6 +114,21 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     half = weight.shape[0] // num_heads // 2
     pairs = weight.reshape(num_heads, half, 2, *weight.shape[1:])
     return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(weight.shape))
+
+
+def read_arrays(planned: PlannedTensor, gguf_path: Path) -> dict[str, np.ndarray]:
+    """What the import writes for one tensor, by safetensors name: its blocks, or float32."""
+    if not planned.keeps_blocks:
+        return {planned.name: read_tensor(planned, gguf_path)}
+    tensor = planned.source
+    blocks = read_blocks(tensor.data, tensor.tensor_type, planned.shape)
+    if planned.rotary_heads:
+        rows = np.arange(planned.shape[0])
+        blocks = blocks.rows(unpermute_rotary_rows(rows, planned.rotary_heads))
+    arrays = {f"{planned.name}_q{blocks.bits}": blocks.q, f"{planned.name}_d": blocks.d}
+    if blocks.m is not None:
+        arrays[f"{planned.name}_m"] = blocks.m
+    return arrays
 
 
 def read_tensor(planned: PlannedTensor, gguf_path: Path) -> np.ndarray:
@@ -164,8 +185,9 @@ def write_weights(
         for file_name, shard in zip(file_names, shards):
             arrays = {}
             for planned in shard:
-                arrays[planned.name] = read_tensor(planned, gguf_path)
-                weight_map[planned.name] = file_name
+                written = read_arrays(planned, gguf_path)
+                arrays.update(written)
+                weight_map.update(dict.fromkeys(written, file_name))
                 bar.update(1)
             save_file(arrays, str(out_dir / file_name), metadata={"format": "pt"})
     if num_shards > 1:
