@@ -3,9 +3,10 @@
 A kernel whose arithmetic order the code must fix (kernels/native/attention.c) is plain C with no
 torch headers, so building it takes about a second with the system's C compiler and needs nothing
 else. The shared object is cached under ~/.cache/tpserve/native, named by a hash of the source, the
-flags and the compiler's version, and written under a temporary name first, so two ranks starting
-together on one machine never load a half-written file. Where no compiler works, `load` says why and
-the caller serves with its torch kernel instead.
+headers the sources share (kernels/native/*.h), the flags and the compiler's version, and written
+under a temporary name first, so two ranks starting together on one machine never load a
+half-written file. Where no compiler works, `load` says why and the caller serves with its torch
+kernel instead.
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ def load(name: str) -> ctypes.CDLL:
         ).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise NativeUnavailable(f"{compiler} --version failed: {err}") from err
-    # -march=native: a build belongs to this CPU too (a cache shared with another machine must not
-    # hand it instructions it lacks).
+    # Every header beside the sources joins the hash: a source that includes one rebuilds when it
+    # changes. -march=native: a build belongs to this CPU too (a cache shared with another machine
+    # must not hand it instructions it lacks).
+    headers = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu().encode()
+        source.read_bytes() + headers + " ".join(FLAGS).encode() + version.encode() + _cpu().encode()
     ).hexdigest()
     target = cache_dir() / f"{name}-{key[:16]}.so"
     if not target.exists():

@@ -1,9 +1,9 @@
 """Linear layers with 4-bit weights and 8-bit inputs (GGUF's Q4_1 x Q8_1), a row independent of the rest.
 
-A weight is held in blocks of 32 inputs per output: w = d * q + m with q in 0..15 and float32 d and
-m per block, about 0.75 bytes a weight (0.5 for the nibbles, 0.25 for the scales: 1.2x a Q4_1 GGUF's
-0.625, whose scales are float16). Every input row is quantized per block of 32 on its own (absmax /
-127 to int8), each block's product is an exact int32, and the float epilogue per block is fixed
+A weight is held in blocks of 32 inputs per output: w = d * q + m with q in 0..15 and float16 d and
+m per block (kernels/block_scales.py), 0.625 bytes a weight as in a Q4_1 GGUF (0.5 for the nibbles,
+0.125 for the scales). Every input row is quantized per block of 32 on its own (absmax / 127 to
+int8), each block's product is an exact int32, and the float epilogue per block is fixed
 elementwise in kernels/native/q4_linear.c. So a row has the same bits alone, in a decode round or
 inside a long prompt, and the AVX-512 VNNI, AVX2 and scalar paths agree bit for bit: which CPU runs
 a rank changes its speed, never its numbers. The C kernel runs on one thread, whatever torch's count.
@@ -21,13 +21,12 @@ from functools import cache
 import torch
 
 from tpserve.kernels import native
+from tpserve.kernels.block_scales import BLOCK, check_block_shape, exact_half, half_down, half_up
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 
-BLOCK = 32  # inputs per block
 GROUP = 16  # outputs per group of the packed layout
-GROUP_BLOCK_BYTES = 384  # per (group, block): 256 bytes of nibbles, then d[16] and m[16] in float32
-PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}  # q4_linear.c's PATH_*
-SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # held exactly in float32
+GROUP_BLOCK_BYTES = 320  # per (group, block): 256 bytes of nibbles, then d[16] and m[16] in float16
+PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}  # block_quantize.h's PATH_*
 
 
 @cache
@@ -70,16 +69,17 @@ class Q4Weight(PackedWeight):
     """One [out, in] weight in 4-bit blocks; `__call__(x [T, in]) -> [T, out]` float32."""
 
     def __init__(self, weight: torch.Tensor):
-        """Quantize a float weight asymmetrically per block of 32, as Q4_1 does: d = (max - min) / 15,
-        m = min, q = round((w - m) / d) in 0..15."""
-        _check_blocks(weight.dim() == 2, weight)
+        """Quantize a float weight asymmetrically per block of 32, as Q4_1 does, the scales in float16
+        rounded outwards: m = min rounded down, d = (max - m) / 15 rounded up, so m + 15 d still
+        reaches max; then q = round((w - m) / d) in 0..15 against those very d and m."""
+        check_block_shape(weight, "4-bit")
         weight = weight.detach().float()
         blocks = weight.view(weight.shape[0], -1, BLOCK)
-        low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
-        d = (high - low) / 15
-        steps = (blocks - low[..., None]) / d.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-        q = steps.round_().clamp_(0, 15).to(torch.uint8).view(weight.shape)
-        self._pack(q, d, low)
+        m = half_down(blocks.amin(dim=-1), "4-bit")
+        d = half_up((blocks.amax(dim=-1) - m.float()) / 15, "4-bit")
+        step = d.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+        q = ((blocks - m.float()[..., None]) / step).round_().clamp_(0, 15).to(torch.uint8).view(weight.shape)
+        self._pack(q, d, m)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Q4Weight:
@@ -88,28 +88,21 @@ class Q4Weight(PackedWeight):
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Weight:
         """A checkpoint's own blocks, packed as stored: q [out, in] uint8 in 0..15, d and m [out, in / 32]
-        (float32, float16 or bfloat16), weight = d * q + m. Nothing is rounded again. GGUF's Q4_0 is
-        m = -8 d."""
+        (float16, or float32 or bfloat16 values that float16 holds exactly: others are refused by
+        name), weight = d * q + m. Nothing is rounded again. GGUF's Q4_0 is m = -8 d."""
         if q.dtype != torch.uint8 or q.dim() != 2:
             raise QuantizeError(f"4-bit values must be uint8 [out, in], got {q.dtype} {list(q.shape)}")
-        _check_blocks(True, q)
+        check_block_shape(q, "4-bit")
         blocks = (q.shape[0], q.shape[1] // BLOCK)
-        for name, scales in (("d", d), ("m", m)):
-            if scales.dtype not in SCALE_DTYPES or tuple(scales.shape) != blocks:
-                raise QuantizeError(
-                    f"block scales {name} must be float32, float16 or bfloat16 of shape {list(blocks)} "
-                    f"for values {list(q.shape)}, got {scales.dtype} {list(scales.shape)}"
-                )
-            if not torch.isfinite(scales).all():
-                raise QuantizeError(f"block scales {name} hold a value that is not finite")
+        d, m = exact_half(d, "d", blocks, q.shape), exact_half(m, "m", blocks, q.shape)
         if q.numel() and int(q.max()) > 15:
             raise QuantizeError(f"4-bit values must lie in 0..15, got one of {int(q.max())}")
         weight = cls.__new__(cls)
-        weight._pack(q, d.float(), m.float())
+        weight._pack(q, d, m)
         return weight
 
     def _pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        # q: [N, K] uint8 0..15; d, m: [N, K/32] float32 -> [groups, blocks, 384] uint8 (q4_linear.c).
+        # q: [N, K] uint8 0..15; d, m: [N, K/32] float16 -> [groups, blocks, 320] uint8 (q4_linear.c).
         why_not = q4_available()
         if why_not:
             raise QuantizeError(why_not)
@@ -123,22 +116,29 @@ class Q4Weight(PackedWeight):
         q = q.view(num_groups, GROUP, num_blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
         nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(num_groups, num_blocks, 256)
         scales = torch.stack((d, m)).view(2, num_groups, GROUP, num_blocks).permute(1, 3, 0, 2)
-        scale_bytes = scales.contiguous().view(torch.uint8).view(num_groups, num_blocks, 128)
+        scale_bytes = scales.contiguous().view(torch.uint8).view(num_groups, num_blocks, 64)
         self._packed = torch.cat((nibbles, scale_bytes), dim=-1).contiguous()
         self.nbytes = self._packed.numel()
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight the products compute with, d * q + m (for tests and references)."""
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored blocks: q [out, in] uint8 in 0..15, d and m [out, in / 32] float16; from_blocks
+        of them packs the same weight again."""
         num_groups, num_blocks, _ = self._packed.shape
         nibbles = self._packed[..., :256].reshape(num_groups, num_blocks, 4, GROUP, 4)
         q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1)  # [g, b, chunk, output, j, nibble]
-        q = q.permute(0, 3, 1, 2, 5, 4).reshape(num_groups * GROUP, num_blocks, BLOCK)
+        q = q.permute(0, 3, 1, 2, 5, 4).reshape(num_groups * GROUP, num_blocks * BLOCK)
         scales = (
-            self._packed[..., 256:].contiguous().view(torch.float32).view(num_groups, num_blocks, 2, GROUP)
+            self._packed[..., 256:].contiguous().view(torch.float16).view(num_groups, num_blocks, 2, GROUP)
         )
-        d, m = scales.permute(2, 0, 3, 1).reshape(2, num_groups * GROUP, num_blocks, 1)
-        weight = (q.float() * d + m).view(num_groups * GROUP, -1)
-        return weight[: self.shape[0]]
+        d, m = scales.permute(2, 0, 3, 1).reshape(2, num_groups * GROUP, num_blocks)
+        num_out = self.shape[0]
+        return q[:num_out], d[:num_out], m[:num_out]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight the products compute with, d * q + m (for tests and references)."""
+        q, d, m = self.blocks()
+        weight = q.view(q.shape[0], -1, BLOCK).float() * d.float()[..., None] + m.float()[..., None]
+        return weight.view(q.shape)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
         # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.
@@ -171,10 +171,3 @@ class Q4Weight(PackedWeight):
         if failed:
             raise QuantizeError(f"the 4-bit kernel's {path} path does not run on this CPU")
         return out.add_(bias) if bias is not None else out
-
-
-def _check_blocks(ok: bool, weight: torch.Tensor) -> None:
-    if not ok or weight.dim() != 2 or weight.shape[1] % BLOCK:
-        raise QuantizeError(
-            f"4-bit weights need [out, in] with in a multiple of {BLOCK}, got {list(weight.shape)}"
-        )

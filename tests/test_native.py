@@ -31,6 +31,24 @@ def test_a_kernel_is_built_once_and_then_loaded_from_its_cache(tmp_path, monkeyp
         native.load.cache_clear()
 
 
+def test_a_kernel_is_rebuilt_when_a_header_it_may_include_changes(tmp_path, monkeypatch):
+    # q4_linear.c and q8_linear.c share block_quantize.h: a stale build of either would quantize its
+    # inputs differently from the other.
+    sources = tmp_path / "native"
+    sources.mkdir()
+    (sources / "tiny.c").write_text('#include "tiny.h"\nint tp_tiny(void) { return TINY; }\n')
+    monkeypatch.setattr(native, "SOURCE_DIR", sources)
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path / "cache")
+    try:
+        for value in (1, 2):
+            (sources / "tiny.h").write_text(f"#define TINY {value}\n")
+            native.load.cache_clear()
+            assert native.load("tiny").tp_tiny() == value
+        assert len(list((tmp_path / "cache").glob("tiny-*.so"))) == 2
+    finally:
+        native.load.cache_clear()
+
+
 def test_a_broken_compiler_is_named_not_raised_as_a_crash(tmp_path, monkeypatch):
     fake = tmp_path / "cc"
     fake.write_text(

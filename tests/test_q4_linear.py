@@ -52,7 +52,7 @@ def test_every_path_this_cpu_runs_gives_the_scalar_paths_bits(shape):
             assert torch.equal(packed(rows[:num_rows], path=path), scalar), f"{path}, {num_rows} rows"
     # Extreme blocks: every nibble 15 against inputs at +-absmax (the largest int16 pair sums on AVX2).
     q = torch.full(shape, 15, dtype=torch.uint8)
-    scales = torch.full((shape[0], shape[1] // BLOCK), 0.01)
+    scales = torch.full((shape[0], shape[1] // BLOCK), 0.01, dtype=torch.float16)
     extreme = Q4Weight.from_blocks(q, scales, -scales)
     signs = torch.tensor([1.0, -1.0]).repeat(shape[1] // 2)
     for x in (torch.ones(3, shape[1]), -torch.ones(3, shape[1]), signs.expand(3, -1)):
@@ -66,7 +66,7 @@ def test_the_kernel_offers_every_path_the_cpu_announces():
     # otherwise skip its checks above in silence.
     flags = set(machine_facts()["vector_extensions"])
     expected = ["scalar"]
-    if {"avx2", "fma"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags:
         expected.append("avx2")
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         expected.append("avx512_vnni")
@@ -99,24 +99,48 @@ def test_the_product_is_its_quantized_operands_product_and_near_the_float_one():
     reference = F.linear(rows, packed.dequantize())
     error = (got - reference).norm() / reference.norm()
     assert 0 < error < 0.01, f"relative error {error:.4f}"
-    # The 4-bit weight is the float one within half a step of its block.
+    # The 4-bit weight is the float one within half a step of its block, the step a little wider for
+    # the float16 scales rounded outwards: m down by at most |min| 2^-11, d up by at most 2^-10.
     blocks = weight.view(weight.shape[0], -1, BLOCK)
-    step = (blocks.amax(dim=-1) - blocks.amin(dim=-1)) / 15
+    low = blocks.amin(dim=-1)
+    step = ((blocks.amax(dim=-1) - low) / 15 + low.abs() * 2**-11 / 15) * (1 + 2**-10)
     gap = (packed.dequantize() - weight).abs().view_as(blocks).amax(dim=-1)
     assert (gap <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    assert (gap > 0).any()
+
+
+def test_quantized_scales_are_float16_and_the_values_are_rounded_against_them():
+    weight, _ = weight_and_rows()
+    weight[0, :BLOCK] = torch.linspace(-1, 2, BLOCK) / 3  # a block whose ends float16 does not hold
+    packed = Q4Weight(weight)
+    q, d, m = packed.blocks()
+    assert d.dtype == m.dtype == torch.float16 and q.dtype == torch.uint8
+    # q is the nearest step against the stored d and m, not against the unrounded ones.
+    blocks = weight.view(weight.shape[0], -1, BLOCK)
+    expected = ((blocks - m.float()[..., None]) / d.float()[..., None]).round().clamp(0, 15)
+    assert torch.equal(q.view_as(blocks).float(), expected)
+    assert torch.equal(
+        packed.dequantize(), (q.view_as(blocks) * d.float()[..., None] + m.float()[..., None]).view_as(weight)
+    )
+    # Its blocks packed again are the same weight: nothing but q, d and m is stored.
+    again = Q4Weight.from_blocks(q, d, m)
+    assert torch.equal(again._packed, packed._packed)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_blocks_come_back_exactly_as_d_times_q_plus_m(scale_dtype):
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(0, 16, (40, 128), generator=gen, dtype=torch.uint8)
-    d = (torch.rand(40, 4, generator=gen) * 0.1).to(scale_dtype)
-    for m in ((torch.randn(40, 4, generator=gen) * 0.1).to(scale_dtype), -8 * d):  # Q4_1, then Q4_0
+    # Scales on a grid both float16 and bfloat16 hold (7 significant bits), as a converted GGUF's are.
+    d = (torch.randint(1, 128, (40, 4), generator=gen) / 1024).to(scale_dtype)
+    minimums = (torch.randint(-127, 128, (40, 4), generator=gen) / 512).to(scale_dtype)
+    for m in (minimums, -8 * d):  # Q4_1, then Q4_0
         packed = Q4Weight.from_blocks(q, d, m)
         expected = q.float().view(40, 4, BLOCK) * d.float()[..., None] + m.float()[..., None]
         assert torch.equal(packed.dequantize(), expected.view(40, 128))
-    # About half a byte a weight, and a quarter for the float32 block scales.
-    assert packed.nbytes == 48 * 128 * 3 // 4  # 40 outputs padded to 3 groups of 16
+        assert [t.dtype for t in packed.blocks()] == [torch.uint8, torch.float16, torch.float16]
+    # Half a byte a weight, and an eighth for the float16 block scales, as a Q4_1 GGUF.
+    assert packed.nbytes == 48 * 128 * 5 // 8  # 40 outputs padded to 3 groups of 16
     assert packed.shape == (40, 128) and packed.dtype == torch.float32
 
 
@@ -137,6 +161,19 @@ def test_bad_input_is_refused_by_name():
         Q4Weight.from_blocks(q, d, d.double())
     with pytest.raises(QuantizeError, match="m hold a value that is not finite"):
         Q4Weight.from_blocks(q, d, d.clone().fill_(float("inf")))
+    # Scales that float16 does not hold would be rounded a second time: refused, not rounded.
+    with pytest.raises(QuantizeError, match=r"d must be exact in float16 .*d\[3, 1\] = 0.1000000\d* is not"):
+        Q4Weight.from_blocks(
+            q, d.clone().index_put_((torch.tensor(3), torch.tensor(1)), torch.tensor(0.1)), d
+        )
+    with pytest.raises(
+        QuantizeError, match=r"m must be exact in float16 .*m\[0, 0\] = 1.0000000\d*e-07 is not"
+    ):
+        Q4Weight.from_blocks(q, d, torch.full((16, 2), 1e-7))  # below float16's least subnormal step
+    with pytest.raises(QuantizeError, match="m must be exact in float16"):
+        Q4Weight.from_blocks(q, d, torch.full((16, 2), 3.0e5).to(torch.bfloat16))
+    with pytest.raises(QuantizeError, match=r"block scales within float16's range .* got a block scale of"):
+        Q4Weight(torch.full((16, 64), -1e6))
     packed = Q4Weight.from_blocks(q, d, d)
     with pytest.raises(ValueError, match=r"a \[T, 64\] input expected by a \[16, 64\] weight, got \[2, 32\]"):
         packed(torch.ones(2, 32))

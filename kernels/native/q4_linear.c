@@ -1,8 +1,8 @@
 /* 4-bit weights times 8-bit activations (GGUF's Q4_1 x Q8_1), each output's arithmetic fixed by the code.
  *
  * Inputs go in blocks of 32. A weight is w[n, 32b+i] = d[n,b] * q[n,b,i] + m[n,b] with q in 0..15;
- * an input row t is quantized per block on its own: da[t,b] = absmax / 127, qa = rint(x * (1 / da))
- * in -127..127, ms[t,b] = da[t,b] * sum_i qa[t,b,i]. Then, for b = 0, 1, 2, ... in that order,
+ * an input row t is quantized per block on its own (block_quantize.h): da[t,b] = absmax / 127,
+ * qa = rint(x * (1 / da)) in -127..127, ms[t,b] = da[t,b] * sum_i qa[t,b,i]. Then, for b = 0, 1, 2, ... in that order,
  *     dot = sum_i q[n,b,i] * qa[t,b,i]                        an exact int32 (|dot| <= 60960)
  *     acc = fmaf(d[n,b] * da[t,b], (float)dot, acc)           acc starts at 0
  *     acc = fmaf(m[n,b], ms[t,b], acc)
@@ -10,75 +10,24 @@
  * explicit fmaf (the build turns off contraction), so the AVX-512 VNNI path, the AVX2 path and the
  * scalar path give the same bits, and a row's bits never depend on the rows beside it.
  *
- * The weight is stored in groups of 16 outputs, block by block, one stream of 384 bytes per
- * (group, block): 4 chunks of 64 bytes of nibbles, then d[16] and m[16] as float32. Byte 4o+j of
+ * The weight is stored in groups of 16 outputs, block by block, one stream of 320 bytes per
+ * (group, block): 4 chunks of 64 bytes of nibbles, then d[16] and m[16] as float16 (GGUF's Q4_1
+ * keeps them so), turned into float32 exactly where they are used. Byte 4o+j of
  * chunk c holds output o's input 8c+j in its low nibble and input 8c+4+j in its high nibble, so one
  * unpacked chunk (and 0x0f, or shift 4 then and) is 16 outputs x 4 consecutive inputs: one
  * broadcast of 4 activation bytes feeds 16 outputs in one vpdpbusd, with no horizontal sum. AVX2
  * reads the same layout in halves (bytes 0..31 of a chunk are outputs 0..7).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "block_quantize.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#define BLOCK 32                                      /* inputs per block */
 #define GROUP 16                                      /* outputs per group */
 #define CHUNKS 4                                      /* 64-byte nibble chunks per (group, block) */
 #define SCALES_AT (CHUNKS * 64)                       /* byte offset of d[16]; m[16] follows */
-#define GROUP_BLOCK_BYTES (SCALES_AT + 2 * GROUP * 4) /* 384 */
+#define GROUP_BLOCK_BYTES (SCALES_AT + 2 * GROUP * 2) /* 320 */
 #define ROWS 4                                        /* rows that share each unpacked weight */
-
-enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512_VNNI = 3 };
-
-static inline int32_t load4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float load_float(const uint8_t *p) {
-    float v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* x: [T, K] (row stride x_stride floats) -> qa [T, K], da [T, nb], ms [T, nb]. Shared by every path,
- * and written so the compiler vectorizes it: the absmax as the largest |x| bit pattern (a NaN counts
- * as infinity), then qa = rint(x * (1 / da)) as llama.cpp's Q8_1 (one division a block), clamped so
- * that no conversion is undefined. */
-static void quantize_rows(const float *x, int64_t x_stride, int num_rows, int K, int8_t *qa, float *da,
-                          float *ms) {
-    int nb = K / BLOCK;
-    for (int t = 0; t < num_rows; t++) {
-        for (int b = 0; b < nb; b++) {
-            const float *v = x + t * x_stride + b * BLOCK;
-            int8_t *q = qa + (int64_t)t * K + b * BLOCK;
-            uint32_t bits[BLOCK], top = 0;
-            memcpy(bits, v, sizeof bits);
-            for (int i = 0; i < BLOCK; i++) {
-                uint32_t a = bits[i] & 0x7fffffffu;
-                a = a < 0x7f800000u ? a : 0x7f800000u;
-                top = a > top ? a : top;
-            }
-            float absmax;
-            memcpy(&absmax, &top, sizeof absmax);
-            float scale = absmax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                float r = v[i] * inv;
-                r = r >= -127.0f ? r : -127.0f; /* a NaN becomes -127 */
-                r = r <= 127.0f ? r : 127.0f;
-                q[i] = (int8_t)(int)rintf(r);
-                sum += q[i];
-            }
-            da[(int64_t)t * nb + b] = scale;
-            ms[(int64_t)t * nb + b] = scale * (float)sum;
-        }
-    }
-}
 
 static inline float epilogue(float acc, float d, float m, int32_t dot, float da, float ms) {
     acc = fmaf(d * da, (float)dot, acc);
@@ -101,8 +50,8 @@ static void scalar_rows(const uint8_t *w, int nb, const int8_t *qa, const float 
                         uint8_t byte = blk[c * 64 + o * 4 + j];
                         dot += (byte & 15) * a[8 * c + j] + (byte >> 4) * a[8 * c + 4 + j];
                     }
-                float d = load_float(blk + SCALES_AT + 4 * o);
-                float m = load_float(blk + SCALES_AT + 4 * (GROUP + o));
+                float d = load_half(blk + SCALES_AT + 2 * o);
+                float m = load_half(blk + SCALES_AT + 2 * (GROUP + o));
                 acc = epilogue(acc, d, m, dot, da[(int64_t)t * nb + b], ms[(int64_t)t * nb + b]);
             }
             out[(int64_t)t * N + n] = acc;
@@ -112,7 +61,7 @@ static void scalar_rows(const uint8_t *w, int nb, const int8_t *qa, const float 
 
 #if defined(__x86_64__)
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
 /* R rows by NG groups of 16 outputs (n0..): R and NG are constants where it is inlined. `ahead`, where
@@ -151,8 +100,9 @@ VNNI INLINE void vnni_tile(const uint8_t *w, int64_t group_bytes, int nb, const 
             }
         }
         for (int h = 0; h < NG; h++) {
-            const float *scales = (const float *)(w + h * group_bytes + b * GROUP_BLOCK_BYTES + SCALES_AT);
-            __m512 d = _mm512_loadu_ps(scales), m = _mm512_loadu_ps(scales + GROUP);
+            const uint8_t *scales = w + h * group_bytes + b * GROUP_BLOCK_BYTES + SCALES_AT;
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 2 * GROUP)));
             for (int r = 0; r < R; r++) {
                 __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[(int64_t)r * nb + b]));
                 acc[r][h] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot[r][h]), acc[r][h]);
@@ -219,8 +169,9 @@ AVX2 INLINE void avx2_tile(const uint8_t *wg, int half, int nb, const int8_t *qa
                 pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, a_hi));
             }
         }
-        const float *scales = (const float *)(blk + SCALES_AT) + half * 8;
-        __m256 d = _mm256_loadu_ps(scales), m = _mm256_loadu_ps(scales + GROUP);
+        const uint8_t *scales = blk + SCALES_AT + half * 16;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * GROUP)));
         for (int r = 0; r < R; r++) {
             __m256i dot = _mm256_madd_epi16(pairs[r], ones);
             __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(da[(int64_t)r * nb + b]));
@@ -265,32 +216,19 @@ AVX2 static void avx2_rows(const uint8_t *w, int num_groups, int nb, const int8_
 #endif
 
 /* Bit i set: path i runs on this CPU (PATH_SCALAR always). */
-int tp_q4_paths(void) {
-    int paths = 1 << PATH_SCALAR;
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths |= 1 << PATH_AVX2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vnni"))
-        paths |= 1 << PATH_AVX512_VNNI;
-#endif
-    return paths;
-}
+int tp_q4_paths(void) { return cpu_paths(); }
 
 /* out [T, N] = x [T, K] (row stride x_stride) times the packed weight w (ceil(N / 16) groups).
  * scratch: T * K bytes for qa, then 2 * T * K / 32 floats for da and ms. path: PATH_AUTO picks the
  * fastest here. Returns 0, or -1 where the path asked for does not run on this CPU. */
 int tp_q4_linear(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,
                  uint8_t *scratch, float *out, int path) {
-    int paths = tp_q4_paths();
-    if (path == PATH_AUTO) path = paths & (1 << PATH_AVX512_VNNI) ? PATH_AVX512_VNNI
-                                  : paths & (1 << PATH_AVX2)      ? PATH_AVX2
-                                                                  : PATH_SCALAR;
-    if (path < PATH_SCALAR || path > PATH_AVX512_VNNI || !(paths & (1 << path))) return -1;
+    path = pick_path(path);
+    if (path < 0) return -1;
     int nb = K / BLOCK, num_groups = (N + GROUP - 1) / GROUP;
     int8_t *qa = (int8_t *)scratch;
     float *da = (float *)(scratch + (int64_t)num_rows * K), *ms = da + (int64_t)num_rows * nb;
-    quantize_rows(x, x_stride, num_rows, K, qa, da, ms);
+    quantize_rows(x, x_stride, num_rows, K, qa, da, ms, NULL);
 #if defined(__x86_64__)
     if (path == PATH_AVX512_VNNI) {
         vnni_rows(w, num_groups, nb, qa, da, ms, num_rows, N, out);
