@@ -56,6 +56,7 @@ class PackedWeight:
     shape: tuple[int, int]
     dtype = torch.float32  # what it computes in and returns
     device: torch.device
+    nbytes: int  # what it holds
 
 
 class FbgemmWeight(PackedWeight):
@@ -102,6 +103,8 @@ class Int8Weight(FbgemmWeight):
     def _pack(self, quantized: torch.Tensor) -> None:
         # quantized: [out, in] qint8, per output channel, zero points 0
         self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        # FBGEMM's packed layout is opaque: a byte a value and a float scale per output, about
+        self.nbytes = self.shape[0] * (self.shape[1] + 4)
         self._sentinel = torch.zeros(1, self.shape[1])
         self._sentinel[0, :2] = torch.tensor([1.0, -1.0])
 
@@ -154,6 +157,7 @@ class Fp16Weight(FbgemmWeight):
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
         self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
+        self.nbytes = 2 * self.shape[0] * self.shape[1]  # about: FBGEMM's packed layout is opaque
 
     def dequantize(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack_fp16(self._packed)[0]

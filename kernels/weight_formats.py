@@ -2,8 +2,9 @@
 
 - none: the checkpoint's floats (kernels/linear.py).
 - int8: int8 weights x int8 rows by FBGEMM, down_proj in float16 (kernels/int8_linear.py).
-- int4: 4-bit blocks x 8-bit blocks by our C kernel, every linear layer and the head
-  (kernels/q4_linear.py): half int8's bytes, and the GGUF's own Q4_1 arithmetic.
+- int4: 4-bit blocks x 8-bit blocks by our C kernel, every linear layer (kernels/q4_linear.py):
+  half int8's bytes, and the GGUF's own Q4_1 arithmetic; the head and the embedding in 8-bit blocks
+  (kernels/q8_linear.py), one copy for both where they are tied.
 - auto: int4 on an x86 CPU whose vector units the C kernel uses (AVX2 or AVX-512 VNNI), else int8
   where FBGEMM runs, else none.
 """
@@ -17,6 +18,7 @@ import torch
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available
 from tpserve.kernels.q4_linear import BLOCK, Q4Weight, q4_available, supported_paths
+from tpserve.kernels.q8_linear import Q8Weight, q8_available
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ _SERVED_AS = {
     "int8": ServedAs("int8", "fp16", "int8"),
     # Blocks of 32 keep those outliers in their own blocks: down_proj in 4 bits too. The head stays
     # 8-bit (the GGUF's is Q8_0; in 4 bits: +4% perplexity, bench/quality.py).
-    "int4": ServedAs("int4", "int4", "int8"),
+    "int4": ServedAs("int4", "int4", "q8"),
 }
 
 
@@ -49,12 +51,12 @@ def served_as(quantize: str) -> ServedAs:
     return _SERVED_AS[quantize]
 
 
-_KINDS = {"int8": Int8Weight, "fp16": Fp16Weight, "int4": Q4Weight}
+_KINDS = {"int8": Int8Weight, "fp16": Fp16Weight, "int4": Q4Weight, "q8": Q8Weight}
 _FAST_Q4_PATHS = ("avx2", "avx512_vnni")
 
 
 def quantize_weight(weight: torch.Tensor, kind: str):
-    """`weight` packed as `kind` ("int8", "fp16" or "int4"), or itself for "none"."""
+    """`weight` packed as `kind` ("int8", "fp16", "int4" or "q8"), or itself for "none"."""
     if kind == "none" or weight.numel() == 0:  # a piece holding no KV head has an empty q/k/v
         return weight
     if kind not in _KINDS:
@@ -75,7 +77,7 @@ def quantize_unavailable(kind: str, device: torch.device | str) -> str | None:
     if kind == "int4":
         if torch.device(device).type != "cpu":
             return f"int4 weights run on CPUs (our C kernel), not on {torch.device(device).type}"
-        return q4_available() or int8_available(device)  # its head is FBGEMM's int8
+        return q4_available() or q8_available()
     return None
 
 

@@ -17,6 +17,7 @@ import torch
 
 from tpserve.kernels.int8_linear import Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight
+from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.block_tensors import BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
@@ -52,14 +53,16 @@ def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockVa
 
 def pack_weight(weight: torch.Tensor | Int8Values | BlockValues, kind: str, dtype=torch.float32):
     """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
-    (down_proj included: the file chose int8 for it); a GGUF's 4-bit blocks are served as stored
-    where `kind` is int4; anything else goes through quantize_weight (blocks dequantized first,
+    (down_proj included: the file chose int8 for it); a GGUF's blocks are served as stored where
+    `kind` is int4 (and 8-bit ones where it is q8); anything else goes through quantize_weight (blocks dequantized first,
     to `dtype` where they stay float)."""
     if isinstance(weight, BlockValues):
         if weight.q.numel() == 0:
             return weight.q.to(dtype)
         if kind == "int4" and weight.bits == 4:
             return Q4Weight.from_blocks(weight.q, weight.d, weight.m)
+        if kind in ("int4", "q8") and weight.bits == 8:
+            return Q8Weight.from_blocks(weight.q, weight.d)
         weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
     if not isinstance(weight, Int8Values):
         return quantize_weight(weight, kind)

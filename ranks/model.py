@@ -19,6 +19,7 @@ from tpserve.kernels.embedding import place_features
 from tpserve.kernels.int8_linear import PackedWeight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
+from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.rotary import Rotary
 from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.block_tensors import BlockValues
@@ -114,10 +115,18 @@ class TPModel:
             ]
             for layer in range(config.num_layers)
         ]
-        # [V_piece, hidden] each (a GGUF's blocks dequantized: a lookup reads few rows)
-        self.embed = [_float(w["model.embed_tokens.weight"], self.dtype) for w in weights.pieces]
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.head = [pack_weight(w[head_name], served_as(quantize).head, self.dtype) for w in weights.pieces]
+        head_format = served_as(quantize).head
+        self.head = [pack_weight(w[head_name], head_format, self.dtype) for w in weights.pieces]
+        # [V_piece, hidden] each: the head's own copy where they are tied and it has rows to look
+        # up (float, or 8-bit blocks), else its own (8-bit blocks where the head is, else float).
+        embed, tied = "model.embed_tokens.weight", config.tie_word_embeddings
+        if tied and all(isinstance(h, (torch.Tensor, Q8Weight)) for h in self.head):
+            self.embed = self.head
+        elif head_format == "q8":
+            self.embed = [pack_weight(w[embed], "q8") for w in weights.pieces]
+        else:
+            self.embed = [_float(w[embed], self.dtype) for w in weights.pieces]
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
@@ -138,6 +147,20 @@ class TPModel:
         """Attention by tiled BLAS products from now on: where another rank has no C kernel."""
         self.attention = TILED
 
+    def weight_bytes(self) -> int:
+        """Bytes this rank's weights hold: every tensor and packed weight once (a tied head and
+        embedding share theirs)."""
+        held = [*self.replicated.values(), *self.head, *self.embed]
+        for pieces in self.layers:
+            for layer in pieces:
+                held += [
+                    w
+                    for w in (layer.w_qkv, layer.b_qkv, layer.w_o, layer.w_gate_up, layer.w_down)
+                    if w is not None
+                ]
+        unique = {id(w): w for w in held}.values()
+        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in unique)
+
     def kv_heads_per_piece(self) -> list[int]:
         """KV heads of each of this rank's pieces: the KV store's shape (ranks/kv_store.py)."""
         return [piece.num_kv_heads() for piece in self.pieces]
@@ -156,7 +179,7 @@ class TPModel:
             start, end = piece.vocab
             owned = (token_ids >= start) & (token_ids < end)
             local = (token_ids - start).clamp(0, end - start - 1)
-            out += F.embedding(local, table).float() * owned.unsqueeze(1)
+            out += _lookup(table, local).float() * owned.unsqueeze(1)
         if media_rows is not None:
             place_features(out, media_rows, media)
         return self._reduce(out)
@@ -252,6 +275,11 @@ class TPModel:
             return None
         widths = [end - start for start, end in split_evenly(cfg.vocab_size, self.tp_size)]
         return torch.cat([chunk[:, :width] for chunk, width in zip(chunks, widths)], dim=-1).float()
+
+
+def _lookup(table: torch.Tensor | Q8Weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table: [n, hidden]."""
+    return table.rows(ids) if isinstance(table, Q8Weight) else F.embedding(ids, table)
 
 
 def _float(weight: torch.Tensor | BlockValues, dtype: torch.dtype) -> torch.Tensor:

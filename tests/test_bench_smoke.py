@@ -175,8 +175,9 @@ def test_quality_reports_perplexity_and_agreement_of_each_format(tiny_model, tmp
     assert run_quality(argv) == 0
     report = json.loads(out.read_text())
     formats = report["formats"]
-    assert set(formats) == {"none", "int8"} and report["machine"]["torch"]
+    assert set(formats) == {"none", "int8", "int4"} and report["machine"]["torch"]
     assert formats["none"]["perplexity_vs_reference"] == 1.0 and formats["none"]["agreement"] == 1.0
-    assert 1.0 < formats["int8"]["perplexity"] < math.inf
-    assert 0.0 <= formats["int8"]["agreement"] <= 1.0
-    assert len(formats["int8"]["agreed_tokens"]) == 2
+    for quantized in ("int8", "int4"):
+        assert 1.0 < formats[quantized]["perplexity"] < math.inf
+        assert 0.0 <= formats[quantized]["agreement"] <= 1.0
+        assert len(formats[quantized]["agreed_tokens"]) == 2
