@@ -10,6 +10,8 @@ Reported per system and stream count: aggregate tok/s (tokens over the wall time
 prefill included), per-stream decode tok/s (after each stream's first token), the mean time to first
 token, and every ratio to the peer. At one stream the daemon's decode speed is also set against the
 float32 bandwidth roofline: (read bandwidth measured here) / (weight bytes rank 0 reads per token).
+After its bursts, three streams of the many-stream burst are replayed alone: "== alone" says whether
+each got the very reply it got beside the others.
 
     python -m bench.peer [--llama-server PATH] [--tokens 128] [--streams 16] [--rounds 2] [--json FILE]
 
@@ -31,7 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -59,6 +61,7 @@ class Timing:
     first: float = 0.0
     end: float = 0.0
     num_tokens: int = 0
+    reply: list = field(default_factory=list)  # token ids (tpserve) or text pieces (llama-server)
 
 
 FILLER = (
@@ -126,6 +129,7 @@ def start_tpserve(name: str, flags: list[str], repo: Path = REPO) -> Server:
             if response.token_ids and not timing.first:
                 timing.first = time.perf_counter()
             timing.num_tokens += len(response.token_ids)
+            timing.reply += response.token_ids
         timing.end = time.perf_counter()
         return timing
 
@@ -158,6 +162,7 @@ def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Ser
             chunk = json.loads(line[6:])
             if chunk.get("content") and not timing.first:
                 timing.first = time.perf_counter()
+            timing.reply.append(chunk.get("content", ""))
             if chunk.get("stop"):
                 timing.num_tokens = chunk.get("tokens_predicted", 0)
         connection.close()
@@ -187,7 +192,21 @@ def burst(server: Server, num_streams: int, num_tokens: int, first_index: int) -
         "ttft_s": sum(t.first - t.sent for t in timings) / num_streams,
         "tokens": tokens,
         "complete": all(t.num_tokens == num_tokens for t in timings),
+        "replies": {first_index + i: t.reply for i, t in enumerate(timings)},
     }
+
+
+ALONE = (0, 7, 15)  # streams of the many-stream burst replayed alone: the same reply, token for token?
+
+
+def same_alone(server: Server, many: dict, num_streams: int, num_tokens: int) -> bool:
+    """Whether streams of a burst of `num_streams` give the very replies they give alone."""
+    first = 100 * num_streams
+    return all(
+        server.generate(first + i, num_tokens).reply == many["replies"][first + i]
+        for i in ALONE
+        if i < num_streams
+    )
 
 
 def find_llama_server(given: str | None) -> str | None:
@@ -252,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 for streams in (1, args.streams):
                     # Fresh prompts for each burst: none repeats one a prompt cache holds.
                     samples[name][streams].append(burst(server, streams, args.tokens, 100 * streams))
+                many = samples[name][args.streams][-1]
+                many["same_alone"] = same_alone(server, many, args.streams, args.tokens)
             finally:
                 server.close()
     peer = "llama-server" if binary else names[0]
@@ -259,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         figures = {}
         for streams, runs in samples[name].items():
-            figures[streams] = {key: median([r[key] for r in runs]) for key in runs[0] if key != "complete"}
+            kept = ("complete", "replies", "same_alone")
+            figures[streams] = {key: median([r[key] for r in runs]) for key in runs[0] if key not in kept}
             figures[streams]["complete"] = all(r["complete"] for r in runs)
+            if streams == args.streams:
+                figures[streams]["same_alone"] = all(r["same_alone"] for r in runs)
         report["results"][name] = figures
     for name in names:
         one, many = report["results"][name][1], report["results"][name][args.streams]
@@ -282,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 one["tok_s"] / base_one["tok_s"],
                 many["tok_s"] / base_many["tok_s"],
                 roof,
+                "yes" if many["same_alone"] else "no",
             )
         )
     print_table(
@@ -296,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             "x peer 1",
             f"x peer {args.streams}",
             "of roof 1",
+            f"{args.streams} == alone",
         ),
         rows,
     )
