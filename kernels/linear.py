@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tpserve.kernels.int8_linear import PackedWeight
 
@@ -39,14 +40,27 @@ def linear(
     num_rows = x.shape[0]
     padded = F.pad(x, (0, 0, 0, -num_rows % row_tile)) if num_rows % row_tile else x
     num_tiles = padded.shape[0] // row_tile
-    if num_tiles == 1:
-        out = F.linear(padded, weight, bias)
-    elif x.dtype == torch.float32:
-        # One batched call of num_tiles [row_tile, in] x [in, out] products, the weight shared (stride 0).
+    if x.dtype == torch.float32:
+        # One batched call of num_tiles [row_tile, in] x [in, out] products, the weight shared
+        # (stride 0), one tile or many: the same ops whatever the number of lanes.
         tiles = padded.view(num_tiles, row_tile, -1)
-        out = torch.bmm(tiles, weight.t().expand(num_tiles, -1, -1)).view(padded.shape[0], -1)
+        out = torch.bmm(tiles, _shared(weight, num_tiles)).view(padded.shape[0], -1)
         if bias is not None:
             out += bias
+    elif num_tiles == 1:
+        out = F.linear(padded, weight, bias)
     else:  # bfloat16's batched call is slow on the CPU: one call per tile
         out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(row_tile)])
     return out[:num_rows] if num_rows % row_tile else out
+
+
+# weight -> {num_tiles: its transpose expanded to [num_tiles, in, out]}: views made once per shape,
+# so a product dispatches no op to make them.
+_SHARED = WeakIdKeyDictionary()
+
+
+def _shared(weight: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    views = _SHARED.setdefault(weight, {})
+    if num_tiles not in views:
+        views[num_tiles] = weight.t().expand(num_tiles, -1, -1)
+    return views[num_tiles]
