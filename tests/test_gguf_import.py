@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -482,3 +482,55 @@ def test_kept_blocks_are_served_as_the_file_stores_them(tmp_path: Path):
     assert torch.equal(
         gate_up[FFN // 2 : FFN], torch.from_numpy(up[: FFN // 2])
     )  # piece 1's rows: up's first half
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            lambda t: t.pop("model.layers.0.mlp.up_proj.weight_m"),
+            r"up_proj.weight_q4 has no .*up_proj.weight_m",
+        ),
+        (
+            lambda t: t.update(
+                {
+                    "model.layers.0.mlp.up_proj.weight_q4": t["model.layers.0.mlp.up_proj.weight_q4"].view(
+                        np.int8
+                    )
+                }
+            ),
+            r"up_proj.weight_q4 is I8 .* need U8",
+        ),
+        (
+            lambda t: t.update(
+                {
+                    "model.layers.1.mlp.down_proj.weight_d": t[
+                        "model.layers.1.mlp.down_proj.weight_d"
+                    ].astype(np.float32)
+                }
+            ),
+            r"down_proj.weight_d is F32",
+        ),
+        (
+            lambda t: t["model.layers.0.self_attn.v_proj.weight_q4"].__setitem__((0, 3), 200),
+            r"v_proj.weight_q4 holds 200",
+        ),
+        (
+            lambda t: t["model.layers.0.mlp.gate_proj.weight_d"].__setitem__((1, 0), np.inf),
+            r"gate_proj.weight's block scales",
+        ),
+    ],
+    ids=["no-m", "signed-4-bit", "float32-scales", "past-15", "infinite-scale"],
+)
+def test_a_damaged_block_tensor_is_refused_by_name(tmp_path: Path, damage, message):
+    q4 = dict.fromkeys(
+        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), Q.Q4_1
+    )
+    write_tiny_gguf(tmp_path / "tiny.gguf", types=q4)
+    out_dir = import_gguf(tmp_path / "tiny.gguf", tmp_path / "model", progress=False)
+    path = out_dir / "model.safetensors"
+    tensors = {name: array.copy() for name, array in load_file(str(path)).items()}
+    damage(tensors)
+    save_file(tensors, str(path))
+    with pytest.raises(ModelFileError, match=message):
+        load_rank_model(out_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4")
