@@ -1,4 +1,4 @@
-"""A checkpoint's own int8 weights (compressed-tensors): a rank's slices read, fused and packed as stored.
+"""A checkpoint's own int8 weights (compressed-tensors): a rank's slices read as stored (ranks/packing.py packs them).
 
 A quantized linear `X` is stored as `X.weight` int8 [out, in] (int-quantized) or as `X.weight_packed`
 int32 [out, ceil(in / 4)] holding four values each, value i in bits 8i..8i+7 offset by +128, with
@@ -15,11 +15,6 @@ from pathlib import Path
 
 import torch
 
-from tpserve.kernels.int8_linear import Int8Weight
-from tpserve.kernels.q4_linear import Q4Weight
-from tpserve.kernels.q8_linear import Q8Weight
-from tpserve.kernels.weight_formats import quantize_weight
-from tpserve.ranks.block_tensors import BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 
 VALUES_PER_INT32 = 4
@@ -34,41 +29,6 @@ class Int8Values:
 
     values: torch.Tensor
     scales: torch.Tensor
-
-
-def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockValues:
-    """The weights `names`, taken out of `tensors`, stacked by rows (q/k/v, gate/up): all float, all
-    int8 each keeping its scales, or all in blocks of one width (else all dequantized to float)."""
-    parts = [tensors.pop(name) for name in names]
-    if all(isinstance(part, torch.Tensor) for part in parts):
-        return torch.cat(parts)
-    if all(isinstance(part, Int8Values) for part in parts):
-        return Int8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
-    if all(isinstance(part, BlockValues) for part in parts) and len({p.bits for p in parts}) == 1:
-        return cat_blocks(parts)
-    if not any(isinstance(part, Int8Values) for part in parts):  # floats and blocks (a mixed GGUF)
-        return torch.cat([p.dequantize() if isinstance(p, BlockValues) else p.float() for p in parts])
-    raise ModelFileError(", ".join(names), "one fused product, stored partly in int8 and partly in float")
-
-
-def pack_weight(weight: torch.Tensor | Int8Values | BlockValues, kind: str, dtype=torch.float32):
-    """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
-    (down_proj included: the file chose int8 for it); a GGUF's blocks are served as stored where
-    `kind` is int4 (and 8-bit ones where it is q8); anything else goes through quantize_weight (blocks dequantized first,
-    to `dtype` where they stay float)."""
-    if isinstance(weight, BlockValues):
-        if weight.q.numel() == 0:
-            return weight.q.to(dtype)
-        if kind == "int4" and weight.bits == 4:
-            return Q4Weight.from_blocks(weight.q, weight.d, weight.m)
-        if kind in ("int4", "q8") and weight.bits == 8:
-            return Q8Weight.from_blocks(weight.q, weight.d)
-        weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
-    if not isinstance(weight, Int8Values):
-        return quantize_weight(weight, kind)
-    if weight.values.numel() == 0:  # a piece holding no KV head has an empty q/k/v
-        return weight.values.float()
-    return Int8Weight.from_int8(weight.values, weight.scales)
 
 
 class StoredInt8:

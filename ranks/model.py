@@ -23,8 +23,8 @@ from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.rotary import Rotary
 from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.block_tensors import BlockValues
-from tpserve.ranks.int8_tensors import fuse, pack_weight
 from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.packing import fuse, pack_weight
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
 
