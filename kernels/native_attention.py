@@ -75,28 +75,10 @@ def native_attention(
     """q: [T, Hq, D] (rotated); pool_*: [Hkv, slots, D] already holding the spans' keys. Returns [T, Hq*D];
     rows no span holds (a pass's padding) are zeros."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = pool_k.shape[0]
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
-    if pool_k.stride(2) != 1 or pool_k.stride(1) != head_dim or pool_v.stride() != pool_k.stride():
-        raise ValueError(
-            "the KV pool's heads must be [slots, head_dim] rows with one layout for keys and values"
-        )
+    q = _rows_of_heads(q)
+    _check_pool(pool_k, pool_v)
     out = (torch.empty if plan.num_rows == num_tokens else torch.zeros)(num_tokens, num_heads, head_dim)
-    failed = _kernel()(
-        q.data_ptr(),
-        q.stride(0),
-        pool_k.data_ptr(),
-        pool_v.data_ptr(),
-        pool_k.stride(0),
-        num_kv_heads,
-        plan.group,
-        head_dim,
-        plan.table.data_ptr(),
-        plan.table.shape[0],
-        scale,
-        out.data_ptr(),
-    )
+    failed = _kernel()(q.data_ptr(), q.stride(0), *_attend_args(pool_k, pool_v, plan, head_dim, scale, out))
     _check(failed)
     return out.view(num_tokens, num_heads * head_dim)
 
