@@ -61,11 +61,10 @@ def quantize_weight(weight: torch.Tensor, kind: str):
         return weight
     if kind not in _KINDS:
         raise QuantizeError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
-    if kind == "int4" and weight.shape[1] % BLOCK:
-        # A row-parallel piece whose input is not whole blocks (a small model's 3 heads of 16)
-        log.info(
-            "a %s weight's input is not whole 4-bit blocks of %d: served in int8", list(weight.shape), BLOCK
-        )
+    if kind in ("int4", "q8") and weight.shape[1] % BLOCK:
+        # A row-parallel piece whose input is not whole blocks (a small model's 3 heads of 16), or
+        # a model whose hidden size is not (its head)
+        log.info("a %s weight's input is not whole blocks of %d: served in int8", list(weight.shape), BLOCK)
         kind = "int8"
     return _KINDS[kind](weight)
 

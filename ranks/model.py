@@ -123,10 +123,8 @@ class TPModel:
         embed, tied = "model.embed_tokens.weight", config.tie_word_embeddings
         if tied and all(isinstance(h, (torch.Tensor, Q8Weight)) for h in self.head):
             self.embed = self.head
-        elif head_format == "q8":
-            self.embed = [pack_weight(w[embed], "q8") for w in weights.pieces]
         else:
-            self.embed = [_float(w[embed], self.dtype) for w in weights.pieces]
+            self.embed = [_table(w[embed], head_format, self.dtype) for w in weights.pieces]
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
@@ -280,6 +278,14 @@ class TPModel:
 def _lookup(table: torch.Tensor | Q8Weight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of an embedding table: [n, hidden]."""
     return table.rows(ids) if isinstance(table, Q8Weight) else F.embedding(ids, table)
+
+
+def _table(
+    weight: torch.Tensor | BlockValues, head_format: str, dtype: torch.dtype
+) -> torch.Tensor | Q8Weight:
+    """An embedding table of its own: 8-bit blocks where the head is in them, else float."""
+    packed = pack_weight(weight, "q8") if head_format == "q8" else None
+    return packed if isinstance(packed, Q8Weight) else _float(weight, dtype)
 
 
 def _float(weight: torch.Tensor | BlockValues, dtype: torch.dtype) -> torch.Tensor:
