@@ -13,7 +13,6 @@ against float32's `F.embedding`. Every kind runs one thread.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -24,60 +23,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.block_timing import OnPath, int8_weight, print_products, product_args, time_products  # noqa: E402
 from bench.common import finish, median, print_table  # noqa: E402
-from bench.q4_linear import int8_weight, time_pass  # noqa: E402
-from tpserve.kernels.q4_linear import PATHS, Q4Weight  # noqa: E402
+from tpserve.kernels.q4_linear import Q4Weight  # noqa: E402
 from tpserve.kernels.q8_linear import Q8Weight, supported_paths  # noqa: E402
 
 SHAPES = ((24576, 576), (1536, 576))  # SmolLM2-135M at tp=2: the head's half, gate/up
 LOOKUPS = (1, 16, 512)  # embedding rows per lookup: a decode round's few, a prompt's many
-
-
-class OnPath:
-    """A block weight on one named code path (--path avx2 shows what an AVX2-only CPU would run)."""
-
-    def __init__(self, packed, path: str):
-        self.packed, self.path, self.nbytes = packed, path, packed.nbytes
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed(x, path=self.path)
-
-
-def run_products(rows, num_copies: int, num_passes: int, shapes, path: str) -> list[dict]:
-    kinds = {
-        "int8": int8_weight,
-        "q4": lambda weight: OnPath(Q4Weight(weight), path),
-        "q8": lambda weight: OnPath(Q8Weight(weight), path),
-    }
-    gen = torch.Generator().manual_seed(0)
-    results = []
-    for num_out, num_in in shapes:
-        weight = torch.randn(num_out, num_in, generator=gen) * 0.05
-        copies = {kind: [make(weight) for _ in range(num_copies)] for kind, make in kinds.items()}
-        for num_rows in rows:
-            x = torch.randn(num_rows, num_in, generator=gen)
-            samples = {kind: [] for kind in kinds}
-            for kind in kinds:
-                time_pass(copies[kind], x)  # warm-up: first touch, lazy builds
-            for _ in range(num_passes):
-                for kind in kinds:
-                    samples[kind].append(time_pass(copies[kind], x))
-            ms = {kind: median(values) for kind, values in samples.items()}
-            results.append(
-                {
-                    "shape": [num_out, num_in],
-                    "rows": num_rows,
-                    "copies": num_copies,
-                    "ms": ms,
-                    "samples_ms": samples,
-                    "q8_over_int8": ms["q8"] / ms["int8"],
-                    "q8_over_q4": ms["q8"] / ms["q4"],
-                    "q8_gb_s": copies["q8"][0].nbytes / (ms["q8"] * 1e-3) / 1e9,
-                    "bytes": {kind: c[0].nbytes for kind, c in copies.items()},
-                }
-            )
-        del copies
-    return results
 
 
 def run_lookups(num_passes: int, shape=SHAPES[0], repeats: int = 200) -> list[dict]:
@@ -105,40 +57,23 @@ def run_q8_linear(
     rows=(1, 4, 16, 64), num_copies: int = 30, num_passes: int = 7, shapes=SHAPES, path: str = "auto"
 ) -> dict:
     torch.set_num_threads(1)
+    kinds = {
+        "int8": int8_weight,
+        "q4": lambda weight: OnPath(Q4Weight(weight), path),
+        "q8": lambda weight: OnPath(Q8Weight(weight), path),
+    }
     return {
         "path": path,
         "paths": supported_paths(),
-        "results": run_products(rows, num_copies, num_passes, shapes, path),
+        "results": time_products(kinds, "q8", shapes, rows, num_copies, num_passes),
         "lookups": run_lookups(num_passes, shapes[0]),
     }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--copies", type=int, default=30, help="copies of each weight, called in turn")
-    parser.add_argument("--passes", type=int, default=7, help="timed passes per kind (median)")
-    parser.add_argument("--path", choices=PATHS, default="auto", help="the block kernels' code path")
-    parser.add_argument("--json", metavar="FILE", default=None, help="also write the figures to FILE")
-    args = parser.parse_args(argv)
+    args = product_args(__doc__, "the block kernels' code path", argv)
     report = run_q8_linear(tuple(args.rows), args.copies, args.passes, path=args.path)
-    print_table(
-        f"ms per call, one thread (q4 and q8 on path {args.path}; paths here: {', '.join(report['paths'])})",
-        ["out x in", "rows", "int8", "q4", "q8", "q8/int8", "q8/q4", "q8 GB/s"],
-        [
-            [
-                f"{r['shape'][0]}x{r['shape'][1]}",
-                r["rows"],
-                r["ms"]["int8"],
-                r["ms"]["q4"],
-                r["ms"]["q8"],
-                r["q8_over_int8"],
-                r["q8_over_q4"],
-                r["q8_gb_s"],
-            ]
-            for r in report["results"]
-        ],
-    )
+    print_products(report, "q8", ("int8", "q4"), kernels="q4 and q8")
     print_table(
         "embedding lookup, µs per call of n random rows (the head's 8-bit copy against float32)",
         ["ids", "float32", "q8 rows", "q8/f32"],

@@ -1,7 +1,7 @@
 """Linear layers with 4-bit weights and 8-bit inputs (GGUF's Q4_1 x Q8_1), a row independent of the rest.
 
 A weight is held in blocks of 32 inputs per output: w = d * q + m with q in 0..15 and float16 d and
-m per block (kernels/block_scales.py), 0.625 bytes a weight as in a Q4_1 GGUF (0.5 for the nibbles,
+m per block (kernels/block_weights.py), 0.625 bytes a weight as in a Q4_1 GGUF (0.5 for the nibbles,
 0.125 for the scales). Every input row is quantized per block of 32 on its own (absmax / 127 to
 int8), each block's product is an exact int32, and the float epilogue per block is fixed
 elementwise in kernels/native/q4_linear.c. So a row has the same bits alone, in a decode round or
@@ -15,54 +15,31 @@ bench/q4_linear.py sets this kernel against int8 and float32.
 
 from __future__ import annotations
 
-import ctypes
-from functools import cache
-
 import torch
 
-from tpserve.kernels import native
-from tpserve.kernels.block_scales import BLOCK, check_block_shape, exact_half, half_down, half_up
+from tpserve.kernels.block_weights import (
+    BLOCK,
+    GROUP,
+    BlockKernel,
+    check_block_shape,
+    exact_half,
+    half_down,
+    half_up,
+)
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 
-GROUP = 16  # outputs per group of the packed layout
 GROUP_BLOCK_BYTES = 320  # per (group, block): 256 bytes of nibbles, then d[16] and m[16] in float16
-PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}  # block_quantize.h's PATH_*
-
-
-@cache
-def _kernel():
-    library = native.load("q4_linear")
-    library.tp_q4_paths.restype = ctypes.c_int
-    library.tp_q4_paths.argtypes = []
-    kernel = library.tp_q4_linear
-    kernel.restype = ctypes.c_int
-    kernel.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_int64,  # x's row stride
-        ctypes.c_int,  # rows
-        ctypes.c_int,  # in
-        ctypes.c_void_p,  # packed weight
-        ctypes.c_int,  # out
-        ctypes.c_void_p,  # scratch
-        ctypes.c_void_p,  # out
-        ctypes.c_int,  # path
-    ]
-    return library
+KERNEL = BlockKernel("q4_linear", paths="tp_q4_paths", linear="tp_q4_linear", what="4-bit kernel")
 
 
 def q4_available() -> str | None:
     """None where the 4-bit kernel builds and runs here; else why not, in words."""
-    try:
-        _kernel()
-    except native.NativeUnavailable as err:
-        return str(err)
-    return None
+    return KERNEL.unavailable()
 
 
 def supported_paths() -> list[str]:
     """The kernel's code paths this CPU runs, "scalar" always among them."""
-    paths = _kernel().tp_q4_paths()
-    return [name for name, bit in PATHS.items() if bit and paths & (1 << bit)]
+    return KERNEL.supported_paths()
 
 
 class Q4Weight(PackedWeight):
@@ -103,15 +80,9 @@ class Q4Weight(PackedWeight):
 
     def _pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         # q: [N, K] uint8 0..15; d, m: [N, K/32] float16 -> [groups, blocks, 320] uint8 (q4_linear.c).
-        why_not = q4_available()
-        if why_not:
-            raise QuantizeError(why_not)
-        num_out, num_in = q.shape
-        self.shape = (num_out, num_in)
-        self.device = q.device
-        pad = -num_out % GROUP  # padding outputs: q, d, m all zero, never written out
-        q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q.cpu(), d.cpu(), m.cpu()))
-        num_groups, num_blocks = q.shape[0] // GROUP, num_in // BLOCK
+        self.shape, self.device = (q.shape[0], q.shape[1]), q.device
+        q, d, m = KERNEL.grouped(q, d, m)
+        num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
         # k within a block = 8 chunk + 4 nibble + j; byte (chunk, output, j) = low | high << 4.
         q = q.view(num_groups, GROUP, num_blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
         nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(num_groups, num_blocks, 256)
@@ -142,32 +113,4 @@ class Q4Weight(PackedWeight):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
         # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.
-        num_out, num_in = self.shape
-        if path not in PATHS:
-            raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
-        if x.dim() != 2 or x.shape[1] != num_in:
-            raise ValueError(
-                f"a [T, {num_in}] input expected by a {list(self.shape)} weight, got {list(x.shape)}"
-            )
-        if x.device.type != "cpu":
-            raise ValueError(f"the 4-bit kernel runs on CPUs, not on {x.device.type}")
-        x = x if x.dtype == torch.float32 else x.float()
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        num_rows = x.shape[0]
-        out = torch.empty(num_rows, num_out)
-        scratch = torch.empty(num_rows * (num_in + 8 * num_in // BLOCK), dtype=torch.uint8)
-        failed = _kernel().tp_q4_linear(
-            x.data_ptr(),
-            x.stride(0),
-            num_rows,
-            num_in,
-            self._packed.data_ptr(),
-            num_out,
-            scratch.data_ptr(),
-            out.data_ptr(),
-            PATHS[path],
-        )
-        if failed:
-            raise QuantizeError(f"the 4-bit kernel's {path} path does not run on this CPU")
-        return out.add_(bias) if bias is not None else out
+        return KERNEL.run(self._packed, self.shape, x, bias, path)

@@ -2,7 +2,7 @@
 read from the same copy.
 
 A weight is held in blocks of 32 inputs per output: w = d * q with q int8 and one float16 d per
-block (kernels/block_scales.py), 1.0625 bytes a weight as in a Q8_0 GGUF. It serves a tied
+block (kernels/block_weights.py), 1.0625 bytes a weight as in a Q8_0 GGUF. It serves a tied
 embedding and head from one copy: `__call__` is the head's product, `rows(ids)` the embedding's
 lookup, each row d * q exactly as `dequantize()` has it. As for the 4-bit weights
 (kernels/q4_linear.py, whose input quantization this kernel shares), every input row is quantized
@@ -21,45 +21,32 @@ from functools import cache
 
 import torch
 
-from tpserve.kernels import native
-from tpserve.kernels.block_scales import BLOCK, check_block_shape, exact_half, half_up
+from tpserve.kernels.block_weights import BLOCK, GROUP, BlockKernel, check_block_shape, exact_half, half_up
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
-from tpserve.kernels.q4_linear import PATHS
 
-GROUP = 16  # outputs per group of the packed layout
 VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 int8 values, then d[16] in float16
 GROUP_BLOCK_BYTES = VALUES_BYTES + 2 * GROUP
 INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+KERNEL = BlockKernel("q8_linear", paths="tp_q8_paths", linear="tp_q8_linear", what="8-bit block kernel")
 
 
 @cache
-def _kernel():
-    library = native.load("q8_linear")
-    library.tp_q8_paths.restype = ctypes.c_int
-    library.tp_q8_paths.argtypes = []
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    # x, x's row stride, rows, in, packed weight, out, scratch, out, path
-    library.tp_q8_linear.restype = ctypes.c_int
-    library.tp_q8_linear.argtypes = [p, i64, i32, i32, p, i32, p, p, i32]
+def _rows_kernel():
+    rows = KERNEL.library().tp_q8_rows
+    rows.restype = None
     # packed weight, blocks per row, ids, number of ids, out
-    library.tp_q8_rows.restype = None
-    library.tp_q8_rows.argtypes = [p, i32, p, i32, p]
-    return library
+    rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    return rows
 
 
 def q8_available() -> str | None:
     """None where the 8-bit block kernel builds and runs here; else why not, in words."""
-    try:
-        _kernel()
-    except native.NativeUnavailable as err:
-        return str(err)
-    return None
+    return KERNEL.unavailable()
 
 
 def supported_paths() -> list[str]:
     """The kernel's code paths this CPU runs, "scalar" always among them."""
-    paths = _kernel().tp_q8_paths()
-    return [name for name, bit in PATHS.items() if bit and paths & (1 << bit)]
+    return KERNEL.supported_paths()
 
 
 class Q8Weight(PackedWeight):
@@ -101,15 +88,9 @@ class Q8Weight(PackedWeight):
     def _pack(self, q: torch.Tensor, d: torch.Tensor) -> None:
         # q: [N, K] int8; d: [N, K/32] float16 -> [groups, blocks, 544] uint8 (q8_linear.c).
         # The C kernel is all this weight needs (no FBGEMM).
-        why_not = q8_available()
-        if why_not:
-            raise QuantizeError(why_not)
-        num_out, num_in = q.shape
-        self.shape = (num_out, num_in)
-        self.device = q.device
-        pad = -num_out % GROUP  # padding outputs: q and d zero, never written out
-        q, d = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q.cpu(), d.cpu()))
-        num_groups, num_blocks = q.shape[0] // GROUP, num_in // BLOCK
+        self.shape, self.device = (q.shape[0], q.shape[1]), q.device
+        q, d = KERNEL.grouped(q, d)
+        num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
         # Within a block, input k = 4 chunk + j; byte (chunk, output, j).
         values = q.view(num_groups, GROUP, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
         values = values.reshape(num_groups, num_blocks, VALUES_BYTES).view(torch.uint8)
@@ -148,39 +129,9 @@ class Q8Weight(PackedWeight):
                     f"row ids must lie in 0..{num_out - 1} for a {list(self.shape)} weight, got {low}..{high}"
                 )
         out = torch.empty(ids.numel(), num_in)
-        _kernel().tp_q8_rows(
-            self._packed.data_ptr(), num_in // BLOCK, ids.data_ptr(), ids.numel(), out.data_ptr()
-        )
+        _rows_kernel()(self._packed.data_ptr(), num_in // BLOCK, ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
         # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.
-        num_out, num_in = self.shape
-        if path not in PATHS:
-            raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
-        if x.dim() != 2 or x.shape[1] != num_in:
-            raise ValueError(
-                f"a [T, {num_in}] input expected by a {list(self.shape)} weight, got {list(x.shape)}"
-            )
-        if x.device.type != "cpu":
-            raise ValueError(f"the 8-bit block kernel runs on CPUs, not on {x.device.type}")
-        x = x if x.dtype == torch.float32 else x.float()
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        num_rows = x.shape[0]
-        out = torch.empty(num_rows, num_out)
-        scratch = torch.empty(num_rows * (num_in + 8 * num_in // BLOCK), dtype=torch.uint8)
-        failed = _kernel().tp_q8_linear(
-            x.data_ptr(),
-            x.stride(0),
-            num_rows,
-            num_in,
-            self._packed.data_ptr(),
-            num_out,
-            scratch.data_ptr(),
-            out.data_ptr(),
-            PATHS[path],
-        )
-        if failed:
-            raise QuantizeError(f"the 8-bit block kernel's {path} path does not run on this CPU")
-        return out.add_(bias) if bias is not None else out
+        return KERNEL.run(self._packed, self.shape, x, bias, path)

@@ -1,0 +1,168 @@
+"""What the 4- and 8-bit block weights share: float16 block scales, and calling their C kernels.
+
+The 4- and 8-bit block weights (kernels/q4_linear.py, kernels/q8_linear.py) keep one float16 scale
+(and for 4 bits one float16 minimum) per block of 32 inputs; the kernels turn them into float32
+exactly where they are used. A checkpoint's scales are taken as they are or refused: a float32 or
+bfloat16 scale that float16 does not hold exactly would be rounded a second time, so it is refused
+by name rather than kept in a wider layout (GGUF's Q4_0, Q4_1 and Q8_0 scales are all float16).
+A weight quantized here rounds its scales outwards, so its blocks' range still covers every value.
+
+Both kernels are built from one set of loops (kernels/native/block_tiles.h) with the same entry
+points, so one `BlockKernel` loads either, checks a product's arguments and runs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from tpserve.kernels import native
+from tpserve.kernels.int8_linear import QuantizeError
+
+BLOCK = 32  # inputs per block
+GROUP = 16  # outputs per group of the packed layouts
+PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}  # block_quantize.h's PATH_*
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_UP, _DOWN = float("inf"), float("-inf")
+
+
+def check_block_shape(weight: torch.Tensor, what: str) -> None:
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise QuantizeError(
+            f"{what} weights need [out, in] with in a multiple of {BLOCK}, got {list(weight.shape)}"
+        )
+
+
+def exact_half(scales: torch.Tensor, name: str, blocks: tuple[int, int], values_shape) -> torch.Tensor:
+    """A checkpoint's block scales [out, in / 32] as float16, refused by name unless float16 holds
+    every one exactly (and it is finite)."""
+    if scales.dtype not in SCALE_DTYPES or tuple(scales.shape) != blocks:
+        raise QuantizeError(
+            f"block scales {name} must be float32, float16 or bfloat16 of shape {list(blocks)} "
+            f"for values {list(values_shape)}, got {scales.dtype} {list(scales.shape)}"
+        )
+    if not torch.isfinite(scales).all():
+        raise QuantizeError(f"block scales {name} hold a value that is not finite")
+    half = scales.to(torch.float16)
+    inexact = half.float() != scales.float()
+    if inexact.any():
+        where = [int(i) for i in inexact.nonzero()[0]]
+        raise QuantizeError(
+            f"block scales {name} must be exact in float16 (the packed layout keeps float16), but "
+            f"{name}{where} = {float(scales[tuple(where)])!r} is not"
+        )
+    return half
+
+
+def half_up(x: torch.Tensor, what: str) -> torch.Tensor:
+    """The least float16 >= each x (float32), refused by name beyond float16's range."""
+    return _directed(x, _UP, what)
+
+
+def half_down(x: torch.Tensor, what: str) -> torch.Tensor:
+    """The greatest float16 <= each x (float32), refused by name beyond float16's range."""
+    return _directed(x, _DOWN, what)
+
+
+def _directed(x: torch.Tensor, toward: float, what: str) -> torch.Tensor:
+    half = x.to(torch.float16)
+    missed = half.float() < x if toward > 0 else half.float() > x
+    half = torch.where(missed, torch.nextafter(half, torch.full_like(half, toward)), half)
+    if not torch.isfinite(half).all():
+        raise QuantizeError(
+            f"{what} weights need block scales within float16's range (|scale| <= 65504), and finite "
+            f"weights; got a block scale of {float(x[~torch.isfinite(half)][0])!r}"
+        )
+    return half
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    """The block kernel kernels/native/<source>.c: its entry points `paths` (the paths this CPU runs,
+    a bit each) and `linear` (block_tiles.h's block_linear); `what` names it in messages."""
+
+    source: str
+    paths: str
+    linear: str
+    what: str
+
+    def library(self) -> ctypes.CDLL:
+        return _library(self.source, self.paths, self.linear)
+
+    def unavailable(self) -> str | None:
+        """None where the kernel builds and runs here; else why not, in words."""
+        try:
+            self.library()
+        except native.NativeUnavailable as err:
+            return str(err)
+        return None
+
+    def grouped(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """A weight's [out, ...] tensors (its values and scales) on the CPU, padded with zero outputs to
+        whole groups of 16 for packing (the padding outputs are never written out); refused by name
+        where the kernel does not build here."""
+        why_not = self.unavailable()
+        if why_not:
+            raise QuantizeError(why_not)
+        pad = -tensors[0].shape[0] % GROUP
+        return [torch.nn.functional.pad(t.cpu(), (0, 0, 0, pad)) for t in tensors]
+
+    def supported_paths(self) -> list[str]:
+        """The kernel's code paths this CPU runs, "scalar" always among them."""
+        paths = getattr(self.library(), self.paths)()
+        return [name for name, bit in PATHS.items() if bit and paths & (1 << bit)]
+
+    def run(
+        self,
+        packed: torch.Tensor,
+        shape: tuple[int, int],
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        path: str,
+    ) -> torch.Tensor:
+        """x: [T, in] -> [T, out] float32 times the packed [out, in] weight, on `path` (one of PATHS,
+        to check every path gives the same bits)."""
+        num_out, num_in = shape
+        if path not in PATHS:
+            raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+        if x.dim() != 2 or x.shape[1] != num_in:
+            raise ValueError(f"a [T, {num_in}] input expected by a {list(shape)} weight, got {list(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"the {self.what} runs on CPUs, not on {x.device.type}")
+        x = x if x.dtype == torch.float32 else x.float()
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        num_rows = x.shape[0]
+        out = torch.empty(num_rows, num_out)
+        # Per row: qa (in bytes), then da and ms or sa (4 bytes a block each), as block_linear reads them.
+        scratch = torch.empty(num_rows * (num_in + 8 * num_in // BLOCK), dtype=torch.uint8)
+        failed = getattr(self.library(), self.linear)(
+            x.data_ptr(),
+            x.stride(0),
+            num_rows,
+            num_in,
+            packed.data_ptr(),
+            num_out,
+            scratch.data_ptr(),
+            out.data_ptr(),
+            PATHS[path],
+        )
+        if failed:
+            raise QuantizeError(f"the {self.what}'s {path} path does not run on this CPU")
+        return out.add_(bias) if bias is not None else out
+
+
+@cache
+def _library(source: str, paths_name: str, linear_name: str) -> ctypes.CDLL:
+    library = native.load(source)
+    paths = getattr(library, paths_name)
+    paths.restype, paths.argtypes = ctypes.c_int, []
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    linear = getattr(library, linear_name)
+    linear.restype = ctypes.c_int
+    # x, x's row stride, rows, in, packed weight, out, scratch, out, path
+    linear.argtypes = [p, i64, i32, i32, p, i32, p, p, i32]
+    return library
