@@ -1,11 +1,12 @@
-"""What the 4- and 8-bit block weights share: float16 block scales, and calling their C kernels.
+"""What the 4- and 8-bit block weights share: their block scales, and calling their C kernels.
 
-The 4- and 8-bit block weights (kernels/q4_linear.py, kernels/q8_linear.py) keep one float16 scale
-(and for 4 bits one float16 minimum) per block of 32 inputs; the kernels turn them into float32
-exactly where they are used. A checkpoint's scales are taken as they are or refused: a float32 or
-bfloat16 scale that float16 does not hold exactly would be rounded a second time, so it is refused
-by name rather than kept in a wider layout (GGUF's Q4_0, Q4_1 and Q8_0 scales are all float16).
-A weight quantized here rounds its scales outwards, so its blocks' range still covers every value.
+The 4- and 8-bit block weights (kernels/q4_linear.py, kernels/q8_linear.py) keep one scale (and for
+4 bits one minimum) per block of 32 inputs, in float16; the kernels turn them into float32 exactly
+where they are used. A checkpoint's scales are taken as they are, never rounded a second time: the
+8-bit weight refuses by name a float32 or bfloat16 scale that float16 does not hold exactly (GGUF's
+Q8_0 scales are float16), and the 4-bit weight keeps such scales in a float32 layout instead (GGUF's
+Q4_K: d * sc and -dmin * mn per block, exact in float32 only). A weight quantized here rounds its
+scales outwards to float16, so its blocks' range still covers every value.
 
 Both kernels are built from one set of loops (kernels/native/block_tiles.h) with the same entry
 points, so one `BlockKernel` loads either, checks a product's arguments and runs it.
@@ -36,9 +37,9 @@ def check_block_shape(weight: torch.Tensor, what: str) -> None:
         )
 
 
-def exact_half(scales: torch.Tensor, name: str, blocks: tuple[int, int], values_shape) -> torch.Tensor:
-    """A checkpoint's block scales [out, in / 32] as float16, refused by name unless float16 holds
-    every one exactly (and it is finite)."""
+def block_scales(scales: torch.Tensor, name: str, blocks: tuple[int, int], values_shape) -> torch.Tensor:
+    """A checkpoint's block scales [out, in / 32] as float32 (exact: float32 holds every float16 and
+    bfloat16), refused by name unless of one of SCALE_DTYPES, of shape `blocks`, and finite."""
     if scales.dtype not in SCALE_DTYPES or tuple(scales.shape) != blocks:
         raise QuantizeError(
             f"block scales {name} must be float32, float16 or bfloat16 of shape {list(blocks)} "
@@ -46,6 +47,18 @@ def exact_half(scales: torch.Tensor, name: str, blocks: tuple[int, int], values_
         )
     if not torch.isfinite(scales).all():
         raise QuantizeError(f"block scales {name} hold a value that is not finite")
+    return scales.float()
+
+
+def holds_in_half(scales: torch.Tensor) -> bool:
+    """Whether float16 holds every one of these finite float32 scales exactly (in range included)."""
+    return torch.equal(scales.to(torch.float16).float(), scales)
+
+
+def exact_half(scales: torch.Tensor, name: str, blocks: tuple[int, int], values_shape) -> torch.Tensor:
+    """A checkpoint's block scales [out, in / 32] as float16, refused by name unless float16 holds
+    every one exactly (and it is finite)."""
+    scales = block_scales(scales, name, blocks, values_shape)
     half = scales.to(torch.float16)
     inexact = half.float() != scales.float()
     if inexact.any():

@@ -2,7 +2,9 @@
 
 A weight is held in blocks of 32 inputs per output: w = d * q + m with q in 0..15 and float16 d and
 m per block (kernels/block_weights.py), 0.625 bytes a weight as in a Q4_1 GGUF (0.5 for the nibbles,
-0.125 for the scales). Every input row is quantized per block of 32 on its own (absmax / 127 to
+0.125 for the scales). A checkpoint's blocks whose scales float16 does not hold (GGUF's Q4_K: d * sc
+and -dmin * mn, exact in float32) keep them in float32 instead, 0.75 bytes a weight, in a second
+build of the same kernel (kernels/native/q4f_linear.c) whose arithmetic is the very same. Every input row is quantized per block of 32 on its own (absmax / 127 to
 int8), each block's product is an exact int32, and the float epilogue per block is fixed
 elementwise in kernels/native/q4_linear.c. So a row has the same bits alone, in a decode round or
 inside a long prompt, and the AVX-512 VNNI, AVX2 and scalar paths agree bit for bit: which CPU runs
@@ -21,20 +23,28 @@ from tpserve.kernels.block_weights import (
     BLOCK,
     GROUP,
     BlockKernel,
+    block_scales,
     check_block_shape,
-    exact_half,
     half_down,
     half_up,
+    holds_in_half,
 )
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 
-GROUP_BLOCK_BYTES = 320  # per (group, block): 256 bytes of nibbles, then d[16] and m[16] in float16
+NIBBLE_BYTES = 256  # per (group, block): 16 outputs x 32 nibbles, then d[16] and m[16]
+GROUP_BLOCK_BYTES = NIBBLE_BYTES + 2 * GROUP * 2  # 320: float16 scales
+GROUP_BLOCK_BYTES_F32 = NIBBLE_BYTES + 2 * GROUP * 4  # 384: float32 scales
 KERNEL = BlockKernel("q4_linear", paths="tp_q4_paths", linear="tp_q4_linear", what="4-bit kernel")
+KERNEL_F32 = BlockKernel(
+    "q4f_linear", paths="tp_q4f_paths", linear="tp_q4f_linear", what="4-bit kernel with float32 scales"
+)
+KERNELS = {torch.float16: KERNEL, torch.float32: KERNEL_F32}  # by the scales' dtype
 
 
 def q4_available() -> str | None:
-    """None where the 4-bit kernel builds and runs here; else why not, in words."""
-    return KERNEL.unavailable()
+    """None where both builds of the 4-bit kernel (float16 and float32 scales) run here; else why
+    not, in words."""
+    return KERNEL.unavailable() or KERNEL_F32.unavailable()
 
 
 def supported_paths() -> list[str]:
@@ -65,13 +75,16 @@ class Q4Weight(PackedWeight):
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Weight:
         """A checkpoint's own blocks, packed as stored: q [out, in] uint8 in 0..15, d and m [out, in / 32]
-        (float16, or float32 or bfloat16 values that float16 holds exactly: others are refused by
-        name), weight = d * q + m. Nothing is rounded again. GGUF's Q4_0 is m = -8 d."""
+        float16, float32 or bfloat16, weight = d * q + m. Nothing is rounded again: scales float16
+        holds exactly are packed in float16, others (GGUF's Q4_K) in the float32 layout, whose
+        products are the same arithmetic on the same values. GGUF's Q4_0 is m = -8 d."""
         if q.dtype != torch.uint8 or q.dim() != 2:
             raise QuantizeError(f"4-bit values must be uint8 [out, in], got {q.dtype} {list(q.shape)}")
         check_block_shape(q, "4-bit")
         blocks = (q.shape[0], q.shape[1] // BLOCK)
-        d, m = exact_half(d, "d", blocks, q.shape), exact_half(m, "m", blocks, q.shape)
+        d, m = block_scales(d, "d", blocks, q.shape), block_scales(m, "m", blocks, q.shape)
+        if holds_in_half(d) and holds_in_half(m):
+            d, m = d.to(torch.float16), m.to(torch.float16)
         if q.numel() and int(q.max()) > 15:
             raise QuantizeError(f"4-bit values must lie in 0..15, got one of {int(q.max())}")
         weight = cls.__new__(cls)
@@ -79,28 +92,34 @@ class Q4Weight(PackedWeight):
         return weight
 
     def _pack(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        # q: [N, K] uint8 0..15; d, m: [N, K/32] float16 -> [groups, blocks, 320] uint8 (q4_linear.c).
+        # q: [N, K] uint8 0..15; d, m: [N, K/32] both float16 or both float32 -> [groups, blocks, 320
+        # or 384] uint8 (kernels/native/q4_blocks.h), run by that layout's build of the kernel.
         self.shape, self.device = (q.shape[0], q.shape[1]), q.device
-        q, d, m = KERNEL.grouped(q, d, m)
+        self._kernel = KERNELS[d.dtype]
+        q, d, m = self._kernel.grouped(q, d, m)
         num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
         # k within a block = 8 chunk + 4 nibble + j; byte (chunk, output, j) = low | high << 4.
         q = q.view(num_groups, GROUP, num_blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-        nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(num_groups, num_blocks, 256)
+        nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(num_groups, num_blocks, NIBBLE_BYTES)
         scales = torch.stack((d, m)).view(2, num_groups, GROUP, num_blocks).permute(1, 3, 0, 2)
-        scale_bytes = scales.contiguous().view(torch.uint8).view(num_groups, num_blocks, 64)
+        scale_bytes = scales.contiguous().view(torch.uint8).view(num_groups, num_blocks, -1)
         self._packed = torch.cat((nibbles, scale_bytes), dim=-1).contiguous()
         self.nbytes = self._packed.numel()
 
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """torch.float16 (320 bytes per 16 outputs x 32 inputs) or torch.float32 (384 bytes)."""
+        return torch.float16 if self._kernel is KERNEL else torch.float32
+
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stored blocks: q [out, in] uint8 in 0..15, d and m [out, in / 32] float16; from_blocks
-        of them packs the same weight again."""
+        """The stored blocks: q [out, in] uint8 in 0..15, d and m [out, in / 32] in scale_dtype;
+        from_blocks of them packs the same weight again."""
         num_groups, num_blocks, _ = self._packed.shape
-        nibbles = self._packed[..., :256].reshape(num_groups, num_blocks, 4, GROUP, 4)
+        nibbles = self._packed[..., :NIBBLE_BYTES].reshape(num_groups, num_blocks, 4, GROUP, 4)
         q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1)  # [g, b, chunk, output, j, nibble]
         q = q.permute(0, 3, 1, 2, 5, 4).reshape(num_groups * GROUP, num_blocks * BLOCK)
-        scales = (
-            self._packed[..., 256:].contiguous().view(torch.float16).view(num_groups, num_blocks, 2, GROUP)
-        )
+        scale_bytes = self._packed[..., NIBBLE_BYTES:].contiguous()
+        scales = scale_bytes.view(self.scale_dtype).view(num_groups, num_blocks, 2, GROUP)
         d, m = scales.permute(2, 0, 3, 1).reshape(2, num_groups * GROUP, num_blocks)
         num_out = self.shape[0]
         return q[:num_out], d[:num_out], m[:num_out]
@@ -113,4 +132,4 @@ class Q4Weight(PackedWeight):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
         # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.
-        return KERNEL.run(self._packed, self.shape, x, bias, path)
+        return self._kernel.run(self._packed, self.shape, x, bias, path)

@@ -1,7 +1,8 @@
 """Weights kept in GGUF blocks of 32 inputs (tpserve/gguf_blocks.py): a rank's slices, served as stored.
 
 `X.weight` is stored as `X.weight_q4` (uint8 values 0..15) or `X.weight_q8` (int8 values), [out,
-in], with `X.weight_d` and, for 4 bits, `X.weight_m` ([out, in / 32] float16): weight = d * q + m.
+in], with `X.weight_d` and, for 4 bits, `X.weight_m` ([out, in / 32] float16, or float32 as a Q4_K
+import writes them): weight = d * q + m.
 A column-parallel piece reads its rows of all of them, a row-parallel piece its columns of the values
 and the matching block columns of the scales, so a piece's blocks are the file's own. A piece whose
 columns do not start and end on a block edge (a tiny model's; no shipped model's) gets its columns'
@@ -19,11 +20,13 @@ from tpserve.ranks.errors import ModelFileError
 
 BLOCK = 32
 SUFFIXES = ("_q4", "_q8")
+SCALE_DTYPES = ("F16", "F32")  # safetensors' names; float32 holds a Q4_K's d * sc and -dmin * mn
 
 
 @dataclass
 class BlockValues:
-    """One piece's weight in blocks: q [out, in] uint8 (4 bits) or int8 (8 bits), d and m [out, in / 32]."""
+    """One piece's weight in blocks: q [out, in] uint8 (4 bits) or int8 (8 bits), d and m [out, in / 32]
+    float16 or float32."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -42,7 +45,8 @@ class BlockValues:
 
 
 def cat_blocks(parts: list[BlockValues]) -> BlockValues:
-    """Blocks stacked by rows (q/k/v, gate/up), all of one width in bits."""
+    """Blocks stacked by rows (q/k/v, gate/up), all of one width in bits; float16 scales beside float32
+    ones become float32 (exactly)."""
     m = None if parts[0].m is None else torch.cat([p.m for p in parts])
     return BlockValues(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
 
@@ -74,10 +78,10 @@ class StoredBlocks:
             )
         blocks = [self.shape[0], self.shape[1] // BLOCK]
         for scale, stored in zip(scale_names, self._scales):
-            if stored.get_dtype() != "F16" or list(stored.get_shape()) != blocks:
+            if stored.get_dtype() not in SCALE_DTYPES or list(stored.get_shape()) != blocks:
                 raise ModelFileError(
                     self.path,
-                    f"tensor {scale} is {stored.get_dtype()} {stored.get_shape()}, not F16 {blocks}",
+                    f"tensor {scale} is {stored.get_dtype()} {stored.get_shape()}, not F16 or F32 {blocks}",
                 )
 
     def read(

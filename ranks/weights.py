@@ -177,15 +177,16 @@ def _stored_tensor(
 
 
 def _owned(part: torch.Tensor | Int8Values, device, dtype: torch.dtype) -> torch.Tensor | Int8Values:
-    """`part` on the device in `dtype` (int8 values and float32 scales as they are), in storage of
+    """`part` on the device in `dtype` (int8 values, their float32 scales and blocks' float16 or
+    float32 scales as they are: a float32 block scale rounded to float16 would be rounded twice), in storage of
     its own size. A slice of the rows comes back from safetensors as a view of the whole tensor, and
     `.to()` on the same device and dtype keeps that view: the rank would hold the full tensor, and
     room would see the memory as taken."""
     if isinstance(part, Int8Values):
         return Int8Values(_owned(part.values, device, torch.int8), _owned(part.scales, device, torch.float32))
     if isinstance(part, BlockValues):
-        m = None if part.m is None else _owned(part.m, device, torch.float16)
-        return BlockValues(_owned(part.q, device, part.q.dtype), _owned(part.d, device, torch.float16), m)
+        m = None if part.m is None else _owned(part.m, device, part.m.dtype)
+        return BlockValues(_owned(part.q, device, part.q.dtype), _owned(part.d, device, part.d.dtype), m)
     out = part.to(device=device, dtype=dtype)
     if not out.is_contiguous() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
         out = out.clone(memory_format=torch.contiguous_format)

@@ -7,14 +7,33 @@ import pytest
 import torch
 
 from tpserve.kernels import q4_linear, q8_linear
-from tpserve.kernels.block_weights import BLOCK, BlockKernel
+from tpserve.kernels.block_weights import BLOCK, BlockKernel, check_block_shape
 
 # Output counts that fill whole groups of 16, leave a lone group (the VNNI path pairs groups), and
 # end in a part of a group (the stores are masked).
 SHAPES = [(64, 96), (48, 64), (100, 96), (5, 32)]
 
-KINDS = (("q4", q4_linear.Q4Weight, q4_linear.KERNEL), ("q8", q8_linear.Q8Weight, q8_linear.KERNEL))
-BITS = {q4_linear.Q4Weight: "4-bit", q8_linear.Q8Weight: "8-bit"}  # how their refusals name them
+
+def q4_float32_scales(weight: torch.Tensor) -> q4_linear.Q4Weight:
+    """A float weight in 4-bit blocks whose scales are float32, as a Q4_K import's (d * sc and
+    -dmin * mn): min and (max - min) / 15 per block, unrounded, so float16 holds hardly any."""
+    check_block_shape(weight, "4-bit")
+    blocks = weight.float().view(weight.shape[0], -1, BLOCK)
+    m = blocks.amin(dim=-1)
+    d = (blocks.amax(dim=-1) - m) / 15
+    q = ((blocks - m[..., None]) / d.clamp_min(1e-30)[..., None]).round().clamp(0, 15).to(torch.uint8)
+    packed = q4_linear.Q4Weight.from_blocks(q.view(weight.shape), d, m)
+    assert packed.scale_dtype == torch.float32
+    return packed
+
+
+KINDS = (
+    ("q4", q4_linear.Q4Weight, q4_linear.KERNEL),
+    ("q4f32", q4_float32_scales, q4_linear.KERNEL_F32),
+    ("q8", q8_linear.Q8Weight, q8_linear.KERNEL),
+)
+# how their refusals name them
+BITS = {q4_linear.Q4Weight: "4-bit", q4_float32_scales: "4-bit", q8_linear.Q8Weight: "8-bit"}
 
 
 def paths_here(kernel: BlockKernel) -> list[str]:

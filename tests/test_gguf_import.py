@@ -18,6 +18,7 @@ from tpserve import cli
 from tpserve import prepare as prepare_module
 from tpserve.gguf_blocks import KEPT_TYPES, Blocks
 from tpserve.gguf_import import import_gguf
+from tpserve.gguf_tensors import unpermute_rotary_rows
 from tpserve.prepare import default_model_dir, find_default_gguf, prepare
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import ModelFileError, UserError
@@ -38,7 +39,9 @@ CORPUS = [
     "naïve café 日本語",
 ] * 30
 # Largest error a type may add, as a fraction of the tensor's largest magnitude.
-TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1}
+# A Q4_K tensor is written from random blocks (gguf-py cannot quantize to it): its originals are
+# those blocks' exact values.
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_K: 0.0}
 LLAMA_TYPES = {
     "token_embd": Q.Q8_0,
     "attn_q": Q.F32,
@@ -72,18 +75,34 @@ def train_tokenizer() -> BackendTokenizer:
     return backend
 
 
+def random_q4_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
+    """[num_rows, num_in / 256 * 144] raw Q4_K super-blocks: random nibbles and 6-bit sc and mn,
+    float16 d and dmin of either sign and a sane size."""
+    num_supers = num_rows * num_in // 256
+    d = (rng.uniform(0.5, 2.0, (num_supers, 2)) * rng.choice([-1, 1], (num_supers, 2)) / 64).astype(
+        np.float16
+    )
+    scale_and_nibbles = rng.integers(0, 256, (num_supers, 12 + 128), dtype=np.uint8)
+    raw = np.concatenate((d.view(np.uint8), scale_and_nibbles), axis=-1)
+    return raw.reshape(num_rows, -1)
+
+
 def write_tiny_gguf(
     path: Path,
     arch: str = "llama",
     *,
     pre: str = "default",
-    head_dim: int = HIDDEN // NUM_HEADS,
+    head_dim: int | None = None,
     tied: bool = True,
     types: dict[str, Q] | None = None,
     odd_tensor: tuple[str, np.ndarray] | None = None,
+    hidden: int = HIDDEN,
+    ffn: int = FFN,
 ) -> dict[str, np.ndarray]:
-    """A small model GGUF; returns the original weights under Hugging Face names (unpermuted)."""
+    """A small model GGUF; returns the original weights under Hugging Face names (unpermuted).
+    K-quant tensors need inputs in multiples of 256 (`hidden`, `ffn`, heads x head_dim)."""
     types = LLAMA_TYPES | (types or {})
+    head_dim = hidden // NUM_HEADS if head_dim is None else head_dim
     rng = np.random.default_rng(0)
     model = json.loads(train_tokenizer().to_str())["model"]
     tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
@@ -92,8 +111,8 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(NUM_LAYERS)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(NUM_HEADS)
     writer.add_head_count_kv(NUM_KV_HEADS)
     writer.add_key_length(head_dim)
@@ -114,6 +133,12 @@ def write_tiny_gguf(
     originals: dict[str, np.ndarray] = {}
 
     def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: Q, permute_heads: int = 0) -> None:
+        if qtype == Q.Q4_K:
+            raw = random_q4_k(shape[0], shape[1], rng)
+            stored = gguf.quants.dequantize(raw, qtype).reshape(shape)
+            originals[hf_name] = unpermute_rotary_rows(stored, permute_heads) if permute_heads else stored
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            return
         values = rng.standard_normal(shape).astype(np.float32)
         originals[hf_name] = values
         stored = llama_cpp_permute(values, permute_heads) if permute_heads else values
@@ -125,30 +150,30 @@ def write_tiny_gguf(
             writer.add_tensor(gguf_name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
 
     permutes = arch == "llama"
-    add("token_embd.weight", "model.embed_tokens.weight", (len(tokens), HIDDEN), types["token_embd"])
+    add("token_embd.weight", "model.embed_tokens.weight", (len(tokens), hidden), types["token_embd"])
     for layer in range(NUM_LAYERS):
         blk, hf = f"blk.{layer}", f"model.layers.{layer}"
-        add(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", (HIDDEN,), Q.F32)
+        add(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", (hidden,), Q.F32)
         q_rows, kv_rows = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
         add(
             f"{blk}.attn_q.weight",
             f"{hf}.self_attn.q_proj.weight",
-            (q_rows, HIDDEN),
+            (q_rows, hidden),
             types["attn_q"],
             NUM_HEADS * permutes,
         )
         add(
             f"{blk}.attn_k.weight",
             f"{hf}.self_attn.k_proj.weight",
-            (kv_rows, HIDDEN),
+            (kv_rows, hidden),
             types["attn_k"],
             NUM_KV_HEADS * permutes,
         )
-        add(f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", (kv_rows, HIDDEN), types["attn_v"])
+        add(f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", (kv_rows, hidden), types["attn_v"])
         add(
             f"{blk}.attn_output.weight",
             f"{hf}.self_attn.o_proj.weight",
-            (HIDDEN, q_rows),
+            (hidden, q_rows),
             types["attn_output"],
         )
         if arch == "qwen2":
@@ -157,13 +182,13 @@ def write_tiny_gguf(
         if arch == "qwen3":
             add(f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (head_dim,), Q.F32)
             add(f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (head_dim,), Q.F32)
-        add(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (HIDDEN,), Q.F32)
-        add(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (FFN, HIDDEN), types["ffn_gate"])
-        add(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (FFN, HIDDEN), types["ffn_up"])
-        add(f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (HIDDEN, FFN), types["ffn_down"])
-    add("output_norm.weight", "model.norm.weight", (HIDDEN,), Q.F32)
+        add(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (hidden,), Q.F32)
+        add(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (ffn, hidden), types["ffn_gate"])
+        add(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (ffn, hidden), types["ffn_up"])
+        add(f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (hidden, ffn), types["ffn_down"])
+    add("output_norm.weight", "model.norm.weight", (hidden,), Q.F32)
     if not tied:
-        add("output.weight", "lm_head.weight", (len(tokens), HIDDEN), types["output"])
+        add("output.weight", "lm_head.weight", (len(tokens), hidden), types["output"])
     if odd_tensor is not None:
         writer.add_tensor(*odd_tensor)
 
@@ -506,10 +531,10 @@ def test_kept_blocks_are_served_as_the_file_stores_them(tmp_path: Path):
                 {
                     "model.layers.1.mlp.down_proj.weight_d": t[
                         "model.layers.1.mlp.down_proj.weight_d"
-                    ].astype(np.float32)
+                    ].astype(np.float64)
                 }
             ),
-            r"down_proj.weight_d is F32",
+            r"down_proj.weight_d is F64 .* not F16 or F32",
         ),
         (
             lambda t: t["model.layers.0.self_attn.v_proj.weight_q4"].__setitem__((0, 3), 200),
@@ -520,7 +545,7 @@ def test_kept_blocks_are_served_as_the_file_stores_them(tmp_path: Path):
             r"gate_proj.weight's block scales",
         ),
     ],
-    ids=["no-m", "signed-4-bit", "float32-scales", "past-15", "infinite-scale"],
+    ids=["no-m", "signed-4-bit", "float64-scales", "past-15", "infinite-scale"],
 )
 def test_a_damaged_block_tensor_is_refused_by_name(tmp_path: Path, damage, message):
     q4 = dict.fromkeys(

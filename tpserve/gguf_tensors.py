@@ -1,9 +1,9 @@
 """The weights side of a GGUF import: Hugging Face names, blocks or floats, sharded safetensors.
 
 Every GGUF tensor is mapped to its Hugging Face name and torch shape before anything is written, so
-an unknown tensor or type is refused up front. A Q4_0, Q4_1 or Q8_0 weight matrix is kept in its own
-blocks (tpserve/gguf_blocks.py): `X.weight_q4` or `X.weight_q8` with `X.weight_d` (and `X.weight_m`);
-other types are dequantized to float32. llama.cpp stores llama-architecture q/k rows permuted for
+an unknown tensor or type is refused up front. A Q4_0, Q4_1, Q4_K or Q8_0 weight matrix is kept in
+its own blocks (tpserve/gguf_blocks.py): `X.weight_q4` or `X.weight_q8` with `X.weight_d` (and
+`X.weight_m`), float16 but for Q4_K's float32; other types are dequantized to float32. llama.cpp stores llama-architecture q/k rows permuted for
 its rotary kernel; `unpermute_rotary_rows` undoes that exactly, blocks included.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from tpserve.gguf_blocks import KEPT_TYPES, read_blocks
+from tpserve.gguf_blocks import KEPT_TYPES, kept_bytes, read_blocks
 from tpserve.ranks.errors import ModelFileError
 
 # Shards stay well under the sizes that make single files awkward to copy or memory-map.
@@ -66,12 +66,12 @@ class PlannedTensor:
     name: str
     shape: tuple[int, ...]
     rotary_heads: int  # > 0: undo llama.cpp's q/k permutation over this many heads
-    keeps_blocks: bool = False  # written in its own blocks (a Q4_0, Q4_1 or Q8_0 matrix), not float32
+    keeps_blocks: bool = False  # written in its own blocks (a Q4_0, Q4_1, Q4_K or Q8_0 matrix), not float32
 
     @property
     def num_bytes(self) -> int:
         values = int(np.prod(self.shape))
-        return values + values // 8 if self.keeps_blocks else 4 * values  # a byte a value and 2 scales per 32
+        return kept_bytes(self.source.tensor_type, values) if self.keeps_blocks else 4 * values
 
 
 def plan_tensors(

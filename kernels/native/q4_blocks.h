@@ -1,0 +1,153 @@
+/* 4-bit weights times 8-bit activations (GGUF's Q4_1 x Q8_1), each output's arithmetic fixed by the code.
+ *
+ * Inputs go in blocks of 32. A weight is w[n, 32b+i] = d[n,b] * q[n,b,i] + m[n,b] with q in 0..15;
+ * an input row t is quantized per block on its own (block_quantize.h): da[t,b] = absmax / 127,
+ * qa = rint(x * (1 / da)) in -127..127, ms[t,b] = da[t,b] * sum_i qa[t,b,i]. Then, for b = 0, 1, 2, ... in that order,
+ *     dot = sum_i q[n,b,i] * qa[t,b,i]                        an exact int32 (|dot| <= 60960)
+ *     acc = fmaf(d[n,b] * da[t,b], (float)dot, acc)           acc starts at 0
+ *     acc = fmaf(m[n,b], ms[t,b], acc)
+ * and out[t,n] = acc. Integer sums are exact in any order, and every float step is elementwise with
+ * explicit fmaf (the build turns off contraction), so the AVX-512 VNNI path, the AVX2 path and the
+ * scalar path give the same bits, and a row's bits never depend on the rows beside it.
+ *
+ * The weight is stored in groups of 16 outputs, block by block, one stream per (group, block): 4
+ * chunks of 64 bytes of nibbles, then d[16] and m[16], as float16 (320 bytes: GGUF's Q4_0 and Q4_1
+ * keep them so; q4_linear.c) or as float32 (384 bytes: GGUF's Q4_K, whose d = d * sc and
+ * m = -dmin * mn are exact in float32 only; q4f_linear.c), turned into float32 exactly where
+ * used. Byte 4o+j of chunk c holds output o's input 8c+j in its low nibble and input 8c+4+j in
+ * its high nibble, so one unpacked chunk (and 0x0f, or shift 4 then and) is 16 outputs x 4 consecutive inputs: one
+ * broadcast of 4 activation bytes feeds 16 outputs in one vpdpbusd, with no horizontal sum. AVX2
+ * reads the same layout in halves (bytes 0..31 of a chunk are outputs 0..7).
+ *
+ * The tiles, their order, the dispatch by path and the entry point are block_tiles.h's, shared with
+ * the other block kernel; this header holds the layout and the arithmetic of one block (its hooks).
+ * The kernel that includes it defines SCALE_BYTES (2 or 4) and its entry points' names Q4_PATHS
+ * and Q4_LINEAR first: the float32 scales change the loads, never the arithmetic, so a float16
+ * scale gives the same bits in either layout.
+ */
+#ifndef TP_Q4_BLOCKS_H
+#define TP_Q4_BLOCKS_H
+
+#define CHUNKS 4                /* 64-byte nibble chunks per (group, block) */
+#define SCALES_AT (CHUNKS * 64) /* byte offset of d[16]; m[16] follows */
+/* 320 bytes (float16 scales) or 384 (float32) per (group, block) */
+#define GROUP_BLOCK_BYTES (SCALES_AT + 2 * GROUP * SCALE_BYTES)
+#define ROW_TERM ROW_TERM_MS /* the m term needs ms = da * sum qa */
+#include "block_tiles.h"
+
+/* A block scale as float32, one of them (scalar), 16 (VNNI) or 8 (AVX2) from p on: float16 ones
+ * converted exactly, float32 ones as they are. */
+#if SCALE_BYTES == 2
+static inline float load_scale(const uint8_t *p) { return load_half(p); }
+#elif SCALE_BYTES == 4
+static inline float load_scale(const uint8_t *p) {
+    float v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+#else
+#error "SCALE_BYTES must be 2 (float16 scales) or 4 (float32)"
+#endif
+
+static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q,
+                                 int64_t at) {
+    int32_t dot = 0;
+    for (int c = 0; c < CHUNKS; c++)
+        for (int j = 0; j < 4; j++) {
+            uint8_t byte = blk[c * 64 + o * 4 + j];
+            dot += (byte & 15) * a[8 * c + j] + (byte >> 4) * a[8 * c + 4 + j];
+        }
+    float d = load_scale(blk + SCALES_AT + SCALE_BYTES * o);
+    float m = load_scale(blk + SCALES_AT + SCALE_BYTES * (GROUP + o));
+    acc = fmaf(d * q.da[at], (float)dot, acc);
+    return fmaf(m, q.ms[at], acc);
+}
+
+#if defined(__x86_64__)
+#if SCALE_BYTES == 2
+VNNI INLINE __m512 vnni_scales(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+AVX2 INLINE __m256 avx2_scales(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#else
+VNNI INLINE __m512 vnni_scales(const uint8_t *p) { return _mm512_loadu_ps((const float *)p); }
+AVX2 INLINE __m256 avx2_scales(const uint8_t *p) { return _mm256_loadu_ps((const float *)p); }
+#endif
+
+/* Each chunk unpacked once, low nibbles and high, for all R rows. */
+VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group_bytes, const int8_t *a,
+                           int K, int R, int NG) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < CHUNKS; c++) {
+        __m512i lo[2], hi[2];
+        for (int h = 0; h < NG; h++) {
+            __m512i v = _mm512_loadu_si512(w + h * group_bytes + c * 64);
+            lo[h] = _mm512_and_si512(v, low);
+            hi[h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *ar = a + (int64_t)r * K + 8 * c;
+            __m512i a_lo = _mm512_set1_epi32(load4(ar)), a_hi = _mm512_set1_epi32(load4(ar + 4));
+            for (int h = 0; h < NG; h++) {
+                dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], lo[h], a_lo);
+                dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], hi[h], a_hi);
+            }
+        }
+    }
+}
+
+VNNI INLINE void vnni_epilogue(__m512 acc[ROWS][2], __m512i dot[ROWS][2], const uint8_t *w,
+                               int64_t group_bytes, qrows q, int nb, int b, int R, int NG) {
+    for (int h = 0; h < NG; h++) {
+        const uint8_t *scales = w + h * group_bytes + SCALES_AT;
+        __m512 d = vnni_scales(scales), m = vnni_scales(scales + SCALE_BYTES * GROUP);
+        for (int r = 0; r < R; r++) {
+            __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(q.da[(int64_t)r * nb + b]));
+            acc[r][h] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot[r][h]), acc[r][h]);
+            acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(q.ms[(int64_t)r * nb + b]), acc[r][h]);
+        }
+    }
+}
+
+/* u8 x s8 pairs (vpmaddubsw) cannot saturate (2 * 15 * 127), and a block's 16 products per int16 lane
+ * stay below 16 * 15 * 127 = 30480: sums[r] holds int16 pairs until the epilogue widens them. */
+AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, const int8_t *a, int K, int R) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int c = 0; c < CHUNKS; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + half * 32));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; r++) {
+            const int8_t *ar = a + (int64_t)r * K + 8 * c;
+            __m256i a_lo = _mm256_set1_epi32(load4(ar)), a_hi = _mm256_set1_epi32(load4(ar + 4));
+            sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, a_lo));
+            sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, a_hi));
+        }
+    }
+}
+
+AVX2 INLINE void avx2_epilogue(__m256 acc[ROWS], __m256i sums[ROWS], const uint8_t *blk, int half, qrows q,
+                               int nb, int b, int R) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *scales = blk + SCALES_AT + half * 8 * SCALE_BYTES;
+    __m256 d = avx2_scales(scales), m = avx2_scales(scales + SCALE_BYTES * GROUP);
+    for (int r = 0; r < R; r++) {
+        __m256i dot = _mm256_madd_epi16(sums[r], ones);
+        __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(q.da[(int64_t)r * nb + b]));
+        acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(q.ms[(int64_t)r * nb + b]), acc[r]);
+    }
+}
+#endif
+
+/* Bit i set: path i runs on this CPU (PATH_SCALAR always). */
+int Q4_PATHS(void) { return cpu_paths(); }
+
+/* out [T, N] = x [T, K] times the packed weight w, as block_linear (block_tiles.h) says; ms beside da. */
+int Q4_LINEAR(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,
+                 uint8_t *scratch, float *out, int path) {
+    return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);
+}
+
+#endif

@@ -1,0 +1,96 @@
+"""GGUF's Q4_K kept in its own blocks of 32 (tpserve/gguf_blocks.py): read exactly as the `gguf`
+package dequantizes it, imported with float32 block scales, and served by int4 as the file holds it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from test_gguf_import import LLAMA_TYPES, _logits, assert_weights_match, random_q4_k, write_tiny_gguf
+
+from tpserve.gguf_blocks import read_blocks
+from tpserve.gguf_import import import_gguf
+from tpserve.kernels.q4_linear import q4_available
+from tpserve.ranks.loader import load_rank_model
+
+Q = gguf.GGMLQuantizationType
+K_HIDDEN, K_FFN = 256, 512  # K-quants pack rows in super-blocks of 256 inputs
+K_LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+
+
+def test_q4_k_blocks_dequantize_to_the_gguf_packages_bits():
+    rng = np.random.default_rng(5)
+    raw = random_q4_k(6, 512, rng)
+    # Edge super-blocks: the largest float16 d with every sc 63, a subnormal d and dmin, zeros, -0.
+    for row, (d, dmin) in enumerate([(65504.0, 1.0), (2.0**-24, -(2.0**-20)), (0.0, 0.0), (-0.0, 3.5)]):
+        raw[row, :4] = np.array([d, dmin], dtype=np.float16).view(np.uint8)
+    raw[0, 4:16] = 0xFF
+    blocks = read_blocks(raw, Q.Q4_K, (6, 512))
+    assert blocks.q.dtype == np.uint8 and blocks.q.shape == (6, 512) and int(blocks.q.max()) <= 15
+    assert blocks.d.dtype == blocks.m.dtype == np.float32 and blocks.d.shape == (6, 16)
+    assert np.array_equal(_bits(blocks.dequantize()), _bits(gguf.quants.dequantize(raw, Q.Q4_K)))
+    # Why float32: d * sc is often not a float16.
+    assert (torch.from_numpy(blocks.d).half().float().numpy() != blocks.d).any()
+
+
+def _q4_k_model(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    types = dict.fromkeys(K_LAYERS, Q.Q4_K)
+    originals = write_tiny_gguf(tmp_path / "tiny.gguf", types=types, hidden=K_HIDDEN, ffn=K_FFN)
+    out_dir = import_gguf(tmp_path / "tiny.gguf", tmp_path / "model", progress=False)
+    assert_weights_match(out_dir, originals, LLAMA_TYPES | types)  # exact for Q4_K
+    return out_dir, originals
+
+
+def test_q4_k_layers_import_as_4_bit_blocks_with_float32_scales(tmp_path: Path):
+    out_dir, _ = _q4_k_model(tmp_path)
+    stored = load_file(str(out_dir / "model.safetensors"))
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert stored[up + "_q4"].dtype == np.uint8 and stored[up + "_q4"].shape == (K_FFN, K_HIDDEN)
+    assert stored[up + "_d"].dtype == stored[up + "_m"].dtype == np.float32
+    assert stored[up + "_d"].shape == (K_FFN, K_HIDDEN // 32)
+
+
+@pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
+@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
+def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size):
+    out_dir, originals = _q4_k_model(tmp_path)
+    model = load_rank_model(
+        out_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    pieces = model.layers[0]
+    head_dim, num_kv = model.config.head_dim, model.config.num_kv_heads
+    kv_per_piece = num_kv // (tp_size * len(pieces))
+    q_per_piece = kv_per_piece * model.config.num_queries_per_kv
+    ffn_per_piece = K_FFN // (tp_size * len(pieces))
+    weights = {name: torch.from_numpy(array) for name, array in originals.items()}
+    w = {part: weights[f"model.layers.0.{name}.weight"] for part, name in (
+        ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+        ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"),
+    )}  # fmt: skip
+    for index, piece in enumerate(pieces):
+        at = tp_rank * len(pieces) + index  # the piece's place among all pieces
+        q_rows = slice(at * q_per_piece * head_dim, (at + 1) * q_per_piece * head_dim)
+        kv_rows = slice(at * kv_per_piece * head_dim, (at + 1) * kv_per_piece * head_dim)
+        ffn = slice(at * ffn_per_piece, (at + 1) * ffn_per_piece)
+        expected = {
+            "w_qkv": torch.cat([w["q"][q_rows], w["k"][kv_rows], w["v"][kv_rows]]),
+            "w_o": w["o"][:, q_rows],
+            "w_gate_up": torch.cat([w["gate"][ffn], w["up"][ffn]]),
+            "w_down": w["down"][:, ffn],
+        }
+        for name, values in expected.items():
+            served = getattr(piece, name)
+            assert served.scale_dtype == torch.float32, name
+            assert torch.equal(served.dequantize(), values), f"piece {at}'s {name}"
+    if tp_size == 1:
+        torch.set_num_threads(1)
+        logits = _logits(out_dir, "int4")
+        assert torch.isfinite(logits).all() and torch.equal(logits, _logits(out_dir, "int4"))
