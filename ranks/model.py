@@ -46,7 +46,8 @@ class PieceLayer:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         # The fused copies replace the loaded ones, which are taken out of `tensors` so that no
         # second copy outlives loading (room is measured after it); so do quantized ones.
-        # A weight an int8 checkpoint ships in int8 is served as stored (ranks/int8_tensors.py).
+        # A weight an int8 checkpoint ships in int8, or a GGUF in blocks, is served as stored
+        # where its format allows (ranks/packing.py).
         formats = served_as(quantize)
         q = functools.partial(pack_weight, kind=formats.linear, dtype=dtype)
         self.w_qkv = q(fuse(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
