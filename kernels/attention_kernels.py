@@ -34,9 +34,9 @@ class AttentionKernel:
     plan: Callable
     # (q [T, Hq, D], pool_k, pool_v [Hkv, slots, D], plan, scale) -> [T, Hq*D]
     attend: Callable
-    batch_invariant: bool
-    # (q, k, v [T, H, D] unrotated, rotary tables, slots, pool_k, pool_v, plan, scale) -> [T, Hq*D]:
-    # rotary, the KV writes and attend in one call, where the kernel has one
+    # (qkv [T, (Hq + 2 Hkv) * D] unrotated, num_q, normed q and k or None, rotary tables, slots,
+    # pool_k, pool_v, plan, scale) -> [T, Hq*D]: rotary, the KV writes and attend in one call, where
+    # the kernel has one (kernels/native_attention.py)
     rotate_store_attend: Callable | None = None
 
 
@@ -44,11 +44,10 @@ NATIVE = AttentionKernel(
     "native",
     lambda spans, group, *_: NativePlan(spans, group),
     native_attention,
-    batch_invariant=True,
     rotate_store_attend=rotate_store_attend,
 )
-TILED = AttentionKernel("tiled", TiledPlan, tiled_attention, batch_invariant=True)
-SPANS = AttentionKernel("spans", lambda spans, *_: spans, span_attention, batch_invariant=False)
+TILED = AttentionKernel("tiled", TiledPlan, tiled_attention)
+SPANS = AttentionKernel("spans", lambda spans, *_: spans, span_attention)
 
 
 def choose_attention(
