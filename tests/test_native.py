@@ -3,11 +3,15 @@ replace where they claim to, and a missing or broken compiler named rather than 
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import write_tiny_model
 
 from tpserve.kernels import int8_linear, native, norms
 
@@ -90,3 +94,29 @@ def test_int8_rows_have_the_bits_of_the_torch_ops_they_replace(monkeypatch):
     by_torch = weight(x)
     assert torch.equal(natively, by_torch)
     assert torch.equal(strided, by_torch)
+
+
+def test_without_a_compiler_the_engine_serves_on_torch_kernels(tmp_path):
+    # A fresh process whose compiler fails and whose cache is empty: attention falls back to the
+    # tiled products, the norms to torch's, auto picks int8, and a pass still runs.
+    model_dir = write_tiny_model(tmp_path / "model", "llama")
+    script = f"""
+import torch
+from tpserve.kernels.weight_formats import auto_quantize, quantize_unavailable
+from tpserve.ranks.engine import Engine
+from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.loader import load_rank_model
+model = load_rank_model({str(model_dir)!r}, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64,
+                        row_tile=16, quantize=auto_quantize("cpu"))
+kv = KVPool(model.config.num_layers, 64, model.kv_heads_per_piece(), model.config.head_dim, torch.float32)
+engine = Engine(model, kv)
+assert engine.admit(0, 32)
+logits = engine.forward([(0, 0, (3, 4, 5))])
+print(model.attention.name, auto_quantize("cpu"), bool(quantize_unavailable("int4", "cpu")), bool(torch.isfinite(logits).all()))
+"""
+    env = {**os.environ, "CC": "/bin/false", "HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["tiled", "int8", "True", "True"]
