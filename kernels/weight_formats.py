@@ -47,8 +47,12 @@ _SERVED_AS = {
 
 def served_as(quantize: str) -> ServedAs:
     if quantize not in _SERVED_AS:
-        raise QuantizeError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+        raise _unknown(quantize)
     return _SERVED_AS[quantize]
+
+
+def _unknown(kind: str) -> QuantizeError:
+    return QuantizeError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
 
 
 _KINDS = {"int8": Int8Weight, "fp16": Fp16Weight, "int4": Q4Weight, "q8": Q8Weight}
@@ -60,7 +64,7 @@ def quantize_weight(weight: torch.Tensor, kind: str):
     if kind == "none" or weight.numel() == 0:  # a piece holding no KV head has an empty q/k/v
         return weight
     if kind not in _KINDS:
-        raise QuantizeError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+        raise _unknown(kind)
     if kind in ("int4", "q8") and weight.shape[1] % BLOCK:
         # A row-parallel piece whose input is not whole blocks (a small model's 3 heads of 16), or
         # a model whose hidden size is not (its head)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from tpserve.kernels.block_weights import BLOCK
 from tpserve.ranks.errors import ModelFileError
 
-BLOCK = 32
 SUFFIXES = ("_q4", "_q8")
 SCALE_DTYPES = ("F16", "F32")  # safetensors' names; float32 holds a Q4_K's d * sc and -dmin * mn
 

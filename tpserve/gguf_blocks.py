@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-BLOCK = 32
+from tpserve.kernels.block_weights import BLOCK
+
 SUPER_BLOCK = 256  # Q4_K's inputs per super-block: 8 blocks
 _Q = gguf.GGMLQuantizationType
 KEPT_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q8_0})
