@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import warnings
 
 import torch
@@ -142,10 +143,23 @@ def _native_rows():
 def _rows_natively(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, in] -> (x / its rows' absmax, then the sentinel row: [T + 1, in]; the absmax [T, 1])."""
     num_rows, num_cols = x.shape
-    rows = torch.empty(num_rows + 1, num_cols)
-    absmax = torch.empty(num_rows, 1)
+    if num_rows <= _KEPT_ROWS:
+        rows, absmax = _row_buffers(num_rows, num_cols, threading.get_ident())
+    else:
+        rows, absmax = torch.empty(num_rows + 1, num_cols), torch.empty(num_rows, 1)
     _native_rows()(x.data_ptr(), num_rows, num_cols, x.stride(0), rows.data_ptr(), absmax.data_ptr())
     return rows, absmax
+
+
+_KEPT_ROWS = 64  # inputs of up to this many rows (a decode round's) reuse their scratch
+
+
+@functools.lru_cache(maxsize=16)
+def _row_buffers(num_rows: int, num_cols: int, thread: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A thread's scratch rows and absmax for one input shape, written afresh by every product: both
+    are spent before the product returns (its output is a new tensor), and a decode round's shapes
+    repeat, so keeping them saves two allocations a product."""
+    return torch.empty(num_rows + 1, num_cols), torch.empty(num_rows, 1)
 
 
 class Fp16Weight(FbgemmWeight):
