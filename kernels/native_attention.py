@@ -55,6 +55,7 @@ _SIGNATURES = {
     "tp_span_attention": [_P, _I64, *_ATTEND],
     # q, k, v with their token strides, cos, sin, slots, num_real, then the shared tail
     "tp_rotate_store_attend": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _I64, *_ATTEND],
+    "tp_attention_vectors": [_INT],
 }
 
 
@@ -67,6 +68,12 @@ def _entry(name: str):
 
 def _kernel():
     return _entry("tp_span_attention")
+
+
+def use_vector_loops(on: bool) -> bool:
+    """Run attention.c's AVX-512 loops (the default where the build has them) or its plain ones, which
+    give the same bits; returns whether this build has the AVX-512 loops. For tests and benches."""
+    return bool(_entry("tp_attention_vectors")(int(on)))
 
 
 def native_attention(

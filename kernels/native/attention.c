@@ -12,57 +12,192 @@
  *
  * Rows are blocked for speed only: BLOCK_TOKENS consecutive tokens of a span under one KV head, with
  * their `group` query heads, share each key and value as it is loaded.
+ *
+ * With AVX-512 a row's scores are taken 16 keys at a time, their trees reduced together by shuffles
+ * that pair the very partial sums dot() pairs, and the weighted values are summed in registers, four
+ * rows at a time: the same IEEE operations on the same operands, so the same bits as the plain loops
+ * (tp_attention_vectors switches between them; the tests compare the two).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_VECTORS 1
+#else
+#define HAVE_VECTORS 0
+#endif
 
 #define W 16             /* partial sums; head_dim must be a multiple of W */
 #define BLOCK_TOKENS 4
+
+static int use_vectors = HAVE_VECTORS;
+
+/* Turn the AVX-512 loops on (1) or off (0); returns whether this build has them. */
+int tp_attention_vectors(int on) {
+    use_vectors = on && HAVE_VECTORS;
+    return HAVE_VECTORS;
+}
+
+/* exp(x) for x <= 0 (a score less its row's maximum), about 2 ulp: Cody-Waite reduction by ln 2
+ * and a degree-6 polynomial (Cephes' expf), then 2^n put in the exponent bits. */
+static inline float exp_one(float x) {
+    float v = x < -87.0f ? -87.0f : x;
+    float k = floorf(fmaf(v, 1.44269504088896341f, 0.5f));
+    float r = fmaf(k, -0.693359375f, v);
+    r = fmaf(k, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    return p * two_k;
+}
+
+/* The tree dot() and softmax() close their 16 partial sums with: i + 8, i + 4, i + 2, i + 1. */
+static inline float tree_of(float *part) {
+    for (int s = W / 2; s > 0; s /= 2)
+        for (int i = 0; i < s; i++) part[i] += part[i + s];
+    return part[0];
+}
 
 static inline float dot(const float *restrict a, const float *restrict b, int dim) {
     float acc[W];
     for (int i = 0; i < W; i++) acc[i] = a[i] * b[i];
     for (int d = W; d < dim; d += W)
         for (int i = 0; i < W; i++) acc[i] = fmaf(a[d + i], b[d + i], acc[i]);
-    for (int w = W / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) acc[i] += acc[i + w];
-    return acc[0];
+    return tree_of(acc);
 }
 
-/* exp(x) for x <= 0 (a score less its row's maximum), about 2 ulp: Cody-Waite reduction by ln 2
- * and a degree-6 polynomial (Cephes' expf), then 2^n put in the exponent bits. */
-static void exp_inplace(float *restrict x, int n) {
-    for (int j = 0; j < n; j++) {
-        float v = x[j] < -87.0f ? -87.0f : x[j];
-        float k = floorf(fmaf(v, 1.44269504088896341f, 0.5f));
-        float r = fmaf(k, -0.693359375f, v);
-        r = fmaf(k, 2.12194440e-4f, r);
-        float p = 1.9875691500e-4f;
-        p = fmaf(p, r, 1.3981999507e-3f);
-        p = fmaf(p, r, 8.3334519073e-3f);
-        p = fmaf(p, r, 4.1665795894e-2f);
-        p = fmaf(p, r, 1.6666665459e-1f);
-        p = fmaf(p, r, 5.0000001201e-1f);
-        p = fmaf(p, r * r, r) + 1.0f;
-        int32_t bits = ((int32_t)k + 127) << 23;
-        float two_k;
-        memcpy(&two_k, &bits, sizeof two_k);
-        x[j] = p * two_k;
-    }
+#if HAVE_VECTORS
+/* exp_one on 16 lanes, operation for operation (max(-87, x) keeps a NaN as x < -87 ? : does). */
+static inline __m512 exp16(__m512 x) {
+    __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), v);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+#endif
 
-static float total_of(const float *restrict w, int n) {
-    float part[W] = {0};
+/* A row's n scores become w_j = exp(s_j - max s); returns their total, 16 partial sums by j mod 16
+ * closed by the tree. (The maximum is exact whichever order finds it; a zero's sign there cannot
+ * change a w_j.) */
+static float softmax(float *restrict row, int n) {
+    float m = row[0], part[W] = {0};
     int j = 0;
-    for (; j + W <= n; j += W)
-        for (int i = 0; i < W; i++) part[i] += w[j + i];
-    for (; j < n; j++) part[j % W] += w[j];
-    for (int s = W / 2; s > 0; s /= 2)
-        for (int i = 0; i < s; i++) part[i] += part[i + s];
-    return part[0];
+#if HAVE_VECTORS
+    if (use_vectors) {
+        __m512 top = _mm512_set1_ps(row[0]);
+        for (; j + W <= n; j += W) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+        m = _mm512_reduce_max_ps(top);
+        for (int t = j; t < n; t++) m = row[t] > m ? row[t] : m;
+        __m512 sums = _mm512_setzero_ps();
+        for (j = 0; j + W <= n; j += W) {
+            __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(m)));
+            _mm512_storeu_ps(row + j, w);
+            sums = _mm512_add_ps(sums, w);
+        }
+        _mm512_storeu_ps(part, sums);
+    } else
+#endif
+    {
+        for (int t = 1; t < n; t++) m = row[t] > m ? row[t] : m;
+        for (; j + W <= n; j += W)
+            for (int i = 0; i < W; i++) {
+                row[j + i] = exp_one(row[j + i] - m);
+                part[i] += row[j + i];
+            }
+    }
+    for (; j < n; j++) {
+        row[j] = exp_one(row[j] - m);
+        part[j % W] += row[j];
+    }
+    return tree_of(part);
 }
+
+#if HAVE_VECTORS
+/* dot()'s first tree step for two keys at once: lanes 0..7 hold a's acc[i] + acc[i + 8], 8..15 b's. */
+static inline __m512 pair_halves(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* Scores of keys k0 .. k0 + 15 for one row: dot(row, k_j) * scale, each key's tree as dot() adds it. */
+static void scores_by_16(const float *restrict row, const float *restrict keys, int head_dim, float scale,
+                         float *restrict out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(keys + j * head_dim));
+    for (int d = W; d < head_dim; d += W) {
+        __m512 a = _mm512_loadu_ps(row + d);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(keys + j * head_dim + d), acc[j]);
+    }
+    /* step 1, i + 8: key pairs (2c, 2c + 1), 8 partials each */
+    __m512 b[8];
+    for (int c = 0; c < 8; c++) b[c] = pair_halves(acc[2 * c], acc[2 * c + 1]);
+    /* step 2, i + 4: 128-bit chunk k of c[q] is key 4q + k's 4 partials */
+    __m512 c4[4];
+    for (int q = 0; q < 4; q++)
+        c4[q] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * q], b[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(b[2 * q], b[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* step 3, i + 2: chunk k of e[h] holds keys 8h + k and 8h + k + 4, 2 partials each */
+    __m512 e[2];
+    for (int h = 0; h < 2; h++)
+        e[h] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * h], c4[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c4[2 * h], c4[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* step 4, i + 1: lane 4k + m is key k + 4m's sum */
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    sums = _mm512_permutexvar_ps(key_order, sums);
+    _mm512_storeu_ps(out, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+}
+
+#define V_ROWS 4   /* rows whose weighted values one pass sums */
+#define V_CHUNK 64 /* floats of a value each pass takes: 4 vectors */
+
+/* out[r] = sum_j w[r][j] v_j over keys 0 .. n_r - 1 (key order, from zero), divided by total[r], for
+ * R (1 to V_ROWS) rows whose key counts n[] rise; 64 floats of the head from d0. */
+static inline __attribute__((always_inline)) void weighted_values(
+    const int R, const float *const *w, const int *n, const float *total, const float *restrict v_head,
+    int head_dim, int d0, float *const *out) {
+    __m512 acc[V_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    int j = 0;
+    for (; j < n[0]; j++) { /* keys every row sees */
+        const float *v = v_head + (int64_t)j * head_dim + d0;
+        for (int c = 0; c < 4; c++) {
+            __m512 vc = _mm512_loadu_ps(v + 16 * c);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), vc, acc[r][c]);
+        }
+    }
+    for (int r = 1; r < R; r++) /* the later tokens' own keys */
+        for (int jr = j; jr < n[r]; jr++) {
+            const float *v = v_head + (int64_t)jr * head_dim + d0;
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][jr]), _mm512_loadu_ps(v + 16 * c), acc[r][c]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++)
+            _mm512_storeu_ps(out[r] + d0 + 16 * c, _mm512_div_ps(acc[r][c], _mm512_set1_ps(total[r])));
+}
+#endif
 
 /* spans: num_spans x (offset, base, start, length): rows offset.. of q, the lane's first pool slot,
  * the first token's position, its number of tokens.
@@ -101,6 +236,18 @@ int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const
                 const float *rows[BLOCK_TOKENS * 64];
                 for (int r = 0; r < num_rows; r++)
                     rows[r] = q + (offset + t0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+#if HAVE_VECTORS
+                if (use_vectors) {
+                    for (int r = 0; r < num_rows; r++) {
+                        int n = (int)(first + r / group + 1), j = 0;
+                        for (; j + 16 <= n; j += 16)
+                            scores_by_16(rows[r], k_head + (int64_t)j * head_dim, head_dim, scale,
+                                         scores + r * max_keys + j);
+                        for (; j < n; j++)
+                            scores[r * max_keys + j] = dot(rows[r], k_head + (int64_t)j * head_dim, head_dim) * scale;
+                    }
+                } else
+#endif
                 for (int64_t j = 0; j < num_keys; j++) {
                     const float *k = k_head + j * head_dim;
                     /* tokens whose position is below j do not see key j: rows from t_min on do */
@@ -109,15 +256,33 @@ int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const
                         scores[r * max_keys + j] = dot(rows[r], k, head_dim) * scale;
                 }
                 float totals[BLOCK_TOKENS * 64];
-                for (int r = 0; r < num_rows; r++) {
-                    float *row = scores + r * max_keys;
-                    int n = (int)(first + r / group + 1);
-                    float m = row[0];
-                    for (int j = 1; j < n; j++) m = row[j] > m ? row[j] : m;
-                    for (int j = 0; j < n; j++) row[j] -= m;
-                    exp_inplace(row, n);
-                    totals[r] = total_of(row, n);
+                for (int r = 0; r < num_rows; r++)
+                    totals[r] = softmax(scores + r * max_keys, (int)(first + r / group + 1));
+#if HAVE_VECTORS
+                if (use_vectors && head_dim % V_CHUNK == 0) {
+                    for (int r0 = 0; r0 < num_rows;) {
+                        int R = num_rows - r0 >= V_ROWS ? V_ROWS : num_rows - r0;
+                        const float *w[V_ROWS];
+                        float *o[V_ROWS];
+                        int n[V_ROWS];
+                        for (int r = 0; r < R; r++) {
+                            int rr = r0 + r;
+                            w[r] = scores + rr * max_keys;
+                            n[r] = (int)(first + rr / group + 1);
+                            o[r] = out + ((offset + t0 + rr / group) * num_heads + h * group + rr % group) * head_dim;
+                        }
+                        for (int d0 = 0; d0 < head_dim; d0 += V_CHUNK) {
+                            /* R a constant in each call, so that acc stays in registers */
+                            if (R == 4) weighted_values(4, w, n, totals + r0, v_head, head_dim, d0, o);
+                            else if (R == 3) weighted_values(3, w, n, totals + r0, v_head, head_dim, d0, o);
+                            else if (R == 2) weighted_values(2, w, n, totals + r0, v_head, head_dim, d0, o);
+                            else weighted_values(1, w, n, totals + r0, v_head, head_dim, d0, o);
+                        }
+                        r0 += R;
+                    }
+                    continue;
                 }
+#endif
                 memset(acc, 0, sizeof(float) * num_rows * head_dim);
                 for (int64_t j = 0; j < num_keys; j++) {
                     const float *v = v_head + j * head_dim;
