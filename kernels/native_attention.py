@@ -55,7 +55,8 @@ _SIGNATURES = {
     "tp_span_attention": [_P, _I64, *_ATTEND],
     # q, k, v with their token strides, cos, sin, slots, num_real, then the shared tail
     "tp_rotate_store_attend": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _I64, *_ATTEND],
-    "tp_attention_vectors": [_INT],
+    "tp_attention_path": [_INT],
+    "tp_attention_paths": [],
 }
 
 
@@ -70,10 +71,20 @@ def _kernel():
     return _entry("tp_span_attention")
 
 
-def use_vector_loops(on: bool) -> bool:
-    """Run attention.c's AVX-512 loops (the default where the build has them) or its plain ones, which
-    give the same bits; returns whether this build has the AVX-512 loops. For tests and benches."""
-    return bool(_entry("tp_attention_vectors")(int(on)))
+ATTENTION_PATHS = ("plain", "avx2", "avx512")  # attention.c's PATH_*: the same bits on each
+
+
+def attention_paths() -> list[str]:
+    """The paths of attention.c this CPU runs."""
+    paths = _entry("tp_attention_paths")()
+    return [name for bit, name in enumerate(ATTENTION_PATHS) if paths & (1 << bit)]
+
+
+def use_attention_path(name: str | None) -> None:
+    """Run attention.c's `name` path from now on (None: the fastest here, the default). For tests and
+    benches: every path gives the same bits."""
+    if _entry("tp_attention_path")(-1 if name is None else ATTENTION_PATHS.index(name)) < 0:
+        raise ValueError(f"attention path {name!r} does not run on this CPU; it runs {attention_paths()}")
 
 
 def native_attention(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView, span_attention
 from tpserve.kernels.attention_kernels import NATIVE, TILED
-from tpserve.kernels.native_attention import native_unavailable, use_vector_loops
+from tpserve.kernels.native_attention import attention_paths, native_unavailable, use_attention_path
 from tpserve.kernels.tiled_attention import KEY_BLOCK
 
 NUM_KEYS = 700
@@ -158,16 +158,17 @@ def test_the_fused_kernel_reads_each_span_from_its_own_lane():
     torch.testing.assert_close(tiled, out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128])
 @pytest.mark.parametrize("group", [1, GROUP, 4, 7])
-def test_the_c_kernels_vector_loops_give_its_plain_loops_bits(kernel, head_dim, group):
-    # AVX-512 takes 16 keys' scores at once and sums values in registers; each key's tree and each
-    # row's key order are the plain loops', so every case here is equal bit for bit: prefills across
-    # 16-key edges, decode rows beside them, a Verify, and scores far from zero.
+def test_the_c_kernels_vector_paths_give_its_plain_paths_bits(kernel, path, head_dim, group):
+    # The vector paths take 16 or 8 keys' scores at once and sum values in registers; each key's tree
+    # and each row's key order are the plain path's, so every case here is equal bit for bit:
+    # prefills across key-block edges, decode rows beside them, a Verify, scores far from zero.
     if kernel is not NATIVE:
-        pytest.skip("the C kernel's own loops")
-    if not use_vector_loops(True):
-        pytest.skip("this build of the C kernel has no AVX-512 loops")
+        pytest.skip("the C kernel's own paths")
+    if path not in attention_paths():
+        pytest.skip(f"this CPU runs the C kernel's {attention_paths()} paths, not {path}")
     gen = torch.Generator().manual_seed(head_dim * group)
     num_kv_heads, slots = 2, 400
     pool_k = 3 * torch.randn(num_kv_heads, slots, head_dim, generator=gen)
@@ -181,10 +182,11 @@ def test_the_c_kernels_vector_loops_give_its_plain_loops_bits(kernel, head_dim, 
     q = torch.randn(44, num_kv_heads * group, head_dim, generator=gen)
     plan = NATIVE.plan(spans, group, slots, "cpu", q.shape[0])
     try:
+        use_attention_path(path)
         vectors = NATIVE.attend(q, pool_k, pool_v, plan, SCALE)
-        use_vector_loops(False)
+        use_attention_path("plain")
         plain = NATIVE.attend(q, pool_k, pool_v, plan, SCALE)
     finally:
-        use_vector_loops(True)
+        use_attention_path(None)
     assert torch.isfinite(plain).all()
     assert torch.equal(vectors, plain)

@@ -13,32 +13,31 @@
  * Rows are blocked for speed only: BLOCK_TOKENS consecutive tokens of a span under one KV head, with
  * their `group` query heads, share each key and value as it is loaded.
  *
- * With AVX-512 a row's scores are taken 16 keys at a time, their trees reduced together by shuffles
- * that pair the very partial sums dot() pairs, and the weighted values are summed in registers, four
- * rows at a time: the same IEEE operations on the same operands, so the same bits as the plain loops
- * (tp_attention_vectors switches between them; the tests compare the two).
+ * With AVX-512 (or AVX2) a row's scores are taken 16 (8) keys at a time, their trees reduced together
+ * by shuffles that pair the very partial sums dot() pairs; exp runs on 16 (8) lanes, operation for
+ * operation; the weighted values are summed in registers, 4 (3) rows at a time. These are the same
+ * IEEE operations on the same operands as the plain loops', so the three paths give the same bits
+ * (tp_attention_path picks one; the tests compare them).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
-#define HAVE_VECTORS 1
+#define X86 1
+#define A512 __attribute__((target("avx512f")))
+#define A256 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
 #else
-#define HAVE_VECTORS 0
+#define X86 0
 #endif
 
-#define W 16             /* partial sums; head_dim must be a multiple of W */
+#define W 16 /* partial sums; head_dim must be a multiple of W */
 #define BLOCK_TOKENS 4
+#define MAX_ROWS (BLOCK_TOKENS * 64) /* a row block: 4 tokens, at most 64 query heads a KV head */
 
-static int use_vectors = HAVE_VECTORS;
-
-/* Turn the AVX-512 loops on (1) or off (0); returns whether this build has them. */
-int tp_attention_vectors(int on) {
-    use_vectors = on && HAVE_VECTORS;
-    return HAVE_VECTORS;
-}
+enum { PATH_PLAIN = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 /* exp(x) for x <= 0 (a score less its row's maximum), about 2 ulp: Cody-Waite reduction by ln 2
  * and a degree-6 polynomial (Cephes' expf), then 2^n put in the exponent bits. */
@@ -75,9 +74,55 @@ static inline float dot(const float *restrict a, const float *restrict b, int di
     return tree_of(acc);
 }
 
-#if HAVE_VECTORS
-/* exp_one on 16 lanes, operation for operation (max(-87, x) keeps a NaN as x < -87 ? : does). */
-static inline __m512 exp16(__m512 x) {
+/* The rest of a row's softmax from key j on, the partial sums so far in part (j a multiple of W). */
+static float softmax_tail(float *restrict row, int j, int n, float m, float *part) {
+    for (; j < n; j++) {
+        row[j] = exp_one(row[j] - m);
+        part[j % W] += row[j];
+    }
+    return tree_of(part);
+}
+
+/* Each path's three steps for a row block. scores: out[j] = dot(row, key j) * scale for j < n.
+ * softmax: a row's n scores become w_j = exp(s_j - max s); returns their total, 16 partial sums by
+ * j mod 16 closed by the tree (the maximum is exact whichever order finds it, and a zero's sign
+ * there cannot change a w_j). values: out[r] = (sum_j w[r][j] v_j, keys 0 .. n[r] - 1 in order,
+ * from zero) / total[r], for rows whose key counts n[] rise. */
+typedef struct {
+    void (*scores)(const float *row, const float *keys, int n, int head_dim, float scale, float *out);
+    float (*softmax)(float *row, int n);
+    void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const float *v_head,
+                   int head_dim, float *const *out);
+} path_steps;
+
+static void scores_plain(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
+    for (int j = 0; j < n; j++) out[j] = dot(row, keys + (int64_t)j * head_dim, head_dim) * scale;
+}
+
+static float softmax_plain(float *row, int n) {
+    float m = row[0], part[W] = {0};
+    for (int t = 1; t < n; t++) m = row[t] > m ? row[t] : m;
+    return softmax_tail(row, 0, n, m, part);
+}
+
+static void values_plain(int num_rows, const float *const *w, const int *n, const float *total,
+                         const float *v_head, int head_dim, float *const *out) {
+    for (int r = 0; r < num_rows; r++) {
+        float *o = out[r];
+        memset(o, 0, sizeof(float) * head_dim);
+        for (int j = 0; j < n[r]; j++) {
+            const float *v = v_head + (int64_t)j * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] = fmaf(w[r][j], v[d], o[d]);
+        }
+        for (int d = 0; d < head_dim; d++) o[d] /= total[r];
+    }
+}
+
+#if X86
+/* ---- AVX-512: 16 lanes ---- */
+
+/* exp_one on 16 lanes (max(-87, x) keeps a NaN as x < -87 ? -87 : x does). */
+A512 INLINE __m512 exp16(__m512 x) {
     __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -93,90 +138,69 @@ static inline __m512 exp16(__m512 x) {
     __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
-#endif
 
-/* A row's n scores become w_j = exp(s_j - max s); returns their total, 16 partial sums by j mod 16
- * closed by the tree. (The maximum is exact whichever order finds it; a zero's sign there cannot
- * change a w_j.) */
-static float softmax(float *restrict row, int n) {
-    float m = row[0], part[W] = {0};
-    int j = 0;
-#if HAVE_VECTORS
-    if (use_vectors) {
-        __m512 top = _mm512_set1_ps(row[0]);
-        for (; j + W <= n; j += W) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
-        m = _mm512_reduce_max_ps(top);
-        for (int t = j; t < n; t++) m = row[t] > m ? row[t] : m;
-        __m512 sums = _mm512_setzero_ps();
-        for (j = 0; j + W <= n; j += W) {
-            __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(m)));
-            _mm512_storeu_ps(row + j, w);
-            sums = _mm512_add_ps(sums, w);
-        }
-        _mm512_storeu_ps(part, sums);
-    } else
-#endif
-    {
-        for (int t = 1; t < n; t++) m = row[t] > m ? row[t] : m;
-        for (; j + W <= n; j += W)
-            for (int i = 0; i < W; i++) {
-                row[j + i] = exp_one(row[j + i] - m);
-                part[i] += row[j + i];
-            }
-    }
-    for (; j < n; j++) {
-        row[j] = exp_one(row[j] - m);
-        part[j % W] += row[j];
-    }
-    return tree_of(part);
-}
-
-#if HAVE_VECTORS
 /* dot()'s first tree step for two keys at once: lanes 0..7 hold a's acc[i] + acc[i + 8], 8..15 b's. */
-static inline __m512 pair_halves(__m512 a, __m512 b) {
+A512 INLINE __m512 pair_halves(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-/* Scores of keys k0 .. k0 + 15 for one row: dot(row, k_j) * scale, each key's tree as dot() adds it. */
-static void scores_by_16(const float *restrict row, const float *restrict keys, int head_dim, float scale,
-                         float *restrict out) {
+/* Scores of 16 keys from `keys` on, each key's tree as dot() adds it. */
+A512 INLINE void scores_by_16(const float *restrict row, const float *restrict keys, int head_dim, float scale,
+                              float *restrict out) {
     __m512 acc[16];
     for (int j = 0; j < 16; j++) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(keys + j * head_dim));
     for (int d = W; d < head_dim; d += W) {
         __m512 a = _mm512_loadu_ps(row + d);
         for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(keys + j * head_dim + d), acc[j]);
     }
-    /* step 1, i + 8: key pairs (2c, 2c + 1), 8 partials each */
+    /* i + 8: key pairs (2c, 2c + 1), 8 partials each */
     __m512 b[8];
     for (int c = 0; c < 8; c++) b[c] = pair_halves(acc[2 * c], acc[2 * c + 1]);
-    /* step 2, i + 4: 128-bit chunk k of c[q] is key 4q + k's 4 partials */
+    /* i + 4: 128-bit chunk k of c4[q] is key 4q + k's 4 partials */
     __m512 c4[4];
     for (int q = 0; q < 4; q++)
         c4[q] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * q], b[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                               _mm512_shuffle_f32x4(b[2 * q], b[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* step 3, i + 2: chunk k of e[h] holds keys 8h + k and 8h + k + 4, 2 partials each */
+    /* i + 2: chunk k of e[h] holds keys 8h + k and 8h + k + 4, 2 partials each */
     __m512 e[2];
     for (int h = 0; h < 2; h++)
         e[h] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * h], c4[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(c4[2 * h], c4[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* step 4, i + 1: lane 4k + m is key k + 4m's sum */
+    /* i + 1: lane 4k + m is key k + 4m's sum */
     __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                 _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    sums = _mm512_permutexvar_ps(key_order, sums);
-    _mm512_storeu_ps(out, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(key_order, sums), _mm512_set1_ps(scale)));
 }
 
-#define V_ROWS 4   /* rows whose weighted values one pass sums */
-#define V_CHUNK 64 /* floats of a value each pass takes: 4 vectors */
+A512 static void scores_512(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
+    int j = 0;
+    for (; j + 16 <= n; j += 16) scores_by_16(row, keys + (int64_t)j * head_dim, head_dim, scale, out + j);
+    scores_plain(row, keys + (int64_t)j * head_dim, n - j, head_dim, scale, out + j);
+}
 
-/* out[r] = sum_j w[r][j] v_j over keys 0 .. n_r - 1 (key order, from zero), divided by total[r], for
- * R (1 to V_ROWS) rows whose key counts n[] rise; 64 floats of the head from d0. */
-static inline __attribute__((always_inline)) void weighted_values(
-    const int R, const float *const *w, const int *n, const float *total, const float *restrict v_head,
-    int head_dim, int d0, float *const *out) {
-    __m512 acc[V_ROWS][4];
+A512 static float softmax_512(float *row, int n) {
+    float m = row[0], part[W];
+    int j = 0;
+    __m512 top = _mm512_set1_ps(row[0]);
+    for (; j + W <= n; j += W) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+    m = _mm512_reduce_max_ps(top);
+    for (; j < n; j++) m = row[j] > m ? row[j] : m;
+    __m512 sums = _mm512_setzero_ps();
+    for (j = 0; j + W <= n; j += W) {
+        __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(row + j, w);
+        sums = _mm512_add_ps(sums, w);
+    }
+    _mm512_storeu_ps(part, sums);
+    return softmax_tail(row, j, n, m, part);
+}
+
+/* values for R rows (a constant at each call, so that acc stays in registers), 64 floats from d0. */
+A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, const float *total,
+                              const float *restrict v_head, int head_dim, int d0, float *const *out) {
+    __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     int j = 0;
@@ -197,29 +221,193 @@ static inline __attribute__((always_inline)) void weighted_values(
         for (int c = 0; c < 4; c++)
             _mm512_storeu_ps(out[r] + d0 + 16 * c, _mm512_div_ps(acc[r][c], _mm512_set1_ps(total[r])));
 }
+
+A512 static void values_512(int num_rows, const float *const *w, const int *n, const float *total,
+                            const float *v_head, int head_dim, float *const *out) {
+    if (head_dim % 64) {
+        values_plain(num_rows, w, n, total, v_head, head_dim, out);
+        return;
+    }
+    for (int r0 = 0; r0 < num_rows; r0 += 4) {
+        int R = num_rows - r0 < 4 ? num_rows - r0 : 4;
+        for (int d0 = 0; d0 < head_dim; d0 += 64) {
+            if (R == 4) values_by_64(4, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+            else if (R == 3) values_by_64(3, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+            else if (R == 2) values_by_64(2, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+            else values_by_64(1, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+        }
+    }
+}
+
+/* ---- AVX2: 8 lanes, a key's 16 partial sums in two vectors ---- */
+
+A256 INLINE __m256 exp8(__m256 x) {
+    __m256 v = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    __m256 k = _mm256_round_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(-0.693359375f), v);
+    r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* Four keys' trees to their last step: 128-bit half 0 holds keys 0 and 2, half 1 keys 1 and 3, each
+ * as its two partials acc'[0] and acc'[1] before dot()'s final acc[0] + acc[1]. */
+A256 INLINE __m256 four_keys(const float *restrict row, const float *restrict keys, int head_dim) {
+    __m256 lo[4], hi[4]; /* acc[0..7] and acc[8..15] */
+    for (int k = 0; k < 4; k++) {
+        lo[k] = _mm256_mul_ps(_mm256_loadu_ps(row), _mm256_loadu_ps(keys + k * head_dim));
+        hi[k] = _mm256_mul_ps(_mm256_loadu_ps(row + 8), _mm256_loadu_ps(keys + k * head_dim + 8));
+    }
+    for (int d = W; d < head_dim; d += W) {
+        __m256 a0 = _mm256_loadu_ps(row + d), a1 = _mm256_loadu_ps(row + d + 8);
+        for (int k = 0; k < 4; k++) {
+            lo[k] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(keys + k * head_dim + d), lo[k]);
+            hi[k] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(keys + k * head_dim + d + 8), hi[k]);
+        }
+    }
+    __m256 s[4]; /* i + 8 */
+    for (int k = 0; k < 4; k++) s[k] = _mm256_add_ps(lo[k], hi[k]);
+    /* i + 4: half 0 key 2p's 4 partials, half 1 key 2p + 1's */
+    __m256 t[2];
+    for (int p = 0; p < 2; p++)
+        t[p] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * p], s[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * p], s[2 * p + 1], 0x31));
+    /* i + 2 */
+    return _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+A256 static void scores_256(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const float *k = keys + (int64_t)j * head_dim;
+        /* i + 1: half 0 holds keys 0, 2, 4, 6, half 1 keys 1, 3, 5, 7 */
+        __m256 sums = _mm256_hadd_ps(four_keys(row, k, head_dim), four_keys(row, k + 4 * head_dim, head_dim));
+        sums = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
+    scores_plain(row, keys + (int64_t)j * head_dim, n - j, head_dim, scale, out + j);
+}
+
+A256 static float softmax_256(float *row, int n) {
+    float m = row[0], part[W], lanes[8];
+    int j = 0;
+    __m256 top = _mm256_set1_ps(row[0]);
+    for (; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (; j < n; j++) m = row[j] > m ? row[j] : m;
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (j = 0; j + W <= n; j += W) {
+        __m256 w0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(m)));
+        __m256 w1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j + 8), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(row + j, w0);
+        _mm256_storeu_ps(row + j + 8, w1);
+        lo = _mm256_add_ps(lo, w0);
+        hi = _mm256_add_ps(hi, w1);
+    }
+    _mm256_storeu_ps(part, lo);
+    _mm256_storeu_ps(part + 8, hi);
+    return softmax_tail(row, j, n, m, part);
+}
+
+/* values for R rows (a constant at each call), 32 floats from d0. */
+A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, const float *total,
+                              const float *restrict v_head, int head_dim, int d0, float *const *out) {
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j < n[0]; j++) {
+        const float *v = v_head + (int64_t)j * head_dim + d0;
+        for (int c = 0; c < 4; c++) {
+            __m256 vc = _mm256_loadu_ps(v + 8 * c);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), vc, acc[r][c]);
+        }
+    }
+    for (int r = 1; r < R; r++)
+        for (int jr = j; jr < n[r]; jr++) {
+            const float *v = v_head + (int64_t)jr * head_dim + d0;
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][jr]), _mm256_loadu_ps(v + 8 * c), acc[r][c]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(out[r] + d0 + 8 * c, _mm256_div_ps(acc[r][c], _mm256_set1_ps(total[r])));
+}
+
+A256 static void values_256(int num_rows, const float *const *w, const int *n, const float *total,
+                            const float *v_head, int head_dim, float *const *out) {
+    if (head_dim % 32) {
+        values_plain(num_rows, w, n, total, v_head, head_dim, out);
+        return;
+    }
+    for (int r0 = 0; r0 < num_rows; r0 += 3) {
+        int R = num_rows - r0 < 3 ? num_rows - r0 : 3;
+        for (int d0 = 0; d0 < head_dim; d0 += 32) {
+            if (R == 3) values_by_32(3, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+            else if (R == 2) values_by_32(2, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+            else values_by_32(1, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+        }
+    }
+}
 #endif
+
+static const path_steps PATHS[] = {
+    {scores_plain, softmax_plain, values_plain},
+#if X86
+    {scores_256, softmax_256, values_256},
+    {scores_512, softmax_512, values_512},
+#endif
+};
+
+/* Bit p set: path p runs on this CPU. */
+int tp_attention_paths(void) {
+    int paths = 1 << PATH_PLAIN;
+#if X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths |= 1 << PATH_AVX2;
+    if (__builtin_cpu_supports("avx512f")) paths |= 1 << PATH_AVX512;
+#endif
+    return paths;
+}
+
+static int chosen_path = -1;
+
+/* Run `path` from now on (-1: the fastest here); returns it, or -1 where it does not run here. */
+int tp_attention_path(int path) {
+    int paths = tp_attention_paths();
+    if (path < 0) path = paths & (1 << PATH_AVX512) ? PATH_AVX512 : paths & (1 << PATH_AVX2) ? PATH_AVX2 : PATH_PLAIN;
+    if (path > PATH_AVX512 || !(paths & (1 << path))) return -1;
+    return chosen_path = path;
+}
 
 /* spans: num_spans x (offset, base, start, length): rows offset.. of q, the lane's first pool slot,
  * the first token's position, its number of tokens.
  * q: [T, num_kv_heads * group, head_dim], row stride q_stride floats per token;
  * keys, values: [num_kv_heads, slots, head_dim] (head stride head_stride floats);
- * out: [T, num_kv_heads * group, head_dim] contiguous. Returns 0, or -1 if out of memory. */
+ * out: [T, num_kv_heads * group, head_dim] contiguous (it may be q itself: a row block reads its
+ * rows of q before it writes its rows of out). Returns 0, or -1 if out of memory. */
 int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const float *values,
                       int64_t head_stride, int num_kv_heads, int group, int head_dim,
                       const int64_t *spans, int num_spans, float scale, float *out) {
+    if (chosen_path < 0) tp_attention_path(-1);
+    const path_steps *steps = &PATHS[chosen_path];
     int64_t max_keys = 1;
     for (int s = 0; s < num_spans; s++) {
         int64_t end = spans[4 * s + 2] + spans[4 * s + 3];
         if (end > max_keys) max_keys = end;
     }
-    int max_rows = BLOCK_TOKENS * group;
-    float *scores = malloc(sizeof(float) * max_rows * max_keys);
-    float *acc = malloc(sizeof(float) * max_rows * head_dim);
-    if (!scores || !acc) {
-        free(scores);
-        free(acc);
-        return -1;
-    }
+    float *scores = malloc(sizeof(float) * BLOCK_TOKENS * group * max_keys);
+    if (!scores) return -1;
     int num_heads = num_kv_heads * group;
     for (int s = 0; s < num_spans; s++) {
         int64_t offset = spans[4 * s], base = spans[4 * s + 1], start = spans[4 * s + 2];
@@ -230,79 +418,27 @@ int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const
             for (int64_t t0 = 0; t0 < length; t0 += BLOCK_TOKENS) {
                 int num_tokens = length - t0 < BLOCK_TOKENS ? (int)(length - t0) : BLOCK_TOKENS;
                 int num_rows = num_tokens * group;
-                int64_t first = start + t0;      /* position of the block's first token */
-                int64_t num_keys = first + num_tokens; /* keys the block's last token sees */
-                /* row r: token t = r / group (position first + t), query head h * group + r % group */
-                const float *rows[BLOCK_TOKENS * 64];
-                for (int r = 0; r < num_rows; r++)
-                    rows[r] = q + (offset + t0 + r / group) * q_stride + (h * group + r % group) * head_dim;
-#if HAVE_VECTORS
-                if (use_vectors) {
-                    for (int r = 0; r < num_rows; r++) {
-                        int n = (int)(first + r / group + 1), j = 0;
-                        for (; j + 16 <= n; j += 16)
-                            scores_by_16(rows[r], k_head + (int64_t)j * head_dim, head_dim, scale,
-                                         scores + r * max_keys + j);
-                        for (; j < n; j++)
-                            scores[r * max_keys + j] = dot(rows[r], k_head + (int64_t)j * head_dim, head_dim) * scale;
-                    }
-                } else
-#endif
-                for (int64_t j = 0; j < num_keys; j++) {
-                    const float *k = k_head + j * head_dim;
-                    /* tokens whose position is below j do not see key j: rows from t_min on do */
-                    int t_min = j > first ? (int)(j - first) : 0;
-                    for (int r = t_min * group; r < num_rows; r++)
-                        scores[r * max_keys + j] = dot(rows[r], k, head_dim) * scale;
-                }
-                float totals[BLOCK_TOKENS * 64];
-                for (int r = 0; r < num_rows; r++)
-                    totals[r] = softmax(scores + r * max_keys, (int)(first + r / group + 1));
-#if HAVE_VECTORS
-                if (use_vectors && head_dim % V_CHUNK == 0) {
-                    for (int r0 = 0; r0 < num_rows;) {
-                        int R = num_rows - r0 >= V_ROWS ? V_ROWS : num_rows - r0;
-                        const float *w[V_ROWS];
-                        float *o[V_ROWS];
-                        int n[V_ROWS];
-                        for (int r = 0; r < R; r++) {
-                            int rr = r0 + r;
-                            w[r] = scores + rr * max_keys;
-                            n[r] = (int)(first + rr / group + 1);
-                            o[r] = out + ((offset + t0 + rr / group) * num_heads + h * group + rr % group) * head_dim;
-                        }
-                        for (int d0 = 0; d0 < head_dim; d0 += V_CHUNK) {
-                            /* R a constant in each call, so that acc stays in registers */
-                            if (R == 4) weighted_values(4, w, n, totals + r0, v_head, head_dim, d0, o);
-                            else if (R == 3) weighted_values(3, w, n, totals + r0, v_head, head_dim, d0, o);
-                            else if (R == 2) weighted_values(2, w, n, totals + r0, v_head, head_dim, d0, o);
-                            else weighted_values(1, w, n, totals + r0, v_head, head_dim, d0, o);
-                        }
-                        r0 += R;
-                    }
-                    continue;
-                }
-#endif
-                memset(acc, 0, sizeof(float) * num_rows * head_dim);
-                for (int64_t j = 0; j < num_keys; j++) {
-                    const float *v = v_head + j * head_dim;
-                    int t_min = j > first ? (int)(j - first) : 0;
-                    for (int r = t_min * group; r < num_rows; r++) {
-                        float w = scores[r * max_keys + j];
-                        float *a = acc + r * head_dim;
-                        for (int d = 0; d < head_dim; d++) a[d] = fmaf(w, v[d], a[d]);
-                    }
-                }
+                int64_t first = start + t0; /* position of the block's first token */
+                /* row r: token t = r / group at position first + t, query head h * group + r % group;
+                 * it sees keys 0 .. first + t */
+                const float *w[MAX_ROWS];
+                float *o[MAX_ROWS], totals[MAX_ROWS];
+                int n[MAX_ROWS];
                 for (int r = 0; r < num_rows; r++) {
-                    float *o = out + ((offset + t0 + r / group) * num_heads + h * group + r % group) * head_dim;
-                    const float *a = acc + r * head_dim;
-                    for (int d = 0; d < head_dim; d++) o[d] = a[d] / totals[r];
+                    int64_t row = (offset + t0 + r / group) * num_heads + h * group + r % group;
+                    float *row_scores = scores + r * max_keys;
+                    n[r] = (int)(first + r / group + 1);
+                    steps->scores(q + (offset + t0 + r / group) * q_stride + (h * group + r % group) * head_dim,
+                                  k_head, n[r], head_dim, scale, row_scores);
+                    totals[r] = steps->softmax(row_scores, n[r]);
+                    w[r] = row_scores;
+                    o[r] = out + row * head_dim;
                 }
+                steps->values(num_rows, w, n, totals, v_head, head_dim, o);
             }
         }
     }
     free(scores);
-    free(acc);
     return 0;
 }
 
