@@ -18,6 +18,7 @@ import pytest
 import torch
 from tiny_models import write_tiny_model
 
+from bench.attention import time_kernel
 from bench.batched_prefill import run_batched_prefill
 from bench.collectives import run_collectives
 from bench.common import percentile
@@ -25,6 +26,7 @@ from bench.concurrency import run_concurrency
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
 from bench.drafts import run_drafts
 from bench.q8_linear import run_q8_linear
+from tpserve.kernels.native_attention import attention_paths, native_unavailable
 from tpserve.ranks.model_config import load_model_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +132,17 @@ def test_the_block_weight_benchmark_times_every_kind_and_the_embedding_lookup():
         assert set(r["ms"]) == {"int8", "q4", "q8"} and r["q8_over_int8"] > 0
         assert r["bytes"]["q8"] == 48 * 64 * 34 // 32 and r["bytes"]["q4"] == 48 * 64 * 5 // 8
     assert [r["ids"] for r in report["lookups"]] == [1, 16, 512]
+
+
+def test_the_attention_benchmark_times_every_path_this_cpu_runs():
+    if why := native_unavailable(64, 3, torch.float32, "cpu"):
+        pytest.skip(why)
+    paths = attention_paths()
+    report = time_kernel(40, 2, 3, paths, num_passes=1)
+    assert (report["keys"], report["lanes"], report["tokens"]) == (40, 2, 3)
+    assert (
+        set(report["ms"]) == set(paths) and "plain" in paths and all(ms > 0 for ms in report["ms"].values())
+    )
 
 
 def test_percentile_interpolates_between_ranks():

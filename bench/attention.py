@@ -1,0 +1,153 @@
+"""The C attention kernel's paths side by side: ms per layer call, and ms per decode round of the model.
+
+kernels/native/attention.c runs a plain path, an AVX2 path and an AVX-512 path, which give the same
+bits (tests/test_attention.py); this times each path this CPU runs against the plain one, pass
+after pass, each case's median kept:
+- kernel: one layer call on rank 0's 2 KV heads of SmolLM2 (3 query heads each, head_dim 64): a decode
+  round of 1 or 16 lanes at 64, 512 and 1500 keys, and a 600-token prefill;
+- rounds (--rounds): bench/ops.py's decode round of the shipped model on rank 0 of tp=2, at 1 and 16
+  lanes, with each lane holding `--context` tokens, on the plain path and on the fastest.
+One thread.
+
+    python -m bench.attention [--passes 7] [--rounds] [--context 64 512 1500] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import finish, median, print_table  # noqa: E402
+from tpserve.kernels.attention import SpanView  # noqa: E402
+from tpserve.kernels.native_attention import (  # noqa: E402
+    NativePlan,
+    attention_paths,
+    native_attention,
+    use_attention_path,
+)
+
+NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 64  # SmolLM2-135M, one rank of tp=2
+CASES = (
+    (64, 1, 1),
+    (512, 1, 1),
+    (1500, 1, 1),
+    (160, 16, 1),
+    (1500, 16, 1),
+    (0, 1, 600),
+)  # keys, lanes, tokens
+
+
+def time_kernel(num_keys: int, num_lanes: int, num_tokens: int, paths: list[str], num_passes: int) -> dict:
+    """ms per call on each path: each of `num_lanes` lanes adds `num_tokens` tokens after `num_keys`."""
+    per_lane = num_keys + num_tokens
+    gen = torch.Generator().manual_seed(num_keys + num_lanes)
+    pool_k, pool_v = (
+        torch.randn(NUM_KV_HEADS, per_lane * num_lanes, HEAD_DIM, generator=gen) for _ in range(2)
+    )
+    spans = [SpanView(i * num_tokens, i * per_lane, num_keys, num_tokens) for i in range(num_lanes)]
+    plan = NativePlan(spans, GROUP)
+    q = torch.randn(num_lanes * num_tokens, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
+    work = num_lanes * num_tokens * (num_keys + (num_tokens + 1) / 2)  # rows x keys each sees
+    calls = max(1, int(200_000 // work))
+    samples: dict[str, list[float]] = {path: [] for path in paths}
+    try:
+        for _ in range(num_passes):
+            for path in paths:
+                use_attention_path(path)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    native_attention(q, pool_k, pool_v, plan, HEAD_DIM**-0.5)
+                samples[path].append((time.perf_counter() - start) * 1e3 / calls)
+    finally:
+        use_attention_path(None)
+    ms = {path: median(values) for path, values in samples.items()}
+    return {"keys": num_keys, "lanes": num_lanes, "tokens": num_tokens, "ms": ms}
+
+
+def time_rounds(contexts: list[int], paths: list[str], num_passes: int) -> list[dict]:
+    """bench/ops.py's ms per decode round at 1 and 16 lanes, on each path, passes interleaved."""
+    from bench import ops
+
+    samples: dict[tuple[int, str], list[list[float]]] = {}
+    try:
+        for _ in range(num_passes):
+            for context in contexts:
+                for path in paths:
+                    use_attention_path(path)
+                    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                        with contextlib.redirect_stdout(io.StringIO()):
+                            ops.main(["--lanes", "1", "16", "--context", str(context), "--json", out.name])
+                        lanes = json.loads(Path(out.name).read_text())["lanes"]
+                    samples.setdefault((context, path), []).append(
+                        [lanes[n]["ms_per_round"] for n in ("1", "16")]
+                    )
+    finally:
+        use_attention_path(None)
+    return [
+        {"context": context, "path": path, "ms_per_round": [median(column) for column in zip(*rows)]}
+        for (context, path), rows in samples.items()
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--passes", type=int, default=7)
+    parser.add_argument("--rounds", action="store_true", help="also time the model's decode rounds")
+    parser.add_argument("--context", type=int, nargs="+", default=[64, 512, 1500])
+    parser.add_argument("--json", metavar="FILE", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    paths = attention_paths()
+    report = {"paths": paths, "kernel": [time_kernel(*case, paths, args.passes) for case in CASES]}
+    print_table(
+        "C attention, one layer call (rank 0 of tp=2: 2 KV heads x 3 queries), ms; x: plain / path",
+        ["keys", "lanes", "tokens", *paths, *(f"x {p}" for p in paths[1:])],
+        [
+            [
+                r["keys"],
+                r["lanes"],
+                r["tokens"],
+                *(r["ms"][p] for p in paths),
+                *(r["ms"]["plain"] / r["ms"][p] for p in paths[1:]),
+            ]
+            for r in report["kernel"]
+        ],
+    )
+    if args.rounds:
+        best = paths[-1]
+        report["rounds"] = time_rounds(args.context, ["plain", best], max(1, args.passes // 3))
+        by = {(r["context"], r["path"]): r["ms_per_round"] for r in report["rounds"]}
+        print_table(
+            f"decode round of the shipped model, rank 0 of tp=2, ms (plain and {best}); x: plain / {best}",
+            ["context", "plain 1", f"{best} 1", "x 1", "plain 16", f"{best} 16", "x 16"],
+            [
+                [
+                    c,
+                    by[c, "plain"][0],
+                    by[c, best][0],
+                    by[c, "plain"][0] / by[c, best][0],
+                    by[c, "plain"][1],
+                    by[c, best][1],
+                    by[c, "plain"][1] / by[c, best][1],
+                ]
+                for c in args.context
+            ],
+        )
+    return finish(report, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
