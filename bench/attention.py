@@ -6,7 +6,8 @@ after pass, each case's median kept:
 - kernel: one layer call on rank 0's 2 KV heads of SmolLM2 (3 query heads each, head_dim 64): a decode
   round of 1 or 16 lanes at 64, 512 and 1500 keys, and a 600-token prefill;
 - rounds (--rounds): bench/ops.py's decode round of the shipped model on rank 0 of tp=2, at 1 and 16
-  lanes, with each lane holding `--context` tokens, on the plain path and on the fastest.
+  lanes, with each lane holding `--context` tokens: on the plain path over a float32 KV pool, on
+  the fastest path over float32, and on the fastest over float16 (kv_dtype auto's choice here).
 One thread.
 
     python -m bench.attention [--passes 7] [--rounds] [--context 64 512 1500] [--json FILE]
@@ -75,28 +76,39 @@ def time_kernel(num_keys: int, num_lanes: int, num_tokens: int, paths: list[str]
     return {"keys": num_keys, "lanes": num_lanes, "tokens": num_tokens, "ms": ms}
 
 
-def time_rounds(contexts: list[int], paths: list[str], num_passes: int) -> list[dict]:
-    """bench/ops.py's ms per decode round at 1 and 16 lanes, on each path, passes interleaved."""
+def time_rounds(contexts: list[int], variants: list[tuple[str, str]], num_passes: int) -> list[dict]:
+    """bench/ops.py's ms per decode round at 1 and 16 lanes for each (path, KV dtype), passes interleaved."""
     from bench import ops
 
-    samples: dict[tuple[int, str], list[list[float]]] = {}
+    samples: dict[tuple[int, tuple[str, str]], list[list[float]]] = {}
     try:
         for _ in range(num_passes):
             for context in contexts:
-                for path in paths:
+                for path, kv in variants:
                     use_attention_path(path)
                     with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                        argv = [
+                            "--lanes",
+                            "1",
+                            "16",
+                            "--context",
+                            str(context),
+                            "--kv-dtype",
+                            kv,
+                            "--json",
+                            out.name,
+                        ]
                         with contextlib.redirect_stdout(io.StringIO()):
-                            ops.main(["--lanes", "1", "16", "--context", str(context), "--json", out.name])
+                            ops.main(argv)
                         lanes = json.loads(Path(out.name).read_text())["lanes"]
-                    samples.setdefault((context, path), []).append(
+                    samples.setdefault((context, (path, kv)), []).append(
                         [lanes[n]["ms_per_round"] for n in ("1", "16")]
                     )
     finally:
         use_attention_path(None)
     return [
-        {"context": context, "path": path, "ms_per_round": [median(column) for column in zip(*rows)]}
-        for (context, path), rows in samples.items()
+        {"context": context, "path": path, "kv_dtype": kv, "ms_per_round": [median(c) for c in zip(*rows)]}
+        for (context, (path, kv)), rows in samples.items()
     ]
 
 
@@ -127,23 +139,24 @@ def main(argv=None) -> int:
         ],
     )
     if args.rounds:
-        best = paths[-1]
-        report["rounds"] = time_rounds(args.context, ["plain", best], max(1, args.passes // 3))
-        by = {(r["context"], r["path"]): r["ms_per_round"] for r in report["rounds"]}
+        # the plain path over float32 (this kernel before its vector paths), the fastest path over
+        # float32, and the fastest over float16 (the shipped kv_dtype here)
+        variants = [("plain", "float32"), (paths[-1], "float32"), (paths[-1], "float16")]
+        report["rounds"] = time_rounds(args.context, variants, max(1, args.passes // 3))
+        by = {(r["context"], (r["path"], r["kv_dtype"])): r["ms_per_round"] for r in report["rounds"]}
+        names = [f"{path} {kv}" for path, kv in variants]
         print_table(
-            f"decode round of the shipped model, rank 0 of tp=2, ms (plain and {best}); x: plain / {best}",
-            ["context", "plain 1", f"{best} 1", "x 1", "plain 16", f"{best} 16", "x 16"],
+            "decode round of the shipped model, rank 0 of tp=2, ms at 1 and 16 lanes; x: the first / the last",
+            ["context", "lanes", *names, "x"],
             [
                 [
                     c,
-                    by[c, "plain"][0],
-                    by[c, best][0],
-                    by[c, "plain"][0] / by[c, best][0],
-                    by[c, "plain"][1],
-                    by[c, best][1],
-                    by[c, "plain"][1] / by[c, best][1],
+                    lanes,
+                    *(by[c, v][i] for v in variants),
+                    by[c, variants[0]][i] / by[c, variants[-1]][i],
                 ]
                 for c in args.context
+                for i, lanes in enumerate((1, 16))
             ],
         )
     return finish(report, args.json)

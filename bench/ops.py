@@ -25,13 +25,14 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.common import add_common_args, default_model_dir, finish, median, print_table  # noqa: E402
+from tpserve.kernels.attention_kernels import kv_dtype  # noqa: E402
 from tpserve.kernels.linear import ROW_TILE  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.kernels.weight_formats import auto_quantize  # noqa: E402
 from tpserve.ranks.engine import Engine  # noqa: E402
 from tpserve.ranks.kv_store import KVPool  # noqa: E402
 from tpserve.ranks.loader import load_rank_model  # noqa: E402
-from tpserve.ranks.settings import QUANTIZE_CHOICES  # noqa: E402
+from tpserve.ranks.settings import DTYPE_CHOICES, QUANTIZE_CHOICES  # noqa: E402
 
 
 class CountingCollectives:
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantize", choices=QUANTIZE_CHOICES, default="auto", help="auto: the shipped config's"
     )
+    parser.add_argument(
+        "--kv-dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the shipped config's"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quantize == "auto":
@@ -86,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = model.config
     kv_heads = [piece.num_kv_heads() for piece in model.pieces]
+    kv_type = kv_dtype(args.kv_dtype, model.attention, model.dtype)
     capacity = args.context + args.rounds + 6
     rows, report = [], {"machine": machine_facts(), "settings": vars(args), "lanes": {}}
     for num_lanes in args.lanes:
-        kv = KVPool(cfg.num_layers, num_lanes * capacity, kv_heads, cfg.head_dim, model.dtype)
+        kv = KVPool(cfg.num_layers, num_lanes * capacity, kv_heads, cfg.head_dim, kv_type)
         engine = Engine(model, kv)
         for lane in range(num_lanes):
             assert engine.admit(lane, capacity)

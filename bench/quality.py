@@ -6,7 +6,10 @@ tokens, each a fresh context whose second half is scored (as llama.cpp's llama-p
 its figure on the GGUF compares: `llama-perplexity -m FILE.gguf -f TEXT -c 512`); agreement is the share of the first `--tokens` greedy tokens
 that a format's reply has in common with float32's (up to its first different token) on chat prompts.
 
-    python -m bench.quality [--formats none int8] [--text FILE] [--max-text-tokens 4096] [--json FILE]
+A format FORMAT/float16 keeps the KV pool in float16 (kv_dtype auto's choice where the C attention
+kernel serves); every other runs over a float32 pool.
+
+    python -m bench.quality [--formats none int4 int4/float16] [--text FILE] [--max-text-tokens 4096] [--json FILE]
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 
 
-def load(model_dir: str, quantize: str, context: int) -> Engine:
+def load(model_dir: str, served: str, context: int) -> Engine:
+    """served: a weight format, or FORMAT/KV with the KV pool's dtype (float32 unless named)."""
+    quantize, _, kv_dtype = served.partition("/")
     model = load_rank_model(
         model_dir,
         tp_rank=0,
@@ -44,8 +49,9 @@ def load(model_dir: str, quantize: str, context: int) -> Engine:
         row_tile=ROW_TILE,
         quantize=quantize,
     )
+    kv_type = getattr(torch, kv_dtype or "float32")
     kv = KVPool(
-        model.config.num_layers, 2 * context, model.kv_heads_per_piece(), model.config.head_dim, model.dtype
+        model.config.num_layers, 2 * context, model.kv_heads_per_piece(), model.config.head_dim, kv_type
     )
     return Engine(model, kv)
 
@@ -90,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     formats = [q for q in QUANTIZE_CHOICES if q != "auto"]
-    parser.add_argument("--formats", nargs="+", default=formats, choices=formats)
+    # FORMAT/float16: that format over a float16 KV pool (the shipped kv_dtype on a CPU: auto)
+    served = [*formats, *(f"{q}/float16" for q in formats)]
+    parser.add_argument("--formats", nargs="+", default=[*formats, "int4/float16"], choices=served)
     parser.add_argument("--text", default=DEFAULT_TEXT)
     parser.add_argument("--max-text-tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)

@@ -40,8 +40,9 @@ def kv_slots(spans, device) -> torch.Tensor:
 
 def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots) -> None:
     # pool_*: [Hkv, room, D]; k, v: [T, Hkv, D]; slots: [T] (kv_slots)
-    pool_k.index_copy_(1, slots, k.transpose(0, 1))
-    pool_v.index_copy_(1, slots, v.transpose(0, 1))
+    # (a float16 pool beside float32 rows: rounded to nearest, as attention.c's stores round)
+    pool_k.index_copy_(1, slots, k.transpose(0, 1).to(pool_k.dtype))
+    pool_v.index_copy_(1, slots, v.transpose(0, 1).to(pool_v.dtype))
 
 
 def span_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, spans, scale: float):
@@ -52,8 +53,8 @@ def span_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, 
         rows = slice(span.offset, span.offset + span.length)
         keys = slice(span.base, span.base + span.end)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        ks = pool_k[:, keys].unsqueeze(0)  # [1, Hkv, L, D]
-        vs = pool_v[:, keys].unsqueeze(0)
+        ks = pool_k[:, keys].unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+        vs = pool_v[:, keys].unsqueeze(0).to(q.dtype)
         mask = None
         if span.length > 1:
             # Query i sits at position start+i and sees keys 0..start+i.

@@ -61,3 +61,13 @@ def choose_attention(
         return NATIVE
     log.info("attention: tiled BLAS products (%s)", why_not)
     return TILED
+
+
+def kv_dtype(choice: str, attention: AttentionKernel, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's type for `choice` ("auto" or a dtype's name): auto is float16 where the C kernel
+    reads the pool beside float32 weights (it widens each key and value exactly, so only the store
+    rounds: half the bytes a decode step reads and twice the tokens in the same memory), else the
+    weights' own dtype."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    return torch.float16 if attention is NATIVE and dtype == torch.float32 else dtype

@@ -19,6 +19,7 @@ from tpserve.kernels import native
 
 PARTIAL_SUMS = 16  # attention.c's W: head_dim must be a multiple of it
 MAX_GROUP = 64  # query heads per KV head attention.c's row block holds
+MAX_HEAD_DIM = 512  # the rotated key row tp_rotate_store_attend holds
 
 
 class NativePlan:
@@ -38,8 +39,11 @@ def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) ->
         return f"the C attention kernel runs on CPUs, not on {torch.device(device).type}"
     if dtype != torch.float32:
         return f"the C attention kernel computes float32, not {dtype}"
-    if head_dim % PARTIAL_SUMS or group > MAX_GROUP:
-        return f"the C attention kernel needs head_dim a multiple of {PARTIAL_SUMS} and at most {MAX_GROUP} queries per KV head"
+    if head_dim % PARTIAL_SUMS or head_dim > MAX_HEAD_DIM or group > MAX_GROUP:
+        return (
+            f"the C attention kernel needs head_dim a multiple of {PARTIAL_SUMS} up to {MAX_HEAD_DIM} and "
+            f"at most {MAX_GROUP} queries per KV head"
+        )
     try:
         _kernel()
     except native.NativeUnavailable as err:
@@ -48,9 +52,10 @@ def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) ->
 
 
 _P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# The tail every entry point shares: pool_k, pool_v, head_stride, num_kv_heads, group, head_dim,
-# spans, num_spans, scale, out.
-_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _P, _INT, _FLOAT, _P]
+# The tail every entry point shares: pool_k, pool_v, head_stride, kv_half, num_kv_heads, group,
+# head_dim, spans, num_spans, scale, out.
+_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _FLOAT, _P]
+POOL_DTYPES = (torch.float32, torch.float16)  # what the KV pool may hold: float16 is widened exactly
 _SIGNATURES = {
     "tp_span_attention": [_P, _I64, *_ATTEND],
     # q, k, v with their token strides, cos, sin, slots, num_real, then the shared tail
@@ -152,6 +157,7 @@ def _attend_args(pool_k, pool_v, plan: NativePlan, head_dim: int, scale: float, 
         pool_k.data_ptr(),
         pool_v.data_ptr(),
         pool_k.stride(0),
+        int(pool_k.dtype == torch.float16),
         num_kv_heads,
         plan.group,
         head_dim,
@@ -168,6 +174,8 @@ def _check_pool(pool_k, pool_v) -> None:
         raise ValueError(
             "the KV pool's heads must be [slots, head_dim] rows with one layout for keys and values"
         )
+    if pool_k.dtype not in POOL_DTYPES or pool_v.dtype != pool_k.dtype:
+        raise ValueError(f"the C attention kernel reads a float32 or float16 KV pool, not {pool_k.dtype}")
 
 
 def _check(failed: int) -> None:

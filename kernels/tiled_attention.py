@@ -172,8 +172,12 @@ def tiled_attention(
         if blocks > 1:  # every block's product in one batched call
             tiles = tiles.expand(num_entries, blocks, ROW_TILE, head_dim)
         tiles = tiles.reshape(num_entries * blocks, ROW_TILE, head_dim)
-        keys = pool_k.reshape(-1, head_dim).index_select(0, batch.key_rows).view(-1, KEY_BLOCK, head_dim)
-        values = pool_v.reshape(-1, head_dim).index_select(0, batch.key_rows).view(-1, KEY_BLOCK, head_dim)
+        keys = _widened(pool_k.reshape(-1, head_dim).index_select(0, batch.key_rows), q).view(
+            -1, KEY_BLOCK, head_dim
+        )
+        values = _widened(pool_v.reshape(-1, head_dim).index_select(0, batch.key_rows), q).view(
+            -1, KEY_BLOCK, head_dim
+        )
         scores = torch.bmm(tiles, keys.transpose(1, 2)).view(num_entries, blocks, ROW_TILE, KEY_BLOCK)
         weights = _softmax_weights(scores, batch.bias, scale, values.dtype).view(-1, ROW_TILE, KEY_BLOCK)
         shape = (num_entries, blocks, ROW_TILE, -1)
@@ -197,8 +201,8 @@ def tiled_attention(
             tiles = tiles.view(span_tiles, ROW_TILE, head_dim)
             # The span's keys once, shared by every tile (a stride-0 batch), a block at a time; a
             # block's product runs on the tiles that see it only (the bias hides the rest's zeros).
-            keys = pool_k[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
-            values = pool_v[head].index_select(0, slots).view(blocks, KEY_BLOCK, head_dim)
+            keys = _widened(pool_k[head].index_select(0, slots), q).view(blocks, KEY_BLOCK, head_dim)
+            values = _widened(pool_v[head].index_select(0, slots), q).view(blocks, KEY_BLOCK, head_dim)
             scores = tiles.new_zeros(span_tiles, blocks, ROW_TILE, KEY_BLOCK)
             for b, first in enumerate(firsts):
                 seen = tiles[first:]
@@ -210,6 +214,11 @@ def tiled_attention(
             result = _normalised(sums, totals, q.dtype, firsts).view(-1, head_dim)[:rows]
             out[span.offset : span.offset + span.length, heads] = result.view(span.length, group, head_dim)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def _widened(gathered: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Gathered keys or values in q's dtype (a pool kept in a narrower one: kernels/attention_kernels.py kv_dtype)."""
+    return gathered if gathered.dtype == q.dtype else gathered.to(q.dtype)
 
 
 def _ones(weights: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The flags row: what every rank must have been started with alike, agreed before anything loads.
 
-Each rank all-gathers one row of integers (model fingerprint, dtype, quantization, tp, lanes, context, cache
+Each rank all-gathers one row of integers (model fingerprint, dtype, KV dtype, quantization, tp, lanes, context, cache
 budget, code version, the device type and the torch, CUDA and NCCL versions); rows that differ make
 every rank refuse, printing every row. A rank that refused its device says so in its row, so the
 others refuse at once instead of waiting for it.
@@ -33,6 +33,7 @@ def fingerprint(model_dir: str | Path) -> int:
 FLAG_NAMES = (
     "model",
     "dtype",
+    "kv_dtype",
     "quantize",
     "tp",
     "lanes",
@@ -56,6 +57,7 @@ def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
     return [
         fingerprint(settings.model_dir),
         DTYPE_CHOICES.index(settings.dtype),
+        DTYPE_CHOICES.index(settings.kv_dtype),
         QUANTIZE_CHOICES.index(settings.quantize),
         settings.tp_size,
         settings.num_lanes,
@@ -89,6 +91,7 @@ def shown_row(row: list[int]) -> str:
     """A flags row as a person reads it (named choices by name rather than by their index)."""
     named = {
         "dtype": DTYPE_CHOICES,
+        "kv_dtype": DTYPE_CHOICES,
         "quantize": QUANTIZE_CHOICES,
         "cpu_collectives": CHOICES,
         "device": DEVICE_TYPES,

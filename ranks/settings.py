@@ -23,6 +23,9 @@ class EngineSettings:
     # "cpu" or "cuda"; see ranks/device.py.
     device: str = "auto"
     dtype: str = "auto"  # float32 on the CPU, bfloat16 on a GPU; or float32, bfloat16, float16
+    # The KV pool's type: "auto" (float16 where the C attention kernel reads it, half float32's bytes;
+    # else the weights' dtype) or one of DTYPE_NAMES; see kernels/attention_kernels.py kv_dtype.
+    kv_dtype: str = "auto"
     # "none", "int8" or "int4" (the linear layers' and head's weights quantized at load) or "auto":
     # see kernels/weight_formats.py.
     quantize: str = "none"

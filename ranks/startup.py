@@ -20,7 +20,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from tpserve.kernels.attention_kernels import NATIVE
+from tpserve.kernels.attention_kernels import NATIVE, kv_dtype
 from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
@@ -189,17 +189,18 @@ def start_rank(
     store, control = _join_control_group(settings, rank, world_size, host, port, agent_store)
     agree_on_flags(settings, facts, rank, world_size, control, refusal)
     model = _load_model(settings, config, rank, world_size, device, control)
-    dtype = DTYPES[settings.dtype]
-    per_token = kv_bytes_per_token(config.num_layers, model.kv_heads_per_piece(), config.head_dim, dtype)
+    kv_type = kv_dtype(settings.kv_dtype, model.attention, DTYPES[settings.dtype])
+    per_token = kv_bytes_per_token(config.num_layers, model.kv_heads_per_piece(), config.head_dim, kv_type)
     kv_budget = settle_room(settings, rank, per_token, device, control)
     log.info(
-        "rank %d: room %d KV tokens (%d bytes each here), cache %d tokens",
+        "rank %d: room %d KV tokens (%d bytes each here, in %s), cache %d tokens",
         rank,
         kv_budget.kv_tokens,
         per_token,
+        str(kv_type).removeprefix("torch."),
         kv_budget.cache_tokens,
     )
-    engine = _build_engine(settings, model, kv_budget, rank, device)
+    engine = _build_engine(settings, model, kv_budget, kv_type, rank, device)
     channel = Channel(
         control,
         store,
@@ -300,12 +301,14 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
     return model
 
 
-def _build_engine(settings: EngineSettings, model, kv_budget: KVBudget, rank: int, device) -> Engine:
+def _build_engine(
+    settings: EngineSettings, model, kv_budget: KVBudget, kv_type: torch.dtype, rank: int, device
+) -> Engine:
     """The KV store sized by room (and the prompt cache's pool by its tokens), and the engine."""
-    config, dtype, kv_heads = model.config, DTYPES[settings.dtype], model.kv_heads_per_piece()
-    kv = KVPool(config.num_layers, kv_budget.kv_tokens, kv_heads, config.head_dim, dtype, device)
+    config, kv_heads = model.config, model.kv_heads_per_piece()
+    kv = KVPool(config.num_layers, kv_budget.kv_tokens, kv_heads, config.head_dim, kv_type, device)
     cache_kv = (
-        KVPool(config.num_layers, kv_budget.cache_tokens, kv_heads, config.head_dim, dtype, device)
+        KVPool(config.num_layers, kv_budget.cache_tokens, kv_heads, config.head_dim, kv_type, device)
         if kv_budget.cache_tokens
         else None
     )

@@ -40,6 +40,7 @@ class ServeConfig:
     # The engine's settings (ranks/settings.py says what each means).
     device: str = _ENGINE.device
     dtype: str = _ENGINE.dtype
+    kv_dtype: str = _ENGINE.kv_dtype
     quantize: str = _ENGINE.quantize  # README, "Quantized weights"
     tp: int = _ENGINE.tp_size
     lanes: int = _ENGINE.num_lanes
@@ -89,6 +90,7 @@ ENGINE_KEYS = tuple(f.name for f in fields(ServeConfig) if ENGINE_NAMES.get(f.na
 _CHOICES = {
     "device": DEVICE_CHOICES,
     "dtype": DTYPE_CHOICES,
+    "kv_dtype": DTYPE_CHOICES,
     "quantize": QUANTIZE_CHOICES,
     "tp": (1, 2),
     "cpu_collectives": CHOICES,

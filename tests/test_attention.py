@@ -190,3 +190,50 @@ def test_the_c_kernels_vector_paths_give_its_plain_paths_bits(kernel, path, head
         use_attention_path(None)
     assert torch.isfinite(plain).all()
     assert torch.equal(vectors, plain)
+
+
+@pytest.mark.parametrize("path", ["plain", "avx2", "avx512"])
+def test_a_float16_pool_gives_the_bits_of_a_float32_pool_holding_its_values(kernel, path):
+    # kv_dtype auto keeps the C kernel's pool in float16; it widens each key and value exactly, so
+    # only the store rounds, and attention over a float16 pool is attention over those values.
+    if kernel is not NATIVE:
+        pytest.skip("the C kernel reads a float16 pool itself")
+    if path not in attention_paths():
+        pytest.skip(f"this CPU runs the C kernel's {attention_paths()} paths, not {path}")
+    q, k, v = make_qkv(300, torch.float32, seed=5)
+    spans = [SpanView(0, 0, 0, 40), SpanView(40, 0, 299, 1)]
+    rows = torch.cat([q[:40], q[299:300]])
+    plan = NATIVE.plan(spans, GROUP, k.shape[1], "cpu", rows.shape[0])
+    try:
+        use_attention_path(path)
+        half = NATIVE.attend(rows, k.half(), v.half(), plan, SCALE)
+        widened = NATIVE.attend(rows, k.half().float(), v.half().float(), plan, SCALE)
+    finally:
+        use_attention_path(None)
+    assert torch.equal(half, widened)
+    assert not torch.equal(half, NATIVE.attend(rows, k, v, plan, SCALE))  # the store did round
+
+
+def test_the_fused_call_rounds_its_stores_into_a_float16_pool_as_torch_does():
+    # rotate_store_attend writes the rotated keys and the values as float16, round to nearest even,
+    # the very bits the torch path's write_kv stores.
+    if why := native_unavailable(64, GROUP, torch.float32, "cpu"):
+        pytest.skip(why)
+    num_tokens, num_kv_heads, head_dim = 5, 2, 64
+    num_q = num_kv_heads * GROUP
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(num_tokens, (num_q + 2 * num_kv_heads) * head_dim, generator=gen) * 3
+    angles = torch.randn(num_tokens, 1, head_dim // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    pools = [
+        torch.zeros(num_kv_heads, 16, head_dim, dtype=dtype)
+        for dtype in (torch.float16,) * 2 + (torch.float32,) * 2
+    ]
+    slots = torch.arange(3, 3 + num_tokens)
+    spans = [SpanView(0, 3, 0, num_tokens)]  # slots 3.. hold positions 0..4
+    plan = NATIVE.plan(spans, GROUP, 16, "cpu", num_tokens)
+    NATIVE.rotate_store_attend(qkv, num_q, None, (cos, sin), slots, pools[0], pools[1], plan, SCALE)
+    NATIVE.rotate_store_attend(qkv, num_q, None, (cos, sin), slots, pools[2], pools[3], plan, SCALE)
+    assert all(bool((pool[:, 3:8] != 0).all()) for pool in pools)  # every stored row written
+    assert torch.equal(pools[0], pools[2].half()) and torch.equal(pools[1], pools[3].half())

@@ -188,9 +188,9 @@ def test_quality_reports_perplexity_and_agreement_of_each_format(tiny_model, tmp
     assert run_quality(argv) == 0
     report = json.loads(out.read_text())
     formats = report["formats"]
-    assert set(formats) == {"none", "int8", "int4"} and report["machine"]["torch"]
+    assert set(formats) == {"none", "int8", "int4", "int4/float16"} and report["machine"]["torch"]
     assert formats["none"]["perplexity_vs_reference"] == 1.0 and formats["none"]["agreement"] == 1.0
-    for quantized in ("int8", "int4"):
+    for quantized in ("int8", "int4", "int4/float16"):
         assert 1.0 < formats[quantized]["perplexity"] < math.inf
         assert 0.0 <= formats[quantized]["agreement"] <= 1.0
         assert len(formats[quantized]["agreed_tokens"]) == 2

@@ -20,9 +20,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import write_tiny_model
 
+from tpserve.kernels.attention_kernels import choose_attention, kv_dtype
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.ranks.kv_store import kv_bytes_per_token
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
@@ -30,7 +33,10 @@ from tpserve.server.requests import ERROR, Event, Finished, GenerationRequest, H
 from tpserve.server.wiring import local_engine
 
 EVENT_TIMEOUT_S = 30.0
-RANK0_BYTES_PER_TOKEN = 512  # tiny llama in float32: 2 layers x (K, V) x 2 KV heads x 16 x 4 bytes
+# The tiny llama's rank 0: 2 layers x (K, V) x 2 KV heads x 16 values, in the pool's dtype as kv_dtype
+# auto picks it (float16 where the C attention kernel serves, else float32).
+_POOL_DTYPE = kv_dtype("auto", choose_attention(True, 16, 2, torch.float32, "cpu"), torch.float32)
+RANK0_BYTES_PER_TOKEN = kv_bytes_per_token(2, [2], 16, _POOL_DTYPE)
 ROOM = 1500
 POISON = 300  # the follower refuses any prompt holding this token (EngineSettings.refuse_token_on_rank)
 GREEDY = SamplingParams()

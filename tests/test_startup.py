@@ -18,11 +18,12 @@ import pytest
 import torch
 from tiny_models import write_tiny_model
 
+from tpserve.kernels.native_attention import native_unavailable
 from tpserve.ranks.local_ranks import free_port
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import StartupError, shutdown, start_rank
 
-RANK0_BYTES_PER_TOKEN = 512  # 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes
+RANK0_BYTES_PER_TOKEN = 512  # 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes (a float32 pool)
 RANK1_BYTES_PER_TOKEN = 256  # the same with 1 KV head
 JOIN_TIMEOUT_S = 60.0
 
@@ -38,6 +39,7 @@ def settings_for(model_dir: str, **changes) -> EngineSettings:
         num_lanes=4,
         context_size=256,
         kv_budget_bytes=(1 << 20, 1 << 20),
+        kv_dtype="float32",  # the room figures below count 4 bytes a value
         threads_per_rank=1,
         init_timeout_s=20.0,
         collective_timeout_s=20.0,
@@ -54,7 +56,7 @@ def _rank_worker(rank: int, tasks, results) -> None:
         runtime = None
         try:
             runtime = start_rank(settings, rank, 2, "127.0.0.1", port)
-            report = ("ok", runtime.kv_budget, runtime.engine.kv.num_slots)
+            report = ("ok", runtime.kv_budget, runtime.engine.kv.num_slots, runtime.engine.kv.k[0].dtype)
         except StartupError as error:
             report = ("refused", str(error), None)
         except BaseException:
@@ -139,6 +141,22 @@ def test_room_is_the_smaller_ranks_with_the_uneven_split(ranks, model_dir):
     assert rooms[1].kv_bytes_per_token == RANK1_BYTES_PER_TOKEN
     assert [rooms[rank].kv_tokens for rank in (0, 1)] == [300, 300]
     assert [reports[rank][2] for rank in (0, 1)] == [300, 300]  # each allocated exactly that pool
+
+
+def test_auto_keeps_kv_in_float16_where_the_c_kernel_reads_it_twice_the_room_of_float32(ranks, model_dir):
+    budget = RANK0_BYTES_PER_TOKEN * 300
+    settings = settings_for(model_dir, kv_budget_bytes=(budget, budget), kv_dtype="auto")
+    reports = ranks.start_pair([settings, settings])
+    assert all(report[0] == "ok" for report in reports.values()), reports
+    if native_unavailable(16, 2, torch.float32, "cpu"):  # tiled products: the weights' float32
+        assert [reports[rank][3] for rank in (0, 1)] == [torch.float32] * 2
+        return
+    assert [reports[rank][3] for rank in (0, 1)] == [torch.float16] * 2
+    assert [reports[rank][1].kv_bytes_per_token for rank in (0, 1)] == [
+        RANK0_BYTES_PER_TOKEN // 2,
+        RANK1_BYTES_PER_TOKEN // 2,
+    ]
+    assert [reports[rank][2] for rank in (0, 1)] == [600, 600]
 
 
 @pytest.mark.parametrize(

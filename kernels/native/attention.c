@@ -89,11 +89,16 @@ static float softmax_tail(float *restrict row, int j, int n, float m, float *par
  * there cannot change a w_j). values: out[r] = (sum_j w[r][j] v_j, keys 0 .. n[r] - 1 in order,
  * from zero) / total[r], for rows whose key counts n[] rise. */
 typedef struct {
+    void (*widen)(const _Float16 *from, int64_t n, float *to); /* float16 keys or values to float32 */
     void (*scores)(const float *row, const float *keys, int n, int head_dim, float scale, float *out);
     float (*softmax)(float *row, int n);
     void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const float *v_head,
                    int head_dim, float *const *out);
 } path_steps;
+
+static void widen_plain(const _Float16 *from, int64_t n, float *to) {
+    for (int64_t i = 0; i < n; i++) to[i] = (float)from[i];
+}
 
 static void scores_plain(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
     for (int j = 0; j < n; j++) out[j] = dot(row, keys + (int64_t)j * head_dim, head_dim) * scale;
@@ -172,6 +177,12 @@ A512 INLINE void scores_by_16(const float *restrict row, const float *restrict k
                                 _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(key_order, sums), _mm512_set1_ps(scale)));
+}
+
+A512 static void widen_512(const _Float16 *from, int64_t n, float *to) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(from + i))));
+    widen_plain(from + i, n - i, to + i);
 }
 
 A512 static void scores_512(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
@@ -285,6 +296,12 @@ A256 INLINE __m256 four_keys(const float *restrict row, const float *restrict ke
                          _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
+__attribute__((target("avx2,fma,f16c"))) static void widen_256(const _Float16 *from, int64_t n, float *to) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + i))));
+    widen_plain(from + i, n - i, to + i);
+}
+
 A256 static void scores_256(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
     int j = 0;
     for (; j + 8 <= n; j += 8) {
@@ -362,10 +379,10 @@ A256 static void values_256(int num_rows, const float *const *w, const int *n, c
 #endif
 
 static const path_steps PATHS[] = {
-    {scores_plain, softmax_plain, values_plain},
+    {widen_plain, scores_plain, softmax_plain, values_plain},
 #if X86
-    {scores_256, softmax_256, values_256},
-    {scores_512, softmax_512, values_512},
+    {widen_256, scores_256, softmax_256, values_256},
+    {widen_512, scores_512, softmax_512, values_512},
 #endif
 };
 
@@ -374,7 +391,8 @@ int tp_attention_paths(void) {
     int paths = 1 << PATH_PLAIN;
 #if X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths |= 1 << PATH_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        paths |= 1 << PATH_AVX2;
     if (__builtin_cpu_supports("avx512f")) paths |= 1 << PATH_AVX512;
 #endif
     return paths;
@@ -393,11 +411,12 @@ int tp_attention_path(int path) {
 /* spans: num_spans x (offset, base, start, length): rows offset.. of q, the lane's first pool slot,
  * the first token's position, its number of tokens.
  * q: [T, num_kv_heads * group, head_dim], row stride q_stride floats per token;
- * keys, values: [num_kv_heads, slots, head_dim] (head stride head_stride floats);
+ * keys, values: [num_kv_heads, slots, head_dim] (head stride head_stride elements), float32, or
+ * float16 where kv_half (each span's keys and values then widened once, exactly, to float32);
  * out: [T, num_kv_heads * group, head_dim] contiguous (it may be q itself: a row block reads its
  * rows of q before it writes its rows of out). Returns 0, or -1 if out of memory. */
-int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const float *values,
-                      int64_t head_stride, int num_kv_heads, int group, int head_dim,
+int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const void *values,
+                      int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
                       const int64_t *spans, int num_spans, float scale, float *out) {
     if (chosen_path < 0) tp_attention_path(-1);
     const path_steps *steps = &PATHS[chosen_path];
@@ -407,14 +426,26 @@ int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const
         if (end > max_keys) max_keys = end;
     }
     float *scores = malloc(sizeof(float) * BLOCK_TOKENS * group * max_keys);
-    if (!scores) return -1;
+    float *wide = kv_half ? malloc(sizeof(float) * 2 * max_keys * head_dim) : NULL;
+    if (!scores || (kv_half && !wide)) {
+        free(scores);
+        free(wide);
+        return -1;
+    }
     int num_heads = num_kv_heads * group;
     for (int s = 0; s < num_spans; s++) {
         int64_t offset = spans[4 * s], base = spans[4 * s + 1], start = spans[4 * s + 2];
         int64_t length = spans[4 * s + 3];
         for (int h = 0; h < num_kv_heads; h++) {
-            const float *k_head = keys + h * head_stride + base * head_dim;
-            const float *v_head = values + h * head_stride + base * head_dim;
+            int64_t at = h * head_stride + base * head_dim;
+            const float *k_head = (const float *)keys + at, *v_head = (const float *)values + at;
+            if (kv_half) {
+                int64_t num = (start + length) * head_dim;
+                steps->widen((const _Float16 *)keys + at, num, wide);
+                steps->widen((const _Float16 *)values + at, num, wide + max_keys * head_dim);
+                k_head = wide;
+                v_head = wide + max_keys * head_dim;
+            }
             for (int64_t t0 = 0; t0 < length; t0 += BLOCK_TOKENS) {
                 int num_tokens = length - t0 < BLOCK_TOKENS ? (int)(length - t0) : BLOCK_TOKENS;
                 int num_rows = num_tokens * group;
@@ -439,6 +470,7 @@ int tp_span_attention(const float *q, int64_t q_stride, const float *keys, const
         }
     }
     free(scores);
+    free(wide);
     return 0;
 }
 
@@ -451,28 +483,43 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
     for (int i = half; i < head_dim; i++) y[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+/* A row of head_dim floats into the pool at `to`: as they are, or rounded to the nearest float16
+ * (ties to even, as torch's copy to float16 rounds). */
+static void store_row(const float *restrict row, int head_dim, int kv_half, void *to) {
+    if (!kv_half) {
+        memcpy(to, row, sizeof(float) * head_dim);
+        return;
+    }
+    _Float16 *half = to;
+    for (int i = 0; i < head_dim; i++) half[i] = (_Float16)row[i];
+}
+
 /* One layer's attention block after its q/k/v product, in one call: q and k rotated, k and v
  * written to the pool at their slots, then every span's attention (tp_span_attention). The rotated
  * q is kept in `out`, which each row block reads before it writes its own rows there.
  * q, k, v: [T, heads, head_dim] rows of token stride q_stride, k_stride, v_stride (views of the
  * fused product); cos, sin: [T, head_dim]; slots: [num_real] (the pass's real tokens; rows past
- * them are padding, neither stored nor attended). */
+ * them are padding, neither stored nor attended). head_dim is at most 512. */
 int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                            const float *v, int64_t v_stride, const float *cos, const float *sin,
-                           const int64_t *slots, int64_t num_real, float *pool_k, float *pool_v,
-                           int64_t head_stride, int num_kv_heads, int group, int head_dim,
+                           const int64_t *slots, int64_t num_real, void *pool_k, void *pool_v,
+                           int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
                            const int64_t *spans, int num_spans, float scale, float *out) {
     int num_heads = num_kv_heads * group;
+    size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
+    float rotated[512];
+    if (head_dim > 512) return -1;
     for (int64_t t = 0; t < num_real; t++) {
         const float *c = cos + t * head_dim, *s = sin + t * head_dim;
         for (int j = 0; j < num_heads; j++)
             rotate(q + t * q_stride + j * head_dim, c, s, head_dim, out + (t * num_heads + j) * head_dim);
         for (int h = 0; h < num_kv_heads; h++) {
-            int64_t at = h * head_stride + slots[t] * head_dim;
-            rotate(k + t * k_stride + h * head_dim, c, s, head_dim, pool_k + at);
-            memcpy(pool_v + at, v + t * v_stride + h * head_dim, sizeof(float) * head_dim);
+            int64_t at = (h * head_stride + slots[t] * head_dim) * (int64_t)element;
+            rotate(k + t * k_stride + h * head_dim, c, s, head_dim, rotated);
+            store_row(rotated, head_dim, kv_half, (char *)pool_k + at);
+            store_row(v + t * v_stride + h * head_dim, head_dim, kv_half, (char *)pool_v + at);
         }
     }
-    return tp_span_attention(out, (int64_t)num_heads * head_dim, pool_k, pool_v, head_stride, num_kv_heads,
-                             group, head_dim, spans, num_spans, scale, out);
+    return tp_span_attention(out, (int64_t)num_heads * head_dim, pool_k, pool_v, head_stride, kv_half,
+                             num_kv_heads, group, head_dim, spans, num_spans, scale, out);
 }
