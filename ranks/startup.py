@@ -124,8 +124,10 @@ def check_checkpoint_quantization(
     """Refuses a pre-quantized (int8) checkpoint this device cannot serve, by name, before loading.
 
     Its int8 layers are served as stored whatever `quantize` says; `quantize` decides only the
-    layers it left in float (usually the head): none keeps them float, int8 quantizes them at load."""
-    if config.quantization is None:
+    layers it left in float (usually the head): none keeps them float, int8 quantizes them at load.
+    An int4 checkpoint's layers are served as stored where `quantize` is int4, else dequantized to
+    float32 first (as a GGUF import's blocks are, ranks/packing.py): any device serves them."""
+    if config.quantization is None or 8 not in config.quantization.bits:
         return
     what = f"{settings.model_dir} is a {config.quantization.describe()} checkpoint"
     why_not = int8_available(device)
@@ -133,6 +135,14 @@ def check_checkpoint_quantization(
         raise UserError(f"{what}: {why_not}; serve a float checkpoint there")
     if settings.dtype != "float32":
         raise UserError(f"{what}: its int8 layers compute in float32, not dtype {settings.dtype}")
+
+
+def _served_as_stored(bits: tuple[int, ...], quantize: str) -> str:
+    """In words: which of a checkpoint's quantized layers are served as the file stores them."""
+    said = ["its int8 layers served as stored"] if 8 in bits else []
+    if 4 in bits:
+        said.append(f"its int4 layers {'served as stored' if quantize == 'int4' else 'dequantized'}")
+    return " and ".join(said)
 
 
 def agree_on_attention(model, rank: int, group) -> None:
@@ -277,9 +287,10 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
     )
     if config.quantization is not None:
         log.info(
-            "rank %d: %s: its int8 layers served as stored, quantize %s applies to those it left in float",
+            "rank %d: %s: %s, quantize %s applies to those it left in float",
             rank,
             config.quantization.describe(),
+            _served_as_stored(config.quantization.bits, settings.quantize),
             settings.quantize,
         )
     model = load_rank_model(
