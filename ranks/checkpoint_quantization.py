@@ -108,7 +108,9 @@ def _check_weights(args, where: str, refuse) -> tuple[int, str]:
         strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
     if strategy not in STRATEGIES[num_bits]:
         supported = " or ".join(repr(s) for s in STRATEGIES[num_bits])
-        raise refuse(f"{where}: int{num_bits} weight strategy {strategy!r} is not supported, only {supported}")
+        raise refuse(
+            f"{where}: int{num_bits} weight strategy {strategy!r} is not supported, only {supported}"
+        )
     if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
         raise refuse(f"{where}: strategy 'group' with group_size {group_size!r}, not a positive integer")
     if args.get("actorder"):

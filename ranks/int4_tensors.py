@@ -73,7 +73,12 @@ class StoredInt4:
         scale_shape = list(self._scales.get_shape())
         if self._scales.get_dtype() not in SCALE_DTYPES:
             raise self._error(f"_scale is {self._scales.get_dtype()}, not a float")
-        if len(scale_shape) != 2 or scale_shape[0] != num_out or not scale_shape[1] or num_in % scale_shape[1]:
+        if (
+            len(scale_shape) != 2
+            or scale_shape[0] != num_out
+            or not scale_shape[1]
+            or num_in % scale_shape[1]
+        ):
             raise self._error(
                 f"_scale has shape {scale_shape}, expected [{num_out}, in / group_size] with in = {num_in}"
             )
@@ -90,7 +95,9 @@ class StoredInt4:
     def _error(self, problem: str) -> ModelFileError:
         return ModelFileError(self.path, f"tensor {self.name}{problem}")
 
-    def read(self, start: int = 0, end: int | None = None, columns: bool = False) -> BlockValues | torch.Tensor:
+    def read(
+        self, start: int = 0, end: int | None = None, columns: bool = False
+    ) -> BlockValues | torch.Tensor:
         """Rows [start, end), or (columns) columns [start, end), in blocks (or dequantized, as the
         module docstring says)."""
         end = self.shape[1 if columns else 0] if end is None else end
