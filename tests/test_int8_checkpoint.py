@@ -181,7 +181,8 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"format": "pack-quantized", "num_bits": 4}, "int4 weights are not supported, only int8"),
+        ({"num_bits": 4}, "int4 weights need format 'pack-quantized', not 'int-quantized'"),
+        ({"format": "pack-quantized", "num_bits": 2}, "int2 weights are not supported, only int8 and int4"),
         ({"strategy": "group", "group_size": 128}, "weight strategy 'group' is not supported"),
         ({"strategy": "block", "block_structure": [128, 128]}, "weight strategy 'block' is not supported"),
         ({"strategy": "tensor"}, "weight strategy 'tensor' is not supported"),
