@@ -10,6 +10,9 @@ import functools
 import json
 
 import pytest
+
+pytest.importorskip("compressed_tensors", minversion="0.20")  # the test extra's, on Python >= 3.11
+
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from multiproc import RankPool
