@@ -25,29 +25,32 @@ from pathlib import Path
 from tpserve.ranks.errors import ModelFileError
 
 METHOD = "compressed-tensors"
-FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
+FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
 # Sections of a compressed-tensors config whose presence changes what the stored numbers mean.
 UNSUPPORTED_SECTIONS = ("transform_config",)
-BITS = (8, 4)
-STRATEGIES = {8: ("channel",), 4: ("group", "channel")}  # by num_bits
+# (type, num_bits) -> the kind of weight it is, its strategies and the formats storing it.
+KINDS = {
+    ("int", 8): ("int8", ("channel",), ("int-quantized", "naive-quantized", "pack-quantized")),
+    ("int", 4): ("int4", ("group", "channel"), ("pack-quantized",)),
+    ("float", 8): ("fp8", ("tensor", "channel"), ("float-quantized", "naive-quantized")),
+}
 
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """A compressed-tensors int8 or int4 checkpoint, as its config.json declares it."""
+    """A compressed-tensors int8, int4 or fp8 checkpoint, as its config.json declares it."""
 
     formats: tuple[str, ...]  # the formats its groups store weights in
-    bits: tuple[int, ...] = (8,)  # the widths its groups' weights have, 8 and/or 4
-    strategies: tuple[str, ...] = ("channel",)  # "channel", or "group <size>"
+    kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"
+    strategies: tuple[str, ...] = ("channel",)  # "channel", "tensor" or "group <size>"
 
     def describe(self) -> str:
-        widths = ", ".join(f"int{bits}" for bits in self.bits)
-        return f"{METHOD} {widths} ({', '.join(self.formats)}), {', '.join(self.strategies)} scales"
+        return f"{METHOD} {', '.join(self.kinds)} ({', '.join(self.formats)}), {', '.join(self.strategies)} scales"
 
 
 def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization | None:
-    """None for a float checkpoint (no quantization_config); else the checkpoint's int8 or int4
-    scheme, or ModelFileError naming what tpserve does not serve."""
+    """None for a float checkpoint (no quantization_config); else the checkpoint's scheme, or
+    ModelFileError naming what tpserve does not serve."""
     if raw is None:
         return None
 
@@ -58,7 +61,7 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
         raise refuse("not a JSON object")
     method = raw.get("quant_method")
     if method != METHOD:
-        raise refuse(f"quant_method {method!r} is not supported (supported: {METHOD} int8 and int4)")
+        raise refuse(f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8)")
     for section in UNSUPPORTED_SECTIONS:
         if raw.get(section):
             raise refuse(f"{section} is not supported (its weights are stored transformed)")
@@ -69,7 +72,7 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
     if not isinstance(groups, dict) or not groups:
         raise refuse("no config_groups")
     default_format = raw.get("format")
-    formats, bits, strategies = [], [], []
+    formats, kinds, strategies = [], [], []
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise refuse(f"config group {name!r} is not a JSON object")
@@ -79,37 +82,41 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
                 f"config group {name!r}: format {group_format!r} is not supported (supported: {', '.join(FORMATS)})"
             )
         where = f"config group {name!r}"
-        num_bits, strategy = _check_weights(group.get("weights"), where, refuse)
-        if num_bits == 4 and group_format != "pack-quantized":
-            raise refuse(f"{where}: int4 weights need format 'pack-quantized', not {group_format!r}")
-        _check_inputs(group.get("input_activations"), where, refuse)
+        kind, strategy, kind_formats = _check_weights(group.get("weights"), where, refuse)
+        if group_format not in kind_formats:
+            raise refuse(
+                f"{where}: {kind} weights need format {' or '.join(map(repr, kind_formats))}, not {group_format!r}"
+            )
+        _check_inputs(group.get("input_activations"), where, kind, refuse)
         if group.get("output_activations"):
             raise refuse(f"{where}: output activation quantization is not supported")
         formats.append(group_format)
-        bits.append(num_bits)
+        kinds.append(kind)
         strategies.append(strategy)
-    return CheckpointQuantization(*(tuple(dict.fromkeys(values)) for values in (formats, bits, strategies)))
+    return CheckpointQuantization(*(tuple(dict.fromkeys(values)) for values in (formats, kinds, strategies)))
 
 
-def _check_weights(args, where: str, refuse) -> tuple[int, str]:
-    """The group's (num_bits, strategy in words), or refused by name."""
+def _check_weights(args, where: str, refuse) -> tuple[str, str, tuple[str, ...]]:
+    """The group's weight kind, strategy in words and the formats storing that kind; or refused by name."""
     if not isinstance(args, dict):
         raise refuse(f"{where}: no weight quantization (activation-only schemes are not supported)")
     num_bits, kind = args.get("num_bits", 8), args.get("type", "int")
-    if kind != "int":
-        raise refuse(f"{where}: {kind} weights (num_bits {num_bits}) are not supported, only int8 and int4")
-    if num_bits not in BITS:
-        raise refuse(f"{where}: int{num_bits} weights are not supported, only int8 and int4")
-    if num_bits == 8 and not args.get("symmetric", True):
-        raise refuse(f"{where}: asymmetric weights (zero points) are not supported in int8, only symmetric")
+    if (kind, num_bits) not in KINDS:
+        raise refuse(
+            f"{where}: {kind} weights (num_bits {num_bits}) are not supported, only int8, int4 and float8"
+            if kind != "int"
+            else f"{where}: int{num_bits} weights are not supported, only int8 and int4"
+        )
+    name, supported, kind_formats = KINDS[kind, num_bits]
+    if name != "int4" and not args.get("symmetric", True):
+        raise refuse(f"{where}: asymmetric weights (zero points) are not supported in {name}, only symmetric")
     strategy = args.get("strategy")
     group_size = args.get("group_size")
     if strategy is None:  # compressed-tensors infers it from group_size
         strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
-    if strategy not in STRATEGIES[num_bits]:
-        supported = " or ".join(repr(s) for s in STRATEGIES[num_bits])
+    if strategy not in supported:
         raise refuse(
-            f"{where}: int{num_bits} weight strategy {strategy!r} is not supported, only {supported}"
+            f"{where}: {name} weight strategy {strategy!r} is not supported, only {' or '.join(map(repr, supported))}"
         )
     if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
         raise refuse(f"{where}: strategy 'group' with group_size {group_size!r}, not a positive integer")
@@ -117,14 +124,16 @@ def _check_weights(args, where: str, refuse) -> tuple[int, str]:
         raise refuse(f"{where}: actorder {args['actorder']!r} is not supported")
     if args.get("dynamic"):
         raise refuse(f"{where}: dynamic weight scales are not supported (the file must store them)")
-    return num_bits, f"group {group_size}" if strategy == "group" else strategy
+    return name, f"group {group_size}" if strategy == "group" else strategy, kind_formats
 
 
-def _check_inputs(args, where: str, refuse) -> None:
+def _check_inputs(args, where: str, weights: str, refuse) -> None:
+    """Input activations are quantized by the products' own rule (or not at all: fp8 weights
+    compute in float), so any 8-bit scheme of them is accepted and not used."""
     if args is None:  # weight-only
         return
     if not isinstance(args, dict):
         raise refuse(f"{where}: input_activations is not a JSON object")
     num_bits, kind = args.get("num_bits", 8), args.get("type", "int")
-    if kind != "int" or num_bits != 8:
+    if num_bits != 8 or kind not in (("int", "float") if weights == "fp8" else ("int",)):
         raise refuse(f"{where}: {kind}{num_bits} input activations are not supported (inputs run in int8)")

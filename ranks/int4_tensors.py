@@ -33,12 +33,12 @@ VALUES_PER_INT32 = 8
 SCALE_DTYPES = ("F32", "F16", "BF16")  # safetensors' names
 
 
-def holds_int4(handles: dict, files: dict[str, Path], stored: str, bits: tuple[int, ...]) -> bool:
+def holds_int4(handles: dict, files: dict[str, Path], stored: str, kinds: tuple[str, ...]) -> bool:
     """Whether the quantized weight `stored` (a weight_scale beside it) is int4: the only width the
     config declares, or (int8 and int4 mixed) packed eight values to an int32."""
-    if 4 not in bits or stored + "_packed" not in files or stored + "_shape" not in files:
+    if "int4" not in kinds or stored + "_packed" not in files or stored + "_shape" not in files:
         return False
-    if bits == (4,):
+    if kinds == ("int4",):
         return True
     shape = handles[files[stored + "_shape"]].get_tensor(stored + "_shape").tolist()
     packed = handles[files[stored + "_packed"]].get_slice(stored + "_packed").get_shape()

@@ -126,8 +126,9 @@ def check_checkpoint_quantization(
     Its int8 layers are served as stored whatever `quantize` says; `quantize` decides only the
     layers it left in float (usually the head): none keeps them float, int8 quantizes them at load.
     An int4 checkpoint's layers are served as stored where `quantize` is int4, else dequantized to
-    float32 first (as a GGUF import's blocks are, ranks/packing.py): any device serves them."""
-    if config.quantization is None or 8 not in config.quantization.bits:
+    float32 first (as a GGUF import's blocks are, ranks/packing.py), and an fp8 one's are dequantized
+    at load: any device serves them."""
+    if config.quantization is None or "int8" not in config.quantization.kinds:
         return
     what = f"{settings.model_dir} is a {config.quantization.describe()} checkpoint"
     why_not = int8_available(device)
@@ -137,11 +138,13 @@ def check_checkpoint_quantization(
         raise UserError(f"{what}: its int8 layers compute in float32, not dtype {settings.dtype}")
 
 
-def _served_as_stored(bits: tuple[int, ...], quantize: str) -> str:
+def _served_as_stored(kinds: tuple[str, ...], quantize: str) -> str:
     """In words: which of a checkpoint's quantized layers are served as the file stores them."""
-    said = ["its int8 layers served as stored"] if 8 in bits else []
-    if 4 in bits:
+    said = ["its int8 layers served as stored"] if "int8" in kinds else []
+    if "int4" in kinds:
         said.append(f"its int4 layers {'served as stored' if quantize == 'int4' else 'dequantized'}")
+    if "fp8" in kinds:
+        said.append("its fp8 layers dequantized")
     return " and ".join(said)
 
 
@@ -290,7 +293,7 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
             "rank %d: %s: %s, quantize %s applies to those it left in float",
             rank,
             config.quantization.describe(),
-            _served_as_stored(config.quantization.bits, settings.quantize),
+            _served_as_stored(config.quantization.kinds, settings.quantize),
             settings.quantize,
         )
     model = load_rank_model(

@@ -164,7 +164,7 @@ def _stored_tensor(
     scale = stored_name(files, name + "_scale") if config.quantization and may_be_int8(name) else None
     if scale is not None:
         quantized = scale.removesuffix("_scale")
-        if holds_int4(handles, files, quantized, config.quantization.bits):
+        if holds_int4(handles, files, quantized, config.quantization.kinds):
             return StoredInt4(handles, files, quantized)
         return StoredInt8(handles, files, quantized)
     blocks = stored_blocks(files, name)

@@ -203,7 +203,7 @@ def test_a_packed_weights_rows_and_columns_are_read_at_any_offset(tmp_path):
 def test_an_int4_checkpoint_needs_no_int8_products(int4_model):
     # Dequantized where int4 is not served, it loads on any device in any dtype.
     config = load_model_config(int4_model("llama-g32-bf16"))
-    assert config.quantization.bits == (4,)
+    assert config.quantization.kinds == ("int4",)
     assert config.quantization.describe() == "compressed-tensors int4 (pack-quantized), group 32 scales"
     for device, dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
         settings = EngineSettings(model_dir="m", quantize="none", dtype=dtype).for_device(device)
@@ -224,7 +224,11 @@ def test_an_int4_checkpoint_needs_no_int8_products(int4_model):
         ({"strategy": "group", "group_size": None}, "strategy 'group' with group_size None"),
         ({"actorder": "group"}, "actorder 'group' is not supported"),
         ({"dynamic": True}, "dynamic weight scales are not supported"),
-        ({"type": "float", "num_bits": 8}, "float weights \\(num_bits 8\\) are not supported"),
+        (
+            {"type": "float", "strategy": "channel"},
+            "fp8 weights need format 'float-quantized' or 'naive-quantized'",
+        ),
+        ({"type": "float", "num_bits": 4}, "float weights \\(num_bits 4\\) are not supported"),
     ],
 )
 def test_an_unsupported_scheme_is_refused_by_name_when_the_config_is_read(

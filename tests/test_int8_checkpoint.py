@@ -187,8 +187,15 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
         ({"strategy": "block", "block_structure": [128, 128]}, "weight strategy 'block' is not supported"),
         ({"strategy": "tensor"}, "weight strategy 'tensor' is not supported"),
         ({"symmetric": False}, "asymmetric weights"),
-        ({"type": "float"}, "float weights \\(num_bits 8\\) are not supported"),
-        ({"format": "float-quantized"}, "format 'float-quantized' is not supported"),
+        (
+            {"type": "float"},
+            "fp8 weights need format 'float-quantized' or 'naive-quantized', not 'int-quantized'",
+        ),
+        (
+            {"format": "float-quantized"},
+            "int8 weights need format 'int-quantized' or .*, not 'float-quantized'",
+        ),
+        ({"format": "nvfp4-pack-quantized"}, "format 'nvfp4-pack-quantized' is not supported"),
         ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
         ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
         ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format 'sparse-24-bitmask'"),
