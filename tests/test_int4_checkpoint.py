@@ -225,7 +225,7 @@ def test_an_int4_checkpoint_needs_no_int8_products(int4_model):
         ({"actorder": "group"}, "actorder 'group' is not supported"),
         ({"dynamic": True}, "dynamic weight scales are not supported"),
         (
-            {"type": "float", "strategy": "channel"},
+            {"type": "float", "num_bits": 8, "strategy": "channel"},
             "fp8 weights need format 'float-quantized' or 'naive-quantized'",
         ),
         ({"type": "float", "num_bits": 4}, "float weights \\(num_bits 4\\) are not supported"),
