@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_int8_checkpoint import Q_PROJ, load, piece_of
 from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
-from tiny_int4_models import WIDE, decompressed, float_twin, weight_args, write_int4_checkpoint
+from tiny_compressed_models import WIDE, decompressed, float_twin, weight_args, write_compressed_checkpoint
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
@@ -47,7 +47,7 @@ CASES = {
 @functools.cache
 def _written(root, name: str):
     variant, args, dtype, overrides = CASES[name]
-    return write_int4_checkpoint(root / name, variant, args=args, dtype=dtype, overrides=overrides)
+    return write_compressed_checkpoint(root / name, variant, args=args, dtype=dtype, overrides=overrides)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_every_piece_serves_the_values_compressed_tensors_decompresses(int4_mode
 def test_the_blocks_hold_the_files_scales_as_they_are(tmp_path, dtype, layout):
     # Scales float16 holds exactly (bfloat16 ones of the usual sizes) are packed in float16, float32
     # ones in the float32 layout: d = scale and m = -8 * scale either way, never rounded.
-    model_dir = write_int4_checkpoint(tmp_path / "m", dtype=dtype)
+    model_dir = write_compressed_checkpoint(tmp_path / "m", dtype=dtype)
     stored = load_file(model_dir / "model.safetensors")
     w_o = load(model_dir, quantize="int4").layers[0][0].w_o
     assert w_o.scale_dtype == layout
@@ -162,7 +162,9 @@ def test_the_logits_are_near_the_librarys_dequantized_float_model(int4_model, tm
 
 def test_groups_that_are_not_whole_blocks_are_served_dequantized(tmp_path):
     # Groups of 16: no 4-bit block holds one scale, so the weights load as their float32 values.
-    model_dir = write_int4_checkpoint(tmp_path / "g16", args=weight_args(group_size=16), dtype=torch.float16)
+    model_dir = write_compressed_checkpoint(
+        tmp_path / "g16", args=weight_args(group_size=16), dtype=torch.float16
+    )
     file = decompressed(model_dir)
     model = load(model_dir)
     start, end = model.pieces[0].intermediate

@@ -1,10 +1,11 @@
-"""Tiny compressed-tensors int4 checkpoints, written by the compressed-tensors library as llm-compressor saves them.
+"""Tiny compressed-tensors int4 and fp8 checkpoints, written by the compressed-tensors library as llm-compressor saves them.
 
 A float tiny model (tiny_models.py) is loaded into transformers in the dtype its scales are to have,
-its Linear layers (but `ignore`) given a W4A16 QuantizationScheme by apply_quantization_config; each
+its Linear layers (but `ignore`) given a W4A16 (or FP8) QuantizationScheme by apply_quantization_config; each
 weight's scale and zero point come from its min and max per group (or row) through the library's
 calculate_qparams, as llm-compressor's minmax observer computes them; ModelCompressor then packs the
-model (compress_model), save_pretrained writes it and update_config its quantization_config. So the
+model (compress_model, format pack-quantized or float-quantized), save_pretrained writes it and
+update_config its quantization_config. So the
 packing, the tensors' names and the config are the library's own, not our reading of them.
 `decompressed` is the library's own decompression of every weight (its compressor's decompress), in
 float32; `float_twin` writes those weights as a float checkpoint, the reference the served model is
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -49,27 +51,40 @@ def weight_args(
     )
 
 
-def write_int4_checkpoint(
+def fp8_args(strategy: str = "channel") -> QuantizationArgs:
+    return QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True)
+
+
+def fp8_inputs() -> QuantizationArgs:
+    """FP8 W8A8's inputs, as llm-compressor's FP8_DYNAMIC scheme declares them."""
+    return QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+
+
+def write_compressed_checkpoint(
     out_dir: str | Path,
     variant: str = "llama",
     *,
     args: QuantizationArgs | None = None,
+    inputs: QuantizationArgs | None = None,
     dtype: torch.dtype = torch.bfloat16,
     ignore=("lm_head",),
     overrides: dict | None = None,
 ) -> Path:
-    """The tiny `variant` (config `overrides`) quantized to int4 by compressed-tensors with `args`
-    (default: symmetric, groups of 32), its scales and float tensors in `dtype`, at `out_dir`."""
+    """The tiny `variant` (config `overrides`) quantized by compressed-tensors with weight `args`
+    (default: int4, symmetric, groups of 32) and input `inputs` (None: weight-only), its scales and
+    float tensors in `dtype`, at `out_dir`; int weights pack-quantized, float ones float-quantized."""
     out = Path(out_dir)
     float_dir = write_tiny_model(out.with_name(out.name + "-float"), variant, overrides=overrides)
     model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args or weight_args())
+    args = args or weight_args()
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=inputs)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore))
     apply_quantization_config(model, config, show_progress=False)
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is not None:
             _observe_min_max(module)
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    fmt = "pack-quantized" if args.type == "int" else "float-quantized"
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(out)
@@ -85,6 +100,8 @@ def _observe_min_max(module: torch.nn.Module) -> None:
     if args.strategy == "group":
         weight = weight.unflatten(-1, (-1, args.group_size))  # [out, groups, group_size]
         low, high = weight.amin(dim=-1), weight.amax(dim=-1)
+    elif args.strategy == "tensor":
+        low, high = weight.amin(), weight.amax()
     else:
         low, high = weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True)
     scale, zero_point = calculate_qparams(low, high, args)
@@ -104,20 +121,15 @@ def decompressed(
     """Every weight as compressed-tensors decompresses it, with its scales in `scale_dtype` (float32:
     exact; None: as stored, what the library's own float model holds); the rest as stored, in float32."""
     stored, scheme = load_file(Path(model_dir) / "model.safetensors"), scheme_of(model_dir)
-    weights = {}
-    for name, tensor in stored.items():
-        if not name.endswith(".weight_packed"):
-            if not name.endswith(("_scale", "_shape", "_zero_point")):
-                weights[name] = tensor.float()
-            continue
-        module = name.removesuffix("_packed").removesuffix(".weight")
-        parts = {
-            key: stored[f"{module}.{key}"]
-            for key in PackedQuantizationCompressor.compression_param_names(scheme)
-        }
+    modules = {name.removesuffix(".weight_scale") for name in stored if name.endswith(".weight_scale")}
+    weights = {name: t.float() for name, t in stored.items() if name.rsplit(".", 1)[0] not in modules}
+    for module in modules:
+        packed = module + ".weight_packed" in stored
+        compressor = PackedQuantizationCompressor if packed else NaiveQuantizationCompressor
+        parts = {key: stored[f"{module}.{key}"] for key in compressor.compression_param_names(scheme)}
         if scale_dtype is not None:
             parts["weight_scale"] = parts["weight_scale"].to(scale_dtype)
-        weights[module + ".weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
+        weights[module + ".weight"] = compressor.decompress(parts, scheme)["weight"]
     return weights
 
 
