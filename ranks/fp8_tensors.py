@@ -21,10 +21,11 @@ SCALE_DTYPES = ("F32", "F16", "BF16")
 
 
 def holds_fp8(handles: dict, files: dict[str, Path], stored: str, kinds: tuple[str, ...]) -> bool:
-    """Whether the quantized weight `stored` (a weight_scale beside it) is fp8."""
+    """Whether the quantized weight `stored` (a weight_scale beside it) is fp8: the only kind the
+    config declares, or (mixed) stored in float8_e4m3fn."""
     if "fp8" not in kinds or stored not in files:
         return False
-    return handles[files[stored]].get_slice(stored).get_dtype() == VALUE_DTYPE
+    return kinds == ("fp8",) or handles[files[stored]].get_slice(stored).get_dtype() == VALUE_DTYPE
 
 
 class StoredFp8:
@@ -35,13 +36,15 @@ class StoredFp8:
         self._values = handles[files[stored]].get_slice(stored)
         self._scales = handles[files[stored + "_scale"]].get_slice(stored + "_scale")
         self.shape = tuple(self._values.get_shape())
-        if len(self.shape) != 2:
-            raise self._error(f" has shape {list(self.shape)}, not [out, in]")
+        if self._values.get_dtype() != VALUE_DTYPE or len(self.shape) != 2:
+            raise self._error(
+                f" is {self._values.get_dtype()} {list(self.shape)}, not {VALUE_DTYPE} [out, in] (fp8 weights)"
+            )
         scale_shape = tuple(self._scales.get_shape())
         if self._scales.get_dtype() not in SCALE_DTYPES:
             raise self._error(f"_scale is {self._scales.get_dtype()}, not a float")
         self.per_channel = scale_shape in ((self.shape[0], 1), (self.shape[0],))
-        if not self.per_channel and scale_shape not in ((1,), (1, 1), ()):
+        if not self.per_channel and scale_shape not in ((1,), (1, 1)):
             raise self._error(
                 f"_scale has shape {list(scale_shape)}, expected [1] (one scale) or [{self.shape[0]}, 1] "
                 "(one per output channel)"

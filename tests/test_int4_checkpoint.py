@@ -20,7 +20,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_int8_checkpoint import Q_PROJ, load, piece_of
 from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
-from tiny_compressed_models import WIDE, decompressed, float_twin, weight_args, write_compressed_checkpoint
+from tiny_compressed_models import (
+    WIDE,
+    decompressed,
+    float_twin,
+    weight_args,
+    with_tensors,
+    write_compressed_checkpoint,
+)
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
@@ -283,11 +290,6 @@ def test_an_unsupported_scheme_is_refused_by_name_when_the_config_is_read(
 )
 def test_a_corrupt_or_unsupported_tensor_is_refused_by_name_at_load(int4_model, tmp_path, tensors, message):
     source = int4_model("llama-g32-bf16")
-    model_dir = tmp_path / "m"
-    model_dir.mkdir()
-    for file in source.iterdir():
-        if file.name != "model.safetensors":
-            (model_dir / file.name).write_bytes(file.read_bytes())
-    save_file(load_file(source / "model.safetensors") | tensors, str(model_dir / "model.safetensors"))
+    model_dir = with_tensors(source, tmp_path / "m", tensors)
     with pytest.raises(ModelFileError, match=f"model.safetensors: tensor .*{message}"):
         load(model_dir)

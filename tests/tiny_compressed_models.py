@@ -144,3 +144,14 @@ def float_twin(int4_dir: str | Path, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=1))
     save_file(decompressed(int4_dir), str(out / "model.safetensors"))
     return out
+
+
+def with_tensors(model_dir: str | Path, out_dir: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A copy of `model_dir` at `out_dir` whose `tensors` replace or add stored ones (a corrupt file)."""
+    model_dir, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True)
+    for file in model_dir.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy(file, out / file.name)
+    save_file(load_file(model_dir / "model.safetensors") | tensors, str(out / "model.safetensors"))
+    return out
