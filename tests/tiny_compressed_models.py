@@ -122,7 +122,8 @@ def decompressed(
     exact; None: as stored, what the library's own float model holds); the rest as stored, in float32."""
     stored, scheme = load_file(Path(model_dir) / "model.safetensors"), scheme_of(model_dir)
     modules = {name.removesuffix(".weight_scale") for name in stored if name.endswith(".weight_scale")}
-    weights = {name: t.float() for name, t in stored.items() if name.rsplit(".", 1)[0] not in modules}
+    compressed = {name for name in stored if name.partition(".weight")[0] in modules and ".weight" in name}
+    weights = {name: t.float() for name, t in stored.items() if name not in compressed}  # biases, norms
     for module in modules:
         packed = module + ".weight_packed" in stored
         compressor = PackedQuantizationCompressor if packed else NaiveQuantizationCompressor
