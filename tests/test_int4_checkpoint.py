@@ -18,7 +18,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_int8_checkpoint import Q_PROJ, load, piece_of
+from test_int8_checkpoint import Q_PROJ, load, served_and_stored
 from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
 from tiny_compressed_models import (
     WIDE,
@@ -76,22 +76,9 @@ def test_every_piece_serves_the_values_compressed_tensors_decompresses(int4_mode
     file = decompressed(model_dir)
     for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
         model = load(model_dir, tp_rank, tp_size, quantize=quantize)
-        config = model.config
-        for index, layers in enumerate(model.layers):
-            for piece, layer in zip(model.pieces, layers):
-                part = functools.partial(piece_of, file, config, piece, f"model.layers.{index}.")
-                qkv = [
-                    part(f"self_attn.{n}_proj", u) for n, u in zip("qkv", ("q_heads", "kv_heads", "kv_heads"))
-                ]
-                gate_up = [part(f"mlp.{n}_proj", "intermediate") for n in ("gate", "up")]
-                for served, stored in (
-                    (layer.w_qkv, torch.cat(qkv)),
-                    (layer.w_gate_up, torch.cat(gate_up)),
-                    (layer.w_o, part("self_attn.o_proj", "q_heads", columns=True)),
-                    (layer.w_down, part("mlp.down_proj", "intermediate", columns=True)),
-                ):
-                    assert isinstance(served, Q4Weight if quantize == "int4" else torch.Tensor)
-                    assert torch.equal(_served(served), stored)
+        for served, stored in served_and_stored(model, file):
+            assert isinstance(served, Q4Weight if quantize == "int4" else torch.Tensor)
+            assert torch.equal(_served(served), stored)
 
 
 @pytest.mark.parametrize("dtype, layout", [(torch.bfloat16, torch.float16), (torch.float32, torch.float32)])

@@ -30,10 +30,11 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 from safetensors.torch import load_file, save_file
+from tiny_int8_models import MODEL_FILES
+from tiny_int8_models import float_twin as float_checkpoint
 from tiny_models import write_tiny_model
 from transformers import AutoModelForCausalLM
 
-MODEL_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Sizes whose every input is whole groups of 128 (the tiny models' hidden size, 96, is not); its
 # o_proj's columns split 64 + 64 inside one group.
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -134,17 +135,9 @@ def decompressed(
     return weights
 
 
-def float_twin(int4_dir: str | Path, out_dir: str | Path) -> Path:
-    """The int4 checkpoint's decompressed weights (float32, exact) as a float checkpoint."""
-    int4_dir, out = Path(int4_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in MODEL_FILES:
-        shutil.copy(int4_dir / name, out / name)
-    config = json.loads((int4_dir / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(decompressed(int4_dir), str(out / "model.safetensors"))
-    return out
+def float_twin(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """The checkpoint's decompressed weights (float32, exact) as a float checkpoint."""
+    return float_checkpoint(model_dir, out_dir, decompressed(model_dir))
 
 
 def with_tensors(model_dir: str | Path, out_dir: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
