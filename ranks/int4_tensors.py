@@ -8,10 +8,13 @@ in / G]: eight zero points to an int32 down each column, offset by 8 likewise. w
 (v - zp) = scale * (u - z), z = zp + 8 (8 where symmetric).
 
 Each 32 inputs of a group are one of our 4-bit blocks (kernels/q4_linear.py, weight = d * q + m) with
-q = u, d = scale and m = -z * scale in float32, checked exact: -8 * scale always is, and so is a
-float16 or bfloat16 scale times any z <= 15 (at most 15 significant bits); a float32 scale times an
-odd z may not be, and such a weight is served dequantized instead, as is one whose groups are not
-whole blocks (group_size not a multiple of 32; a channel weight whose input is not): each value
+q = u, d = scale and m = -z * scale in float32. That is exact where compressed-tensors writes scales
+in the model's float16 or bfloat16 (at most 11 significant bits times z <= 15), and for -8 * scale
+in any float; then d * q + m is scale * (u - z) exactly, compressed-tensors' float32 dequantization
+bit for bit. With float32 scales m = -z * scale may round once (relative 2^-24) where z is not a
+power of two, and d * q + m rounds in float32: within an ulp or two of m of the library's float32
+values, the file's q and d kept as they are. A weight whose groups are not whole blocks (group_size not a
+multiple of 32; a channel weight whose input is not) is served dequantized instead: each value
 scale * (u - z) rounded once in float32, what compressed-tensors' dequantize gives with float32
 scales (exact for float16 and bfloat16 ones). A column-parallel piece reads its rows of the values,
 scales and zero points (of these, the int32 rows holding them); a row-parallel piece its columns of
@@ -111,11 +114,8 @@ class StoredInt4:
         group_of = torch.arange(*cols) // self.group_size - first_group  # per column
         if self.group_size % BLOCK == 0 and cols[0] % BLOCK == 0 and cols[1] % BLOCK == 0:
             block_groups = group_of[::BLOCK]
-            d = scales[:, block_groups]
-            exact = -(d.double() * zeros[:, block_groups].double())
-            m = exact.float()
-            if torch.equal(m.double(), exact):
-                return BlockValues(u, d, m)
+            d = scales[:, block_groups]  # [rows, cols / 32]
+            return BlockValues(u, d, -(d * zeros[:, block_groups]))
         return scales[:, group_of] * (u.float() - zeros[:, group_of])
 
     def _nibbles(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:

@@ -97,6 +97,20 @@ def test_the_blocks_hold_the_files_scales_as_they_are(tmp_path, dtype, layout):
     assert torch.equal(q, (values[:, :64] + 8).to(torch.uint8))  # the nibbles as packed, u = v + 8
 
 
+def test_float32_zero_points_keep_the_files_blocks_within_an_ulp_or_two_of_m(tmp_path):
+    # m = -z * scale rounds once in float32: the blocks stay the file's, their values within float32's
+    # rounding of the library's decompression.
+    args = weight_args(symmetric=False)
+    model_dir = write_compressed_checkpoint(tmp_path / "m", args=args, dtype=torch.float32)
+    file = decompressed(model_dir)
+    for served, stored in served_and_stored(load(model_dir, quantize="int4"), file):
+        assert isinstance(served, Q4Weight) and served.scale_dtype == torch.float32
+        # An ulp or two of m (about 15 * scale), not of the value (which may nearly cancel).
+        torch.testing.assert_close(
+            served.dequantize(), stored, rtol=0, atol=2**-20 * float(stored.abs().max())
+        )
+
+
 def test_the_library_s_own_float_model_holds_the_served_values_rounded_once(int4_model):
     # compressed-tensors decompresses in the scales' dtype: our float32 values rounded to it.
     model_dir = int4_model("llama-g32-bf16")
