@@ -1,20 +1,26 @@
 """What a pre-quantized checkpoint's config.json declares, read once and refused by name unless tpserve
 serves it: compressed-tensors (llm-compressor's format) with int8 weights, one scale per output
-channel, or int4 weights, one scale (and zero point) per group of inputs or per output channel.
+channel; int4 weights, one scale (and zero point) per group of inputs or per output channel; or fp8
+weights, one scale per tensor or per output channel.
 
-Supported: `quant_method: compressed-tensors`, and in every config group either
+Supported: `quant_method: compressed-tensors`, and in every config group one of
 - int8: format `int-quantized` / `naive-quantized` (W8A8: each weight stored as int8 [out, in] beside
   `weight_scale` [out, 1]) or `pack-quantized` with 8 bits (weight-only W8A16: four int8 values to
-  an int32 in `weight_packed`); weights `num_bits: 8, type: int, symmetric: true, strategy: channel`;
+  an int32 in `weight_packed`); weights `num_bits: 8, type: int, symmetric: true, strategy: channel`
+  (ranks/int8_tensors.py);
 - int4: format `pack-quantized` with 4 bits (W4A16: eight values to an int32), weights `num_bits: 4,
   type: int, strategy: group` (any group_size; multiples of 32 are served as stored, others
-  dequantized, ranks/int4_tensors.py) or `strategy: channel`, symmetric or not (`weight_zero_point`);
-or `mixed-precision` of those. Refused by name: other bit widths and types (fp8, nvfp4), tensor and
-block strategies, activation order (`actorder`, `g_idx`), dynamic weight scales, transforms, sparsity.
-The checkpoint's input-activation settings are not used: the int8 and 4-bit products quantize every
-input row by its own absmax at run time (kernels/int8_linear.py, kernels/q4_linear.py).
-Which modules are quantized is read off the tensors themselves (ranks/int8_tensors.py): the ones
-beside a `weight_scale`; the rest (`ignore`, usually lm_head) are float.
+  dequantized) or `strategy: channel`, symmetric or not (`weight_zero_point`) (ranks/int4_tensors.py);
+- fp8: format `float-quantized` / `naive-quantized`, weights `num_bits: 8, type: float, symmetric:
+  true, strategy: tensor` or `channel`, dequantized at load (ranks/fp8_tensors.py);
+each group naming its format, or all the checkpoint's. Refused by name: other bit widths and types
+(int2, nvfp4), other strategies (block, tensor for ints, group for int8 and fp8), asymmetric int8 or
+fp8, activation order (`actorder`; `g_idx` tensors at load), dynamic weight scales, transforms,
+sparsity. The checkpoint's input-activation settings are not used: the int8 and 4-bit products
+quantize every input row by its own absmax at run time (kernels/int8_linear.py,
+kernels/q4_linear.py), and fp8 weights compute in float.
+Which modules are quantized is read off the tensors themselves: the ones beside a `weight_scale`;
+the rest (`ignore`, usually lm_head) are float.
 """
 
 from __future__ import annotations
