@@ -138,14 +138,17 @@ def check_checkpoint_quantization(
         raise UserError(f"{what}: its int8 layers compute in float32, not dtype {settings.dtype}")
 
 
-def _served_as_stored(kinds: tuple[str, ...], quantize: str) -> str:
-    """In words: which of a checkpoint's quantized layers are served as the file stores them."""
-    said = ["its int8 layers served as stored"] if "int8" in kinds else []
-    if "int4" in kinds:
-        said.append(f"its int4 layers {'served as stored' if quantize == 'int4' else 'dequantized'}")
-    if "fp8" in kinds:
-        said.append("its fp8 layers dequantized")
-    return " and ".join(said)
+def describe_serving(kinds: tuple[str, ...], quantize: str) -> str:
+    """In words: which of a checkpoint's quantized layers are served as the file stores them, and
+    which `quantize` decides."""
+    stored = ["int8"] if "int8" in kinds else []
+    dequantized = ["fp8"] if "fp8" in kinds else []
+    (stored if quantize == "int4" else dequantized).extend(["int4"] if "int4" in kinds else [])
+    said = [f"its {' and '.join(stored)} layers served as stored"] if stored else []
+    if dequantized:
+        said.append(f"its {' and '.join(dequantized)} layers dequantized to float32")
+    also = "them and to " if dequantized else ""
+    return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"
 
 
 def agree_on_attention(model, rank: int, group) -> None:
@@ -290,11 +293,10 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
     )
     if config.quantization is not None:
         log.info(
-            "rank %d: %s: %s, quantize %s applies to those it left in float",
+            "rank %d: %s: %s",
             rank,
             config.quantization.describe(),
-            _served_as_stored(config.quantization.kinds, settings.quantize),
-            settings.quantize,
+            describe_serving(config.quantization.kinds, settings.quantize),
         )
     model = load_rank_model(
         settings.model_dir,

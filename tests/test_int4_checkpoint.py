@@ -35,7 +35,7 @@ from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.int4_tensors import StoredInt4
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.settings import EngineSettings
-from tpserve.ranks.startup import check_checkpoint_quantization
+from tpserve.ranks.startup import check_checkpoint_quantization, describe_serving
 
 pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
 
@@ -218,6 +218,16 @@ def test_an_int4_checkpoint_needs_no_int8_products(int4_model):
     for device, dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
         settings = EngineSettings(model_dir="m", quantize="none", dtype=dtype).for_device(device)
         check_checkpoint_quantization(config, settings, torch.device(device))
+
+
+def test_the_start_up_log_says_which_layers_are_describe_serving():
+    assert describe_serving(("int4",), "int4") == (
+        "its int4 layers served as stored, quantize int4 applies to those it left in float"
+    )
+    assert describe_serving(("int8", "int4"), "none") == (
+        "its int8 layers served as stored, its int4 layers dequantized to float32, quantize none "
+        "applies to them and to those it left in float"
+    )
 
 
 # ---- refused by name ----
