@@ -220,7 +220,7 @@ def test_an_int4_checkpoint_needs_no_int8_products(int4_model):
         check_checkpoint_quantization(config, settings, torch.device(device))
 
 
-def test_the_start_up_log_says_which_layers_are_describe_serving():
+def test_the_start_up_log_says_which_layers_are_served_as_stored():
     assert describe_serving(("int4",), "int4") == (
         "its int4 layers served as stored, quantize int4 applies to those it left in float"
     )
