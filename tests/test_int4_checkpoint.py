@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,11 +16,12 @@ pytest.importorskip("compressed_tensors", minversion="0.20")  # the test extra's
 
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from daemon import read_reply, running_daemon
 from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_int8_checkpoint import Q_PROJ, load, served_and_stored
-from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
+from test_tp_exact import NUM_STEPS, PROMPTS, SAMPLINGS, _tp2, run_streams
 from tiny_compressed_models import (
     WIDE,
     decompressed,
@@ -31,11 +33,13 @@ from tiny_compressed_models import (
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.int4_tensors import StoredInt4
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import check_checkpoint_quantization, describe_serving
+from tpserve.v1 import serving_pb2
 
 pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
 
@@ -228,6 +232,26 @@ def test_the_start_up_log_says_which_layers_are_served_as_stored():
         "its int8 layers served as stored, its int4 layers dequantized to float32, quantize none "
         "applies to them and to those it left in float"
     )
+
+
+def test_the_two_rank_daemon_serves_it_in_int4_with_the_tokens_one_rank_computes(int4_model, tmp_path):
+    model_dir = int4_model("llama-g32-bf16")
+    torch.set_num_threads(1)
+    greedy = [SamplingParams()] * len(PROMPTS)
+    _, solo_tokens = run_streams(str(model_dir), 0, 1, prompts=PROMPTS, samplings=greedy, quantize="int4")
+    requests = [
+        serving_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=NUM_STEPS, ignore_eos=True)
+        for prompt in PROMPTS
+    ]
+    with running_daemon("spawn", model_dir, tmp_path / "logs", "--quantize", "int4") as daemon:
+        with ThreadPoolExecutor(len(requests)) as threads:
+            replies = list(threads.map(lambda r: read_reply(daemon.stub.Generate(r, timeout=300)), requests))
+        assert (
+            "its int4 layers served as stored, quantize int4 applies to those it left in float"
+            in daemon.logs()
+        )
+    for lane, reply in enumerate(replies):
+        assert reply.ok and reply.token_ids == [step[lane] for step in solo_tokens], f"prompt {lane}"
 
 
 # ---- refused by name ----
