@@ -184,6 +184,16 @@ def test_groups_that_are_not_whole_blocks_are_served_dequantized(tmp_path):
     assert isinstance(load(model_dir, quantize="int4").layers[1][0].w_down, Q4Weight)  # quantized at load
 
 
+def test_a_row_parallel_piece_off_the_block_edges_is_served_dequantized(tmp_path):
+    # Mistral's 2 KV heads of 3 x 16 queries: each piece's o_proj is 48 columns, not whole blocks.
+    model_dir = write_compressed_checkpoint(tmp_path / "mistral", "mistral")
+    for served, stored in served_and_stored(load(model_dir, 0, 2), decompressed(model_dir)):
+        assert torch.equal(served, stored)  # quantize none: every value the file's
+    layer = load(model_dir, 0, 2, quantize="int4").layers[0][0]
+    assert isinstance(layer.w_o, Int8Weight)  # quantized at load, as a float weight of 48 inputs is
+    assert isinstance(layer.w_qkv, Q4Weight) and isinstance(layer.w_down, Q4Weight)
+
+
 def test_a_packed_weights_rows_and_columns_are_read_at_any_offset(tmp_path):
     # Values packed by the library: columns not on a whole int32 (8 values) nor a block (32: then
     # dequantized), zero points' rows not on a whole int32 (8 outputs).
