@@ -1,14 +1,26 @@
 """What a pre-quantized checkpoint's config.json declares, read once and refused by name unless tpserve
-serves it: compressed-tensors (llm-compressor's format) with int8 weights, one scale per output channel.
+serves it: compressed-tensors (llm-compressor's format) with int8 weights, one scale per output
+channel; int4 weights, one scale (and zero point) per group of inputs or per output channel; or fp8
+weights, one scale per tensor or per output channel.
 
-Supported: `quant_method: compressed-tensors`, format `int-quantized` / `naive-quantized` (W8A8: each
-weight stored as int8 [out, in] beside `weight_scale` [out, 1]) or `pack-quantized` with 8 bits
-(weight-only W8A16: four int8 values to an int32 in `weight_packed`), or `mixed-precision` of those;
-every config group's weights `num_bits: 8, type: int, symmetric: true, strategy: channel`. The
-checkpoint's input-activation settings are not used: FBGEMM's product quantizes every input row to
-int8 by its own absmax at run time (kernels/int8_linear.py), which is W8A8's per-token dynamic scheme.
-Which modules are int8 is read off the tensors themselves (ranks/int8_tensors.py): the ones beside a
-`weight_scale`; the rest (`ignore`, usually lm_head) are float.
+Supported: `quant_method: compressed-tensors`, and in every config group one of
+- int8: format `int-quantized` / `naive-quantized` (W8A8: each weight stored as int8 [out, in] beside
+  `weight_scale` [out, 1]) or `pack-quantized` with 8 bits (weight-only W8A16: four int8 values to
+  an int32 in `weight_packed`); weights `num_bits: 8, type: int, symmetric: true, strategy: channel`
+  (ranks/int8_tensors.py);
+- int4: format `pack-quantized` with 4 bits (W4A16: eight values to an int32), weights `num_bits: 4,
+  type: int, strategy: group` (any group_size; multiples of 32 are served as stored, others
+  dequantized) or `strategy: channel`, symmetric or not (`weight_zero_point`) (ranks/int4_tensors.py);
+- fp8: format `float-quantized` / `naive-quantized`, weights `num_bits: 8, type: float, symmetric:
+  true, strategy: tensor` or `channel`, dequantized at load (ranks/fp8_tensors.py);
+each group naming its format, or all the checkpoint's. Refused by name: other bit widths and types
+(int2, nvfp4), other strategies (block, tensor for ints, group for int8 and fp8), asymmetric int8 or
+fp8, activation order (`actorder`; `g_idx` tensors at load), dynamic weight scales, transforms,
+sparsity. The checkpoint's input-activation settings are not used: the int8 and 4-bit products
+quantize every input row by its own absmax at run time (kernels/int8_linear.py,
+kernels/q4_linear.py), and fp8 weights compute in float.
+Which modules are quantized is read off the tensors themselves: the ones beside a `weight_scale`;
+the rest (`ignore`, usually lm_head) are float.
 """
 
 from __future__ import annotations
@@ -19,23 +31,31 @@ from pathlib import Path
 from tpserve.ranks.errors import ModelFileError
 
 METHOD = "compressed-tensors"
-FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
+FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
 # Sections of a compressed-tensors config whose presence changes what the stored numbers mean.
 UNSUPPORTED_SECTIONS = ("transform_config",)
+# (type, num_bits) -> the kind of weight it is, its strategies and the formats storing it.
+KINDS = {
+    ("int", 8): ("int8", ("channel",), ("int-quantized", "naive-quantized", "pack-quantized")),
+    ("int", 4): ("int4", ("group", "channel"), ("pack-quantized",)),
+    ("float", 8): ("fp8", ("tensor", "channel"), ("float-quantized", "naive-quantized")),
+}
 
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """A compressed-tensors int8 checkpoint, as its config.json declares it."""
+    """A compressed-tensors int8, int4 or fp8 checkpoint, as its config.json declares it."""
 
     formats: tuple[str, ...]  # the formats its groups store weights in
+    kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"
+    strategies: tuple[str, ...] = ("channel",)  # "channel", "tensor" or "group <size>"
 
     def describe(self) -> str:
-        return f"{METHOD} int8 ({', '.join(self.formats)}), channel scales"
+        return f"{METHOD} {', '.join(self.kinds)} ({', '.join(self.formats)}), {', '.join(self.strategies)} scales"
 
 
 def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization | None:
-    """None for a float checkpoint (no quantization_config); else the checkpoint's int8 scheme, or
+    """None for a float checkpoint (no quantization_config); else the checkpoint's scheme, or
     ModelFileError naming what tpserve does not serve."""
     if raw is None:
         return None
@@ -47,7 +67,7 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
         raise refuse("not a JSON object")
     method = raw.get("quant_method")
     if method != METHOD:
-        raise refuse(f"quant_method {method!r} is not supported (supported: {METHOD} int8)")
+        raise refuse(f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8)")
     for section in UNSUPPORTED_SECTIONS:
         if raw.get(section):
             raise refuse(f"{section} is not supported (its weights are stored transformed)")
@@ -58,7 +78,7 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
     if not isinstance(groups, dict) or not groups:
         raise refuse("no config_groups")
     default_format = raw.get("format")
-    formats = []
+    formats, kinds, strategies = [], [], []
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise refuse(f"config group {name!r} is not a JSON object")
@@ -67,41 +87,59 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
             raise refuse(
                 f"config group {name!r}: format {group_format!r} is not supported (supported: {', '.join(FORMATS)})"
             )
-        _check_weights(group.get("weights"), f"config group {name!r}", refuse)
-        _check_inputs(group.get("input_activations"), f"config group {name!r}", refuse)
+        where = f"config group {name!r}"
+        kind, strategy, kind_formats = _check_weights(group.get("weights"), where, refuse)
+        if group_format not in kind_formats:
+            raise refuse(
+                f"{where}: {kind} weights need format {' or '.join(map(repr, kind_formats))}, not {group_format!r}"
+            )
+        _check_inputs(group.get("input_activations"), where, kind, refuse)
         if group.get("output_activations"):
-            raise refuse(f"config group {name!r}: output activation quantization is not supported")
+            raise refuse(f"{where}: output activation quantization is not supported")
         formats.append(group_format)
-    return CheckpointQuantization(tuple(dict.fromkeys(formats)))
+        kinds.append(kind)
+        strategies.append(strategy)
+    return CheckpointQuantization(*(tuple(dict.fromkeys(values)) for values in (formats, kinds, strategies)))
 
 
-def _check_weights(args, where: str, refuse) -> None:
+def _check_weights(args, where: str, refuse) -> tuple[str, str, tuple[str, ...]]:
+    """The group's weight kind, strategy in words and the formats storing that kind; or refused by name."""
     if not isinstance(args, dict):
         raise refuse(f"{where}: no weight quantization (activation-only schemes are not supported)")
     num_bits, kind = args.get("num_bits", 8), args.get("type", "int")
-    if kind != "int":
-        raise refuse(f"{where}: {kind} weights (num_bits {num_bits}) are not supported, only int8")
-    if num_bits != 8:
-        raise refuse(f"{where}: int{num_bits} weights are not supported, only int8")
-    if not args.get("symmetric", True):
-        raise refuse(f"{where}: asymmetric weights (zero points) are not supported, only symmetric int8")
-    strategy = args.get("strategy")
-    if strategy is None:  # compressed-tensors infers it from group_size
-        group_size = args.get("group_size")
-        strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
-    if strategy != "channel":
+    if (kind, num_bits) not in KINDS:
         raise refuse(
-            f"{where}: weight strategy {strategy!r} is not supported, only 'channel' (one scale per row)"
+            f"{where}: {kind} weights (num_bits {num_bits}) are not supported, only int8, int4 and float8"
+            if kind != "int"
+            else f"{where}: int{num_bits} weights are not supported, only int8 and int4"
         )
+    name, supported, kind_formats = KINDS[kind, num_bits]
+    if name != "int4" and not args.get("symmetric", True):
+        raise refuse(f"{where}: asymmetric weights (zero points) are not supported in {name}, only symmetric")
+    strategy = args.get("strategy")
+    group_size = args.get("group_size")
+    if strategy is None:  # compressed-tensors infers it from group_size
+        strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
+    if strategy not in supported:
+        raise refuse(
+            f"{where}: {name} weight strategy {strategy!r} is not supported, only {' or '.join(map(repr, supported))}"
+        )
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise refuse(f"{where}: strategy 'group' with group_size {group_size!r}, not a positive integer")
     if args.get("actorder"):
         raise refuse(f"{where}: actorder {args['actorder']!r} is not supported")
+    if args.get("dynamic"):
+        raise refuse(f"{where}: dynamic weight scales are not supported (the file must store them)")
+    return name, f"group {group_size}" if strategy == "group" else strategy, kind_formats
 
 
-def _check_inputs(args, where: str, refuse) -> None:
+def _check_inputs(args, where: str, weights: str, refuse) -> None:
+    """Input activations are quantized by the products' own rule (or not at all: fp8 weights
+    compute in float), so any 8-bit scheme of them is accepted and not used."""
     if args is None:  # weight-only
         return
     if not isinstance(args, dict):
         raise refuse(f"{where}: input_activations is not a JSON object")
     num_bits, kind = args.get("num_bits", 8), args.get("type", "int")
-    if kind != "int" or num_bits != 8:
+    if num_bits != 8 or kind not in (("int", "float") if weights == "fp8" else ("int",)):
         raise refuse(f"{where}: {kind}{num_bits} input activations are not supported (inputs run in int8)")

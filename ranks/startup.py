@@ -124,8 +124,11 @@ def check_checkpoint_quantization(
     """Refuses a pre-quantized (int8) checkpoint this device cannot serve, by name, before loading.
 
     Its int8 layers are served as stored whatever `quantize` says; `quantize` decides only the
-    layers it left in float (usually the head): none keeps them float, int8 quantizes them at load."""
-    if config.quantization is None:
+    layers it left in float (usually the head): none keeps them float, int8 quantizes them at load.
+    An int4 checkpoint's layers are served as stored where `quantize` is int4, else dequantized to
+    float32 first (as a GGUF import's blocks are, ranks/packing.py), and an fp8 one's are dequantized
+    at load: any device serves them."""
+    if config.quantization is None or "int8" not in config.quantization.kinds:
         return
     what = f"{settings.model_dir} is a {config.quantization.describe()} checkpoint"
     why_not = int8_available(device)
@@ -133,6 +136,19 @@ def check_checkpoint_quantization(
         raise UserError(f"{what}: {why_not}; serve a float checkpoint there")
     if settings.dtype != "float32":
         raise UserError(f"{what}: its int8 layers compute in float32, not dtype {settings.dtype}")
+
+
+def describe_serving(kinds: tuple[str, ...], quantize: str) -> str:
+    """In words: which of a checkpoint's quantized layers are served as the file stores them, and
+    which `quantize` decides."""
+    stored = ["int8"] if "int8" in kinds else []
+    dequantized = ["fp8"] if "fp8" in kinds else []
+    (stored if quantize == "int4" else dequantized).extend(["int4"] if "int4" in kinds else [])
+    said = [f"its {' and '.join(stored)} layers served as stored"] if stored else []
+    if dequantized:
+        said.append(f"its {' and '.join(dequantized)} layers dequantized to float32")
+    also = "them and to " if dequantized else ""
+    return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"
 
 
 def agree_on_attention(model, rank: int, group) -> None:
@@ -278,10 +294,10 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
     )
     if config.quantization is not None:
         log.info(
-            "rank %d: %s: its int8 layers served as stored, quantize %s applies to those it left in float",
+            "rank %d: %s: %s",
             rank,
             config.quantization.describe(),
-            settings.quantize,
+            describe_serving(config.quantization.kinds, settings.quantize),
         )
     model = load_rank_model(
         settings.model_dir,

@@ -15,6 +15,8 @@ from safetensors import SafetensorError, safe_open
 
 from tpserve.ranks.block_tensors import BlockValues, StoredBlocks, stored_blocks
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.fp8_tensors import StoredFp8, holds_fp8
+from tpserve.ranks.int4_tensors import StoredInt4, holds_int4
 from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
@@ -24,7 +26,7 @@ from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
 class RankWeights:
     replicated: dict[str, torch.Tensor] = field(default_factory=dict)
     # One per local piece; a weight an int8 checkpoint ships in int8 is its Int8Values, one an
-    # imported GGUF keeps in blocks its BlockValues.
+    # imported GGUF or an int4 checkpoint keeps in blocks its BlockValues.
     pieces: list[dict[str, torch.Tensor | Int8Values | BlockValues]] = field(default_factory=list)
 
 
@@ -157,12 +159,17 @@ class StoredFloat:
 
 def _stored_tensor(
     model_dir: Path, config: ModelConfig, files: dict[str, Path], handles: dict, name: str
-) -> StoredFloat | StoredInt8:
-    """`name`'s tensor in the checkpoint: float, or (an int8 checkpoint's quantized layer, a
-    weight_scale beside it) int8."""
+) -> StoredFloat | StoredInt8 | StoredInt4 | StoredFp8 | StoredBlocks:
+    """`name`'s tensor in the checkpoint: float, or (a compressed-tensors checkpoint's quantized
+    layer, a weight_scale beside it) int8, int4 or fp8, or (a GGUF import's) blocks."""
     scale = stored_name(files, name + "_scale") if config.quantization and may_be_int8(name) else None
     if scale is not None:
-        return StoredInt8(handles, files, scale.removesuffix("_scale"))
+        quantized = scale.removesuffix("_scale")
+        if holds_fp8(handles, files, quantized, config.quantization.kinds):
+            return StoredFp8(handles, files, quantized)
+        if holds_int4(handles, files, quantized, config.quantization.kinds):
+            return StoredInt4(handles, files, quantized)
+        return StoredInt8(handles, files, quantized)
     blocks = stored_blocks(files, name)
     if blocks is not None:
         return StoredBlocks(handles, files, name, blocks)

@@ -61,6 +61,20 @@ def piece_of(file, config, piece, prefix: str, module: str, unit: str, columns: 
     return weight[:, start:end] if columns else weight[start:end]
 
 
+def served_and_stored(model, file):
+    """(served product, the file's weights of its piece: rows stacked as it fuses them) for every
+    layer product of every piece of `model`."""
+    for index, layers in enumerate(model.layers):
+        for piece, layer in zip(model.pieces, layers):
+            part = functools.partial(piece_of, file, model.config, piece, f"model.layers.{index}.")
+            qkv = [part(f"self_attn.{n}_proj", u) for n, u in zip("qkv", ("q_heads", "kv_heads", "kv_heads"))]
+            gate_up = [part(f"mlp.{n}_proj", "intermediate") for n in ("gate", "up")]
+            yield layer.w_qkv, torch.cat(qkv)
+            yield layer.w_gate_up, torch.cat(gate_up)
+            yield layer.w_o, part("self_attn.o_proj", "q_heads", columns=True)
+            yield layer.w_down, part("mlp.down_proj", "intermediate", columns=True)
+
+
 @pytest.mark.parametrize("variant, fmt, ignore", CASES)
 def test_every_piece_computes_with_the_files_int8_values_and_scales(tmp_path, variant, fmt, ignore):
     model_dir = int8_model(tmp_path, variant, fmt, ignore, scale_dtype=torch.bfloat16)
@@ -68,22 +82,10 @@ def test_every_piece_computes_with_the_files_int8_values_and_scales(tmp_path, va
     for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
         model = load(model_dir, tp_rank, tp_size)
         config = model.config
-        for index, layers in enumerate(model.layers):
-            for piece, layer in zip(model.pieces, layers):
-                part = functools.partial(piece_of, file, config, piece, f"model.layers.{index}.")
-                qkv = [
-                    part(f"self_attn.{n}_proj", u) for n, u in zip("qkv", ("q_heads", "kv_heads", "kv_heads"))
-                ]
-                gate_up = [part(f"mlp.{n}_proj", "intermediate") for n in ("gate", "up")]
-                # down_proj too: the file ships it in int8, so it is served in int8 (not float16).
-                for served, stored in (
-                    (layer.w_qkv, torch.cat(qkv)),
-                    (layer.w_gate_up, torch.cat(gate_up)),
-                    (layer.w_o, part("self_attn.o_proj", "q_heads", columns=True)),
-                    (layer.w_down, part("mlp.down_proj", "intermediate", columns=True)),
-                ):
-                    assert isinstance(served, Int8Weight)
-                    assert torch.equal(served.dequantize(), stored)
+        # down_proj too: the file ships it in int8, so it is served in int8 (not float16).
+        for served, stored in served_and_stored(model, file):
+            assert isinstance(served, Int8Weight)
+            assert torch.equal(served.dequantize(), stored)
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         for piece, served in zip(model.pieces, model.head):
             start, end = piece.vocab
@@ -181,13 +183,21 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"format": "pack-quantized", "num_bits": 4}, "int4 weights are not supported, only int8"),
+        ({"num_bits": 4}, "int4 weights need format 'pack-quantized', not 'int-quantized'"),
+        ({"format": "pack-quantized", "num_bits": 2}, "int2 weights are not supported, only int8 and int4"),
         ({"strategy": "group", "group_size": 128}, "weight strategy 'group' is not supported"),
         ({"strategy": "block", "block_structure": [128, 128]}, "weight strategy 'block' is not supported"),
         ({"strategy": "tensor"}, "weight strategy 'tensor' is not supported"),
         ({"symmetric": False}, "asymmetric weights"),
-        ({"type": "float"}, "float weights \\(num_bits 8\\) are not supported"),
-        ({"format": "float-quantized"}, "format 'float-quantized' is not supported"),
+        (
+            {"type": "float"},
+            "fp8 weights need format 'float-quantized' or 'naive-quantized', not 'int-quantized'",
+        ),
+        (
+            {"format": "float-quantized"},
+            "int8 weights need format 'int-quantized' or .*, not 'float-quantized'",
+        ),
+        ({"format": "nvfp4-pack-quantized"}, "format 'nvfp4-pack-quantized' is not supported"),
         ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
         ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
         ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format 'sparse-24-bitmask'"),

@@ -130,8 +130,11 @@ def unpack_int32(packed: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return (unsigned.view(packed.shape[0], -1)[:, : shape[1]] - 128).to(torch.int8)
 
 
-def float_twin(int8_dir: str | Path, out_dir: str | Path) -> Path:
-    """The int8 checkpoint's dequantized weights as a float checkpoint (no quantization_config)."""
+def float_twin(
+    int8_dir: str | Path, out_dir: str | Path, weights: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """The int8 checkpoint's dequantized weights (or `weights`) as a float checkpoint (no
+    quantization_config)."""
     int8_dir, out = Path(int8_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
@@ -139,5 +142,5 @@ def float_twin(int8_dir: str | Path, out_dir: str | Path) -> Path:
     config = json.loads((int8_dir / "config.json").read_text())
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(dequantized(int8_dir), str(out / "model.safetensors"))
+    save_file(dequantized(int8_dir) if weights is None else weights, str(out / "model.safetensors"))
     return out

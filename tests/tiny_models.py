@@ -74,11 +74,14 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def write_tiny_model(out_dir: str | Path, variant: str = "llama", seed: int = 0) -> Path:
+def write_tiny_model(
+    out_dir: str | Path, variant: str = "llama", seed: int = 0, overrides: dict | None = None
+) -> Path:
+    """The variant's tiny model at `out_dir`; `overrides` replace config.json fields (sizes)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(320)
-    config = {**BASE, **VARIANTS[variant], "vocab_size": tokenizer.get_vocab_size()}
+    config = {**BASE, **VARIANTS[variant], **(overrides or {}), "vocab_size": tokenizer.get_vocab_size()}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

@@ -1,0 +1,151 @@
+"""Tiny compressed-tensors int4 and fp8 checkpoints, written by the compressed-tensors library as llm-compressor saves them.
+
+A float tiny model (tiny_models.py) is loaded into transformers in the dtype its scales are to have,
+its Linear layers (but `ignore`) given a W4A16 (or FP8) QuantizationScheme by apply_quantization_config; each
+weight's scale and zero point come from its min and max per group (or row) through the library's
+calculate_qparams, as llm-compressor's minmax observer computes them; ModelCompressor then packs the
+model (compress_model, format pack-quantized or float-quantized), save_pretrained writes it and
+update_config its quantization_config. So the
+packing, the tensors' names and the config are the library's own, not our reading of them.
+`decompressed` is the library's own decompression of every weight (its compressor's decompress), in
+float32; `float_twin` writes those weights as a float checkpoint, the reference the served model is
+compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    apply_quantization_config,
+)
+from compressed_tensors.quantization.utils.helpers import calculate_qparams
+from safetensors.torch import load_file, save_file
+from tiny_int8_models import MODEL_FILES
+from tiny_int8_models import float_twin as float_checkpoint
+from tiny_models import write_tiny_model
+from transformers import AutoModelForCausalLM
+
+# Sizes whose every input is whole groups of 128 (the tiny models' hidden size, 96, is not); its
+# o_proj's columns split 64 + 64 inside one group.
+WIDE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def weight_args(
+    strategy: str = "group", group_size: int | None = 32, symmetric: bool = True
+) -> QuantizationArgs:
+    return QuantizationArgs(
+        num_bits=4,
+        type="int",
+        strategy=strategy,
+        group_size=group_size if strategy == "group" else None,
+        symmetric=symmetric,
+    )
+
+
+def fp8_args(strategy: str = "channel") -> QuantizationArgs:
+    return QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True)
+
+
+def fp8_inputs() -> QuantizationArgs:
+    """FP8 W8A8's inputs, as llm-compressor's FP8_DYNAMIC scheme declares them."""
+    return QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+
+
+def write_compressed_checkpoint(
+    out_dir: str | Path,
+    variant: str = "llama",
+    *,
+    args: QuantizationArgs | None = None,
+    inputs: QuantizationArgs | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    ignore=("lm_head",),
+    overrides: dict | None = None,
+) -> Path:
+    """The tiny `variant` (config `overrides`) quantized by compressed-tensors with weight `args`
+    (default: int4, symmetric, groups of 32) and input `inputs` (None: weight-only), its scales and
+    float tensors in `dtype`, at `out_dir`; int weights pack-quantized, float ones float-quantized."""
+    out = Path(out_dir)
+    float_dir = write_tiny_model(out.with_name(out.name + "-float"), variant, overrides=overrides)
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype)
+    args = args or weight_args()
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=inputs)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore))
+    apply_quantization_config(model, config, show_progress=False)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            _observe_min_max(module)
+    fmt = "pack-quantized" if args.type == "int" else "float-quantized"
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for name in MODEL_FILES:
+        shutil.copy(float_dir / name, out / name)
+    return out
+
+
+def _observe_min_max(module: torch.nn.Module) -> None:
+    """The weight's scale (and zero point) from its min and max per group or row."""
+    args = module.quantization_scheme.weights
+    weight = module.weight.data
+    if args.strategy == "group":
+        weight = weight.unflatten(-1, (-1, args.group_size))  # [out, groups, group_size]
+        low, high = weight.amin(dim=-1), weight.amax(dim=-1)
+    elif args.strategy == "tensor":
+        low, high = weight.amin(), weight.amax()
+    else:
+        low, high = weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True)
+    scale, zero_point = calculate_qparams(low, high, args)
+    module.weight_scale.data.copy_(scale)
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero_point)
+
+
+def scheme_of(model_dir: str | Path) -> QuantizationScheme:
+    config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
+    return QuantizationConfig.model_validate(config).config_groups["group_0"]
+
+
+def decompressed(
+    model_dir: str | Path, scale_dtype: torch.dtype | None = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Every weight as compressed-tensors decompresses it, with its scales in `scale_dtype` (float32:
+    exact; None: as stored, what the library's own float model holds); the rest as stored, in float32."""
+    stored, scheme = load_file(Path(model_dir) / "model.safetensors"), scheme_of(model_dir)
+    modules = {name.removesuffix(".weight_scale") for name in stored if name.endswith(".weight_scale")}
+    compressed = {name for name in stored if name.partition(".weight")[0] in modules and ".weight" in name}
+    weights = {name: t.float() for name, t in stored.items() if name not in compressed}  # biases, norms
+    for module in modules:
+        packed = module + ".weight_packed" in stored
+        compressor = PackedQuantizationCompressor if packed else NaiveQuantizationCompressor
+        parts = {key: stored[f"{module}.{key}"] for key in compressor.compression_param_names(scheme)}
+        if scale_dtype is not None:
+            parts["weight_scale"] = parts["weight_scale"].to(scale_dtype)
+        weights[module + ".weight"] = compressor.decompress(parts, scheme)["weight"]
+    return weights
+
+
+def float_twin(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """The checkpoint's decompressed weights (float32, exact) as a float checkpoint."""
+    return float_checkpoint(model_dir, out_dir, decompressed(model_dir))
+
+
+def with_tensors(model_dir: str | Path, out_dir: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A copy of `model_dir` at `out_dir` whose `tensors` replace or add stored ones (a corrupt file)."""
+    model_dir, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True)
+    for file in model_dir.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy(file, out / file.name)
+    save_file(load_file(model_dir / "model.safetensors") | tensors, str(out / "model.safetensors"))
+    return out
