@@ -16,6 +16,7 @@ from multiproc import RankPool, world_collectives
 from safetensors.torch import load_file, save_file
 from tiny_models import VARIANTS, write_tiny_model
 
+from tpserve.kernels.attention_kernels import kv_dtype
 from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
@@ -54,7 +55,9 @@ def run_streams(
         row_tile=16,
         quantize=quantize,
     )
-    kv = KVPool(model.config.num_layers, 512, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
+    # the daemon's pool: float16 where the C attention kernel serves (kv_dtype auto)
+    pool_dtype = kv_dtype("auto", model.attention, model.dtype)
+    kv = KVPool(model.config.num_layers, 512, model.kv_heads_per_piece(), model.config.head_dim, pool_dtype)
     engine = Engine(model, kv)
     for lane in range(len(prompts)):
         assert engine.admit(lane, 100)
