@@ -38,11 +38,12 @@ class ProbeFailure(Exception):
     """A product that rounds a row differently by its batch on this machine."""
 
 
-def probe_model(model, *, product=linear, attention=None) -> None:
+def probe_model(model, *, product=linear, attention=None, kv_type: torch.dtype | None = None) -> None:
     """Raises ProbeFailure unless every product of `model` (a TPModel) is batch-invariant here.
 
     product and attention are the kernels checked (attention: the model's own unless given, with the
-    model's plans); tests pass a deliberately shape-dependent one.
+    model's plans, reading a pool of kv_type: the model's dtype unless given); tests pass a
+    deliberately shape-dependent one.
     """
     gen = torch.Generator().manual_seed(0)
     first = model.layers[0]
@@ -57,7 +58,8 @@ def probe_model(model, *, product=linear, attention=None) -> None:
     cfg = model.config
     for num_kv_heads in sorted({layer.num_kv_heads for layer in first if layer.num_kv_heads}):
         shape = (num_kv_heads, cfg.num_queries_per_kv, cfg.head_dim)
-        _check_attention(model.attention.plan, attention or model.attention.attend, *shape, model, gen)
+        attend = attention or model.attention.attend
+        _check_attention(model.attention.plan, attend, *shape, model, kv_type or model.dtype, gen)
 
 
 def _linears(piece):
@@ -82,11 +84,13 @@ def _check_rows(name: str, compute, x: torch.Tensor) -> None:
             )
 
 
-def _check_attention(make_plan, attention, num_kv_heads: int, group: int, head_dim: int, model, gen) -> None:
+def _check_attention(
+    make_plan, attention, num_kv_heads: int, group: int, head_dim: int, model, kv_type, gen
+) -> None:
     dtype, device = model.dtype, model.device
     q = torch.randn(PROBE_KEYS, num_kv_heads * group, head_dim, generator=gen).to(device, dtype)
     k, v = (
-        torch.randn(num_kv_heads, PROBE_KEYS, head_dim, generator=gen).to(device, dtype) for _ in range(2)
+        torch.randn(num_kv_heads, PROBE_KEYS, head_dim, generator=gen).to(device, kv_type) for _ in range(2)
     )
 
     def attend(queries, spans):

@@ -162,12 +162,12 @@ def agree_on_attention(model, rank: int, group) -> None:
     log.info("rank %d: attention kernel: %s", rank, model.attention.name)
 
 
-def check_invariance(model, rank: int, group, drill: bool = False) -> None:
+def check_invariance(model, rank: int, group, kv_type: torch.dtype, drill: bool = False) -> None:
     """The start-up probe on every rank, then a vote: one rank's failure stops them all."""
     log.info("rank %d: checking batch invariance on %s", rank, describe_machine())
     failure = None
     try:
-        probe_model(model, product=shape_dependent_linear if drill else linear)
+        probe_model(model, product=shape_dependent_linear if drill else linear, kv_type=kv_type)
     except ProbeFailure as error:
         failure = str(error)
     passed = torch.tensor([failure is None], dtype=torch.int64)
@@ -313,7 +313,8 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
     )
     if settings.batch_invariant:
         agree_on_attention(model, rank, control)
-        check_invariance(model, rank, control, drill=settings.shape_dependent_on_rank == rank)
+        kv_type = kv_dtype(settings.kv_dtype, model.attention, DTYPES[settings.dtype])
+        check_invariance(model, rank, control, kv_type, drill=settings.shape_dependent_on_rank == rank)
     return model
 
 

@@ -30,6 +30,12 @@ def test_the_probe_passes_on_the_products_own_kernels(tmp_path, variant, tp_rank
     probe_model(tiny_rank(tmp_path, variant, tp_rank, tp_size))
 
 
+def test_the_probe_passes_over_the_float16_pool_the_daemon_serves_from(tmp_path):
+    torch.set_num_threads(1)
+    model = tiny_rank(tmp_path, "llama", 0, 2)
+    probe_model(model, kv_type=torch.float16)
+
+
 def test_the_probe_passes_in_bfloat16_with_two_threads(tmp_path):
     torch.set_num_threads(2)
     try:
