@@ -150,8 +150,9 @@ class BlockKernel:
             x = x.contiguous()
         num_rows = x.shape[0]
         out = torch.empty(num_rows, num_out)
-        # Per row: qa (in bytes), then da and ms or sa (4 bytes a block each), as block_linear reads them.
-        scratch = torch.empty(num_rows * (num_in + 8 * num_in // BLOCK), dtype=torch.uint8)
+        # Per row: qa (in bytes), then da (4 bytes a block) and ms or sa (4) or sh (8), as block_linear
+        # reads them.
+        scratch = torch.empty(num_rows * (num_in + 12 * num_in // BLOCK), dtype=torch.uint8)
         failed = getattr(self.library(), self.linear)(
             x.data_ptr(),
             x.stride(0),

@@ -1,0 +1,132 @@
+/* 6-bit block weights with a scale per 16 inputs (GGUF's Q6_K) times 8-bit activations, each output's
+ * arithmetic fixed by the code.
+ *
+ * Inputs go in blocks of 32, each of two halves of 16. A weight is w[n, 32b+16h+i] = d[n,b] *
+ * sc[n,b,h] * (q[n,b,h,i] - 32) with q in 0..63, sc int8 and d float16 (Q6_K's super-block d, the
+ * same for its 8 blocks). An input row t is quantized per block on its own exactly as for the other
+ * block kernels (block_quantize.h): da[t,b] = absmax / 127, qa in -127..127, and sh[t,2b+h] = sum_i
+ * qa[t,b,h,i]. Then, for b = 0, 1, 2, ... in that order,
+ *     dot = sum_h sc[n,b,h] * (sum_i q[n,b,h,i] * qa[t,b,h,i] - 32 sh[t,2b+h])
+ *                                                             an exact int32 (|dot| <= 16646144 < 2^24)
+ *     acc = fmaf(d[n,b] * da[t,b], (float)dot, acc)           acc starts at 0
+ * and out[t,n] = acc. |dot| < 2^24 converts exactly; every float step is elementwise with explicit
+ * fmaf (the build turns off contraction), so the AVX-512 VNNI, AVX2 and scalar paths give the same
+ * bits, and a row's bits never depend on the rows beside it.
+ *
+ * q is kept unsigned (0..63) because both vector paths multiply u8 by s8 (vpdpbusd, vpmaddubsw: a
+ * pair is at most 2 * 63 * 127, no saturation); the - 32 comes back per half through sh.
+ *
+ * The weight is stored in groups of 16 outputs, block by block, one stream of 576 bytes per (group,
+ * block): 8 chunks of 64 bytes of values as q8_linear.c lays them out (byte 4o+j of chunk c is output
+ * o's input 4c+j: chunks 0..3 are half 0, 4..7 half 1), then sc[2][16] (half 0's, then half 1's),
+ * then d[16] as float16. AVX2 reads the same layout in halves of a group (outputs 0..7, 8..15).
+ *
+ * The tiles, their order, the dispatch by path and the entry point are block_tiles.h's, shared with
+ * the other block kernels; this file holds the layout and the arithmetic of one block (its hooks).
+ */
+#define CHUNKS 8                          /* 64-byte chunks of values per (group, block) */
+#define SC_AT (CHUNKS * 64)               /* byte offset of sc[2][16] */
+#define D_AT (SC_AT + 2 * GROUP)          /* byte offset of d[16] */
+#define GROUP_BLOCK_BYTES (D_AT + 2 * GROUP) /* 576 */
+#define ROW_TERM ROW_TERM_SH              /* q - 32 needs sh = sum qa per half */
+#include "block_tiles.h"
+
+static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q,
+                                 int64_t at) {
+    int32_t dot = 0;
+    for (int h = 0; h < 2; h++) {
+        int32_t part = 0;
+        for (int c = 4 * h; c < 4 * h + 4; c++)
+            for (int j = 0; j < 4; j++) part += blk[c * 64 + o * 4 + j] * a[4 * c + j];
+        dot += (int8_t)blk[SC_AT + h * GROUP + o] * (part - 32 * q.sh[2 * at + h]);
+    }
+    return fmaf(load_half(blk + D_AT + 2 * o) * q.da[at], (float)dot, acc);
+}
+
+#if defined(__x86_64__)
+/* dot[r][h] gets sum_half sc * sum q * qa; the epilogue takes 32 sum_half sc * sh off. */
+VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group_bytes, const int8_t *a,
+                           int K, int R, int NG) {
+    for (int half = 0; half < 2; half++) {
+        __m512i part[ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < NG; h++) part[r][h] = _mm512_setzero_si512();
+        for (int c = 4 * half; c < 4 * half + 4; c++) {
+            __m512i u[2];
+            for (int h = 0; h < NG; h++) u[h] = _mm512_loadu_si512(w + h * group_bytes + c * 64);
+            for (int r = 0; r < R; r++) {
+                __m512i ar = _mm512_set1_epi32(load4(a + (int64_t)r * K + 4 * c));
+                for (int h = 0; h < NG; h++) part[r][h] = _mm512_dpbusd_epi32(part[r][h], u[h], ar);
+            }
+        }
+        for (int h = 0; h < NG; h++) {
+            const __m128i *sc = (const __m128i *)(w + h * group_bytes + SC_AT + half * GROUP);
+            __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc));
+            for (int r = 0; r < R; r++)
+                dot[r][h] = _mm512_add_epi32(dot[r][h], _mm512_mullo_epi32(scale, part[r][h]));
+        }
+    }
+}
+
+VNNI INLINE void vnni_epilogue(__m512 acc[ROWS][2], __m512i dot[ROWS][2], const uint8_t *w,
+                               int64_t group_bytes, qrows q, int nb, int b, int R, int NG) {
+    for (int h = 0; h < NG; h++) {
+        const uint8_t *blk = w + h * group_bytes;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + D_AT)));
+        __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + SC_AT)));
+        __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + SC_AT + GROUP)));
+        for (int r = 0; r < R; r++) {
+            const int32_t *sh = q.sh + 2 * ((int64_t)r * nb + b);
+            __m512i off = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_set1_epi32(32 * sh[0])),
+                                           _mm512_mullo_epi32(sc1, _mm512_set1_epi32(32 * sh[1])));
+            __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(q.da[(int64_t)r * nb + b]));
+            __m512i exact = _mm512_sub_epi32(dot[r][h], off);
+            acc[r][h] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(exact), acc[r][h]);
+        }
+    }
+}
+
+AVX2 INLINE __m256i avx2_sub_scales(const uint8_t *blk, int half, int input_half) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + SC_AT + input_half * GROUP + half * 8)));
+}
+
+/* sums[r] gets sum_half sc * sum q * qa, as VNNI's dots. */
+AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, const int8_t *a, int K, int R) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int input_half = 0; input_half < 2; input_half++) {
+        __m256i part[ROWS];
+        for (int r = 0; r < R; r++) part[r] = _mm256_setzero_si256();
+        for (int c = 4 * input_half; c < 4 * input_half + 4; c++) {
+            __m256i u = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + half * 32));
+            for (int r = 0; r < R; r++) {
+                __m256i ar = _mm256_set1_epi32(load4(a + (int64_t)r * K + 4 * c));
+                part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, ar), ones));
+            }
+        }
+        __m256i scale = avx2_sub_scales(blk, half, input_half);
+        for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(scale, part[r]));
+    }
+}
+
+AVX2 INLINE void avx2_epilogue(__m256 acc[ROWS], __m256i sums[ROWS], const uint8_t *blk, int half, qrows q,
+                               int nb, int b, int R) {
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + D_AT + half * 16)));
+    __m256i sc0 = avx2_sub_scales(blk, half, 0), sc1 = avx2_sub_scales(blk, half, 1);
+    for (int r = 0; r < R; r++) {
+        const int32_t *sh = q.sh + 2 * ((int64_t)r * nb + b);
+        __m256i off = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_set1_epi32(32 * sh[0])),
+                                       _mm256_mullo_epi32(sc1, _mm256_set1_epi32(32 * sh[1])));
+        __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(q.da[(int64_t)r * nb + b]));
+        acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[r], off)), acc[r]);
+    }
+}
+#endif
+
+/* Bit i set: path i runs on this CPU (PATH_SCALAR always). */
+int tp_q6_paths(void) { return cpu_paths(); }
+
+/* out [T, N] = x [T, K] times the packed weight w, as block_linear (block_tiles.h) says; sh beside da. */
+int tp_q6_linear(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,
+                 uint8_t *scratch, float *out, int path) {
+    return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);
+}

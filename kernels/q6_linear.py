@@ -1,0 +1,120 @@
+"""Linear layers with 6-bit weights, a scale per 16 inputs (GGUF's Q6_K), and 8-bit inputs.
+
+A weight is held in blocks of 32 inputs per output, each of two halves of 16: w = d * sc * (q - 32)
+with q in 0..63, an int8 sub-scale sc per half and a float16 d per block (Q6_K's super-block d,
+repeated for its 8 blocks of 32). A Q6_K tensor is served with its own values: every weight is an
+exact float32 (11 significant bits times 7 times 5), so nothing is rounded twice. The packed layout
+(kernels/native/q6_linear.c) keeps q one byte each: 1.125 bytes a weight, against the GGUF's 0.82.
+As for the other block weights (kernels/q4_linear.py, kernels/q8_linear.py, whose input quantization
+and loops this kernel shares), each block's product is an exact int32 and its float epilogue is
+fixed elementwise: a row has the same bits at any batch and on the AVX-512 VNNI, AVX2 and scalar
+paths. The C kernel runs on one thread, whatever torch's count.
+
+Why: a Q4_K_M GGUF keeps its head and some ffn_down and attn_v in Q6_K; rounded to 4 bits at load
+they lose what the file kept. bench/q6_linear.py sets this kernel against float32 and 4 bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpserve.kernels.block_weights import BLOCK, GROUP, BlockKernel, check_block_shape, exact_half, half_up
+from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
+
+HALF = BLOCK // 2  # inputs per sub-scale
+VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 values 0..63, then sc[2][16] int8, d[16] float16
+GROUP_BLOCK_BYTES = VALUES_BYTES + 2 * GROUP + 2 * GROUP  # 576
+KERNEL = BlockKernel("q6_linear", paths="tp_q6_paths", linear="tp_q6_linear", what="6-bit block kernel")
+
+
+def q6_available() -> str | None:
+    """None where the 6-bit block kernel builds and runs here; else why not, in words."""
+    return KERNEL.unavailable()
+
+
+class Q6Weight(PackedWeight):
+    """One [out, in] weight in 6-bit blocks; `__call__(x [T, in]) -> [T, out]` float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        """Quantize a float weight symmetrically per half block, as Q6_K does but with d per block:
+        d = absmax / (127 * 32) in float16 rounded up, sc = round(absmax of the half / (32 d)) (at most
+        127), q = round(w / (d sc)) + 32 in 0..63 against those very d and sc."""
+        check_block_shape(weight, "6-bit")
+        weight = weight.detach().float()
+        blocks = weight.view(weight.shape[0], -1, 2, HALF)
+        d = half_up(blocks.abs().amax(dim=(-2, -1)) / (127 * 32), "6-bit")
+        tiny = torch.finfo(torch.float32).tiny
+        sc = (blocks.abs().amax(dim=-1) / (32 * d.float().clamp_min(tiny))[..., None]).round_().clamp_(1, 127)
+        step = (d.float()[..., None] * sc).clamp_min(tiny)[..., None]
+        q = (blocks / step).round_().add_(32).clamp_(0, 63).to(torch.uint8).view(weight.shape)
+        self._pack(q, sc.to(torch.int8).view(weight.shape[0], -1), d)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Q6Weight:
+        return cls(weight)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> Q6Weight:
+        """A checkpoint's own Q6_K blocks, packed as stored: q [out, in] uint8 in 0..63, sc [out, in / 16]
+        int8, d [out, in / 32] (float16, or float32 or bfloat16 values that float16 holds exactly:
+        others are refused by name), weight = d * sc * (q - 32). Nothing is rounded again."""
+        if q.dtype != torch.uint8 or q.dim() != 2:
+            raise QuantizeError(f"6-bit values must be uint8 [out, in], got {q.dtype} {list(q.shape)}")
+        check_block_shape(q, "6-bit")
+        halves = (q.shape[0], q.shape[1] // HALF)
+        if sc.dtype != torch.int8 or tuple(sc.shape) != halves:
+            raise QuantizeError(
+                f"6-bit sub-scales sc must be int8 of shape {list(halves)} for values {list(q.shape)}, "
+                f"got {sc.dtype} {list(sc.shape)}"
+            )
+        d = exact_half(d, "d", (q.shape[0], q.shape[1] // BLOCK), q.shape)
+        if q.numel() and int(q.max()) > 63:
+            raise QuantizeError(f"6-bit values must lie in 0..63, got one of {int(q.max())}")
+        weight = cls.__new__(cls)
+        weight._pack(q, sc, d)
+        return weight
+
+    def _pack(self, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> None:
+        # q: [N, K] uint8 0..63; sc: [N, K/16] int8; d: [N, K/32] float16 -> [groups, blocks, 576]
+        # uint8 (q6_linear.c).
+        self.shape, self.device = (q.shape[0], q.shape[1]), q.device
+        q, sc, d = KERNEL.grouped(q, sc, d)
+        num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
+        # Within a block, input k = 4 chunk + j; byte (chunk, output, j), as the 8-bit layout.
+        values = q.view(num_groups, GROUP, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        values = values.reshape(num_groups, num_blocks, VALUES_BYTES)
+        subs = sc.view(num_groups, GROUP, num_blocks, 2).permute(0, 2, 3, 1)  # [g, b, half, output]
+        subs = subs.contiguous().view(torch.uint8).view(num_groups, num_blocks, 2 * GROUP)
+        scales = d.view(num_groups, GROUP, num_blocks).transpose(1, 2).contiguous()
+        scale_bytes = scales.view(torch.uint8).view(num_groups, num_blocks, 2 * GROUP)
+        self._packed = torch.cat((values, subs, scale_bytes), dim=-1).contiguous()
+        self.nbytes = self._packed.numel()
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored blocks: q [out, in] uint8 in 0..63, sc [out, in / 16] int8, d [out, in / 32]
+        float16; from_blocks of them packs the same weight again."""
+        num_groups, num_blocks, _ = self._packed.shape
+        values = self._packed[..., :VALUES_BYTES].reshape(num_groups, num_blocks, 8, GROUP, 4)
+        q = values.permute(0, 3, 1, 2, 4).reshape(num_groups * GROUP, num_blocks * BLOCK)
+        subs = self._packed[..., VALUES_BYTES : VALUES_BYTES + 2 * GROUP].contiguous().view(torch.int8)
+        sc = subs.view(num_groups, num_blocks, 2, GROUP).permute(0, 3, 1, 2).reshape(num_groups * GROUP, -1)
+        scales = self._packed[..., VALUES_BYTES + 2 * GROUP :].contiguous().view(torch.float16)
+        d = scales.view(num_groups, num_blocks, GROUP).transpose(1, 2).reshape(num_groups * GROUP, num_blocks)
+        num_out = self.shape[0]
+        return q[:num_out], sc[:num_out], d[:num_out]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight the products compute with, d * sc * (q - 32) (for tests and references)."""
+        return dequantize_six_bit(*self.blocks())
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+        # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.
+        return KERNEL.run(self._packed, self.shape, x, bias, path)
+
+
+def dequantize_six_bit(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q [out, in] 0..63, sc [out, in / 16], d [out, in / 32] -> [out, in] float32 d * sc * (q - 32),
+    each exact in float32 (as the `gguf` package computes (d * sc) * (q - 32))."""
+    step = d.float().repeat_interleave(2, dim=1) * sc.float()  # [out, in / 16]
+    values = (q.view(*step.shape, HALF).float() - 32) * step[..., None]
+    return values.view(q.shape)
