@@ -95,15 +95,17 @@ def _directed(x: torch.Tensor, toward: float, what: str) -> torch.Tensor:
 @dataclass(frozen=True)
 class BlockKernel:
     """The block kernel kernels/native/<source>.c: its entry points `paths` (the paths this CPU runs,
-    a bit each) and `linear` (block_tiles.h's block_linear); `what` names it in messages."""
+    a bit each), `linear` (block_tiles.h's block_linear) and, where it has one, `lookup` (a weight's
+    rows dequantized, for an embedding that reads the head's copy); `what` names it in messages."""
 
     source: str
     paths: str
     linear: str
     what: str
+    lookup: str | None = None
 
     def library(self) -> ctypes.CDLL:
-        return _library(self.source, self.paths, self.linear)
+        return _library(self.source, self.paths, self.linear, self.lookup)
 
     def unavailable(self) -> str | None:
         """None where the kernel builds and runs here; else why not, in words."""
@@ -169,8 +171,28 @@ class BlockKernel:
         return out.add_(bias) if bias is not None else out
 
 
+    def rows(self, packed: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor) -> torch.Tensor:
+        """ids: [n] int64 output indices -> [n, in] float32, the packed weight's rows as its
+        dequantize() has them (bit for bit), read from the packed weight itself by `lookup`."""
+        num_out, num_in = shape
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(f"row ids must be int64 [n], got {ids.dtype} {list(ids.shape)}")
+        ids = ids.cpu().contiguous()
+        if ids.numel():
+            low, high = (int(v) for v in torch.aminmax(ids))
+            if low < 0 or high >= num_out:
+                raise ValueError(
+                    f"row ids must lie in 0..{num_out - 1} for a {list(shape)} weight, got {low}..{high}"
+                )
+        out = torch.empty(ids.numel(), num_in)
+        getattr(self.library(), self.lookup)(
+            packed.data_ptr(), num_in // BLOCK, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        return out
+
+
 @cache
-def _library(source: str, paths_name: str, linear_name: str) -> ctypes.CDLL:
+def _library(source: str, paths_name: str, linear_name: str, lookup_name: str | None) -> ctypes.CDLL:
     library = native.load(source)
     paths = getattr(library, paths_name)
     paths.restype, paths.argtypes = ctypes.c_int, []
@@ -179,4 +201,8 @@ def _library(source: str, paths_name: str, linear_name: str) -> ctypes.CDLL:
     linear.restype = ctypes.c_int
     # x, x's row stride, rows, in, packed weight, out, scratch, out, path
     linear.argtypes = [p, i64, i32, i32, p, i32, p, p, i32]
+    if lookup_name is not None:
+        lookup = getattr(library, lookup_name)
+        # packed weight, blocks per row, ids, number of ids, out
+        lookup.restype, lookup.argtypes = None, [p, i32, p, i32, p]
     return library

@@ -24,7 +24,9 @@ from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 HALF = BLOCK // 2  # inputs per sub-scale
 VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 values 0..63, then sc[2][16] int8, d[16] float16
 GROUP_BLOCK_BYTES = VALUES_BYTES + 2 * GROUP + 2 * GROUP  # 576
-KERNEL = BlockKernel("q6_linear", paths="tp_q6_paths", linear="tp_q6_linear", what="6-bit block kernel")
+KERNEL = BlockKernel(
+    "q6_linear", paths="tp_q6_paths", linear="tp_q6_linear", what="6-bit block kernel", lookup="tp_q6_rows"
+)
 
 
 def q6_available() -> str | None:
@@ -33,18 +35,19 @@ def q6_available() -> str | None:
 
 
 class Q6Weight(PackedWeight):
-    """One [out, in] weight in 6-bit blocks; `__call__(x [T, in]) -> [T, out]` float32."""
+    """One [out, in] weight in 6-bit blocks; `__call__(x [T, in]) -> [T, out]` float32, and
+    `rows(ids)` its dequantized rows (a tied embedding's lookup, as Q8Weight's)."""
 
     def __init__(self, weight: torch.Tensor):
         """Quantize a float weight symmetrically per half block, as Q6_K does but with d per block:
-        d = absmax / (127 * 32) in float16 rounded up, sc = round(absmax of the half / (32 d)) (at most
-        127), q = round(w / (d sc)) + 32 in 0..63 against those very d and sc."""
+        d = absmax / (127 * 31) in float16 rounded up, sc = ceil(absmax of the half / (31 d)) (at most
+        127), so q = round(w / (d sc)) + 32 lies in 1..63 against those very d and sc."""
         check_block_shape(weight, "6-bit")
         weight = weight.detach().float()
         blocks = weight.view(weight.shape[0], -1, 2, HALF)
-        d = half_up(blocks.abs().amax(dim=(-2, -1)) / (127 * 32), "6-bit")
+        d = half_up(blocks.abs().amax(dim=(-2, -1)) / (127 * 31), "6-bit")
         tiny = torch.finfo(torch.float32).tiny
-        sc = (blocks.abs().amax(dim=-1) / (32 * d.float().clamp_min(tiny))[..., None]).round_().clamp_(1, 127)
+        sc = (blocks.abs().amax(dim=-1) / (31 * d.float().clamp_min(tiny))[..., None]).ceil_().clamp_(1, 127)
         step = (d.float()[..., None] * sc).clamp_min(tiny)[..., None]
         q = (blocks / step).round_().add_(32).clamp_(0, 63).to(torch.uint8).view(weight.shape)
         self._pack(q, sc.to(torch.int8).view(weight.shape[0], -1), d)
@@ -106,6 +109,11 @@ class Q6Weight(PackedWeight):
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the products compute with, d * sc * (q - 32) (for tests and references)."""
         return dequantize_six_bit(*self.blocks())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [n] int64 output indices -> [n, in] float32, the rows of dequantize() (bit for bit),
+        read from the packed weight itself: a tied Q6_K embedding's lookup."""
+        return KERNEL.rows(self._packed, self.shape, ids)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
         # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.

@@ -12,6 +12,7 @@ import torch
 
 from tpserve.kernels.int8_linear import Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight
+from tpserve.kernels.q6_linear import Q6Weight
 from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.block_tensors import BlockValues, cat_blocks
@@ -37,8 +38,9 @@ def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockVa
 def pack_weight(weight: torch.Tensor | Int8Values | BlockValues, kind: str, dtype=torch.float32):
     """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
     (down_proj included: the file chose int8 for it); a GGUF's blocks are served as stored where
-    `kind` is int4 (and 8-bit ones where it is q8); anything else goes through quantize_weight (blocks dequantized first,
-    to `dtype` where they stay float)."""
+    `kind` is int4 (and 8- and 6-bit ones where it is q8: a Q6_K head keeps its 6 bits); anything else
+    goes through quantize_weight (blocks dequantized first, exactly, to `dtype` where they stay float:
+    int8 and none serve a Q6_K's exact values as they serve a Q4's)."""
     if isinstance(weight, BlockValues):
         if weight.q.numel() == 0:
             return weight.q.to(dtype)
@@ -46,6 +48,8 @@ def pack_weight(weight: torch.Tensor | Int8Values | BlockValues, kind: str, dtyp
             return Q4Weight.from_blocks(weight.q, weight.d, weight.m)
         if kind in ("int4", "q8") and weight.bits == 8:
             return Q8Weight.from_blocks(weight.q, weight.d)
+        if kind in ("int4", "q8") and weight.bits == 6:
+            return Q6Weight.from_blocks(weight.q, weight.sc, weight.d)
         weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
     if not isinstance(weight, Int8Values):
         return quantize_weight(weight, kind)

@@ -1,12 +1,12 @@
-"""What the block weight tests (test_block_weights.py, test_q4_linear.py, test_q8_linear.py) share: the
-two kinds, the paths each runs here, and the weights and rows they are tried on."""
+"""What the block weight tests (test_block_weights.py, test_q4_linear.py, test_q8_linear.py,
+test_q6_linear.py) share: the kinds, the paths each runs here, and the weights and rows they are tried on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tpserve.kernels import q4_linear, q8_linear
+from tpserve.kernels import q4_linear, q6_linear, q8_linear
 from tpserve.kernels.block_weights import BLOCK, BlockKernel, check_block_shape
 
 # Output counts that fill whole groups of 16, leave a lone group (the VNNI path pairs groups), and
@@ -31,9 +31,15 @@ KINDS = (
     ("q4", q4_linear.Q4Weight, q4_linear.KERNEL),
     ("q4f32", q4_float32_scales, q4_linear.KERNEL_F32),
     ("q8", q8_linear.Q8Weight, q8_linear.KERNEL),
+    ("q6", q6_linear.Q6Weight, q6_linear.KERNEL),
 )
 # how their refusals name them
-BITS = {q4_linear.Q4Weight: "4-bit", q4_float32_scales: "4-bit", q8_linear.Q8Weight: "8-bit"}
+BITS = {
+    q4_linear.Q4Weight: "4-bit",
+    q4_float32_scales: "4-bit",
+    q8_linear.Q8Weight: "8-bit",
+    q6_linear.Q6Weight: "6-bit",
+}
 
 
 def paths_here(kernel: BlockKernel) -> list[str]:

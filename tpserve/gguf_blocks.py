@@ -1,4 +1,4 @@
-"""A GGUF tensor's own blocks, unpacked: what `import-gguf` keeps for Q4_0, Q4_1, Q4_K and Q8_0 weights.
+"""A GGUF tensor's own blocks, unpacked: what `import-gguf` keeps for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights.
 
 Each block holds 32 consecutive inputs of one output row. Written out in torch layout:
     q: [out, in] uint8 values 0..15 (4-bit) or int8 values (8-bit), one byte each
@@ -10,8 +10,12 @@ d = d sc and m = -dmin mn, exact in float32 (11 significant bits times 6) though
 They dequantize exactly to what the `gguf` package's dequantize gives, and the engine serves them as
 they are (kernels/q4_linear.py), so nothing is rounded twice.
 
-Q6_K is not kept: its scales are per 16 inputs (an int8 each), and two halves of a block of 32 may
-have different ones, so it does not fit blocks of 32 with one scale; it is dequantized to float32.
+Q6_K's super-block of 256 inputs holds 16 int8 sub-scales sc (one per 16 inputs), 6-bit values q
+(a low nibble and 2 high bits each) and a float16 d: weight = d * sc * (q - 32), each exact in
+float32 (11 significant bits times 7 times 5). It is written as
+    q6: [out, in] uint8 values 0..63, sc: [out, in / 16] int8, d: [out, in / 256] float16
+and served by its own kernel (kernels/q6_linear.py). Q5_K, Q3_K and Q2_K are not kept: they are
+dequantized to float32 (and quantized again at load where the format asks for it).
 """
 
 from __future__ import annotations
@@ -23,14 +27,18 @@ import numpy as np
 
 from tpserve.kernels.block_weights import BLOCK
 
-SUPER_BLOCK = 256  # Q4_K's inputs per super-block: 8 blocks
+SUPER_BLOCK = 256  # a K-quant's inputs per super-block: 8 blocks
+SUB_BLOCK = 16  # Q6_K's inputs per sub-scale
 _Q = gguf.GGMLQuantizationType
-KEPT_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q8_0})
+KEPT_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q6_K, _Q.Q8_0})
 SCALE_BYTES = {_Q.Q4_0: 2, _Q.Q4_1: 2, _Q.Q4_K: 4, _Q.Q8_0: 2}  # float16, or float32 for Q4_K
 
 
 def kept_bytes(qtype, num_values: int) -> int:
-    """The bytes a kept tensor of `num_values` weights is written in: one a value, two scales a block."""
+    """The bytes a kept tensor of `num_values` weights is written in: one a value, then two scales a
+    block (Q6_K: an int8 a sub-block and a float16 a super-block)."""
+    if qtype == _Q.Q6_K:
+        return num_values + num_values // SUB_BLOCK + num_values // SUPER_BLOCK * 2
     return num_values + num_values // BLOCK * 2 * SCALE_BYTES[qtype]
 
 
@@ -55,12 +63,44 @@ class Blocks:
         """The same blocks with their output rows reordered (llama.cpp's q/k permutation undone)."""
         return Blocks(self.q[order], self.d[order], None if self.m is None else self.m[order])
 
+    def arrays(self, name: str) -> dict[str, np.ndarray]:
+        """What the import writes for weight `name`, by safetensors name."""
+        arrays = {f"{name}_q{self.bits}": self.q, f"{name}_d": self.d}
+        if self.m is not None:
+            arrays[f"{name}_m"] = self.m
+        return arrays
 
-def read_blocks(data: np.ndarray, qtype, shape: tuple[int, int]) -> Blocks:
+
+@dataclass(frozen=True)
+class SixBitBlocks:
+    """A Q6_K tensor's values and scales: weight = d * sc * (q - 32)."""
+
+    q: np.ndarray  # [out, in] uint8 0..63
+    sc: np.ndarray  # [out, in / 16] int8
+    d: np.ndarray  # [out, in / 256] float16
+
+    bits = 6
+
+    def dequantize(self) -> np.ndarray:
+        # (d * sc) * (q - 32) in float32 as gguf computes it; every product is exact anyway.
+        step = np.repeat(self.d.astype(np.float32), SUPER_BLOCK // SUB_BLOCK, axis=1) * self.sc
+        values = (self.q.reshape(*self.sc.shape, SUB_BLOCK).astype(np.float32) - 32) * step[..., None]
+        return values.reshape(self.q.shape)
+
+    def rows(self, order: np.ndarray) -> SixBitBlocks:
+        return SixBitBlocks(self.q[order], self.sc[order], self.d[order])
+
+    def arrays(self, name: str) -> dict[str, np.ndarray]:
+        return {f"{name}_q6": self.q, f"{name}_sc": self.sc, f"{name}_d": self.d}
+
+
+def read_blocks(data: np.ndarray, qtype, shape: tuple[int, int]) -> Blocks | SixBitBlocks:
     """data: the tensor's raw bytes [out, bytes per row] (gguf.ReaderTensor.data); shape: [out, in]."""
     num_out, num_in = shape
     if qtype == _Q.Q4_K:
         return _read_q4_k(data, num_out, num_in)
+    if qtype == _Q.Q6_K:
+        return _read_q6_k(data, num_out, num_in)
     raw = np.ascontiguousarray(data).reshape(num_out, num_in // BLOCK, -1)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]
     if qtype == _Q.Q8_0:
@@ -87,6 +127,20 @@ def _read_q4_k(data: np.ndarray, num_out: int, num_in: int) -> Blocks:
     block_d = (d * sc.astype(np.float32)).reshape(num_out, -1)
     block_m = -(dmin * mn.astype(np.float32)).reshape(num_out, -1)
     return Blocks(q, block_d, block_m)
+
+
+def _read_q6_k(data: np.ndarray, num_out: int, num_in: int) -> SixBitBlocks:
+    # A super-block's 210 bytes: 128 of low nibbles, 64 of high 2-bit pairs, 16 int8 sc, float16 d.
+    # Input 128 n + 32 k + l (n < 2, k < 4, l < 32) is the nibble (k // 2) of low byte
+    # 64 n + 32 (k % 2) + l and the bit pair k of high byte 32 n + l (gguf's dequantize_blocks).
+    raw = np.ascontiguousarray(data).reshape(num_out, num_in // SUPER_BLOCK, 210)
+    low = raw[..., :128].reshape(num_out, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    low = (low & 15).reshape(num_out, -1, 2, 4, 32)
+    high = raw[..., 128:192].reshape(num_out, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    q = (low | ((high & 3) << 4)).reshape(num_out, num_in)
+    sc = raw[..., 192:208].copy().view(np.int8).reshape(num_out, num_in // SUB_BLOCK)
+    d = raw[..., 208:210].copy().view(np.float16).reshape(num_out, num_in // SUPER_BLOCK)
+    return SixBitBlocks(q, sc, d)
 
 
 def _six_bit_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -130,3 +130,23 @@ int tp_q6_linear(const float *x, int64_t x_stride, int num_rows, int K, const ui
                  uint8_t *scratch, float *out, int path) {
     return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);
 }
+
+/* out [num_ids, K] = the dequantized rows (d * sc) * (q - 32) of outputs ids[0..num_ids) (each in 0..N,
+ * checked by the caller): every product exact in float32, so the same bits as dequantize_six_bit's. */
+void tp_q6_rows(const uint8_t *restrict w, int nb, const int64_t *restrict ids, int num_ids,
+                float *restrict out) {
+    int K = nb * BLOCK;
+    for (int i = 0; i < num_ids; i++) {
+        int64_t g = ids[i] / GROUP;
+        int o = (int)(ids[i] % GROUP);
+        float *row = out + (int64_t)i * K;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (g * nb + b) * GROUP_BLOCK_BYTES;
+            float d = load_half(blk + D_AT + 2 * o);
+            for (int k = 0; k < BLOCK; k++) {
+                float step = d * (float)(int8_t)blk[SC_AT + (k / 16) * GROUP + o];
+                row[b * BLOCK + k] = step * (float)(blk[(k / 4) * 64 + o * 4 + k % 4] - 32);
+            }
+        }
+    }
+}
