@@ -16,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tpserve import cli
 from tpserve import prepare as prepare_module
-from tpserve.gguf_blocks import KEPT_TYPES, Blocks
+from tpserve.gguf_blocks import KEPT_TYPES, Blocks, SixBitBlocks
 from tpserve.gguf_import import import_gguf
 from tpserve.gguf_tensors import unpermute_rotary_rows
 from tpserve.prepare import default_model_dir, find_default_gguf, prepare
@@ -39,9 +39,9 @@ CORPUS = [
     "naïve café 日本語",
 ] * 30
 # Largest error a type may add, as a fraction of the tensor's largest magnitude.
-# A Q4_K tensor is written from random blocks (gguf-py cannot quantize to it): its originals are
-# those blocks' exact values.
-TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_K: 0.0}
+# A Q4_K or Q6_K tensor is written from random blocks (gguf-py cannot quantize to it): its originals
+# are those blocks' exact values.
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_K: 0.0, Q.Q6_K: 0.0}
 LLAMA_TYPES = {
     "token_embd": Q.Q8_0,
     "attn_q": Q.F32,
@@ -85,6 +85,21 @@ def random_q4_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndar
     scale_and_nibbles = rng.integers(0, 256, (num_supers, 12 + 128), dtype=np.uint8)
     raw = np.concatenate((d.view(np.uint8), scale_and_nibbles), axis=-1)
     return raw.reshape(num_rows, -1)
+
+
+def random_q6_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
+    """[num_rows, num_in / 256 * 210] raw Q6_K super-blocks: random 6-bit values and int8 sub-scales
+    (every value), then a float16 d of either sign and a sane size."""
+    num_supers = num_rows * num_in // 256
+    d = (rng.uniform(0.5, 2.0, (num_supers, 1)) * rng.choice([-1, 1], (num_supers, 1)) / 4096).astype(
+        np.float16
+    )
+    values_and_scales = rng.integers(0, 256, (num_supers, 128 + 64 + 16), dtype=np.uint8)
+    raw = np.concatenate((values_and_scales, d.view(np.uint8)), axis=-1)
+    return raw.reshape(num_rows, -1)
+
+
+RANDOM_BLOCKS = {Q.Q4_K: random_q4_k, Q.Q6_K: random_q6_k}  # the types gguf-py cannot quantize to
 
 
 def write_tiny_gguf(
@@ -133,8 +148,8 @@ def write_tiny_gguf(
     originals: dict[str, np.ndarray] = {}
 
     def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: Q, permute_heads: int = 0) -> None:
-        if qtype == Q.Q4_K:
-            raw = random_q4_k(shape[0], shape[1], rng)
+        if qtype in RANDOM_BLOCKS:
+            raw = RANDOM_BLOCKS[qtype](shape[0], shape[1], rng)
             stored = gguf.quants.dequantize(raw, qtype).reshape(shape)
             originals[hf_name] = unpermute_rotary_rows(stored, permute_heads) if permute_heads else stored
             writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
@@ -206,10 +221,12 @@ def imported_weights(out_dir: Path) -> dict[str, np.ndarray]:
         stored.update(load_file(str(path)))
     weights = {}
     for name, array in stored.items():
+        base = name[: -len("_q4")]
         if name.endswith(("_q4", "_q8")):
-            base = name[: -len("_q4")]
             weights[base] = Blocks(array, stored[base + "_d"], stored.get(base + "_m")).dequantize()
-        elif not name.endswith(("_d", "_m")):
+        elif name.endswith("_q6"):
+            weights[base] = SixBitBlocks(array, stored[base + "_sc"], stored[base + "_d"]).dequantize()
+        elif not name.endswith(("_d", "_m", "_sc")):
             weights[name] = array
     return weights
 
@@ -220,7 +237,7 @@ def assert_weights_match(out_dir: Path, originals: dict[str, np.ndarray], types:
     assert set(weights) == set(originals)
     for name, original in originals.items():
         if _type_of(name, types) in KEPT_TYPES and original.ndim == 2:  # kept in its own blocks
-            assert name not in stored and (name + "_q4" in stored or name + "_q8" in stored), name
+            assert name not in stored and any(name + f"_q{bits}" in stored for bits in (4, 6, 8)), name
         assert weights[name].dtype == np.float32
         assert weights[name].shape == original.shape, name
         kind = _type_of(name, types)

@@ -58,13 +58,9 @@ def test_q4_k_layers_import_as_4_bit_blocks_with_float32_scales(tmp_path: Path):
     assert stored[up + "_d"].shape == (K_FFN, K_HIDDEN // 32)
 
 
-@pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
-@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
-def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size):
-    out_dir, originals = _q4_k_model(tmp_path)
-    model = load_rank_model(
-        out_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=torch.float32, max_positions=64, quantize="int4"
-    )
+def expected_pieces(model, originals: dict[str, np.ndarray], tp_rank: int, tp_size: int) -> list[dict]:
+    """Layer 0's fused and sliced weights each piece of `model` (rank tp_rank of tp_size) should serve,
+    taken from the original float weights."""
     pieces = model.layers[0]
     head_dim, num_kv = model.config.head_dim, model.config.num_kv_heads
     kv_per_piece = num_kv // (tp_size * len(pieces))
@@ -75,21 +71,33 @@ def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size)
         ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
         ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"),
     )}  # fmt: skip
-    for index, piece in enumerate(pieces):
+    expected = []
+    for index in range(len(pieces)):
         at = tp_rank * len(pieces) + index  # the piece's place among all pieces
         q_rows = slice(at * q_per_piece * head_dim, (at + 1) * q_per_piece * head_dim)
         kv_rows = slice(at * kv_per_piece * head_dim, (at + 1) * kv_per_piece * head_dim)
         ffn = slice(at * ffn_per_piece, (at + 1) * ffn_per_piece)
-        expected = {
+        expected.append({
             "w_qkv": torch.cat([w["q"][q_rows], w["k"][kv_rows], w["v"][kv_rows]]),
             "w_o": w["o"][:, q_rows],
             "w_gate_up": torch.cat([w["gate"][ffn], w["up"][ffn]]),
             "w_down": w["down"][:, ffn],
-        }
+        })  # fmt: skip
+    return expected
+
+
+@pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
+@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
+def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size):
+    out_dir, originals = _q4_k_model(tmp_path)
+    model = load_rank_model(
+        out_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    for index, expected in enumerate(expected_pieces(model, originals, tp_rank, tp_size)):
         for name, values in expected.items():
-            served = getattr(piece, name)
+            served = getattr(model.layers[0][index], name)
             assert served.scale_dtype == torch.float32, name
-            assert torch.equal(served.dequantize(), values), f"piece {at}'s {name}"
+            assert torch.equal(served.dequantize(), values), f"piece {index}'s {name}"
     if tp_size == 1:
         torch.set_num_threads(1)
         logits = _logits(out_dir, "int4")
