@@ -18,7 +18,9 @@ from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
 
 from tpserve.gguf_blocks import read_blocks
 from tpserve.gguf_import import import_gguf
+from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.q6_linear import Q6Weight, q6_available
+from tpserve.kernels.stacked_weight import StackedWeight
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.sharding import split_evenly
@@ -66,18 +68,22 @@ def test_q6_k_layers_import_as_6_bit_values_sub_scales_and_super_block_scales(tm
 
 
 @needs_kernel
+@pytest.mark.parametrize("types", [Q4_K_M, ALL_Q6_K], ids=["q4_k_m", "all-q6_k"])
 @pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
-def test_int4_serves_the_q6_k_files_own_values(tmp_path: Path, tp_rank, tp_size):
+def test_int4_serves_the_q6_k_files_own_values(tmp_path: Path, tp_rank, tp_size, types):
     # Row-parallel pieces of 128 inputs start on block edges inside a super-block (its d read out
-    # to each block of 32).
-    out_dir, originals = _model(tmp_path, ALL_Q6_K)
+    # to each block of 32). A Q4_K_M's q/k/v is its Q4_K q and k and its Q6_K v, stacked.
+    out_dir, originals = _model(tmp_path, types)
     model = load_rank_model(
         out_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=torch.float32, max_positions=64, quantize="int4"
     )
+    served_as = {"w_qkv": Q6Weight, "w_o": Q6Weight, "w_gate_up": Q6Weight, "w_down": Q6Weight}
+    if types is Q4_K_M:
+        served_as |= {"w_qkv": StackedWeight, "w_o": Q4Weight, "w_gate_up": Q4Weight}
     for index, expected in enumerate(expected_pieces(model, originals, tp_rank, tp_size)):
         for name, values in expected.items():
             served = getattr(model.layers[0][index], name)
-            assert isinstance(served, Q6Weight), name
+            assert isinstance(served, served_as[name]), name
             assert torch.equal(served.dequantize(), values), f"piece {index}'s {name}"
     # The tied head is the Q6_K embedding as stored, and the embedding reads the head's rows.
     vocab = torch.from_numpy(originals["model.embed_tokens.weight"])
