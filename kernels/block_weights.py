@@ -170,7 +170,6 @@ class BlockKernel:
             raise QuantizeError(f"the {self.what}'s {path} path does not run on this CPU")
         return out.add_(bias) if bias is not None else out
 
-
     def rows(self, packed: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor) -> torch.Tensor:
         """ids: [n] int64 output indices -> [n, in] float32, the packed weight's rows as its
         dequantize() has them (bit for bit), read from the packed weight itself by `lookup`."""

@@ -24,6 +24,7 @@ from bench.common import percentile
 from bench.concurrency import run_concurrency
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
 from bench.drafts import run_drafts
+from bench.q6_linear import run_q6_linear
 from bench.q8_linear import run_q8_linear
 from tpserve.ranks.model_config import load_model_config
 
@@ -130,6 +131,14 @@ def test_the_block_weight_benchmark_times_every_kind_and_the_embedding_lookup():
         assert set(r["ms"]) == {"int8", "q4", "q8"} and r["q8_over_int8"] > 0
         assert r["bytes"]["q8"] == 48 * 64 * 34 // 32 and r["bytes"]["q4"] == 48 * 64 * 5 // 8
     assert [r["ids"] for r in report["lookups"]] == [1, 16, 512]
+
+
+def test_the_6_bit_benchmark_times_every_kind_with_its_bytes():
+    report = run_q6_linear(rows=(1, 3), num_copies=2, num_passes=1, shapes=((48, 64),))
+    assert [(r["shape"], r["rows"]) for r in report["results"]] == [([48, 64], 1), ([48, 64], 3)]
+    for r in report["results"]:
+        assert set(r["ms"]) == {"float32", "q4", "q8", "q6"} and r["q6_over_q4"] > 0
+        assert r["bytes"]["q6"] == 48 * 64 * 9 // 8 and r["bytes"]["float32"] == 48 * 64 * 4
 
 
 def test_percentile_interpolates_between_ranks():

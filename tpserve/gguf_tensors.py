@@ -68,7 +68,7 @@ class PlannedTensor:
     name: str
     shape: tuple[int, ...]
     rotary_heads: int  # > 0: undo llama.cpp's q/k permutation over this many heads
-    keeps_blocks: bool = False  # written in its own blocks (a Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 matrix), not float32
+    keeps_blocks: bool = False  # written in its own blocks (a Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 matrix)
 
     @property
     def num_bytes(self) -> int:
