@@ -570,6 +570,11 @@ def test_a_damaged_block_tensor_is_refused_by_name(tmp_path: Path, damage, messa
     )
     write_tiny_gguf(tmp_path / "tiny.gguf", types=q4)
     out_dir = import_gguf(tmp_path / "tiny.gguf", tmp_path / "model", progress=False)
+    assert_damage_refused(out_dir, damage, message)
+
+
+def assert_damage_refused(out_dir: Path, damage, message: str) -> None:
+    """`damage` done to the import's tensors (a dict of arrays) makes loading it fail with `message`."""
     path = out_dir / "model.safetensors"
     tensors = {name: array.copy() for name, array in load_file(str(path)).items()}
     damage(tensors)

@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 import torch
 from multiproc import RankPool
-from safetensors.numpy import load_file, save_file
-from test_gguf_import import LLAMA_TYPES, _logits, assert_weights_match, random_q6_k, write_tiny_gguf
+from safetensors.numpy import load_file
+from test_gguf_import import (
+    LLAMA_TYPES,
+    _logits,
+    assert_damage_refused,
+    assert_weights_match,
+    random_q6_k,
+    write_tiny_gguf,
+)
 from test_gguf_kquants import K_FFN, K_HIDDEN, K_LAYERS, _bits, expected_pieces
 from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
 
@@ -21,7 +28,6 @@ from tpserve.gguf_import import import_gguf
 from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.q6_linear import Q6Weight, q6_available
 from tpserve.kernels.stacked_weight import StackedWeight
-from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.sharding import split_evenly
 
@@ -141,10 +147,4 @@ DOWN = "model.layers.1.mlp.down_proj.weight"
     ids=["no-sc", "signed-values", "unsigned-sc", "float32-d", "infinite-d", "past-63"],
 )
 def test_a_damaged_q6_k_tensor_is_refused_by_name(tmp_path: Path, damage, message):
-    out_dir, _ = _model(tmp_path, ALL_Q6_K)
-    path = out_dir / "model.safetensors"
-    tensors = {name: array.copy() for name, array in load_file(str(path)).items()}
-    damage(tensors)
-    save_file(tensors, str(path))
-    with pytest.raises(ModelFileError, match=message):
-        load_rank_model(out_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4")
+    assert_damage_refused(_model(tmp_path, ALL_Q6_K)[0], damage, message)

@@ -7,8 +7,10 @@
  * path. The kernel that includes this file first defines its layout,
  *     GROUP_BLOCK_BYTES   bytes per (group of 16 outputs, block of 32 inputs)
  *     ROW_TERM            ROW_TERM_MS, ROW_TERM_SA or ROW_TERM_SH: what quantize_rows writes beside da
- * then defines the hooks declared below, its own arithmetic, and the entry points that call
- * block_linear. Every hook is inlined, so a tile's R and NG stay constants and its arrays registers.
+ * then defines the hooks declared below and its own arithmetic, and names its entry points with
+ * BLOCK_ENTRY_POINTS. Every hook is inlined, so a tile's R and NG stay constants and its arrays
+ * registers. A kernel whose weight serves an embedding's lookup (its rows dequantized) also defines
+ * BLOCK_ROWS, the name of that entry point, and the hook dequantize_block.
  */
 #ifndef TP_BLOCK_TILES_H
 #define TP_BLOCK_TILES_H
@@ -217,5 +219,34 @@ static int block_linear(const float *x, int64_t x_stride, int num_rows, int K, c
     scalar_rows(w, nb, q, num_rows, N, out);
     return 0;
 }
+
+
+/* The kernel's entry points: PATHS() has bit i set where path i runs on this CPU (PATH_SCALAR
+ * always); LINEAR is block_linear (out [T, N] = x [T, K] times the packed weight w). */
+#define BLOCK_ENTRY_POINTS(PATHS, LINEAR)                                                              \
+    int PATHS(void) { return cpu_paths(); }                                                            \
+    int LINEAR(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,         \
+               uint8_t *scratch, float *out, int path) {                                               \
+        return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);                       \
+    }
+
+#ifdef BLOCK_ROWS
+/* row[0..32) = output o's dequantized weights in blk, its group's block: as the kernel's Python
+ * dequantize() computes them, bit for bit. */
+static inline void dequantize_block(const uint8_t *blk, int o, float *row);
+
+/* out [num_ids, K] = the dequantized rows of outputs ids[0..num_ids) (each in 0..N, checked by the
+ * caller): an embedding's lookup from the head's packed copy. */
+void BLOCK_ROWS(const uint8_t *restrict w, int nb, const int64_t *restrict ids, int num_ids,
+                float *restrict out) {
+    int K = nb * BLOCK;
+    for (int i = 0; i < num_ids; i++) {
+        int64_t g = ids[i] / GROUP;
+        int o = (int)(ids[i] % GROUP);
+        for (int b = 0; b < nb; b++)
+            dequantize_block(w + (g * nb + b) * GROUP_BLOCK_BYTES, o, out + (int64_t)i * K + b * BLOCK);
+    }
+}
+#endif
 
 #endif

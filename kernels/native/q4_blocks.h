@@ -141,13 +141,6 @@ AVX2 INLINE void avx2_epilogue(__m256 acc[ROWS], __m256i sums[ROWS], const uint8
 }
 #endif
 
-/* Bit i set: path i runs on this CPU (PATH_SCALAR always). */
-int Q4_PATHS(void) { return cpu_paths(); }
-
-/* out [T, N] = x [T, K] times the packed weight w, as block_linear (block_tiles.h) says; ms beside da. */
-int Q4_LINEAR(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,
-                 uint8_t *scratch, float *out, int path) {
-    return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);
-}
+BLOCK_ENTRY_POINTS(Q4_PATHS, Q4_LINEAR)
 
 #endif

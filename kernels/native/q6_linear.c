@@ -29,6 +29,7 @@
 #define D_AT (SC_AT + 2 * GROUP)          /* byte offset of d[16] */
 #define GROUP_BLOCK_BYTES (D_AT + 2 * GROUP) /* 576 */
 #define ROW_TERM ROW_TERM_SH              /* q - 32 needs sh = sum qa per half */
+#define BLOCK_ROWS tp_q6_rows             /* a tied embedding's lookup */
 #include "block_tiles.h"
 
 static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q,
@@ -122,31 +123,13 @@ AVX2 INLINE void avx2_epilogue(__m256 acc[ROWS], __m256i sums[ROWS], const uint8
 }
 #endif
 
-/* Bit i set: path i runs on this CPU (PATH_SCALAR always). */
-int tp_q6_paths(void) { return cpu_paths(); }
+BLOCK_ENTRY_POINTS(tp_q6_paths, tp_q6_linear)
 
-/* out [T, N] = x [T, K] times the packed weight w, as block_linear (block_tiles.h) says; sh beside da. */
-int tp_q6_linear(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,
-                 uint8_t *scratch, float *out, int path) {
-    return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);
-}
-
-/* out [num_ids, K] = the dequantized rows (d * sc) * (q - 32) of outputs ids[0..num_ids) (each in 0..N,
- * checked by the caller): every product exact in float32, so the same bits as dequantize_six_bit's. */
-void tp_q6_rows(const uint8_t *restrict w, int nb, const int64_t *restrict ids, int num_ids,
-                float *restrict out) {
-    int K = nb * BLOCK;
-    for (int i = 0; i < num_ids; i++) {
-        int64_t g = ids[i] / GROUP;
-        int o = (int)(ids[i] % GROUP);
-        float *row = out + (int64_t)i * K;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = w + (g * nb + b) * GROUP_BLOCK_BYTES;
-            float d = load_half(blk + D_AT + 2 * o);
-            for (int k = 0; k < BLOCK; k++) {
-                float step = d * (float)(int8_t)blk[SC_AT + (k / 16) * GROUP + o];
-                row[b * BLOCK + k] = step * (float)(blk[(k / 4) * 64 + o * 4 + k % 4] - 32);
-            }
-        }
+/* (d * sc) * (q - 32), every product exact in float32: the same bits as dequantize_six_bit's. */
+static inline void dequantize_block(const uint8_t *blk, int o, float *row) {
+    float d = load_half(blk + D_AT + 2 * o);
+    for (int k = 0; k < BLOCK; k++) {
+        float step = d * (float)(int8_t)blk[SC_AT + (k / 16) * GROUP + o];
+        row[k] = step * (float)(blk[(k / 4) * 64 + o * 4 + k % 4] - 32);
     }
 }
