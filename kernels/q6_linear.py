@@ -18,7 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from tpserve.kernels.block_weights import BLOCK, GROUP, BlockKernel, check_block_shape, exact_half, half_up
+from tpserve.kernels.block_weights import (
+    BLOCK,
+    GROUP,
+    BlockKernel,
+    byte_chunks,
+    check_block_shape,
+    exact_half,
+    from_byte_chunks,
+    half_up,
+)
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 
 HALF = BLOCK // 2  # inputs per sub-scale
@@ -83,9 +92,7 @@ class Q6Weight(PackedWeight):
         self.shape, self.device = (q.shape[0], q.shape[1]), q.device
         q, sc, d = KERNEL.grouped(q, sc, d)
         num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
-        # Within a block, input k = 4 chunk + j; byte (chunk, output, j), as the 8-bit layout.
-        values = q.view(num_groups, GROUP, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
-        values = values.reshape(num_groups, num_blocks, VALUES_BYTES)
+        values = byte_chunks(q)  # as the 8-bit layout
         subs = sc.view(num_groups, GROUP, num_blocks, 2).permute(0, 2, 3, 1)  # [g, b, half, output]
         subs = subs.contiguous().view(torch.uint8).view(num_groups, num_blocks, 2 * GROUP)
         scales = d.view(num_groups, GROUP, num_blocks).transpose(1, 2).contiguous()
@@ -97,8 +104,7 @@ class Q6Weight(PackedWeight):
         """The stored blocks: q [out, in] uint8 in 0..63, sc [out, in / 16] int8, d [out, in / 32]
         float16; from_blocks of them packs the same weight again."""
         num_groups, num_blocks, _ = self._packed.shape
-        values = self._packed[..., :VALUES_BYTES].reshape(num_groups, num_blocks, 8, GROUP, 4)
-        q = values.permute(0, 3, 1, 2, 4).reshape(num_groups * GROUP, num_blocks * BLOCK)
+        q = from_byte_chunks(self._packed[..., :VALUES_BYTES])
         subs = self._packed[..., VALUES_BYTES : VALUES_BYTES + 2 * GROUP].contiguous().view(torch.int8)
         sc = subs.view(num_groups, num_blocks, 2, GROUP).permute(0, 3, 1, 2).reshape(num_groups * GROUP, -1)
         scales = self._packed[..., VALUES_BYTES + 2 * GROUP :].contiguous().view(torch.float16)

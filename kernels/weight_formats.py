@@ -5,7 +5,8 @@
 - int4: 4-bit blocks x 8-bit blocks by our C kernel, every linear layer (kernels/q4_linear.py):
   half int8's bytes, and the GGUF's own Q4_1 arithmetic; the head and the embedding in 8-bit blocks
   (kernels/q8_linear.py), one copy for both where they are tied. A GGUF's own blocks are served as
-  stored (ranks/packing.py): Q8_0 in 8 bits, Q6_K in 6 (kernels/q6_linear.py), the head included.
+  stored (ranks/packing.py): Q8_0 in 8 bits, Q6_K in 6 (kernels/q6_linear.py), the head included;
+  Q5_0, Q5_1 and Q5_K in 5 (kernels/q5_linear.py).
 - auto: int4 on an x86 CPU whose vector units the C kernel uses (AVX2 or AVX-512 VNNI), else int8
   where FBGEMM runs, else none.
 """

@@ -1,8 +1,8 @@
 """Weights kept in GGUF blocks of 32 inputs (tpserve/gguf_blocks.py): a rank's slices, served as stored.
 
-`X.weight` is stored as `X.weight_q4` (uint8 values 0..15) or `X.weight_q8` (int8 values), [out,
-in], with `X.weight_d` and, for 4 bits, `X.weight_m` ([out, in / 32] float16, or float32 as a Q4_K
-import writes them): weight = d * q + m. A Q6_K import's `X.weight_q6` (uint8 values 0..63) has
+`X.weight` is stored as `X.weight_q4` (uint8 values 0..15), `X.weight_q5` (0..31) or `X.weight_q8`
+(int8 values), [out, in], with `X.weight_d` and, for 4 and 5 bits, `X.weight_m` ([out, in / 32]
+float16, or float32 as a Q4_K or Q5_K import writes them): weight = d * q + m. A Q6_K import's `X.weight_q6` (uint8 values 0..63) has
 `X.weight_sc` ([out, in / 16] int8) and `X.weight_d` ([out, in / 256] float16, one a super-block,
 read out to one a block of 32): weight = d * sc * (q - 32).
 A column-parallel piece reads its rows of all of them, a row-parallel piece its columns of the values
@@ -22,25 +22,22 @@ from tpserve.kernels.block_weights import BLOCK
 from tpserve.kernels.q6_linear import HALF, dequantize_six_bit
 from tpserve.ranks.errors import ModelFileError
 
-SUFFIXES = ("_q4", "_q8", "_q6")
+SUFFIXES = ("_q4", "_q5", "_q8", "_q6")
 SCALE_DTYPES = ("F16", "F32")  # safetensors' names; float32 holds a Q4_K's d * sc and -dmin * mn
 SUPER_BLOCK = 256  # a Q6_K's inputs per stored d
-MAX_VALUE = {4: 15, 6: 63}  # unsigned values' range; 8-bit values are int8
+MAX_VALUE = {4: 15, 5: 31, 6: 63}  # unsigned values' range; 8-bit values are int8
 
 
 @dataclass
 class BlockValues:
-    """One piece's weight in blocks: q [out, in] uint8 (4 and 6 bits) or int8 (8 bits), d and m [out,
-    in / 32] float16 or float32, and for 6 bits sc [out, in / 16] int8."""
+    """One piece's weight in blocks: q [out, in] uint8 (4, 5 and 6 bits) or int8 (8 bits), d and m
+    [out, in / 32] float16 or float32, and for 6 bits sc [out, in / 16] int8."""
 
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None  # None: 8 or 6 bits, symmetric
     sc: torch.Tensor | None = None  # 6 bits: weight = d * sc * (q - 32)
-
-    @property
-    def bits(self) -> int:
-        return 6 if self.sc is not None else 8 if self.m is None else 4
+    bits: int = 4  # 4, 5, 6 or 8
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32: d * q + m, or d * sc * (q - 32), as the `gguf` package dequantizes the
@@ -58,7 +55,7 @@ def cat_blocks(parts: list[BlockValues]) -> BlockValues:
     ones become float32 (exactly)."""
     m = None if parts[0].m is None else torch.cat([p.m for p in parts])
     sc = None if parts[0].sc is None else torch.cat([p.sc for p in parts])
-    return BlockValues(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, sc)
+    return BlockValues(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, sc, parts[0].bits)
 
 
 def stored_blocks(files: dict[str, Path], name: str) -> str | None:
@@ -75,6 +72,7 @@ class StoredBlocks:
         # (name, safetensors dtypes, inputs per scale)
         scales = {
             4: [(name + "_d", SCALE_DTYPES, BLOCK), (name + "_m", SCALE_DTYPES, BLOCK)],
+            5: [(name + "_d", SCALE_DTYPES, BLOCK), (name + "_m", SCALE_DTYPES, BLOCK)],
             6: [(name + "_d", ("F16",), SUPER_BLOCK), (name + "_sc", ("I8",), HALF)],
             8: [(name + "_d", SCALE_DTYPES, BLOCK)],
         }[bits]
@@ -84,7 +82,7 @@ class StoredBlocks:
         self._q = handles[files[values_name]].get_slice(values_name)
         self._scales = [handles[files[s]].get_slice(s) for s, _, _ in scales]
         self.shape = tuple(self._q.get_shape())
-        want_dtype, width = ("I8", BLOCK) if bits == 8 else ("U8", BLOCK if bits == 4 else SUPER_BLOCK)
+        want_dtype, width = ("I8", BLOCK) if bits == 8 else ("U8", SUPER_BLOCK if bits == 6 else BLOCK)
         if self._q.get_dtype() != want_dtype or len(self.shape) != 2 or self.shape[1] % width:
             raise ModelFileError(
                 self.path,
@@ -127,8 +125,8 @@ class StoredBlocks:
                 self.path, f"tensor {self.name}'s block scales hold a value that is not finite"
             )
         if self.bits == 6:
-            return BlockValues(q, scales[0], None, scales[1])
-        return BlockValues(q, scales[0], scales[1] if len(scales) > 1 else None)
+            return BlockValues(q, scales[0], None, scales[1], bits=6)
+        return BlockValues(q, scales[0], scales[1] if len(scales) > 1 else None, bits=self.bits)
 
     def _columns(self, scale, start: int, end: int) -> torch.Tensor:
         """A scale tensor's columns for inputs [start, end) (on block edges): one a block of 32, or

@@ -14,6 +14,7 @@ import torch
 
 from tpserve.kernels.int8_linear import Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight
+from tpserve.kernels.q5_linear import Q5Weight
 from tpserve.kernels.q6_linear import Q6Weight
 from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.stacked_weight import StackedWeight
@@ -21,6 +22,8 @@ from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.block_tensors import BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.int8_tensors import Int8Values
+
+ASYMMETRIC = {4: Q4Weight, 5: Q5Weight}  # block weights d * q + m, by their values' bits
 
 
 @dataclass
@@ -57,7 +60,8 @@ def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockVa
 def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, kind: str, dtype=torch.float32):
     """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
     (down_proj included: the file chose int8 for it); a GGUF's blocks are served as stored where
-    `kind` is int4 (and 8- and 6-bit ones where it is q8: a Q6_K head keeps its 6 bits), mixed parts
+    `kind` is int4 (and 8- and 6-bit ones where it is q8: a Q6_K head keeps its 6 bits; 4- and
+    5-bit heads go to 8 bits, as a float head does), mixed parts
     each in its own form, stacked (kernels/stacked_weight.py); anything else goes through
     quantize_weight (blocks dequantized first, exactly, to `dtype` where they stay float: int8 and
     none serve a Q6_K's exact values as they serve a Q4's)."""
@@ -69,8 +73,8 @@ def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, ki
     if isinstance(weight, BlockValues):
         if weight.q.numel() == 0:
             return weight.q.to(dtype)
-        if kind == "int4" and weight.bits == 4:
-            return Q4Weight.from_blocks(weight.q, weight.d, weight.m)
+        if kind == "int4" and weight.bits in (4, 5):
+            return ASYMMETRIC[weight.bits].from_blocks(weight.q, weight.d, weight.m)
         if kind in ("int4", "q8") and weight.bits == 8:
             return Q8Weight.from_blocks(weight.q, weight.d)
         if kind in ("int4", "q8") and weight.bits == 6:

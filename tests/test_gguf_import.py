@@ -39,9 +39,10 @@ CORPUS = [
     "naïve café 日本語",
 ] * 30
 # Largest error a type may add, as a fraction of the tensor's largest magnitude.
-# A Q4_K or Q6_K tensor is written from random blocks (gguf-py cannot quantize to it): its originals
-# are those blocks' exact values.
-TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_K: 0.0, Q.Q6_K: 0.0}
+# A Q4_K, Q5_K or Q6_K tensor is written from random blocks (gguf-py cannot quantize to it): its
+# originals are those blocks' exact values.
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_1: 0.1, Q.Q5_0: 0.05}
+TOLERANCE |= {Q.Q5_1: 0.05, Q.Q4_K: 0.0, Q.Q5_K: 0.0, Q.Q6_K: 0.0}
 LLAMA_TYPES = {
     "token_embd": Q.Q8_0,
     "attn_q": Q.F32,
@@ -75,16 +76,22 @@ def train_tokenizer() -> BackendTokenizer:
     return backend
 
 
-def random_q4_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
+def random_q4_k(num_rows: int, num_in: int, rng: np.random.Generator, value_bytes: int = 128) -> np.ndarray:
     """[num_rows, num_in / 256 * 144] raw Q4_K super-blocks: random nibbles and 6-bit sc and mn,
-    float16 d and dmin of either sign and a sane size."""
+    float16 d and dmin of either sign and a sane size (Q5_K's with value_bytes 160: its fifth bits
+    too)."""
     num_supers = num_rows * num_in // 256
     d = (rng.uniform(0.5, 2.0, (num_supers, 2)) * rng.choice([-1, 1], (num_supers, 2)) / 64).astype(
         np.float16
     )
-    scale_and_nibbles = rng.integers(0, 256, (num_supers, 12 + 128), dtype=np.uint8)
+    scale_and_nibbles = rng.integers(0, 256, (num_supers, 12 + value_bytes), dtype=np.uint8)
     raw = np.concatenate((d.view(np.uint8), scale_and_nibbles), axis=-1)
     return raw.reshape(num_rows, -1)
+
+
+def random_q5_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
+    """[num_rows, num_in / 256 * 176] raw Q5_K super-blocks, as random_q4_k's."""
+    return random_q4_k(num_rows, num_in, rng, value_bytes=32 + 128)
 
 
 def random_q6_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
@@ -99,7 +106,8 @@ def random_q6_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndar
     return raw.reshape(num_rows, -1)
 
 
-RANDOM_BLOCKS = {Q.Q4_K: random_q4_k, Q.Q6_K: random_q6_k}  # the types gguf-py cannot quantize to
+# the types gguf-py cannot quantize to
+RANDOM_BLOCKS = {Q.Q4_K: random_q4_k, Q.Q5_K: random_q5_k, Q.Q6_K: random_q6_k}
 
 
 def write_tiny_gguf(
@@ -222,7 +230,7 @@ def imported_weights(out_dir: Path) -> dict[str, np.ndarray]:
     weights = {}
     for name, array in stored.items():
         base = name[: -len("_q4")]
-        if name.endswith(("_q4", "_q8")):
+        if name.endswith(("_q4", "_q5", "_q8")):
             weights[base] = Blocks(array, stored[base + "_d"], stored.get(base + "_m")).dequantize()
         elif name.endswith("_q6"):
             weights[base] = SixBitBlocks(array, stored[base + "_sc"], stored[base + "_d"]).dequantize()
@@ -237,7 +245,7 @@ def assert_weights_match(out_dir: Path, originals: dict[str, np.ndarray], types:
     assert set(weights) == set(originals)
     for name, original in originals.items():
         if _type_of(name, types) in KEPT_TYPES and original.ndim == 2:  # kept in its own blocks
-            assert name not in stored and any(name + f"_q{bits}" in stored for bits in (4, 6, 8)), name
+            assert name not in stored and any(name + f"_q{bits}" in stored for bits in (4, 5, 6, 8)), name
         assert weights[name].dtype == np.float32
         assert weights[name].shape == original.shape, name
         kind = _type_of(name, types)

@@ -35,6 +35,7 @@ Q = gguf.GGMLQuantizationType
 # As a Q4_K_M file: attn_v, ffn_down, the (tied) embedding and head in Q6_K, the rest in Q4_K.
 Q4_K_M = dict.fromkeys(K_LAYERS, Q.Q4_K) | {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q6_K}
 ALL_Q6_K = dict.fromkeys((*K_LAYERS, "token_embd"), Q.Q6_K)
+Q5_K_M = Q4_K_M | dict.fromkeys(("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"), Q.Q5_K)
 needs_kernel = pytest.mark.skipif(q6_available() is not None, reason=str(q6_available()))
 
 
@@ -119,7 +120,7 @@ def pool():
 
 
 @needs_kernel
-@pytest.mark.parametrize("types", [Q4_K_M, ALL_Q6_K], ids=["q4_k_m", "all-q6_k"])
+@pytest.mark.parametrize("types", [Q4_K_M, Q5_K_M, ALL_Q6_K], ids=["q4_k_m", "q5_k_m", "all-q6_k"])
 def test_a_q6_k_model_gives_tp2_the_logits_of_tp1_and_a_batch_those_of_solo_runs(pool, tmp_path, types):
     out_dir = str(_model(tmp_path, types)[0])
     torch.set_num_threads(1)

@@ -19,18 +19,27 @@
  * broadcast of 4 activation bytes feeds 16 outputs in one vpdpbusd, with no horizontal sum. AVX2
  * reads the same layout in halves (bytes 0..31 of a chunk are outputs 0..7).
  *
+ * With BYTE_VALUES defined, q lies in 0..31 (GGUF's Q5_0, Q5_1 and Q5_K: 5-bit values, the same
+ * d * q + m) and is stored a byte each, as q8_linear.c lays values out: 8 chunks of 64 bytes, byte
+ * 4o+j of chunk c output o's input 4c+j (576 bytes per (group, block) with float16 scales, 640 with
+ * float32; q5_linear.c, q5f_linear.c). The arithmetic is the same (|dot| <= 126976).
+ *
  * The tiles, their order, the dispatch by path and the entry point are block_tiles.h's, shared with
  * the other block kernel; this header holds the layout and the arithmetic of one block (its hooks).
- * The kernel that includes it defines SCALE_BYTES (2 or 4) and its entry points' names Q4_PATHS
- * and Q4_LINEAR first: the float32 scales change the loads, never the arithmetic, so a float16
- * scale gives the same bits in either layout.
+ * The kernel that includes it defines SCALE_BYTES (2 or 4), maybe BYTE_VALUES, and its entry points'
+ * names Q4_PATHS and Q4_LINEAR first: the float32 scales change the loads, never the arithmetic, so
+ * a float16 scale gives the same bits in either layout.
  */
 #ifndef TP_Q4_BLOCKS_H
 #define TP_Q4_BLOCKS_H
 
-#define CHUNKS 4                /* 64-byte nibble chunks per (group, block) */
+#ifdef BYTE_VALUES
+#define CHUNKS 8 /* 64-byte chunks of byte values per (group, block) */
+#else
+#define CHUNKS 4 /* 64-byte nibble chunks per (group, block) */
+#endif
 #define SCALES_AT (CHUNKS * 64) /* byte offset of d[16]; m[16] follows */
-/* 320 bytes (float16 scales) or 384 (float32) per (group, block) */
+/* 320 bytes (float16 scales) or 384 (float32) per (group, block); with byte values 576 or 640 */
 #define GROUP_BLOCK_BYTES (SCALES_AT + 2 * GROUP * SCALE_BYTES)
 #define ROW_TERM ROW_TERM_MS /* the m term needs ms = da * sum qa */
 #include "block_tiles.h"
@@ -52,11 +61,16 @@ static inline float load_scale(const uint8_t *p) {
 static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q,
                                  int64_t at) {
     int32_t dot = 0;
+#ifdef BYTE_VALUES
+    for (int c = 0; c < CHUNKS; c++)
+        for (int j = 0; j < 4; j++) dot += blk[c * 64 + o * 4 + j] * a[4 * c + j];
+#else
     for (int c = 0; c < CHUNKS; c++)
         for (int j = 0; j < 4; j++) {
             uint8_t byte = blk[c * 64 + o * 4 + j];
             dot += (byte & 15) * a[8 * c + j] + (byte >> 4) * a[8 * c + 4 + j];
         }
+#endif
     float d = load_scale(blk + SCALES_AT + SCALE_BYTES * o);
     float m = load_scale(blk + SCALES_AT + SCALE_BYTES * (GROUP + o));
     acc = fmaf(d * q.da[at], (float)dot, acc);
@@ -76,6 +90,20 @@ VNNI INLINE __m512 vnni_scales(const uint8_t *p) { return _mm512_loadu_ps((const
 AVX2 INLINE __m256 avx2_scales(const uint8_t *p) { return _mm256_loadu_ps((const float *)p); }
 #endif
 
+#ifdef BYTE_VALUES
+/* Values 0..31 are u8 as they are: one vpdpbusd per chunk and row, as q8_linear.c's less its flip. */
+VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group_bytes, const int8_t *a,
+                           int K, int R, int NG) {
+    for (int c = 0; c < CHUNKS; c++) {
+        __m512i v[2];
+        for (int h = 0; h < NG; h++) v[h] = _mm512_loadu_si512(w + h * group_bytes + c * 64);
+        for (int r = 0; r < R; r++) {
+            __m512i ar = _mm512_set1_epi32(load4(a + (int64_t)r * K + 4 * c));
+            for (int h = 0; h < NG; h++) dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], v[h], ar);
+        }
+    }
+}
+#else
 /* Each chunk unpacked once, low nibbles and high, for all R rows. */
 VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group_bytes, const int8_t *a,
                            int K, int R, int NG) {
@@ -98,6 +126,8 @@ VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group
     }
 }
 
+#endif
+
 VNNI INLINE void vnni_epilogue(__m512 acc[ROWS][2], __m512i dot[ROWS][2], const uint8_t *w,
                                int64_t group_bytes, qrows q, int nb, int b, int R, int NG) {
     for (int h = 0; h < NG; h++) {
@@ -111,6 +141,27 @@ VNNI INLINE void vnni_epilogue(__m512 acc[ROWS][2], __m512i dot[ROWS][2], const 
     }
 }
 
+#ifdef BYTE_VALUES
+/* u8 x s8 pairs (vpmaddubsw) cannot saturate (2 * 31 * 127), and 4 chunks' pairs per int16 lane stay
+ * below 4 * 2 * 31 * 127 = 31496: each half block's int16 sums are widened to int32 (vpmaddwd), so
+ * sums[r] holds the exact int32 dots. */
+AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, const int8_t *a, int K, int R) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int c0 = 0; c0 < CHUNKS; c0 += 4) {
+        __m256i pairs[ROWS];
+        for (int r = 0; r < R; r++) pairs[r] = _mm256_setzero_si256();
+        for (int c = c0; c < c0 + 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + half * 32));
+            for (int r = 0; r < R; r++) {
+                __m256i ar = _mm256_set1_epi32(load4(a + (int64_t)r * K + 4 * c));
+                pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(v, ar));
+            }
+        }
+        for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], ones));
+    }
+}
+#define AVX2_DOT(sums) (sums)
+#else
 /* u8 x s8 pairs (vpmaddubsw) cannot saturate (2 * 15 * 127), and a block's 16 products per int16 lane
  * stay below 16 * 15 * 127 = 30480: sums[r] holds int16 pairs until the epilogue widens them. */
 AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, const int8_t *a, int K, int R) {
@@ -127,13 +178,16 @@ AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, con
     }
 }
 
+#define AVX2_DOT(sums) _mm256_madd_epi16(sums, ones) /* the int16 pairs widened */
+#endif
+
 AVX2 INLINE void avx2_epilogue(__m256 acc[ROWS], __m256i sums[ROWS], const uint8_t *blk, int half, qrows q,
                                int nb, int b, int R) {
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *scales = blk + SCALES_AT + half * 8 * SCALE_BYTES;
     __m256 d = avx2_scales(scales), m = avx2_scales(scales + SCALE_BYTES * GROUP);
     for (int r = 0; r < R; r++) {
-        __m256i dot = _mm256_madd_epi16(sums[r], ones);
+        __m256i dot = AVX2_DOT(sums[r]);
         __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(q.da[(int64_t)r * nb + b]));
         acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(q.ms[(int64_t)r * nb + b]), acc[r]);
