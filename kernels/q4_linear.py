@@ -95,7 +95,9 @@ class Q4Weight(PackedWeight):
         if holds_in_half(d) and holds_in_half(m):
             d, m = d.to(torch.float16), m.to(torch.float16)
         if q.numel() and int(q.max()) > cls.VALUE_MAX:
-            raise QuantizeError(f"{cls.BITS} values must lie in 0..{cls.VALUE_MAX}, got one of {int(q.max())}")
+            raise QuantizeError(
+                f"{cls.BITS} values must lie in 0..{cls.VALUE_MAX}, got one of {int(q.max())}"
+            )
         weight = cls.__new__(cls)
         weight._pack(q, d, m)
         return weight
