@@ -31,7 +31,7 @@ from tpserve.kernels.block_weights import (
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 
 HALF = BLOCK // 2  # inputs per sub-scale
-VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 values 0..63, then sc[2][16] int8, d[16] float16
+VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 values 0..63, then sc[16][2] int8, d[16] float16
 GROUP_BLOCK_BYTES = VALUES_BYTES + 2 * GROUP + 2 * GROUP  # 576
 KERNEL = BlockKernel(
     "q6_linear", paths="tp_q6_paths", linear="tp_q6_linear", what="6-bit block kernel", lookup="tp_q6_rows"
@@ -93,7 +93,7 @@ class Q6Weight(PackedWeight):
         q, sc, d = KERNEL.grouped(q, sc, d)
         num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
         values = byte_chunks(q)  # as the 8-bit layout
-        subs = sc.view(num_groups, GROUP, num_blocks, 2).permute(0, 2, 3, 1)  # [g, b, half, output]
+        subs = sc.view(num_groups, GROUP, num_blocks, 2).transpose(1, 2)  # [g, b, output, half]
         subs = subs.contiguous().view(torch.uint8).view(num_groups, num_blocks, 2 * GROUP)
         scales = d.view(num_groups, GROUP, num_blocks).transpose(1, 2).contiguous()
         scale_bytes = scales.view(torch.uint8).view(num_groups, num_blocks, 2 * GROUP)
@@ -106,7 +106,7 @@ class Q6Weight(PackedWeight):
         num_groups, num_blocks, _ = self._packed.shape
         q = from_byte_chunks(self._packed[..., :VALUES_BYTES])
         subs = self._packed[..., VALUES_BYTES : VALUES_BYTES + 2 * GROUP].contiguous().view(torch.int8)
-        sc = subs.view(num_groups, num_blocks, 2, GROUP).permute(0, 3, 1, 2).reshape(num_groups * GROUP, -1)
+        sc = subs.view(num_groups, num_blocks, GROUP, 2).transpose(1, 2).reshape(num_groups * GROUP, -1)
         scales = self._packed[..., VALUES_BYTES + 2 * GROUP :].contiguous().view(torch.float16)
         d = scales.view(num_groups, num_blocks, GROUP).transpose(1, 2).reshape(num_groups * GROUP, num_blocks)
         num_out = self.shape[0]

@@ -18,14 +18,15 @@
  *
  * The weight is stored in groups of 16 outputs, block by block, one stream of 576 bytes per (group,
  * block): 8 chunks of 64 bytes of values as q8_linear.c lays them out (byte 4o+j of chunk c is output
- * o's input 4c+j: chunks 0..3 are half 0, 4..7 half 1), then sc[2][16] (half 0's, then half 1's),
- * then d[16] as float16. AVX2 reads the same layout in halves of a group (outputs 0..7, 8..15).
+ * o's input 4c+j: chunks 0..3 are half 0, 4..7 half 1), then sc[16][2] (output o's two halves side
+ * by side: one vpmovsxbw makes them int16 pairs, and one vpmaddwd takes sc . sh per output), then
+ * d[16] as float16. AVX2 reads the same layout in halves of a group (outputs 0..7, 8..15).
  *
  * The tiles, their order, the dispatch by path and the entry point are block_tiles.h's, shared with
  * the other block kernels; this file holds the layout and the arithmetic of one block (its hooks).
  */
 #define CHUNKS 8                          /* 64-byte chunks of values per (group, block) */
-#define SC_AT (CHUNKS * 64)               /* byte offset of sc[2][16] */
+#define SC_AT (CHUNKS * 64)               /* byte offset of sc[16][2] */
 #define D_AT (SC_AT + 2 * GROUP)          /* byte offset of d[16] */
 #define GROUP_BLOCK_BYTES (D_AT + 2 * GROUP) /* 576 */
 #define ROW_TERM ROW_TERM_SH              /* q - 32 needs sh = sum qa per half */
@@ -39,15 +40,28 @@ static inline float scalar_block(float acc, const uint8_t *blk, int o, const int
         int32_t part = 0;
         for (int c = 4 * h; c < 4 * h + 4; c++)
             for (int j = 0; j < 4; j++) part += blk[c * 64 + o * 4 + j] * a[4 * c + j];
-        dot += (int8_t)blk[SC_AT + h * GROUP + o] * (part - 32 * q.sh[2 * at + h]);
+        dot += (int8_t)blk[SC_AT + 2 * o + h] * (part - 32 * q.sh[2 * at + h]);
     }
     return fmaf(load_half(blk + D_AT + 2 * o) * q.da[at], (float)dot, acc);
 }
 
 #if defined(__x86_64__)
+/* sc[16][2] as 16 int32 lanes of int16 pairs (sc of half 0, of half 1); `half`'s alone as int32. */
+VNNI INLINE __m512i vnni_sub_scales(const uint8_t *blk) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + SC_AT)));
+}
+VNNI INLINE __m512i vnni_sub_scale(__m512i pairs, int half) {
+    return half ? _mm512_srai_epi32(pairs, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+}
+
+/* A row's sh[0] and sh[1] (|sh| <= 16 * 127) as one int16 pair. */
+static inline int32_t sh_pair(const int32_t *sh) { return (int32_t)(((uint32_t)sh[1] << 16) | (uint16_t)sh[0]); }
+
 /* dot[r][h] gets sum_half sc * sum q * qa; the epilogue takes 32 sum_half sc * sh off. */
 VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group_bytes, const int8_t *a,
                            int K, int R, int NG) {
+    __m512i pairs[2];
+    for (int h = 0; h < NG; h++) pairs[h] = vnni_sub_scales(w + h * group_bytes);
     for (int half = 0; half < 2; half++) {
         __m512i part[ROWS][2];
         for (int r = 0; r < R; r++)
@@ -61,8 +75,7 @@ VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group
             }
         }
         for (int h = 0; h < NG; h++) {
-            const __m128i *sc = (const __m128i *)(w + h * group_bytes + SC_AT + half * GROUP);
-            __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc));
+            __m512i scale = vnni_sub_scale(pairs[h], half);
             for (int r = 0; r < R; r++)
                 dot[r][h] = _mm512_add_epi32(dot[r][h], _mm512_mullo_epi32(scale, part[r][h]));
         }
@@ -74,12 +87,10 @@ VNNI INLINE void vnni_epilogue(__m512 acc[ROWS][2], __m512i dot[ROWS][2], const 
     for (int h = 0; h < NG; h++) {
         const uint8_t *blk = w + h * group_bytes;
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + D_AT)));
-        __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + SC_AT)));
-        __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + SC_AT + GROUP)));
+        __m512i pairs = vnni_sub_scales(blk);
         for (int r = 0; r < R; r++) {
-            const int32_t *sh = q.sh + 2 * ((int64_t)r * nb + b);
-            __m512i off = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_set1_epi32(32 * sh[0])),
-                                           _mm512_mullo_epi32(sc1, _mm512_set1_epi32(32 * sh[1])));
+            __m512i shp = _mm512_set1_epi32(sh_pair(q.sh + 2 * ((int64_t)r * nb + b)));
+            __m512i off = _mm512_slli_epi32(_mm512_madd_epi16(pairs, shp), 5); /* 32 (sc0 sh0 + sc1 sh1) */
             __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(q.da[(int64_t)r * nb + b]));
             __m512i exact = _mm512_sub_epi32(dot[r][h], off);
             acc[r][h] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(exact), acc[r][h]);
@@ -87,13 +98,18 @@ VNNI INLINE void vnni_epilogue(__m512 acc[ROWS][2], __m512i dot[ROWS][2], const 
     }
 }
 
-AVX2 INLINE __m256i avx2_sub_scales(const uint8_t *blk, int half, int input_half) {
-    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + SC_AT + input_half * GROUP + half * 8)));
+/* As VNNI's, for the 8 outputs of half `half` of a group. */
+AVX2 INLINE __m256i avx2_sub_scales(const uint8_t *blk, int half) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + SC_AT + half * 16)));
+}
+AVX2 INLINE __m256i avx2_sub_scale(__m256i pairs, int input_half) {
+    return input_half ? _mm256_srai_epi32(pairs, 16) : _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16);
 }
 
 /* sums[r] gets sum_half sc * sum q * qa, as VNNI's dots. */
 AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, const int8_t *a, int K, int R) {
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256i pairs = avx2_sub_scales(blk, half);
     for (int input_half = 0; input_half < 2; input_half++) {
         __m256i part[ROWS];
         for (int r = 0; r < R; r++) part[r] = _mm256_setzero_si256();
@@ -104,7 +120,7 @@ AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, con
                 part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, ar), ones));
             }
         }
-        __m256i scale = avx2_sub_scales(blk, half, input_half);
+        __m256i scale = avx2_sub_scale(pairs, input_half);
         for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(scale, part[r]));
     }
 }
@@ -112,11 +128,10 @@ AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, con
 AVX2 INLINE void avx2_epilogue(__m256 acc[ROWS], __m256i sums[ROWS], const uint8_t *blk, int half, qrows q,
                                int nb, int b, int R) {
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + D_AT + half * 16)));
-    __m256i sc0 = avx2_sub_scales(blk, half, 0), sc1 = avx2_sub_scales(blk, half, 1);
+    __m256i pairs = avx2_sub_scales(blk, half);
     for (int r = 0; r < R; r++) {
-        const int32_t *sh = q.sh + 2 * ((int64_t)r * nb + b);
-        __m256i off = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_set1_epi32(32 * sh[0])),
-                                       _mm256_mullo_epi32(sc1, _mm256_set1_epi32(32 * sh[1])));
+        __m256i shp = _mm256_set1_epi32(sh_pair(q.sh + 2 * ((int64_t)r * nb + b)));
+        __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(pairs, shp), 5);
         __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(q.da[(int64_t)r * nb + b]));
         acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[r], off)), acc[r]);
     }
@@ -129,7 +144,7 @@ BLOCK_ENTRY_POINTS(tp_q6_paths, tp_q6_linear)
 static inline void dequantize_block(const uint8_t *blk, int o, float *row) {
     float d = load_half(blk + D_AT + 2 * o);
     for (int k = 0; k < BLOCK; k++) {
-        float step = d * (float)(int8_t)blk[SC_AT + (k / 16) * GROUP + o];
+        float step = d * (float)(int8_t)blk[SC_AT + 2 * o + k / 16];
         row[k] = step * (float)(blk[(k / 4) * 64 + o * 4 + k % 4] - 32);
     }
 }
