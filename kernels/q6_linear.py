@@ -4,7 +4,8 @@ A weight is held in blocks of 32 inputs per output, each of two halves of 16: w 
 with q in 0..63, an int8 sub-scale sc per half and a float16 d per block (Q6_K's super-block d,
 repeated for its 8 blocks of 32). A Q6_K tensor is served with its own values: every weight is an
 exact float32 (11 significant bits times 7 times 5), so nothing is rounded twice. The packed layout
-(kernels/native/q6_linear.c) keeps q one byte each: 1.125 bytes a weight, against the GGUF's 0.82.
+(kernels/native/q6_linear.c) keeps q in 6 bits, 4 as the 4-bit layout's nibbles and 2 beside them:
+0.875 bytes a weight, against the GGUF's 0.82.
 As for the other block weights (kernels/q4_linear.py, kernels/q8_linear.py, whose input quantization
 and loops this kernel shares), each block's product is an exact int32 and its float epilogue is
 fixed elementwise: a row has the same bits at any batch and on the AVX-512 VNNI, AVX2 and scalar
@@ -22,17 +23,19 @@ from tpserve.kernels.block_weights import (
     BLOCK,
     GROUP,
     BlockKernel,
-    byte_chunks,
     check_block_shape,
     exact_half,
-    from_byte_chunks,
     half_up,
 )
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
+from tpserve.kernels.q4_linear import Q4Weight
 
 HALF = BLOCK // 2  # inputs per sub-scale
-VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 values 0..63, then sc[16][2] int8, d[16] float16
-GROUP_BLOCK_BYTES = VALUES_BYTES + 2 * GROUP + 2 * GROUP  # 576
+# per (group, block): 16 outputs x 32 values' low 4 bits (the 4-bit layout), then their top 2 bits,
+# then sc[16][2] int8 and d[16] float16
+NIBBLE_BYTES, HIGH_BYTES = 256, 128
+VALUES_BYTES = NIBBLE_BYTES + HIGH_BYTES
+GROUP_BLOCK_BYTES = VALUES_BYTES + 2 * GROUP + 2 * GROUP  # 448
 KERNEL = BlockKernel(
     "q6_linear", paths="tp_q6_paths", linear="tp_q6_linear", what="6-bit block kernel", lookup="tp_q6_rows"
 )
@@ -87,12 +90,17 @@ class Q6Weight(PackedWeight):
         return weight
 
     def _pack(self, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> None:
-        # q: [N, K] uint8 0..63; sc: [N, K/16] int8; d: [N, K/32] float16 -> [groups, blocks, 576]
+        # q: [N, K] uint8 0..63; sc: [N, K/16] int8; d: [N, K/32] float16 -> [groups, blocks, 448]
         # uint8 (q6_linear.c).
         self.shape, self.device = (q.shape[0], q.shape[1]), q.device
         q, sc, d = KERNEL.grouped(q, sc, d)
         num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
-        values = byte_chunks(q)  # as the 8-bit layout
+        # The top bits' byte (half, output, j) holds inputs 16 half + 4i + j's in bits 2i, 2i + 1.
+        top = (q >> 4).view(num_groups, GROUP, num_blocks, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)
+        top = (top << torch.arange(0, 8, 2, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
+        values = torch.cat(
+            (Q4Weight._values_layout(q & 15), top.reshape(num_groups, num_blocks, HIGH_BYTES)), -1
+        )
         subs = sc.view(num_groups, GROUP, num_blocks, 2).transpose(1, 2)  # [g, b, output, half]
         subs = subs.contiguous().view(torch.uint8).view(num_groups, num_blocks, 2 * GROUP)
         scales = d.view(num_groups, GROUP, num_blocks).transpose(1, 2).contiguous()
@@ -104,7 +112,11 @@ class Q6Weight(PackedWeight):
         """The stored blocks: q [out, in] uint8 in 0..63, sc [out, in / 16] int8, d [out, in / 32]
         float16; from_blocks of them packs the same weight again."""
         num_groups, num_blocks, _ = self._packed.shape
-        q = from_byte_chunks(self._packed[..., :VALUES_BYTES])
+        low = Q4Weight._values(self._packed[..., :NIBBLE_BYTES])
+        top = self._packed[..., NIBBLE_BYTES:VALUES_BYTES].reshape(num_groups, num_blocks, 2, GROUP, 4, 1)
+        top = (top >> torch.arange(0, 8, 2, dtype=torch.uint8)) & 3  # [g, b, half, output, j, i]
+        top = top.permute(0, 3, 1, 2, 5, 4).reshape(num_groups * GROUP, num_blocks * BLOCK)
+        q = low | (top << 4)
         subs = self._packed[..., VALUES_BYTES : VALUES_BYTES + 2 * GROUP].contiguous().view(torch.int8)
         sc = subs.view(num_groups, num_blocks, GROUP, 2).transpose(1, 2).reshape(num_groups * GROUP, -1)
         scales = self._packed[..., VALUES_BYTES + 2 * GROUP :].contiguous().view(torch.float16)

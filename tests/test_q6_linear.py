@@ -49,8 +49,8 @@ def test_blocks_come_back_exactly_as_d_times_sc_times_q_minus_32():
     expected = (q.float().view(40, 8, 16) - 32) * step[..., None]
     assert torch.equal(packed.dequantize(), expected.view(40, 128))
     assert torch.equal(Q6Weight.from_blocks(got_q, got_sc, got_d)._packed, packed._packed)
-    # A byte a value, 2 bytes of sub-scales and 2 of d per 32: 1.125 bytes a weight.
-    assert packed.nbytes == 48 * 128 * 9 // 8  # 40 outputs padded to 3 groups of 16
+    # 6 bits a value, 2 bytes of sub-scales and 2 of d per 32: 0.875 bytes a weight.
+    assert packed.nbytes == 48 * 128 * 7 // 8  # 40 outputs padded to 3 groups of 16
 
 
 def test_rows_are_the_dequantized_weights_rows():
