@@ -1,4 +1,4 @@
-"""What the block weights share: their block scales, their values' byte layout, and calling their C kernels.
+"""What the block weights share: their block scales, and calling their C kernels.
 
 The 4-, 5- and 8-bit block weights (kernels/q4_linear.py, q5_linear.py, q8_linear.py) keep one scale
 (and for 4 and 5 bits one minimum) per block of 32 inputs, in float16 (the 6-bit weights of
@@ -29,22 +29,6 @@ GROUP = 16  # outputs per group of the packed layouts
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512_vnni": 3}  # block_quantize.h's PATH_*
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _UP, _DOWN = float("inf"), float("-inf")
-
-
-def byte_chunks(q: torch.Tensor) -> torch.Tensor:
-    """q: [N, K] one byte a value, N whole groups -> [groups, blocks, 512]: the layout of values a byte
-    each (q8_linear.c, q6_linear.c, q4_blocks.h's BYTE_VALUES): within a block, input k = 4 chunk + j,
-    byte (chunk, output, j), so one 64-byte chunk is 16 outputs x 4 consecutive inputs."""
-    num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
-    values = q.view(num_groups, GROUP, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
-    return values.reshape(num_groups, num_blocks, 8 * 64)
-
-
-def from_byte_chunks(values: torch.Tensor) -> torch.Tensor:
-    """[groups, blocks, 512] (byte_chunks') -> q [groups * 16, blocks * 32], the values as they were."""
-    num_groups, num_blocks, _ = values.shape
-    q = values.reshape(num_groups, num_blocks, 8, GROUP, 4).permute(0, 3, 1, 2, 4)
-    return q.reshape(num_groups * GROUP, num_blocks * BLOCK)
 
 
 def check_block_shape(weight: torch.Tensor, what: str) -> None:

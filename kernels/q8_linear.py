@@ -18,16 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tpserve.kernels.block_weights import (
-    BLOCK,
-    GROUP,
-    BlockKernel,
-    byte_chunks,
-    check_block_shape,
-    exact_half,
-    from_byte_chunks,
-    half_up,
-)
+from tpserve.kernels.block_weights import BLOCK, GROUP, BlockKernel, check_block_shape, exact_half, half_up
 from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 
 VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 int8 values, then d[16] in float16
@@ -90,7 +81,9 @@ class Q8Weight(PackedWeight):
         self.shape, self.device = (q.shape[0], q.shape[1]), q.device
         q, d = KERNEL.grouped(q, d)
         num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
-        values = byte_chunks(q).view(torch.uint8)
+        # Within a block, input k = 4 chunk + j; byte (chunk, output, j).
+        values = q.view(num_groups, GROUP, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        values = values.reshape(num_groups, num_blocks, VALUES_BYTES).view(torch.uint8)
         scales = d.view(num_groups, GROUP, num_blocks).transpose(1, 2).contiguous()
         scale_bytes = scales.view(torch.uint8).view(num_groups, num_blocks, 2 * GROUP)
         self._packed = torch.cat((values, scale_bytes), dim=-1).contiguous()
@@ -100,7 +93,9 @@ class Q8Weight(PackedWeight):
         """The stored blocks: q [out, in] int8, d [out, in / 32] float16; from_blocks of them packs
         the same weight again."""
         num_groups, num_blocks, _ = self._packed.shape
-        q = from_byte_chunks(self._packed[..., :VALUES_BYTES].contiguous().view(torch.int8))
+        values = self._packed[..., :VALUES_BYTES].contiguous().view(torch.int8)
+        q = values.view(num_groups, num_blocks, 8, GROUP, 4).permute(0, 3, 1, 2, 4)
+        q = q.reshape(num_groups * GROUP, num_blocks * BLOCK)
         scales = self._packed[..., VALUES_BYTES:].contiguous().view(torch.float16)
         d = scales.view(num_groups, num_blocks, GROUP).transpose(1, 2).reshape(num_groups * GROUP, num_blocks)
         return q[: self.shape[0]], d[: self.shape[0]]
