@@ -39,10 +39,10 @@ CORPUS = [
     "naïve café 日本語",
 ] * 30
 # Largest error a type may add, as a fraction of the tensor's largest magnitude.
-# A Q4_K, Q5_K or Q6_K tensor is written from random blocks (gguf-py cannot quantize to it): its
+# A Q3_K, Q4_K, Q5_K or Q6_K tensor is written from random blocks (gguf-py cannot quantize to it): its
 # originals are those blocks' exact values.
 TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_1: 0.1, Q.Q5_0: 0.05}
-TOLERANCE |= {Q.Q5_1: 0.05, Q.Q4_K: 0.0, Q.Q5_K: 0.0, Q.Q6_K: 0.0}
+TOLERANCE |= {Q.Q5_1: 0.05, Q.Q3_K: 0.0, Q.Q4_K: 0.0, Q.Q5_K: 0.0, Q.Q6_K: 0.0}
 LLAMA_TYPES = {
     "token_embd": Q.Q8_0,
     "attn_q": Q.F32,
@@ -94,20 +94,22 @@ def random_q5_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndar
     return random_q4_k(num_rows, num_in, rng, value_bytes=32 + 128)
 
 
-def random_q6_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
+def random_q6_k(num_rows: int, num_in: int, rng: np.random.Generator, value_bytes: int = 208) -> np.ndarray:
     """[num_rows, num_in / 256 * 210] raw Q6_K super-blocks: random 6-bit values and int8 sub-scales
-    (every value), then a float16 d of either sign and a sane size."""
+    (every value), then a float16 d of either sign and a sane size (Q3_K's, 110 bytes, with
+    value_bytes 108: its values and scales)."""
     num_supers = num_rows * num_in // 256
     d = (rng.uniform(0.5, 2.0, (num_supers, 1)) * rng.choice([-1, 1], (num_supers, 1)) / 4096).astype(
         np.float16
     )
-    values_and_scales = rng.integers(0, 256, (num_supers, 128 + 64 + 16), dtype=np.uint8)
+    values_and_scales = rng.integers(0, 256, (num_supers, value_bytes), dtype=np.uint8)
     raw = np.concatenate((values_and_scales, d.view(np.uint8)), axis=-1)
     return raw.reshape(num_rows, -1)
 
 
 # the types gguf-py cannot quantize to
 RANDOM_BLOCKS = {Q.Q4_K: random_q4_k, Q.Q5_K: random_q5_k, Q.Q6_K: random_q6_k}
+RANDOM_BLOCKS[Q.Q3_K] = lambda num_rows, num_in, rng: random_q6_k(num_rows, num_in, rng, value_bytes=108)
 
 
 def write_tiny_gguf(

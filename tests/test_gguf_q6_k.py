@@ -1,6 +1,7 @@
-"""GGUF's Q6_K kept in its own blocks (tpserve/gguf_blocks.py): read exactly as the `gguf` package
-dequantizes it, imported as 6-bit values with their sub-scales, read per rank, served as the file
-holds it by int4 (the head and a tied embedding included), refused by name where damaged."""
+"""GGUF's Q6_K (and Q3_K, in the same form) kept in its own blocks (tpserve/gguf_blocks.py): read exactly
+as the `gguf` package dequantizes it, imported as 6-bit values with their sub-scales, read per rank,
+served as the file holds it by int4 (the head and a tied embedding included), refused by name where
+damaged."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from multiproc import RankPool
 from safetensors.numpy import load_file
 from test_gguf_import import (
     LLAMA_TYPES,
+    RANDOM_BLOCKS,
     _logits,
     assert_damage_refused,
     assert_weights_match,
@@ -36,6 +38,7 @@ Q = gguf.GGMLQuantizationType
 Q4_K_M = dict.fromkeys(K_LAYERS, Q.Q4_K) | {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q6_K}
 ALL_Q6_K = dict.fromkeys((*K_LAYERS, "token_embd"), Q.Q6_K)
 Q5_K_M = Q4_K_M | dict.fromkeys(("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"), Q.Q5_K)
+ALL_Q3_K = dict.fromkeys((*K_LAYERS, "token_embd"), Q.Q3_K)
 needs_kernel = pytest.mark.skipif(q6_available() is not None, reason=str(q6_available()))
 
 
@@ -52,6 +55,18 @@ def test_q6_k_blocks_dequantize_to_the_gguf_packages_bits():
     assert blocks.sc.dtype == np.int8 and blocks.sc.shape == (5, 32)
     assert blocks.d.dtype == np.float16 and blocks.d.shape == (5, 2)
     assert np.array_equal(_bits(blocks.dequantize()), _bits(gguf.quants.dequantize(raw, Q.Q6_K)))
+
+
+def test_q3_k_blocks_read_as_six_bit_blocks_dequantize_to_the_gguf_packages_bits():
+    rng = np.random.default_rng(8)
+    raw = RANDOM_BLOCKS[Q.Q3_K](5, 512, rng)
+    supers = raw.reshape(5, 2, 110)
+    supers[0, 0, :108] = 0  # every value -4, every scale -32: the extremes
+    supers[1, 0, :108] = 0xFF  # every value 3, every scale 31
+    blocks = read_blocks(raw, Q.Q3_K, (5, 512))
+    assert blocks.q.dtype == np.uint8 and (int(blocks.q.min()), int(blocks.q.max())) == (28, 35)
+    assert blocks.sc.dtype == np.int8 and (int(blocks.sc.min()), int(blocks.sc.max())) == (-32, 31)
+    assert np.array_equal(_bits(blocks.dequantize()), _bits(gguf.quants.dequantize(raw, Q.Q3_K)))
 
 
 def _model(tmp_path: Path, types: dict, name: str = "model") -> tuple[Path, dict[str, np.ndarray]]:
@@ -75,7 +90,7 @@ def test_q6_k_layers_import_as_6_bit_values_sub_scales_and_super_block_scales(tm
 
 
 @needs_kernel
-@pytest.mark.parametrize("types", [Q4_K_M, ALL_Q6_K], ids=["q4_k_m", "all-q6_k"])
+@pytest.mark.parametrize("types", [Q4_K_M, ALL_Q6_K, ALL_Q3_K], ids=["q4_k_m", "all-q6_k", "all-q3_k"])
 @pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
 def test_int4_serves_the_q6_k_files_own_values(tmp_path: Path, tp_rank, tp_size, types):
     # Row-parallel pieces of 128 inputs start on block edges inside a super-block (its d read out

@@ -93,7 +93,7 @@ def import_gguf(
 
 
 # 2: Q4_0, Q4_1 and Q8_0 weights kept in blocks (an import of format 1, all float32, is stale).
-# 3: Q6_K, Q5_0, Q5_1 and Q5_K weights kept in their own blocks too (format 2 wrote them in float32).
+# 3: Q6_K, Q5_0, Q5_1, Q5_K and Q3_K weights kept in blocks too (format 2 wrote them in float32).
 IMPORT_FORMAT = 3
 
 

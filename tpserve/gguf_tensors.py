@@ -4,8 +4,8 @@ Every GGUF tensor is mapped to its Hugging Face name and torch shape before anyt
 an unknown tensor or type is refused up front. A Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0
 weight matrix is kept in its own blocks (tpserve/gguf_blocks.py): `X.weight_q4`, `X.weight_q5` or
 `X.weight_q8` with `X.weight_d` (and `X.weight_m`), float16 but for Q4_K's and Q5_K's float32, or
-Q6_K's `X.weight_q6`, `X.weight_sc` and `X.weight_d`; other types (Q2_K, Q3_K) are dequantized to
-float32. llama.cpp
+Q6_K's (and Q3_K's, in the same form) `X.weight_q6`, `X.weight_sc` and `X.weight_d`; Q2_K is
+dequantized to float32. llama.cpp
 stores llama-architecture q/k rows permuted for its rotary kernel; `unpermute_rotary_rows` undoes
 that exactly, blocks included.
 """
