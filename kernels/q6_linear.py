@@ -1,18 +1,19 @@
-"""Linear layers with 6-bit weights, a scale per 16 inputs (GGUF's Q6_K), and 8-bit inputs.
+"""Linear layers with 6-bit weights, a scale per 16 inputs (GGUF's Q6_K, and Q3_K), and 8-bit inputs.
 
 A weight is held in blocks of 32 inputs per output, each of two halves of 16: w = d * sc * (q - 32)
 with q in 0..63, an int8 sub-scale sc per half and a float16 d per block (Q6_K's super-block d,
 repeated for its 8 blocks of 32). A Q6_K tensor is served with its own values: every weight is an
 exact float32 (11 significant bits times 7 times 5), so nothing is rounded twice. The packed layout
 (kernels/native/q6_linear.c) keeps q in 6 bits, 4 as the 4-bit layout's nibbles and 2 beside them:
-0.875 bytes a weight, against the GGUF's 0.82.
+0.875 bytes a weight, against the GGUF's 0.82. (A Q3_K tensor is the same form with q - 32 in -4..3
+and sc in -32..31: served exactly too, at twice its GGUF's 0.43 bytes a weight.)
 As for the other block weights (kernels/q4_linear.py, kernels/q8_linear.py, whose input quantization
 and loops this kernel shares), each block's product is an exact int32 and its float epilogue is
 fixed elementwise: a row has the same bits at any batch and on the AVX-512 VNNI, AVX2 and scalar
 paths. The C kernel runs on one thread, whatever torch's count.
 
 Why: a Q4_K_M GGUF keeps its head and some ffn_down and attn_v in Q6_K; rounded to 4 bits at load
-they lose what the file kept. bench/q6_linear.py sets this kernel against float32 and 4 bits.
+they lose what the file kept. bench/q6_linear.py sets this kernel against float32, 4, 5 and 8 bits.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 `X.weight` is stored as `X.weight_q4` (uint8 values 0..15), `X.weight_q5` (0..31) or `X.weight_q8`
 (int8 values), [out, in], with `X.weight_d` and, for 4 and 5 bits, `X.weight_m` ([out, in / 32]
-float16, or float32 as a Q4_K or Q5_K import writes them): weight = d * q + m. A Q6_K import's `X.weight_q6` (uint8 values 0..63) has
-`X.weight_sc` ([out, in / 16] int8) and `X.weight_d` ([out, in / 256] float16, one a super-block,
-read out to one a block of 32): weight = d * sc * (q - 32).
+float16, or float32 as a Q4_K or Q5_K import writes them): weight = d * q + m. A Q6_K (or Q3_K)
+import's `X.weight_q6` (uint8 values 0..63) has `X.weight_sc` ([out, in / 16] int8) and
+`X.weight_d` ([out, in / 256] float16, one a super-block, read out to one a block of 32):
+weight = d * sc * (q - 32).
 A column-parallel piece reads its rows of all of them, a row-parallel piece its columns of the values
 and the matching block columns of the scales, so a piece's blocks are the file's own. A piece whose
 columns do not start and end on a block edge (a tiny model's; no shipped model's) gets its columns'
