@@ -20,6 +20,8 @@ import torch
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available
 from tpserve.kernels.q4_linear import BLOCK, Q4Weight, q4_available, supported_paths
+from tpserve.kernels.q5_linear import q5_available
+from tpserve.kernels.q6_linear import q6_available
 from tpserve.kernels.q8_linear import Q8Weight, q8_available
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,8 @@ def quantize_unavailable(kind: str, device: torch.device | str) -> str | None:
     if kind == "int4":
         if torch.device(device).type != "cpu":
             return f"int4 weights run on CPUs (our C kernel), not on {torch.device(device).type}"
-        return q4_available() or q8_available()
+        # a GGUF's own 5- and 6-bit blocks are served by kernels of their own
+        return q4_available() or q8_available() or q5_available() or q6_available()
     return None
 
 
