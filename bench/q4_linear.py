@@ -39,14 +39,14 @@ class FloatWeight:
         return F.linear(x, self.weight)
 
 
-def q4_float32_scales(weight: torch.Tensor) -> Q4Weight:
+def q4_float32_scales(weight: torch.Tensor, kind: type[Q4Weight] = Q4Weight) -> Q4Weight:
     """4-bit blocks with unrounded float32 scales (min and (max - min) / 15), as a Q4_K's d * sc and
-    -dmin * mn: packed in the float32-scale layout."""
+    -dmin * mn: packed in the float32-scale layout (5-bit ones for kind Q5Weight, as a Q5_K's)."""
     blocks = weight.view(weight.shape[0], -1, BLOCK)
     m = blocks.amin(dim=-1)
-    d = (blocks.amax(dim=-1) - m) / 15
-    q = ((blocks - m[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8)
-    packed = Q4Weight.from_blocks(q.view(weight.shape), d, m)
+    d = (blocks.amax(dim=-1) - m) / kind.VALUE_MAX
+    q = ((blocks - m[..., None]) / d[..., None]).round().clamp(0, kind.VALUE_MAX).to(torch.uint8)
+    packed = kind.from_blocks(q.view(weight.shape), d, m)
     if packed.scale_dtype != torch.float32:
         raise RuntimeError("float16 held every scale: the float32 layout was not measured")
     return packed

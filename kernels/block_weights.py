@@ -1,15 +1,16 @@
-"""What the 4- and 8-bit block weights share: their block scales, and calling their C kernels.
+"""What the block weights share: their block scales, and calling their C kernels.
 
-The 4- and 8-bit block weights (kernels/q4_linear.py, kernels/q8_linear.py) keep one scale (and for
-4 bits one minimum) per block of 32 inputs, in float16; the kernels turn them into float32 exactly
+The 4-, 5- and 8-bit block weights (kernels/q4_linear.py, q5_linear.py, q8_linear.py) keep one scale
+(and for 4 and 5 bits one minimum) per block of 32 inputs, in float16 (the 6-bit weights of
+kernels/q6_linear.py add an int8 sub-scale per 16 inputs); the kernels turn them into float32 exactly
 where they are used. A checkpoint's scales are taken as they are, never rounded a second time: the
 8-bit weight refuses by name a float32 or bfloat16 scale that float16 does not hold exactly (GGUF's
 Q8_0 scales are float16), and the 4-bit weight keeps such scales in a float32 layout instead (GGUF's
 Q4_K: d * sc and -dmin * mn per block, exact in float32 only). A weight quantized here rounds its
 scales outwards to float16, so its blocks' range still covers every value.
 
-Both kernels are built from one set of loops (kernels/native/block_tiles.h) with the same entry
-points, so one `BlockKernel` loads either, checks a product's arguments and runs it.
+Every kernel is built from one set of loops (kernels/native/block_tiles.h) with the same entry
+points, so one `BlockKernel` loads any of them, checks a product's arguments and runs it.
 """
 
 from __future__ import annotations
@@ -95,15 +96,17 @@ def _directed(x: torch.Tensor, toward: float, what: str) -> torch.Tensor:
 @dataclass(frozen=True)
 class BlockKernel:
     """The block kernel kernels/native/<source>.c: its entry points `paths` (the paths this CPU runs,
-    a bit each) and `linear` (block_tiles.h's block_linear); `what` names it in messages."""
+    a bit each), `linear` (block_tiles.h's block_linear) and, where it has one, `lookup` (a weight's
+    rows dequantized, for an embedding that reads the head's copy); `what` names it in messages."""
 
     source: str
     paths: str
     linear: str
     what: str
+    lookup: str | None = None
 
     def library(self) -> ctypes.CDLL:
-        return _library(self.source, self.paths, self.linear)
+        return _library(self.source, self.paths, self.linear, self.lookup)
 
     def unavailable(self) -> str | None:
         """None where the kernel builds and runs here; else why not, in words."""
@@ -150,8 +153,9 @@ class BlockKernel:
             x = x.contiguous()
         num_rows = x.shape[0]
         out = torch.empty(num_rows, num_out)
-        # Per row: qa (in bytes), then da and ms or sa (4 bytes a block each), as block_linear reads them.
-        scratch = torch.empty(num_rows * (num_in + 8 * num_in // BLOCK), dtype=torch.uint8)
+        # Per row: qa (in bytes), then da (4 bytes a block) and ms or sa (4) or sh (8), as block_linear
+        # reads them.
+        scratch = torch.empty(num_rows * (num_in + 12 * num_in // BLOCK), dtype=torch.uint8)
         failed = getattr(self.library(), self.linear)(
             x.data_ptr(),
             x.stride(0),
@@ -167,9 +171,28 @@ class BlockKernel:
             raise QuantizeError(f"the {self.what}'s {path} path does not run on this CPU")
         return out.add_(bias) if bias is not None else out
 
+    def rows(self, packed: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor) -> torch.Tensor:
+        """ids: [n] int64 output indices -> [n, in] float32, the packed weight's rows as its
+        dequantize() has them (bit for bit), read from the packed weight itself by `lookup`."""
+        num_out, num_in = shape
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(f"row ids must be int64 [n], got {ids.dtype} {list(ids.shape)}")
+        ids = ids.cpu().contiguous()
+        if ids.numel():
+            low, high = (int(v) for v in torch.aminmax(ids))
+            if low < 0 or high >= num_out:
+                raise ValueError(
+                    f"row ids must lie in 0..{num_out - 1} for a {list(shape)} weight, got {low}..{high}"
+                )
+        out = torch.empty(ids.numel(), num_in)
+        getattr(self.library(), self.lookup)(
+            packed.data_ptr(), num_in // BLOCK, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        return out
+
 
 @cache
-def _library(source: str, paths_name: str, linear_name: str) -> ctypes.CDLL:
+def _library(source: str, paths_name: str, linear_name: str, lookup_name: str | None) -> ctypes.CDLL:
     library = native.load(source)
     paths = getattr(library, paths_name)
     paths.restype, paths.argtypes = ctypes.c_int, []
@@ -178,4 +201,8 @@ def _library(source: str, paths_name: str, linear_name: str) -> ctypes.CDLL:
     linear.restype = ctypes.c_int
     # x, x's row stride, rows, in, packed weight, out, scratch, out, path
     linear.argtypes = [p, i64, i32, i32, p, i32, p, p, i32]
+    if lookup_name is not None:
+        lookup = getattr(library, lookup_name)
+        # packed weight, blocks per row, ids, number of ids, out
+        lookup.restype, lookup.argtypes = None, [p, i32, p, i32, p]
     return library

@@ -96,7 +96,17 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
             os.unlink(partial)
 
 
-KERNELS = ("attention", "rms_norm", "int8_rows", "q4_linear", "q4f_linear", "q8_linear")
+KERNELS = (
+    "attention",
+    "rms_norm",
+    "int8_rows",
+    "q4_linear",
+    "q4f_linear",
+    "q5_linear",
+    "q5f_linear",
+    "q8_linear",
+    "q6_linear",
+)
 
 
 def main() -> int:

@@ -53,20 +53,29 @@ def supported_paths() -> list[str]:
 
 
 class Q4Weight(PackedWeight):
-    """One [out, in] weight in 4-bit blocks; `__call__(x [T, in]) -> [T, out]` float32."""
+    """One [out, in] weight in 4-bit blocks; `__call__(x [T, in]) -> [T, out]` float32.
+
+    The 5-bit weights (kernels/q5_linear.py) are this class with its values a byte each: what
+    differs is said by the class attributes and the two value layouts' methods."""
+
+    BITS = "4-bit"  # how messages name it
+    VALUE_MAX = 15
+    VALUE_BYTES = NIBBLE_BYTES  # per (group, block)
+    KERNELS = KERNELS
 
     def __init__(self, weight: torch.Tensor):
         """Quantize a float weight asymmetrically per block of 32, as Q4_1 does, the scales in float16
         rounded outwards: m = min rounded down, d = (max - m) / 15 rounded up, so m + 15 d still
-        reaches max; then q = round((w - m) / d) in 0..15 against those very d and m."""
-        check_block_shape(weight, "4-bit")
+        reaches max; then q = round((w - m) / d) in 0..15 against those very d and m (0..31 and 31
+        for 5 bits)."""
+        check_block_shape(weight, self.BITS)
         weight = weight.detach().float()
         blocks = weight.view(weight.shape[0], -1, BLOCK)
-        m = half_down(blocks.amin(dim=-1), "4-bit")
-        d = half_up((blocks.amax(dim=-1) - m.float()) / 15, "4-bit")
+        m = half_down(blocks.amin(dim=-1), self.BITS)
+        d = half_up((blocks.amax(dim=-1) - m.float()) / self.VALUE_MAX, self.BITS)
         step = d.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-        q = ((blocks - m.float()[..., None]) / step).round_().clamp_(0, 15).to(torch.uint8).view(weight.shape)
-        self._pack(q, d, m)
+        q = ((blocks - m.float()[..., None]) / step).round_().clamp_(0, self.VALUE_MAX)
+        self._pack(q.to(torch.uint8).view(weight.shape), d, m)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Q4Weight:
@@ -79,14 +88,16 @@ class Q4Weight(PackedWeight):
         holds exactly are packed in float16, others (GGUF's Q4_K) in the float32 layout, whose
         products are the same arithmetic on the same values. GGUF's Q4_0 is m = -8 d."""
         if q.dtype != torch.uint8 or q.dim() != 2:
-            raise QuantizeError(f"4-bit values must be uint8 [out, in], got {q.dtype} {list(q.shape)}")
-        check_block_shape(q, "4-bit")
+            raise QuantizeError(f"{cls.BITS} values must be uint8 [out, in], got {q.dtype} {list(q.shape)}")
+        check_block_shape(q, cls.BITS)
         blocks = (q.shape[0], q.shape[1] // BLOCK)
         d, m = block_scales(d, "d", blocks, q.shape), block_scales(m, "m", blocks, q.shape)
         if holds_in_half(d) and holds_in_half(m):
             d, m = d.to(torch.float16), m.to(torch.float16)
-        if q.numel() and int(q.max()) > 15:
-            raise QuantizeError(f"4-bit values must lie in 0..15, got one of {int(q.max())}")
+        if q.numel() and int(q.max()) > cls.VALUE_MAX:
+            raise QuantizeError(
+                f"{cls.BITS} values must lie in 0..{cls.VALUE_MAX}, got one of {int(q.max())}"
+            )
         weight = cls.__new__(cls)
         weight._pack(q, d, m)
         return weight
@@ -95,30 +106,41 @@ class Q4Weight(PackedWeight):
         # q: [N, K] uint8 0..15; d, m: [N, K/32] both float16 or both float32 -> [groups, blocks, 320
         # or 384] uint8 (kernels/native/q4_blocks.h), run by that layout's build of the kernel.
         self.shape, self.device = (q.shape[0], q.shape[1]), q.device
-        self._kernel = KERNELS[d.dtype]
+        self._kernel = self.KERNELS[d.dtype]
         q, d, m = self._kernel.grouped(q, d, m)
         num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
-        # k within a block = 8 chunk + 4 nibble + j; byte (chunk, output, j) = low | high << 4.
-        q = q.view(num_groups, GROUP, num_blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-        nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(num_groups, num_blocks, NIBBLE_BYTES)
         scales = torch.stack((d, m)).view(2, num_groups, GROUP, num_blocks).permute(1, 3, 0, 2)
         scale_bytes = scales.contiguous().view(torch.uint8).view(num_groups, num_blocks, -1)
-        self._packed = torch.cat((nibbles, scale_bytes), dim=-1).contiguous()
+        self._packed = torch.cat((self._values_layout(q), scale_bytes), dim=-1).contiguous()
         self.nbytes = self._packed.numel()
+
+    @staticmethod
+    def _values_layout(q: torch.Tensor) -> torch.Tensor:
+        """q [N, K] (whole groups) -> [groups, blocks, 256]: k within a block = 8 chunk + 4 nibble + j;
+        byte (chunk, output, j) = low | high << 4."""
+        num_groups, num_blocks = q.shape[0] // GROUP, q.shape[1] // BLOCK
+        q = q.view(num_groups, GROUP, num_blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        return (q[..., 0] | (q[..., 1] << 4)).reshape(num_groups, num_blocks, NIBBLE_BYTES)
+
+    @staticmethod
+    def _values(layout: torch.Tensor) -> torch.Tensor:
+        """_values_layout's inverse: [groups, blocks, 256] -> q [groups * 16, blocks * 32]."""
+        num_groups, num_blocks, _ = layout.shape
+        nibbles = layout.reshape(num_groups, num_blocks, 4, GROUP, 4)
+        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1)  # [g, b, chunk, output, j, nibble]
+        return q.permute(0, 3, 1, 2, 5, 4).reshape(num_groups * GROUP, num_blocks * BLOCK)
 
     @property
     def scale_dtype(self) -> torch.dtype:
         """torch.float16 (320 bytes per 16 outputs x 32 inputs) or torch.float32 (384 bytes)."""
-        return torch.float16 if self._kernel is KERNEL else torch.float32
+        return torch.float16 if self._kernel is self.KERNELS[torch.float16] else torch.float32
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stored blocks: q [out, in] uint8 in 0..15, d and m [out, in / 32] in scale_dtype;
         from_blocks of them packs the same weight again."""
         num_groups, num_blocks, _ = self._packed.shape
-        nibbles = self._packed[..., :NIBBLE_BYTES].reshape(num_groups, num_blocks, 4, GROUP, 4)
-        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1)  # [g, b, chunk, output, j, nibble]
-        q = q.permute(0, 3, 1, 2, 5, 4).reshape(num_groups * GROUP, num_blocks * BLOCK)
-        scale_bytes = self._packed[..., NIBBLE_BYTES:].contiguous()
+        q = self._values(self._packed[..., : self.VALUE_BYTES])
+        scale_bytes = self._packed[..., self.VALUE_BYTES :].contiguous()
         scales = scale_bytes.view(self.scale_dtype).view(num_groups, num_blocks, 2, GROUP)
         d, m = scales.permute(2, 0, 3, 1).reshape(2, num_groups * GROUP, num_blocks)
         num_out = self.shape[0]

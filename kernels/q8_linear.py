@@ -16,9 +16,6 @@ bits costs about 4% perplexity. bench/q8_linear.py sets this kernel against int8
 
 from __future__ import annotations
 
-import ctypes
-from functools import cache
-
 import torch
 
 from tpserve.kernels.block_weights import BLOCK, GROUP, BlockKernel, check_block_shape, exact_half, half_up
@@ -27,16 +24,9 @@ from tpserve.kernels.int8_linear import PackedWeight, QuantizeError
 VALUES_BYTES = 512  # per (group, block): 16 outputs x 32 int8 values, then d[16] in float16
 GROUP_BLOCK_BYTES = VALUES_BYTES + 2 * GROUP
 INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
-KERNEL = BlockKernel("q8_linear", paths="tp_q8_paths", linear="tp_q8_linear", what="8-bit block kernel")
-
-
-@cache
-def _rows_kernel():
-    rows = KERNEL.library().tp_q8_rows
-    rows.restype = None
-    # packed weight, blocks per row, ids, number of ids, out
-    rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    return rows
+KERNEL = BlockKernel(
+    "q8_linear", paths="tp_q8_paths", linear="tp_q8_linear", what="8-bit block kernel", lookup="tp_q8_rows"
+)
 
 
 def q8_available() -> str | None:
@@ -118,19 +108,7 @@ class Q8Weight(PackedWeight):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [n] int64 output indices -> [n, in] float32, the rows d * q of dequantize() (bit for
         bit), read from the packed weight itself: a tied embedding's lookup."""
-        num_out, num_in = self.shape
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise ValueError(f"row ids must be int64 [n], got {ids.dtype} {list(ids.shape)}")
-        ids = ids.cpu().contiguous()
-        if ids.numel():
-            low, high = (int(v) for v in torch.aminmax(ids))
-            if low < 0 or high >= num_out:
-                raise ValueError(
-                    f"row ids must lie in 0..{num_out - 1} for a {list(self.shape)} weight, got {low}..{high}"
-                )
-        out = torch.empty(ids.numel(), num_in)
-        _rows_kernel()(self._packed.data_ptr(), num_in // BLOCK, ids.data_ptr(), ids.numel(), out.data_ptr())
-        return out
+        return KERNEL.rows(self._packed, self.shape, ids)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
         # x: [T, in] -> [T, out] float32. path: one of PATHS, to check every path gives the same bits.

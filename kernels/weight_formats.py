@@ -4,7 +4,9 @@
 - int8: int8 weights x int8 rows by FBGEMM, down_proj in float16 (kernels/int8_linear.py).
 - int4: 4-bit blocks x 8-bit blocks by our C kernel, every linear layer (kernels/q4_linear.py):
   half int8's bytes, and the GGUF's own Q4_1 arithmetic; the head and the embedding in 8-bit blocks
-  (kernels/q8_linear.py), one copy for both where they are tied.
+  (kernels/q8_linear.py), one copy for both where they are tied. A GGUF's own blocks are served as
+  stored (ranks/packing.py): Q8_0 in 8 bits, Q6_K in 6 (kernels/q6_linear.py), the head included;
+  Q5_0, Q5_1 and Q5_K in 5 (kernels/q5_linear.py).
 - auto: int4 on an x86 CPU whose vector units the C kernel uses (AVX2 or AVX-512 VNNI), else int8
   where FBGEMM runs, else none.
 """
@@ -18,6 +20,8 @@ import torch
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available
 from tpserve.kernels.q4_linear import BLOCK, Q4Weight, q4_available, supported_paths
+from tpserve.kernels.q5_linear import q5_available
+from tpserve.kernels.q6_linear import q6_available
 from tpserve.kernels.q8_linear import Q8Weight, q8_available
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,8 @@ def quantize_unavailable(kind: str, device: torch.device | str) -> str | None:
     if kind == "int4":
         if torch.device(device).type != "cpu":
             return f"int4 weights run on CPUs (our C kernel), not on {torch.device(device).type}"
-        return q4_available() or q8_available()
+        # a GGUF's own 5- and 6-bit blocks are served by kernels of their own
+        return q4_available() or q8_available() or q5_available() or q6_available()
     return None
 
 

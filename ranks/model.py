@@ -19,6 +19,7 @@ from tpserve.kernels.embedding import place_features
 from tpserve.kernels.int8_linear import PackedWeight
 from tpserve.kernels.linear import linear
 from tpserve.kernels.norms import rms_norm
+from tpserve.kernels.q6_linear import Q6Weight
 from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.rotary import Rotary
 from tpserve.kernels.weight_formats import served_as
@@ -27,6 +28,8 @@ from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.packing import fuse, pack_weight
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
+
+ROW_TABLES = (Q8Weight, Q6Weight)  # packed weights whose rows an embedding reads (`rows(ids)`)
 
 
 class PieceLayer:
@@ -120,9 +123,9 @@ class TPModel:
         head_format = served_as(quantize).head
         self.head = [pack_weight(w[head_name], head_format, self.dtype) for w in weights.pieces]
         # [V_piece, hidden] each: the head's own copy where they are tied and it has rows to look
-        # up (float, or 8-bit blocks), else its own (8-bit blocks where the head is, else float).
+        # up (float, or 8- or 6-bit blocks), else its own (8-bit blocks where the head is, else float).
         embed, tied = "model.embed_tokens.weight", config.tie_word_embeddings
-        if tied and all(isinstance(h, (torch.Tensor, Q8Weight)) for h in self.head):
+        if tied and all(isinstance(h, (torch.Tensor, *ROW_TABLES)) for h in self.head):
             self.embed = self.head
         else:
             self.embed = [_table(w[embed], head_format, self.dtype) for w in weights.pieces]
@@ -276,17 +279,18 @@ class TPModel:
         return torch.cat([chunk[:, :width] for chunk, width in zip(chunks, widths)], dim=-1).float()
 
 
-def _lookup(table: torch.Tensor | Q8Weight, ids: torch.Tensor) -> torch.Tensor:
+def _lookup(table: torch.Tensor | Q8Weight | Q6Weight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of an embedding table: [n, hidden]."""
-    return table.rows(ids) if isinstance(table, Q8Weight) else F.embedding(ids, table)
+    return table.rows(ids) if isinstance(table, ROW_TABLES) else F.embedding(ids, table)
 
 
 def _table(
     weight: torch.Tensor | BlockValues, head_format: str, dtype: torch.dtype
-) -> torch.Tensor | Q8Weight:
-    """An embedding table of its own: 8-bit blocks where the head is in them, else float."""
+) -> torch.Tensor | Q8Weight | Q6Weight:
+    """An embedding table of its own: 8-bit blocks where the head is in them (6-bit ones where the file
+    keeps it in Q6_K), else float."""
     packed = pack_weight(weight, "q8") if head_format == "q8" else None
-    return packed if isinstance(packed, Q8Weight) else _float(weight, dtype)
+    return packed if isinstance(packed, ROW_TABLES) else _float(weight, dtype)
 
 
 def _float(weight: torch.Tensor | BlockValues, dtype: torch.dtype) -> torch.Tensor:

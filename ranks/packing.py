@@ -9,20 +9,43 @@ as kernels/weight_formats.py says.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tpserve.kernels.int8_linear import Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight
+from tpserve.kernels.q5_linear import Q5Weight
+from tpserve.kernels.q6_linear import Q6Weight
 from tpserve.kernels.q8_linear import Q8Weight
+from tpserve.kernels.stacked_weight import StackedWeight
 from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.block_tensors import BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.int8_tensors import Int8Values
 
+ASYMMETRIC = {4: Q4Weight, 5: Q5Weight}  # block weights d * q + m, by their values' bits
 
-def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockValues:
+
+@dataclass
+class MixedParts:
+    """The parts of one fused product stored in different forms (a Q4_K_M GGUF's Q4_K q and k beside
+    its Q6_K v, or blocks beside floats): stacked at packing (pack_weight)."""
+
+    parts: list[torch.Tensor | BlockValues]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.q.shape[0] if isinstance(p, BlockValues) else p.shape[0] for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        """[sum of out, in] float32: every part's exact values."""
+        return torch.cat([p.dequantize() if isinstance(p, BlockValues) else p.float() for p in self.parts])
+
+
+def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockValues | MixedParts:
     """The weights `names`, taken out of `tensors`, stacked by rows (q/k/v, gate/up): all float, all
-    int8 each keeping its scales, or all in blocks of one width (else all dequantized to float)."""
+    int8 each keeping its scales, or all in blocks of one width (else their MixedParts)."""
     parts = [tensors.pop(name) for name in names]
     if all(isinstance(part, torch.Tensor) for part in parts):
         return torch.cat(parts)
@@ -31,22 +54,32 @@ def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockVa
     if all(isinstance(part, BlockValues) for part in parts) and len({p.bits for p in parts}) == 1:
         return cat_blocks(parts)
     if not any(isinstance(part, Int8Values) for part in parts):  # floats and blocks (a mixed GGUF)
-        return torch.cat([p.dequantize() if isinstance(p, BlockValues) else p.float() for p in parts])
+        return MixedParts(parts)
     raise ModelFileError(", ".join(names), "one fused product, stored partly in int8 and partly in float")
 
 
-def pack_weight(weight: torch.Tensor | Int8Values | BlockValues, kind: str, dtype=torch.float32):
+def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, kind: str, dtype=torch.float32):
     """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
     (down_proj included: the file chose int8 for it); a GGUF's blocks are served as stored where
-    `kind` is int4 (and 8-bit ones where it is q8); anything else goes through quantize_weight (blocks dequantized first,
-    to `dtype` where they stay float)."""
+    `kind` is int4 (and 8- and 6-bit ones where it is q8: a Q6_K head keeps its 6 bits; 4- and
+    5-bit heads go to 8 bits, as a float head does), mixed parts
+    each in its own form, stacked (kernels/stacked_weight.py); anything else goes through
+    quantize_weight (blocks dequantized first, exactly, to `dtype` where they stay float: int8 and
+    none serve a Q6_K's exact values as they serve a Q4's)."""
+    if isinstance(weight, MixedParts):
+        if kind != "int4" or weight.num_rows == 0:  # no KV head: an empty q/k/v
+            return pack_weight(weight.dequantize(), kind, dtype)
+        # Blocks in 4 bits are per output row, so each part packed alone is the fused product's rows.
+        return StackedWeight([pack_weight(part, kind, dtype) for part in weight.parts])
     if isinstance(weight, BlockValues):
         if weight.q.numel() == 0:
             return weight.q.to(dtype)
-        if kind == "int4" and weight.bits == 4:
-            return Q4Weight.from_blocks(weight.q, weight.d, weight.m)
+        if kind == "int4" and weight.bits in (4, 5):
+            return ASYMMETRIC[weight.bits].from_blocks(weight.q, weight.d, weight.m)
         if kind in ("int4", "q8") and weight.bits == 8:
             return Q8Weight.from_blocks(weight.q, weight.d)
+        if kind in ("int4", "q8") and weight.bits == 6:
+            return Q6Weight.from_blocks(weight.q, weight.sc, weight.d)
         weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
     if not isinstance(weight, Int8Values):
         return quantize_weight(weight, kind)

@@ -192,8 +192,9 @@ def _owned(part: torch.Tensor | Int8Values, device, dtype: torch.dtype) -> torch
     if isinstance(part, Int8Values):
         return Int8Values(_owned(part.values, device, torch.int8), _owned(part.scales, device, torch.float32))
     if isinstance(part, BlockValues):
-        m = None if part.m is None else _owned(part.m, device, part.m.dtype)
-        return BlockValues(_owned(part.q, device, part.q.dtype), _owned(part.d, device, part.d.dtype), m)
+        m, sc = (None if t is None else _owned(t, device, t.dtype) for t in (part.m, part.sc))
+        q, d = _owned(part.q, device, part.q.dtype), _owned(part.d, device, part.d.dtype)
+        return BlockValues(q, d, m, sc, part.bits)
     out = part.to(device=device, dtype=dtype)
     if not out.is_contiguous() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
         out = out.clone(memory_format=torch.contiguous_format)

@@ -1,12 +1,12 @@
-"""What the block weight tests (test_block_weights.py, test_q4_linear.py, test_q8_linear.py) share: the
-two kinds, the paths each runs here, and the weights and rows they are tried on."""
+"""What the block weight tests (test_block_weights.py, test_q4_linear.py, test_q8_linear.py,
+test_q6_linear.py, test_q5_linear.py) share: the kinds, the paths each runs here, and the weights and rows they are tried on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tpserve.kernels import q4_linear, q8_linear
+from tpserve.kernels import q4_linear, q5_linear, q6_linear, q8_linear
 from tpserve.kernels.block_weights import BLOCK, BlockKernel, check_block_shape
 
 # Output counts that fill whole groups of 16, leave a lone group (the VNNI path pairs groups), and
@@ -14,26 +14,43 @@ from tpserve.kernels.block_weights import BLOCK, BlockKernel, check_block_shape
 SHAPES = [(64, 96), (48, 64), (100, 96), (5, 32)]
 
 
-def q4_float32_scales(weight: torch.Tensor) -> q4_linear.Q4Weight:
-    """A float weight in 4-bit blocks whose scales are float32, as a Q4_K import's (d * sc and
-    -dmin * mn): min and (max - min) / 15 per block, unrounded, so float16 holds hardly any."""
-    check_block_shape(weight, "4-bit")
-    blocks = weight.float().view(weight.shape[0], -1, BLOCK)
-    m = blocks.amin(dim=-1)
-    d = (blocks.amax(dim=-1) - m) / 15
-    q = ((blocks - m[..., None]) / d.clamp_min(1e-30)[..., None]).round().clamp(0, 15).to(torch.uint8)
-    packed = q4_linear.Q4Weight.from_blocks(q.view(weight.shape), d, m)
-    assert packed.scale_dtype == torch.float32
-    return packed
+def float32_scales(kind: type[q4_linear.Q4Weight]):
+    """A float weight in 4-bit (or 5-bit) blocks whose scales are float32, as a Q4_K (Q5_K) import's
+    (d * sc and -dmin * mn): min and (max - min) / 15 (31) per block, unrounded, so float16 holds
+    hardly any."""
+
+    def make(weight: torch.Tensor) -> q4_linear.Q4Weight:
+        check_block_shape(weight, kind.BITS)
+        blocks = weight.float().view(weight.shape[0], -1, BLOCK)
+        m = blocks.amin(dim=-1)
+        d = (blocks.amax(dim=-1) - m) / kind.VALUE_MAX
+        q = ((blocks - m[..., None]) / d.clamp_min(1e-30)[..., None]).round().clamp(0, kind.VALUE_MAX)
+        packed = kind.from_blocks(q.to(torch.uint8).view(weight.shape), d, m)
+        assert packed.scale_dtype == torch.float32
+        return packed
+
+    return make
 
 
+q4_float32_scales = float32_scales(q4_linear.Q4Weight)
+q5_float32_scales = float32_scales(q5_linear.Q5Weight)
 KINDS = (
     ("q4", q4_linear.Q4Weight, q4_linear.KERNEL),
     ("q4f32", q4_float32_scales, q4_linear.KERNEL_F32),
+    ("q5", q5_linear.Q5Weight, q5_linear.KERNEL),
+    ("q5f32", q5_float32_scales, q5_linear.KERNEL_F32),
     ("q8", q8_linear.Q8Weight, q8_linear.KERNEL),
+    ("q6", q6_linear.Q6Weight, q6_linear.KERNEL),
 )
 # how their refusals name them
-BITS = {q4_linear.Q4Weight: "4-bit", q4_float32_scales: "4-bit", q8_linear.Q8Weight: "8-bit"}
+BITS = {
+    q4_linear.Q4Weight: "4-bit",
+    q4_float32_scales: "4-bit",
+    q5_linear.Q5Weight: "5-bit",
+    q5_float32_scales: "5-bit",
+    q8_linear.Q8Weight: "8-bit",
+    q6_linear.Q6Weight: "6-bit",
+}
 
 
 def paths_here(kernel: BlockKernel) -> list[str]:

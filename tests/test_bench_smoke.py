@@ -25,6 +25,7 @@ from bench.common import percentile
 from bench.concurrency import run_concurrency
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
 from bench.drafts import run_drafts
+from bench.q6_linear import run_q6_linear
 from bench.q8_linear import run_q8_linear
 from tpserve.kernels.native_attention import attention_paths, native_unavailable
 from tpserve.ranks.model_config import load_model_config
@@ -143,6 +144,14 @@ def test_the_attention_benchmark_times_every_path_this_cpu_runs():
     assert (
         set(report["ms"]) == set(paths) and "plain" in paths and all(ms > 0 for ms in report["ms"].values())
     )
+
+
+def test_the_6_bit_benchmark_times_every_kind_with_its_bytes():
+    report = run_q6_linear(rows=(1, 3), num_copies=2, num_passes=1, shapes=((48, 64),))
+    assert [(r["shape"], r["rows"]) for r in report["results"]] == [([48, 64], 1), ([48, 64], 3)]
+    for r in report["results"]:
+        assert set(r["ms"]) == {"float32", "q4", "q5f32", "q8", "q6"} and r["q6_over_q4"] > 0
+        assert r["bytes"]["q6"] == 48 * 64 * 7 // 8 and r["bytes"]["q5f32"] == 48 * 64 * 7 // 8
 
 
 def test_percentile_interpolates_between_ranks():

@@ -1,7 +1,7 @@
-"""Both block weights (kernels/q4_linear.py, kernels/q8_linear.py): a row is the same at any batch and on
-every code path the CPU runs, and the product is its quantized operands' product, near the float one.
-What differs between the two (their extreme blocks, rounding, layouts, refusals) is tested in
-test_q4_linear.py and test_q8_linear.py."""
+"""Every block weight (kernels/q4_linear.py, q5_linear.py, q8_linear.py, q6_linear.py): a row is the
+same at any batch and on every code path the CPU runs, and the product is its quantized operands'
+product, near the float one. What differs between them (their extreme blocks, rounding, layouts,
+refusals) is tested in test_q4_linear.py, test_q8_linear.py and test_q6_linear.py."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tpserve import cli
 from tpserve import prepare as prepare_module
-from tpserve.gguf_blocks import KEPT_TYPES, Blocks
+from tpserve.gguf_blocks import KEPT_TYPES, Blocks, SixBitBlocks
 from tpserve.gguf_import import import_gguf
 from tpserve.gguf_tensors import unpermute_rotary_rows
 from tpserve.prepare import default_model_dir, find_default_gguf, prepare
@@ -39,9 +39,10 @@ CORPUS = [
     "naïve café 日本語",
 ] * 30
 # Largest error a type may add, as a fraction of the tensor's largest magnitude.
-# A Q4_K tensor is written from random blocks (gguf-py cannot quantize to it): its originals are
-# those blocks' exact values.
-TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_K: 0.0}
+# A Q3_K, Q4_K, Q5_K or Q6_K tensor is written from random blocks (gguf-py cannot quantize to it): its
+# originals are those blocks' exact values.
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_1: 0.1, Q.Q5_0: 0.05}
+TOLERANCE |= {Q.Q5_1: 0.05, Q.Q3_K: 0.0, Q.Q4_K: 0.0, Q.Q5_K: 0.0, Q.Q6_K: 0.0}
 LLAMA_TYPES = {
     "token_embd": Q.Q8_0,
     "attn_q": Q.F32,
@@ -75,16 +76,40 @@ def train_tokenizer() -> BackendTokenizer:
     return backend
 
 
-def random_q4_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
+def random_q4_k(num_rows: int, num_in: int, rng: np.random.Generator, value_bytes: int = 128) -> np.ndarray:
     """[num_rows, num_in / 256 * 144] raw Q4_K super-blocks: random nibbles and 6-bit sc and mn,
-    float16 d and dmin of either sign and a sane size."""
+    float16 d and dmin of either sign and a sane size (Q5_K's with value_bytes 160: its fifth bits
+    too)."""
     num_supers = num_rows * num_in // 256
     d = (rng.uniform(0.5, 2.0, (num_supers, 2)) * rng.choice([-1, 1], (num_supers, 2)) / 64).astype(
         np.float16
     )
-    scale_and_nibbles = rng.integers(0, 256, (num_supers, 12 + 128), dtype=np.uint8)
+    scale_and_nibbles = rng.integers(0, 256, (num_supers, 12 + value_bytes), dtype=np.uint8)
     raw = np.concatenate((d.view(np.uint8), scale_and_nibbles), axis=-1)
     return raw.reshape(num_rows, -1)
+
+
+def random_q5_k(num_rows: int, num_in: int, rng: np.random.Generator) -> np.ndarray:
+    """[num_rows, num_in / 256 * 176] raw Q5_K super-blocks, as random_q4_k's."""
+    return random_q4_k(num_rows, num_in, rng, value_bytes=32 + 128)
+
+
+def random_q6_k(num_rows: int, num_in: int, rng: np.random.Generator, value_bytes: int = 208) -> np.ndarray:
+    """[num_rows, num_in / 256 * 210] raw Q6_K super-blocks: random 6-bit values and int8 sub-scales
+    (every value), then a float16 d of either sign and a sane size (Q3_K's, 110 bytes, with
+    value_bytes 108: its values and scales)."""
+    num_supers = num_rows * num_in // 256
+    d = (rng.uniform(0.5, 2.0, (num_supers, 1)) * rng.choice([-1, 1], (num_supers, 1)) / 4096).astype(
+        np.float16
+    )
+    values_and_scales = rng.integers(0, 256, (num_supers, value_bytes), dtype=np.uint8)
+    raw = np.concatenate((values_and_scales, d.view(np.uint8)), axis=-1)
+    return raw.reshape(num_rows, -1)
+
+
+# the types gguf-py cannot quantize to
+RANDOM_BLOCKS = {Q.Q4_K: random_q4_k, Q.Q5_K: random_q5_k, Q.Q6_K: random_q6_k}
+RANDOM_BLOCKS[Q.Q3_K] = lambda num_rows, num_in, rng: random_q6_k(num_rows, num_in, rng, value_bytes=108)
 
 
 def write_tiny_gguf(
@@ -133,8 +158,8 @@ def write_tiny_gguf(
     originals: dict[str, np.ndarray] = {}
 
     def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: Q, permute_heads: int = 0) -> None:
-        if qtype == Q.Q4_K:
-            raw = random_q4_k(shape[0], shape[1], rng)
+        if qtype in RANDOM_BLOCKS:
+            raw = RANDOM_BLOCKS[qtype](shape[0], shape[1], rng)
             stored = gguf.quants.dequantize(raw, qtype).reshape(shape)
             originals[hf_name] = unpermute_rotary_rows(stored, permute_heads) if permute_heads else stored
             writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
@@ -206,10 +231,12 @@ def imported_weights(out_dir: Path) -> dict[str, np.ndarray]:
         stored.update(load_file(str(path)))
     weights = {}
     for name, array in stored.items():
-        if name.endswith(("_q4", "_q8")):
-            base = name[: -len("_q4")]
+        base = name[: -len("_q4")]
+        if name.endswith(("_q4", "_q5", "_q8")):
             weights[base] = Blocks(array, stored[base + "_d"], stored.get(base + "_m")).dequantize()
-        elif not name.endswith(("_d", "_m")):
+        elif name.endswith("_q6"):
+            weights[base] = SixBitBlocks(array, stored[base + "_sc"], stored[base + "_d"]).dequantize()
+        elif not name.endswith(("_d", "_m", "_sc")):
             weights[name] = array
     return weights
 
@@ -220,7 +247,7 @@ def assert_weights_match(out_dir: Path, originals: dict[str, np.ndarray], types:
     assert set(weights) == set(originals)
     for name, original in originals.items():
         if _type_of(name, types) in KEPT_TYPES and original.ndim == 2:  # kept in its own blocks
-            assert name not in stored and (name + "_q4" in stored or name + "_q8" in stored), name
+            assert name not in stored and any(name + f"_q{bits}" in stored for bits in (4, 5, 6, 8)), name
         assert weights[name].dtype == np.float32
         assert weights[name].shape == original.shape, name
         kind = _type_of(name, types)
@@ -553,6 +580,11 @@ def test_a_damaged_block_tensor_is_refused_by_name(tmp_path: Path, damage, messa
     )
     write_tiny_gguf(tmp_path / "tiny.gguf", types=q4)
     out_dir = import_gguf(tmp_path / "tiny.gguf", tmp_path / "model", progress=False)
+    assert_damage_refused(out_dir, damage, message)
+
+
+def assert_damage_refused(out_dir: Path, damage, message: str) -> None:
+    """`damage` done to the import's tensors (a dict of arrays) makes loading it fail with `message`."""
     path = out_dir / "model.safetensors"
     tensors = {name: array.copy() for name, array in load_file(str(path)).items()}
     damage(tensors)

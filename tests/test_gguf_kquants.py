@@ -1,5 +1,6 @@
-"""GGUF's Q4_K kept in its own blocks of 32 (tpserve/gguf_blocks.py): read exactly as the `gguf`
-package dequantizes it, imported with float32 block scales, and served by int4 as the file holds it."""
+"""GGUF's Q4_K and Q5_K (and Q5_0, Q5_1) kept in their own blocks of 32 (tpserve/gguf_blocks.py): read
+exactly as the `gguf` package dequantizes them, imported with float32 block scales (K-quants), and
+served by int4 as the file holds them."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
-from test_gguf_import import LLAMA_TYPES, _logits, assert_weights_match, random_q4_k, write_tiny_gguf
+from test_gguf_import import (
+    LLAMA_TYPES,
+    _logits,
+    assert_weights_match,
+    random_q4_k,
+    random_q5_k,
+    write_tiny_gguf,
+)
 
 from tpserve.gguf_blocks import read_blocks
 from tpserve.gguf_import import import_gguf
 from tpserve.kernels.q4_linear import q4_available
+from tpserve.kernels.q5_linear import Q5Weight, q5_available
 from tpserve.ranks.loader import load_rank_model
 
 Q = gguf.GGMLQuantizationType
@@ -58,13 +67,9 @@ def test_q4_k_layers_import_as_4_bit_blocks_with_float32_scales(tmp_path: Path):
     assert stored[up + "_d"].shape == (K_FFN, K_HIDDEN // 32)
 
 
-@pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
-@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
-def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size):
-    out_dir, originals = _q4_k_model(tmp_path)
-    model = load_rank_model(
-        out_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=torch.float32, max_positions=64, quantize="int4"
-    )
+def expected_pieces(model, originals: dict[str, np.ndarray], tp_rank: int, tp_size: int) -> list[dict]:
+    """Layer 0's fused and sliced weights each piece of `model` (rank tp_rank of tp_size) should serve,
+    taken from the original float weights."""
     pieces = model.layers[0]
     head_dim, num_kv = model.config.head_dim, model.config.num_kv_heads
     kv_per_piece = num_kv // (tp_size * len(pieces))
@@ -75,22 +80,92 @@ def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size)
         ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
         ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"),
     )}  # fmt: skip
-    for index, piece in enumerate(pieces):
+    expected = []
+    for index in range(len(pieces)):
         at = tp_rank * len(pieces) + index  # the piece's place among all pieces
         q_rows = slice(at * q_per_piece * head_dim, (at + 1) * q_per_piece * head_dim)
         kv_rows = slice(at * kv_per_piece * head_dim, (at + 1) * kv_per_piece * head_dim)
         ffn = slice(at * ffn_per_piece, (at + 1) * ffn_per_piece)
-        expected = {
+        expected.append({
             "w_qkv": torch.cat([w["q"][q_rows], w["k"][kv_rows], w["v"][kv_rows]]),
             "w_o": w["o"][:, q_rows],
             "w_gate_up": torch.cat([w["gate"][ffn], w["up"][ffn]]),
             "w_down": w["down"][:, ffn],
-        }
+        })  # fmt: skip
+    return expected
+
+
+@pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
+@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
+def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size):
+    out_dir, originals = _q4_k_model(tmp_path)
+    model = load_rank_model(
+        out_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    for index, expected in enumerate(expected_pieces(model, originals, tp_rank, tp_size)):
         for name, values in expected.items():
-            served = getattr(piece, name)
+            served = getattr(model.layers[0][index], name)
             assert served.scale_dtype == torch.float32, name
-            assert torch.equal(served.dequantize(), values), f"piece {at}'s {name}"
+            assert torch.equal(served.dequantize(), values), f"piece {index}'s {name}"
     if tp_size == 1:
         torch.set_num_threads(1)
         logits = _logits(out_dir, "int4")
         assert torch.isfinite(logits).all() and torch.equal(logits, _logits(out_dir, "int4"))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q5_0, Q.Q5_1])
+def test_q5_blocks_dequantize_to_the_gguf_packages_bits(qtype):
+    rng = np.random.default_rng(7)
+    if qtype == Q.Q5_K:
+        raw = random_q5_k(6, 512, rng)
+    else:  # random bits with sane float16 d (and m)
+        raw = rng.integers(0, 256, (6, 16, 22 if qtype == Q.Q5_0 else 24), dtype=np.uint8)
+        scales = (rng.uniform(-2, 2, (6, 16, 2)) / 64).astype(np.float16)
+        raw[..., : 2 * (1 + (qtype == Q.Q5_1))] = scales[..., : 1 + (qtype == Q.Q5_1)].view(np.uint8)
+        raw = raw.reshape(6, -1)
+    blocks = read_blocks(raw, qtype, (6, 512))
+    assert blocks.bits == 5 and blocks.q.dtype == np.uint8 and int(blocks.q.max()) == 31
+    assert blocks.d.dtype == (np.float32 if qtype == Q.Q5_K else np.float16)
+    expected = gguf.quants.dequantize(raw, qtype)
+    if qtype == Q.Q5_0:  # d * (q - 16) is -0.0 where d < 0 and q = 16; d * q + (-16 d) is +0.0
+        expected = expected + np.float32(0.0)
+    assert np.array_equal(_bits(blocks.dequantize()), _bits(expected))
+
+
+@pytest.mark.skipif(q5_available() is not None, reason=str(q5_available()))
+@pytest.mark.parametrize("tp_rank, tp_size", [(0, 1), (1, 2)])
+def test_int4_serves_the_q5_k_files_own_values(tmp_path: Path, tp_rank, tp_size):
+    types = dict.fromkeys(K_LAYERS, Q.Q5_K)
+    originals = write_tiny_gguf(tmp_path / "tiny.gguf", types=types, hidden=K_HIDDEN, ffn=K_FFN)
+    out_dir = import_gguf(tmp_path / "tiny.gguf", tmp_path / "model", progress=False)
+    assert_weights_match(out_dir, originals, LLAMA_TYPES | types)  # exact for Q5_K
+    stored = load_file(str(out_dir / "model.safetensors"))
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert stored[up + "_q5"].dtype == np.uint8 and stored[up + "_d"].dtype == np.float32
+    model = load_rank_model(
+        out_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    for index, expected in enumerate(expected_pieces(model, originals, tp_rank, tp_size)):
+        for name, values in expected.items():
+            served = getattr(model.layers[0][index], name)
+            assert isinstance(served, Q5Weight) and served.scale_dtype == torch.float32, name
+            assert torch.equal(served.dequantize(), values), f"piece {index}'s {name}"
+
+
+@pytest.mark.skipif(q5_available() is not None, reason=str(q5_available()))
+def test_q5_0_and_q5_1_layers_are_served_as_stored_and_as_a_float_import_in_int8_and_none(tmp_path: Path):
+    types = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_1, "attn_output": Q.Q5_1}
+    types |= {"ffn_gate": Q.Q5_1, "ffn_up": Q.Q5_1, "ffn_down": Q.Q5_0}
+    originals = write_tiny_gguf(tmp_path / "tiny.gguf", types=types)
+    blocks = import_gguf(tmp_path / "tiny.gguf", tmp_path / "blocks", progress=False)
+    floats = import_gguf(tmp_path / "tiny.gguf", tmp_path / "floats", progress=False, dequantize=True)
+    assert_weights_match(blocks, originals, LLAMA_TYPES | types)
+    torch.set_num_threads(1)
+    for quantize in ("none", "int8"):
+        assert torch.equal(_logits(blocks, quantize), _logits(floats, quantize)), quantize
+    model = load_rank_model(
+        blocks, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    # gate/up's rows are whole blocks (this tiny model's row-parallel pieces are not: they fall back)
+    gate_up = model.layers[1][0].w_gate_up
+    assert isinstance(gate_up, Q5Weight) and gate_up.scale_dtype == torch.float16

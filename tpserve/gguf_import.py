@@ -1,7 +1,7 @@
 """`tpserve import-gguf`: turns a GGUF file into a Hugging Face model directory the engine loads.
 
-The directory holds config.json, safetensors under Hugging Face tensor names (Q4_0, Q4_1 and Q8_0
-weights in their own blocks, tpserve/gguf_blocks.py; the rest float32),
+The directory holds config.json, safetensors under Hugging Face tensor names (Q4_*, Q5_*, Q6_K and
+Q8_0 weights in their own blocks, tpserve/gguf_blocks.py; the rest float32),
 tokenizer.json, tokenizer_config.json, generation_config.json and gguf_source.json (which file it
 came from, so `prepare` can tell a stale import). Other quantized tensors are dequantized with the
 `gguf` package; the q/k row permutation llama.cpp applies to llama-architecture models is undone.
@@ -93,7 +93,8 @@ def import_gguf(
 
 
 # 2: Q4_0, Q4_1 and Q8_0 weights kept in blocks (an import of format 1, all float32, is stale).
-IMPORT_FORMAT = 2
+# 3: Q6_K, Q5_0, Q5_1, Q5_K and Q3_K weights kept in blocks too (format 2 wrote them in float32).
+IMPORT_FORMAT = 3
 
 
 def source_stamp(gguf_path: Path) -> dict[str, Any]:

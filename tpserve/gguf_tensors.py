@@ -1,10 +1,13 @@
 """The weights side of a GGUF import: Hugging Face names, blocks or floats, sharded safetensors.
 
 Every GGUF tensor is mapped to its Hugging Face name and torch shape before anything is written, so
-an unknown tensor or type is refused up front. A Q4_0, Q4_1, Q4_K or Q8_0 weight matrix is kept in
-its own blocks (tpserve/gguf_blocks.py): `X.weight_q4` or `X.weight_q8` with `X.weight_d` (and
-`X.weight_m`), float16 but for Q4_K's float32; other types are dequantized to float32. llama.cpp stores llama-architecture q/k rows permuted for
-its rotary kernel; `unpermute_rotary_rows` undoes that exactly, blocks included.
+an unknown tensor or type is refused up front. A Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0
+weight matrix is kept in its own blocks (tpserve/gguf_blocks.py): `X.weight_q4`, `X.weight_q5` or
+`X.weight_q8` with `X.weight_d` (and `X.weight_m`), float16 but for Q4_K's and Q5_K's float32, or
+Q6_K's (and Q3_K's, in the same form) `X.weight_q6`, `X.weight_sc` and `X.weight_d`; Q2_K is
+dequantized to float32. llama.cpp
+stores llama-architecture q/k rows permuted for its rotary kernel; `unpermute_rotary_rows` undoes
+that exactly, blocks included.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class PlannedTensor:
     name: str
     shape: tuple[int, ...]
     rotary_heads: int  # > 0: undo llama.cpp's q/k permutation over this many heads
-    keeps_blocks: bool = False  # written in its own blocks (a Q4_0, Q4_1, Q4_K or Q8_0 matrix), not float32
+    keeps_blocks: bool = False  # written in its own blocks (a matrix of one of KEPT_TYPES)
 
     @property
     def num_bytes(self) -> int:
@@ -125,10 +128,7 @@ def read_arrays(planned: PlannedTensor, gguf_path: Path) -> dict[str, np.ndarray
     if planned.rotary_heads:
         rows = np.arange(planned.shape[0])
         blocks = blocks.rows(unpermute_rotary_rows(rows, planned.rotary_heads))
-    arrays = {f"{planned.name}_q{blocks.bits}": blocks.q, f"{planned.name}_d": blocks.d}
-    if blocks.m is not None:
-        arrays[f"{planned.name}_m"] = blocks.m
-    return arrays
+    return blocks.arrays(planned.name)
 
 
 def read_tensor(planned: PlannedTensor, gguf_path: Path) -> np.ndarray:

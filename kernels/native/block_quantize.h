@@ -1,8 +1,9 @@
-/* What the block kernels (q4_linear.c, q8_linear.c) share: how an input row is quantized per block of
+/* What the block kernels (q4_linear.c, q8_linear.c, q6_linear.c) share: how an input row is quantized per block of
  * 32, how a float16 block scale is read, and which code paths this CPU runs.
  *
  * An input row t is quantized per block on its own: da[t,b] = absmax / 127, qa = rint(x * (1 / da))
- * in -127..127 (llama.cpp's Q8_1), and sa[t,b] = sum_i qa[t,b,i]. A kernel built from this header
+ * in -127..127 (llama.cpp's Q8_1), sa[t,b] = sum_i qa[t,b,i], and sh[t,2b+h] the same sum over half h
+ * (inputs 16h..16h+15) alone, for a weight with a scale per 16 inputs (GGUF's Q6_K). A kernel built from this header
  * thus sees the very integers every other one sees for the same row. kernels/native.py hashes this
  * header with each source, so a change here rebuilds both.
  */
@@ -43,11 +44,11 @@ static inline float load_half(const uint8_t *p) {
 }
 
 /* x: [T, K] (row stride x_stride floats) -> qa [T, K], da [T, nb], and where not NULL ms [T, nb] =
- * da * (float)sa and sa [T, nb]. Written so the compiler vectorizes it: the absmax as the largest |x|
+ * da * (float)sa, sa [T, nb] and sh [T, 2 nb] (sa per half block). Written so the compiler vectorizes it: the absmax as the largest |x|
  * bit pattern (a NaN counts as infinity), then qa = rint(x * (1 / da)) as llama.cpp's Q8_1 (one
  * division a block), clamped so that no conversion is undefined. */
 static void quantize_rows(const float *x, int64_t x_stride, int num_rows, int K, int8_t *qa, float *da,
-                          float *ms, int32_t *sa) {
+                          float *ms, int32_t *sa, int32_t *sh) {
     int nb = K / BLOCK;
     for (int t = 0; t < num_rows; t++) {
         for (int b = 0; b < nb; b++) {
@@ -63,17 +64,20 @@ static void quantize_rows(const float *x, int64_t x_stride, int num_rows, int K,
             float absmax;
             memcpy(&absmax, &top, sizeof absmax);
             float scale = absmax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                float r = v[i] * inv;
-                r = r >= -127.0f ? r : -127.0f; /* a NaN becomes -127 */
-                r = r <= 127.0f ? r : 127.0f;
-                q[i] = (int8_t)(int)rintf(r);
-                sum += q[i];
-            }
+            int halves[2] = {0, 0};
+            for (int h = 0; h < 2; h++)
+                for (int i = h * BLOCK / 2; i < (h + 1) * BLOCK / 2; i++) {
+                    float r = v[i] * inv;
+                    r = r >= -127.0f ? r : -127.0f; /* a NaN becomes -127 */
+                    r = r <= 127.0f ? r : 127.0f;
+                    q[i] = (int8_t)(int)rintf(r);
+                    halves[h] += q[i];
+                }
+            int sum = halves[0] + halves[1];
             da[(int64_t)t * nb + b] = scale;
             if (ms) ms[(int64_t)t * nb + b] = scale * (float)sum;
             if (sa) sa[(int64_t)t * nb + b] = sum;
+            if (sh) memcpy(sh + 2 * ((int64_t)t * nb + b), halves, sizeof halves);
         }
     }
 }

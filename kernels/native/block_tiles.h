@@ -1,4 +1,4 @@
-/* The loops the block kernels (q4_linear.c, q8_linear.c) share: which rows and outputs each tile
+/* The loops the block kernels (q4_linear.c, q8_linear.c, q6_linear.c) share: which rows and outputs each tile
  * takes, the order it walks the blocks in, the prefetch, the stores, the dispatch by path and the
  * entry point; each kernel keeps its own arithmetic per block.
  *
@@ -6,9 +6,11 @@
  * the rows beside it because a tile's rows never meet, and blocks are summed b = 0, 1, 2, ... on every
  * path. The kernel that includes this file first defines its layout,
  *     GROUP_BLOCK_BYTES   bytes per (group of 16 outputs, block of 32 inputs)
- *     ROW_TERM            ROW_TERM_MS or ROW_TERM_SA: what quantize_rows writes beside da
- * then defines the hooks declared below, its own arithmetic, and the entry points that call
- * block_linear. Every hook is inlined, so a tile's R and NG stay constants and its arrays registers.
+ *     ROW_TERM            ROW_TERM_MS, ROW_TERM_SA or ROW_TERM_SH: what quantize_rows writes beside da
+ * then defines the hooks declared below and its own arithmetic, and names its entry points with
+ * BLOCK_ENTRY_POINTS. Every hook is inlined, so a tile's R and NG stay constants and its arrays
+ * registers. A kernel whose weight serves an embedding's lookup (its rows dequantized) also defines
+ * BLOCK_ROWS, the name of that entry point, and the hook dequantize_block.
  */
 #ifndef TP_BLOCK_TILES_H
 #define TP_BLOCK_TILES_H
@@ -25,22 +27,23 @@
 #define GROUP 16 /* outputs per group */
 #define ROWS 4   /* rows that share each loaded weight */
 
-enum { ROW_TERM_MS = 1, ROW_TERM_SA = 2 };
+enum { ROW_TERM_MS = 1, ROW_TERM_SA = 2, ROW_TERM_SH = 3 };
 
-/* An input's rows as quantize_rows left them, from some row on. The kernel reads the one of ms and sa
- * its ROW_TERM names; the other is NULL. */
+/* An input's rows as quantize_rows left them, from some row on. The kernel reads the one of ms, sa
+ * and sh its ROW_TERM names; the others are NULL. */
 typedef struct {
     const int8_t *qa;  /* [T, K] */
     const float *da;   /* [T, nb] */
     const float *ms;   /* [T, nb] da * sum qa: the 4-bit m term */
     const int32_t *sa; /* [T, nb] sum qa: the 8-bit VNNI path's q + 128 correction */
+    const int32_t *sh; /* [T, 2 nb] sum qa per 16 inputs: the 6-bit kernel's q - 32 per sub-scale */
 } qrows;
 
-/* q from row t on; ROW_TERM, a constant, says which of ms and sa to move (the other stays NULL). */
+/* q from row t on; ROW_TERM, a constant, says which of ms, sa and sh to move (the others stay NULL). */
 static inline qrows qrows_from(qrows q, int t, int K, int nb) {
     int64_t at = (int64_t)t * nb;
     return (qrows){q.qa + (int64_t)t * K, q.da + at, ROW_TERM == ROW_TERM_MS ? q.ms + at : NULL,
-                   ROW_TERM == ROW_TERM_SA ? q.sa + at : NULL};
+                   ROW_TERM == ROW_TERM_SA ? q.sa + at : NULL, ROW_TERM == ROW_TERM_SH ? q.sh + 2 * at : NULL};
 }
 
 /* acc after block b of output o: blk is o's group's block b, a row t's block b of qa, at = t * nb + b. */
@@ -186,7 +189,8 @@ AVX2 static void avx2_rows(const uint8_t *w, int num_groups, int nb, qrows q, in
 #endif
 
 /* out [T, N] = x [T, K] (row stride x_stride) times the packed weight w (ceil(N / 16) groups).
- * scratch: T * K bytes for qa, then T * K / 32 floats for da and as many 4-byte ms or sa (ROW_TERM).
+ * scratch: T * K bytes for qa, then T * K / 32 floats for da and as many 4-byte ms or sa, or twice as
+ * many sh (ROW_TERM): T * (K + 12 K / 32) bytes at most.
  * path: PATH_AUTO picks the fastest here. Returns 0, or -1 where the path does not run on this CPU. */
 static int block_linear(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,
                         uint8_t *scratch, float *out, int path) {
@@ -198,8 +202,9 @@ static int block_linear(const float *x, int64_t x_stride, int num_rows, int K, c
     void *term = da + (int64_t)num_rows * nb;
     float *ms = ROW_TERM == ROW_TERM_MS ? (float *)term : NULL;
     int32_t *sa = ROW_TERM == ROW_TERM_SA ? (int32_t *)term : NULL;
-    quantize_rows(x, x_stride, num_rows, K, qa, da, ms, sa);
-    qrows q = {qa, da, ms, sa};
+    int32_t *sh = ROW_TERM == ROW_TERM_SH ? (int32_t *)term : NULL;
+    quantize_rows(x, x_stride, num_rows, K, qa, da, ms, sa, sh);
+    qrows q = {qa, da, ms, sa, sh};
 #if defined(__x86_64__)
     int num_groups = (N + GROUP - 1) / GROUP;
     if (path == PATH_AVX512_VNNI) {
@@ -214,5 +219,34 @@ static int block_linear(const float *x, int64_t x_stride, int num_rows, int K, c
     scalar_rows(w, nb, q, num_rows, N, out);
     return 0;
 }
+
+
+/* The kernel's entry points: PATHS() has bit i set where path i runs on this CPU (PATH_SCALAR
+ * always); LINEAR is block_linear (out [T, N] = x [T, K] times the packed weight w). */
+#define BLOCK_ENTRY_POINTS(PATHS, LINEAR)                                                              \
+    int PATHS(void) { return cpu_paths(); }                                                            \
+    int LINEAR(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,         \
+               uint8_t *scratch, float *out, int path) {                                               \
+        return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);                       \
+    }
+
+#ifdef BLOCK_ROWS
+/* row[0..32) = output o's dequantized weights in blk, its group's block: as the kernel's Python
+ * dequantize() computes them, bit for bit. */
+static inline void dequantize_block(const uint8_t *blk, int o, float *row);
+
+/* out [num_ids, K] = the dequantized rows of outputs ids[0..num_ids) (each in 0..N, checked by the
+ * caller): an embedding's lookup from the head's packed copy. */
+void BLOCK_ROWS(const uint8_t *restrict w, int nb, const int64_t *restrict ids, int num_ids,
+                float *restrict out) {
+    int K = nb * BLOCK;
+    for (int i = 0; i < num_ids; i++) {
+        int64_t g = ids[i] / GROUP;
+        int o = (int)(ids[i] % GROUP);
+        for (int b = 0; b < nb; b++)
+            dequantize_block(w + (g * nb + b) * GROUP_BLOCK_BYTES, o, out + (int64_t)i * K + b * BLOCK);
+    }
+}
+#endif
 
 #endif

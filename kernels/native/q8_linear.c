@@ -29,6 +29,7 @@
 #define SCALES_AT (CHUNKS * 64)                   /* byte offset of d[16] */
 #define GROUP_BLOCK_BYTES (SCALES_AT + GROUP * 2) /* 544 */
 #define ROW_TERM ROW_TERM_SA                      /* VNNI's q + 128 needs sa = sum qa */
+#define BLOCK_ROWS tp_q8_rows                     /* a tied embedding's lookup */
 #include "block_tiles.h"
 
 static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q,
@@ -91,30 +92,12 @@ AVX2 INLINE void avx2_epilogue(__m256 acc[ROWS], __m256i sums[ROWS], const uint8
 }
 #endif
 
-/* Bit i set: path i runs on this CPU (PATH_SCALAR always). */
-int tp_q8_paths(void) { return cpu_paths(); }
+BLOCK_ENTRY_POINTS(tp_q8_paths, tp_q8_linear)
 
-/* out [T, N] = x [T, K] times the packed weight w, as block_linear (block_tiles.h) says; sa beside da. */
-int tp_q8_linear(const float *x, int64_t x_stride, int num_rows, int K, const uint8_t *w, int N,
-                 uint8_t *scratch, float *out, int path) {
-    return block_linear(x, x_stride, num_rows, K, w, N, scratch, out, path);
-}
-
-/* out [num_ids, K] = the dequantized rows d * q of outputs ids[0..num_ids) (each in 0..N, checked by
- * the caller): one float32 product a value, so the same bits as any other d * q of these values. */
-void tp_q8_rows(const uint8_t *restrict w, int nb, const int64_t *restrict ids, int num_ids,
-                float *restrict out) {
-    int K = nb * BLOCK;
-    for (int i = 0; i < num_ids; i++) {
-        int64_t g = ids[i] / GROUP;
-        int o = (int)(ids[i] % GROUP);
-        float *row = out + (int64_t)i * K;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = w + (g * nb + b) * GROUP_BLOCK_BYTES;
-            int8_t q[BLOCK]; /* the row's 32 values: 4 bytes from each of the block's 8 chunks */
-            for (int c = 0; c < CHUNKS; c++) memcpy(q + 4 * c, blk + c * 64 + o * 4, 4);
-            float d = load_half(blk + SCALES_AT + 2 * o);
-            for (int k = 0; k < BLOCK; k++) row[b * BLOCK + k] = d * (float)q[k];
-        }
-    }
+/* d * q: one float32 product a value, so the same bits as any other d * q of these values. */
+static inline void dequantize_block(const uint8_t *blk, int o, float *row) {
+    int8_t q[BLOCK]; /* the row's 32 values: 4 bytes from each of the block's 8 chunks */
+    for (int c = 0; c < CHUNKS; c++) memcpy(q + 4 * c, blk + c * 64 + o * 4, 4);
+    float d = load_half(blk + SCALES_AT + 2 * o);
+    for (int k = 0; k < BLOCK; k++) row[k] = d * (float)q[k];
 }
