@@ -192,15 +192,17 @@ def test_the_c_kernels_vector_paths_give_its_plain_paths_bits(kernel, path, head
     assert torch.equal(vectors, plain)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
 @pytest.mark.parametrize("path", ["plain", "avx2", "avx512"])
-def test_a_float16_pool_gives_the_bits_of_a_float32_pool_holding_its_values(kernel, path):
-    # kv_dtype auto keeps the C kernel's pool in float16; it widens each key and value exactly, so
+def test_a_float16_pool_gives_the_bits_of_a_float32_pool_holding_its_values(kernel, path, head_dim):
+    # kv_dtype auto keeps the C kernel's pool in float16; it widens each key and value exactly (the
+    # vector paths as they load them, at head_dims of whole value chunks; else each span first), so
     # only the store rounds, and attention over a float16 pool is attention over those values.
     if kernel is not NATIVE:
         pytest.skip("the C kernel reads a float16 pool itself")
     if path not in attention_paths():
         pytest.skip(f"this CPU runs the C kernel's {attention_paths()} paths, not {path}")
-    q, k, v = make_qkv(300, torch.float32, seed=5)
+    q, k, v = make_qkv(300, torch.float32, seed=5, head_dim=head_dim)
     spans = [SpanView(0, 0, 0, 40), SpanView(40, 0, 299, 1)]
     rows = torch.cat([q[:40], q[299:300]])
     plan = NATIVE.plan(spans, GROUP, k.shape[1], "cpu", rows.shape[0])

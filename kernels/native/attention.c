@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #define X86 1
 #define A512 __attribute__((target("avx512f")))
-#define A256 __attribute__((target("avx2,fma")))
+#define A256 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 #else
 #define X86 0
@@ -90,18 +90,30 @@ static float softmax_tail(float *restrict row, int j, int n, float m, float *par
  * from zero) / total[r], for rows whose key counts n[] rise. */
 typedef struct {
     void (*widen)(const _Float16 *from, int64_t n, float *to); /* float16 keys or values to float32 */
-    void (*scores)(const float *row, const float *keys, int n, int head_dim, float scale, float *out);
+    /* keys and v_head are float16 where half (a path with value_chunk reads them so itself, for
+     * head_dim a multiple of value_chunk; else they are widened to float32 first) */
+    void (*scores)(const float *row, const void *keys, int half, int n, int head_dim, float scale, float *out);
     float (*softmax)(float *row, int n);
-    void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const float *v_head,
-                   int head_dim, float *const *out);
+    void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const void *v_head,
+                   int half, int head_dim, float *const *out);
+    int value_chunk; /* floats of a value row values() takes at once; 0: float32 only */
 } path_steps;
 
 static void widen_plain(const _Float16 *from, int64_t n, float *to) {
     for (int64_t i = 0; i < n; i++) to[i] = (float)from[i];
 }
 
-static void scores_plain(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
-    for (int j = 0; j < n; j++) out[j] = dot(row, keys + (int64_t)j * head_dim, head_dim) * scale;
+/* Key j's dot with row, times scale; a float16 key widened first (exactly). */
+static inline float score(const float *row, const void *keys, int half, int64_t j, int head_dim, float scale) {
+    if (!half) return dot(row, (const float *)keys + j * head_dim, head_dim) * scale;
+    float key[512]; /* head_dim is at most 512 (native_attention.py MAX_HEAD_DIM) */
+    widen_plain((const _Float16 *)keys + j * head_dim, head_dim, key);
+    return dot(row, key, head_dim) * scale;
+}
+
+static void scores_plain(const float *row, const void *keys, int half, int n, int head_dim, float scale,
+                         float *out) {
+    for (int j = 0; j < n; j++) out[j] = score(row, keys, half, j, head_dim, scale);
 }
 
 static float softmax_plain(float *row, int n) {
@@ -111,7 +123,9 @@ static float softmax_plain(float *row, int n) {
 }
 
 static void values_plain(int num_rows, const float *const *w, const int *n, const float *total,
-                         const float *v_head, int head_dim, float *const *out) {
+                         const void *values, int half, int head_dim, float *const *out) {
+    const float *v_head = values; /* half is 0 here: value_chunk 0 */
+    (void)half;
     for (int r = 0; r < num_rows; r++) {
         float *o = out[r];
         memset(o, 0, sizeof(float) * head_dim);
@@ -144,6 +158,12 @@ A512 INLINE __m512 exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+/* 16 floats of a pool from element `at`: float32, or float16 widened exactly. */
+A512 INLINE __m512 load16(const void *pool, int64_t at, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const _Float16 *)pool + at)))
+                : _mm512_loadu_ps((const float *)pool + at);
+}
+
 /* dot()'s first tree step for two keys at once: lanes 0..7 hold a's acc[i] + acc[i + 8], 8..15 b's. */
 A512 INLINE __m512 pair_halves(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
@@ -151,13 +171,14 @@ A512 INLINE __m512 pair_halves(__m512 a, __m512 b) {
 }
 
 /* Scores of 16 keys from `keys` on, each key's tree as dot() adds it. */
-A512 INLINE void scores_by_16(const float *restrict row, const float *restrict keys, int head_dim, float scale,
-                              float *restrict out) {
+A512 INLINE void scores_by_16(const float *restrict row, const void *keys, int64_t at, const int half,
+                              int head_dim, float scale, float *restrict out) {
     __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(keys + j * head_dim));
+    for (int j = 0; j < 16; j++)
+        acc[j] = _mm512_mul_ps(_mm512_loadu_ps(row), load16(keys, at + j * head_dim, half));
     for (int d = W; d < head_dim; d += W) {
         __m512 a = _mm512_loadu_ps(row + d);
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(keys + j * head_dim + d), acc[j]);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(a, load16(keys, at + j * head_dim + d, half), acc[j]);
     }
     /* i + 8: key pairs (2c, 2c + 1), 8 partials each */
     __m512 b[8];
@@ -185,10 +206,14 @@ A512 static void widen_512(const _Float16 *from, int64_t n, float *to) {
     widen_plain(from + i, n - i, to + i);
 }
 
-A512 static void scores_512(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
+A512 static void scores_512(const float *row, const void *keys, int half, int n, int head_dim, float scale,
+                            float *out) {
     int j = 0;
-    for (; j + 16 <= n; j += 16) scores_by_16(row, keys + (int64_t)j * head_dim, head_dim, scale, out + j);
-    scores_plain(row, keys + (int64_t)j * head_dim, n - j, head_dim, scale, out + j);
+    for (; j + 16 <= n; j += 16) {
+        if (half) scores_by_16(row, keys, (int64_t)j * head_dim, 1, head_dim, scale, out + j);
+        else scores_by_16(row, keys, (int64_t)j * head_dim, 0, head_dim, scale, out + j);
+    }
+    for (; j < n; j++) out[j] = score(row, keys, half, j, head_dim, scale);
 }
 
 A512 static float softmax_512(float *row, int n) {
@@ -210,42 +235,52 @@ A512 static float softmax_512(float *row, int n) {
 
 /* values for R rows (a constant at each call, so that acc stays in registers), 64 floats from d0. */
 A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, const float *total,
-                              const float *restrict v_head, int head_dim, int d0, float *const *out) {
+                              const void *v_head, const int half, int head_dim, int d0, float *const *out) {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     int j = 0;
     for (; j < n[0]; j++) { /* keys every row sees */
-        const float *v = v_head + (int64_t)j * head_dim + d0;
+        int64_t v = (int64_t)j * head_dim + d0;
         for (int c = 0; c < 4; c++) {
-            __m512 vc = _mm512_loadu_ps(v + 16 * c);
+            __m512 vc = load16(v_head, v + 16 * c, half);
             for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), vc, acc[r][c]);
         }
     }
     for (int r = 1; r < R; r++) /* the later tokens' own keys */
         for (int jr = j; jr < n[r]; jr++) {
-            const float *v = v_head + (int64_t)jr * head_dim + d0;
+            int64_t v = (int64_t)jr * head_dim + d0;
             for (int c = 0; c < 4; c++)
-                acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][jr]), _mm512_loadu_ps(v + 16 * c), acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][jr]), load16(v_head, v + 16 * c, half), acc[r][c]);
         }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++)
             _mm512_storeu_ps(out[r] + d0 + 16 * c, _mm512_div_ps(acc[r][c], _mm512_set1_ps(total[r])));
 }
 
+/* R and half constants at each call, so that acc stays in registers and the loads are one kind. */
+#define VALUES_512(R, HALF) values_by_64(R, w + r0, n + r0, total + r0, v_head, HALF, head_dim, d0, out + r0)
+
 A512 static void values_512(int num_rows, const float *const *w, const int *n, const float *total,
-                            const float *v_head, int head_dim, float *const *out) {
-    if (head_dim % 64) {
-        values_plain(num_rows, w, n, total, v_head, head_dim, out);
+                            const void *v_head, int half, int head_dim, float *const *out) {
+    if (head_dim % 64) { /* half is 0 here (value_chunk) */
+        values_plain(num_rows, w, n, total, v_head, 0, head_dim, out);
         return;
     }
     for (int r0 = 0; r0 < num_rows; r0 += 4) {
         int R = num_rows - r0 < 4 ? num_rows - r0 : 4;
         for (int d0 = 0; d0 < head_dim; d0 += 64) {
-            if (R == 4) values_by_64(4, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
-            else if (R == 3) values_by_64(3, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
-            else if (R == 2) values_by_64(2, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
-            else values_by_64(1, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+            if (half) {
+                if (R == 4) VALUES_512(4, 1);
+                else if (R == 3) VALUES_512(3, 1);
+                else if (R == 2) VALUES_512(2, 1);
+                else VALUES_512(1, 1);
+            } else {
+                if (R == 4) VALUES_512(4, 0);
+                else if (R == 3) VALUES_512(3, 0);
+                else if (R == 2) VALUES_512(2, 0);
+                else VALUES_512(1, 0);
+            }
         }
     }
 }
@@ -269,19 +304,26 @@ A256 INLINE __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+/* 8 floats of a pool from element `at`: float32, or float16 widened exactly. */
+A256 INLINE __m256 load8(const void *pool, int64_t at, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)pool + at)))
+                : _mm256_loadu_ps((const float *)pool + at);
+}
+
 /* Four keys' trees to their last step: 128-bit half 0 holds keys 0 and 2, half 1 keys 1 and 3, each
  * as its two partials acc'[0] and acc'[1] before dot()'s final acc[0] + acc[1]. */
-A256 INLINE __m256 four_keys(const float *restrict row, const float *restrict keys, int head_dim) {
+A256 INLINE __m256 four_keys(const float *restrict row, const void *keys, int64_t at, const int half,
+                              int head_dim) {
     __m256 lo[4], hi[4]; /* acc[0..7] and acc[8..15] */
     for (int k = 0; k < 4; k++) {
-        lo[k] = _mm256_mul_ps(_mm256_loadu_ps(row), _mm256_loadu_ps(keys + k * head_dim));
-        hi[k] = _mm256_mul_ps(_mm256_loadu_ps(row + 8), _mm256_loadu_ps(keys + k * head_dim + 8));
+        lo[k] = _mm256_mul_ps(_mm256_loadu_ps(row), load8(keys, at + k * head_dim, half));
+        hi[k] = _mm256_mul_ps(_mm256_loadu_ps(row + 8), load8(keys, at + k * head_dim + 8, half));
     }
     for (int d = W; d < head_dim; d += W) {
         __m256 a0 = _mm256_loadu_ps(row + d), a1 = _mm256_loadu_ps(row + d + 8);
         for (int k = 0; k < 4; k++) {
-            lo[k] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(keys + k * head_dim + d), lo[k]);
-            hi[k] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(keys + k * head_dim + d + 8), hi[k]);
+            lo[k] = _mm256_fmadd_ps(a0, load8(keys, at + k * head_dim + d, half), lo[k]);
+            hi[k] = _mm256_fmadd_ps(a1, load8(keys, at + k * head_dim + d + 8, half), hi[k]);
         }
     }
     __m256 s[4]; /* i + 8 */
@@ -296,22 +338,30 @@ A256 INLINE __m256 four_keys(const float *restrict row, const float *restrict ke
                          _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void widen_256(const _Float16 *from, int64_t n, float *to) {
+A256 static void widen_256(const _Float16 *from, int64_t n, float *to) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + i))));
     widen_plain(from + i, n - i, to + i);
 }
 
-A256 static void scores_256(const float *row, const float *keys, int n, int head_dim, float scale, float *out) {
+/* Keys j .. j + 7's scores (half a constant at each call). */
+A256 INLINE void scores_by_8(const float *row, const void *keys, int64_t at, const int half, int head_dim,
+                             float scale, float *out) {
+    /* i + 1: 128-bit half 0 holds keys 0, 2, 4, 6, half 1 keys 1, 3, 5, 7 */
+    __m256 sums = _mm256_hadd_ps(four_keys(row, keys, at, half, head_dim),
+                                 four_keys(row, keys, at + 4 * head_dim, half, head_dim));
+    sums = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+}
+
+A256 static void scores_256(const float *row, const void *keys, int half, int n, int head_dim, float scale,
+                            float *out) {
     int j = 0;
     for (; j + 8 <= n; j += 8) {
-        const float *k = keys + (int64_t)j * head_dim;
-        /* i + 1: half 0 holds keys 0, 2, 4, 6, half 1 keys 1, 3, 5, 7 */
-        __m256 sums = _mm256_hadd_ps(four_keys(row, k, head_dim), four_keys(row, k + 4 * head_dim, head_dim));
-        sums = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+        if (half) scores_by_8(row, keys, (int64_t)j * head_dim, 1, head_dim, scale, out + j);
+        else scores_by_8(row, keys, (int64_t)j * head_dim, 0, head_dim, scale, out + j);
     }
-    scores_plain(row, keys + (int64_t)j * head_dim, n - j, head_dim, scale, out + j);
+    for (; j < n; j++) out[j] = score(row, keys, half, j, head_dim, scale);
 }
 
 A256 static float softmax_256(float *row, int n) {
@@ -338,51 +388,59 @@ A256 static float softmax_256(float *row, int n) {
 
 /* values for R rows (a constant at each call), 32 floats from d0. */
 A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, const float *total,
-                              const float *restrict v_head, int head_dim, int d0, float *const *out) {
+                              const void *v_head, const int half, int head_dim, int d0, float *const *out) {
     __m256 acc[3][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
     int j = 0;
     for (; j < n[0]; j++) {
-        const float *v = v_head + (int64_t)j * head_dim + d0;
+        int64_t v = (int64_t)j * head_dim + d0;
         for (int c = 0; c < 4; c++) {
-            __m256 vc = _mm256_loadu_ps(v + 8 * c);
+            __m256 vc = load8(v_head, v + 8 * c, half);
             for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), vc, acc[r][c]);
         }
     }
     for (int r = 1; r < R; r++)
         for (int jr = j; jr < n[r]; jr++) {
-            const float *v = v_head + (int64_t)jr * head_dim + d0;
+            int64_t v = (int64_t)jr * head_dim + d0;
             for (int c = 0; c < 4; c++)
-                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][jr]), _mm256_loadu_ps(v + 8 * c), acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][jr]), load8(v_head, v + 8 * c, half), acc[r][c]);
         }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++)
             _mm256_storeu_ps(out[r] + d0 + 8 * c, _mm256_div_ps(acc[r][c], _mm256_set1_ps(total[r])));
 }
 
+#define VALUES_256(R, HALF) values_by_32(R, w + r0, n + r0, total + r0, v_head, HALF, head_dim, d0, out + r0)
+
 A256 static void values_256(int num_rows, const float *const *w, const int *n, const float *total,
-                            const float *v_head, int head_dim, float *const *out) {
-    if (head_dim % 32) {
-        values_plain(num_rows, w, n, total, v_head, head_dim, out);
+                            const void *v_head, int half, int head_dim, float *const *out) {
+    if (head_dim % 32) { /* half is 0 here (value_chunk) */
+        values_plain(num_rows, w, n, total, v_head, 0, head_dim, out);
         return;
     }
     for (int r0 = 0; r0 < num_rows; r0 += 3) {
         int R = num_rows - r0 < 3 ? num_rows - r0 : 3;
         for (int d0 = 0; d0 < head_dim; d0 += 32) {
-            if (R == 3) values_by_32(3, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
-            else if (R == 2) values_by_32(2, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
-            else values_by_32(1, w + r0, n + r0, total + r0, v_head, head_dim, d0, out + r0);
+            if (half) {
+                if (R == 3) VALUES_256(3, 1);
+                else if (R == 2) VALUES_256(2, 1);
+                else VALUES_256(1, 1);
+            } else {
+                if (R == 3) VALUES_256(3, 0);
+                else if (R == 2) VALUES_256(2, 0);
+                else VALUES_256(1, 0);
+            }
         }
     }
 }
 #endif
 
 static const path_steps PATHS[] = {
-    {widen_plain, scores_plain, softmax_plain, values_plain},
+    {widen_plain, scores_plain, softmax_plain, values_plain, 0},
 #if X86
-    {widen_256, scores_256, softmax_256, values_256},
-    {widen_512, scores_512, softmax_512, values_512},
+    {widen_256, scores_256, softmax_256, values_256, 32},
+    {widen_512, scores_512, softmax_512, values_512, 64},
 #endif
 };
 
@@ -412,7 +470,7 @@ int tp_attention_path(int path) {
  * the first token's position, its number of tokens.
  * q: [T, num_kv_heads * group, head_dim], row stride q_stride floats per token;
  * keys, values: [num_kv_heads, slots, head_dim] (head stride head_stride elements), float32, or
- * float16 where kv_half (each span's keys and values then widened once, exactly, to float32);
+ * float16 where kv_half (read so by a vector path, else each span widened once, exactly, to float32);
  * out: [T, num_kv_heads * group, head_dim] contiguous (it may be q itself: a row block reads its
  * rows of q before it writes its rows of out). Returns 0, or -1 if out of memory. */
 int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const void *values,
@@ -426,8 +484,11 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
         if (end > max_keys) max_keys = end;
     }
     float *scores = malloc(sizeof(float) * BLOCK_TOKENS * group * max_keys);
-    float *wide = kv_half ? malloc(sizeof(float) * 2 * max_keys * head_dim) : NULL;
-    if (!scores || (kv_half && !wide)) {
+    /* a path that reads float16 itself does; any other gets each span widened to float32 first */
+    int widen = kv_half && !(steps->value_chunk && head_dim % steps->value_chunk == 0);
+    int half = kv_half && !widen;
+    float *wide = widen ? malloc(sizeof(float) * 2 * max_keys * head_dim) : NULL;
+    if (!scores || (widen && !wide)) {
         free(scores);
         free(wide);
         return -1;
@@ -438,8 +499,9 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
         int64_t length = spans[4 * s + 3];
         for (int h = 0; h < num_kv_heads; h++) {
             int64_t at = h * head_stride + base * head_dim;
-            const float *k_head = (const float *)keys + at, *v_head = (const float *)values + at;
-            if (kv_half) {
+            size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
+            const void *k_head = (const char *)keys + at * element, *v_head = (const char *)values + at * element;
+            if (widen) {
                 int64_t num = (start + length) * head_dim;
                 steps->widen((const _Float16 *)keys + at, num, wide);
                 steps->widen((const _Float16 *)values + at, num, wide + max_keys * head_dim);
@@ -460,12 +522,12 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
                     float *row_scores = scores + r * max_keys;
                     n[r] = (int)(first + r / group + 1);
                     steps->scores(q + (offset + t0 + r / group) * q_stride + (h * group + r % group) * head_dim,
-                                  k_head, n[r], head_dim, scale, row_scores);
+                                  k_head, half, n[r], head_dim, scale, row_scores);
                     totals[r] = steps->softmax(row_scores, n[r]);
                     w[r] = row_scores;
                     o[r] = out + row * head_dim;
                 }
-                steps->values(num_rows, w, n, totals, v_head, head_dim, o);
+                steps->values(num_rows, w, n, totals, v_head, half, head_dim, o);
             }
         }
     }
