@@ -31,6 +31,7 @@ from pathlib import Path
 from tpserve.ranks.errors import ModelFileError
 
 METHOD = "compressed-tensors"
+GPTQ = "gptq"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
 # Sections of a compressed-tensors config whose presence changes what the stored numbers mean.
 UNSUPPORTED_SECTIONS = ("transform_config",)
@@ -49,9 +50,14 @@ class CheckpointQuantization:
     formats: tuple[str, ...]  # the formats its groups store weights in
     kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"
     strategies: tuple[str, ...] = ("channel",)  # "channel", "tensor" or "group <size>"
+    method: str = METHOD  # or GPTQ
+    group_size: int = 0  # GPTQ's inputs per scale, -1 for all (compressed-tensors': read off the tensors)
 
     def describe(self) -> str:
-        return f"{METHOD} {', '.join(self.kinds)} ({', '.join(self.formats)}), {', '.join(self.strategies)} scales"
+        return (
+            f"{self.method} {', '.join(self.kinds)} ({', '.join(self.formats)}), "
+            f"{', '.join(self.strategies)} scales"
+        )
 
 
 def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization | None:
@@ -66,8 +72,12 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
     if not isinstance(raw, dict):
         raise refuse("not a JSON object")
     method = raw.get("quant_method")
+    if method == GPTQ:
+        return _parse_gptq(raw, refuse)
     if method != METHOD:
-        raise refuse(f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8)")
+        raise refuse(
+            f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8; {GPTQ} int4)"
+        )
     for section in UNSUPPORTED_SECTIONS:
         if raw.get(section):
             raise refuse(f"{section} is not supported (its weights are stored transformed)")
@@ -143,3 +153,26 @@ def _check_inputs(args, where: str, weights: str, refuse) -> None:
     num_bits, kind = args.get("num_bits", 8), args.get("type", "int")
     if num_bits != 8 or kind not in (("int", "float") if weights == "fp8" else ("int",)):
         raise refuse(f"{where}: {kind}{num_bits} input activations are not supported (inputs run in int8)")
+
+
+def _parse_gptq(raw: dict, refuse) -> CheckpointQuantization:
+    """AutoGPTQ's (and GPTQModel's, optimum's) v1 format with 4 bits, inputs in order (ranks/gptq_tensors.py)."""
+    if raw.get("bits") != 4:
+        raise refuse(f"gptq bits {raw.get('bits')!r} are not supported, only 4")
+    if raw.get("desc_act"):
+        raise refuse("gptq desc_act true (activation order) is not supported")
+    checkpoint_format = raw.get("checkpoint_format", GPTQ)
+    if checkpoint_format != GPTQ or raw.get("is_marlin_format"):
+        shown = "marlin" if raw.get("is_marlin_format") else checkpoint_format
+        raise refuse(f"gptq checkpoint_format {shown!r} is not supported, only 'gptq' (v1)")
+    if raw.get("dynamic"):
+        raise refuse("gptq dynamic (per-module bits or group sizes) is not supported")
+    group_size = raw.get("group_size")
+    if (
+        not isinstance(group_size, int)
+        or isinstance(group_size, bool)
+        or not (group_size > 0 or group_size == -1)
+    ):
+        raise refuse(f"gptq group_size {group_size!r} is not a positive integer or -1")
+    strategy = "channel" if group_size == -1 else f"group {group_size}"
+    return CheckpointQuantization((GPTQ,), ("int4",), (strategy,), GPTQ, group_size)

@@ -22,14 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_int8_checkpoint import Q_PROJ, load, served_and_stored
 from test_tp_exact import NUM_STEPS, PROMPTS, SAMPLINGS, _tp2, run_streams
-from tiny_compressed_models import (
-    WIDE,
-    decompressed,
-    float_twin,
-    weight_args,
-    with_tensors,
-    write_compressed_checkpoint,
-)
+from tiny_compressed_models import decompressed, float_twin, weight_args, write_compressed_checkpoint
+from tiny_models import WIDE, with_tensors
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight, q4_available

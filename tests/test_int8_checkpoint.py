@@ -199,7 +199,7 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
         ),
         ({"format": "nvfp4-pack-quantized"}, "format 'nvfp4-pack-quantized' is not supported"),
         ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
-        ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
         ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format 'sparse-24-bitmask'"),
         ({"transform_config": {"config_groups": {}}}, "transform_config is not supported"),
     ],

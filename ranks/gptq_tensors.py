@@ -1,0 +1,107 @@
+"""A GPTQ checkpoint's own int4 weights (AutoGPTQ's v1 format): a rank's slices, as blocks of 32.
+
+A quantized linear `X` is stored as `X.qweight` int32 [in / 8, out], eight inputs to an int32 down
+each column (input 8w + j of word w in bits 4j..4j+3, as an unsigned nibble q), `X.qzeros` int32
+[groups, out / 8], eight outputs to an int32 along each row likewise, each the zero point less one
+(v1: the zero is z = stored + 1, 1..16), `X.scales` [groups, out] (float16 as AutoGPTQ writes them;
+bfloat16 and float32 accepted), and `X.g_idx` int32 [in], each input's group: i // group_size where
+desc_act is false, anything else refused by name (absent, it is taken as that). Groups are
+ceil(in / group_size), group_size -1 meaning all the inputs. weight[o, i] = scales[g, o] * (q[i, o]
+- z[g, o]) with g = i // group_size: AutoGPTQ's QuantLinear (qlinear_cuda_old.py) computes it in
+float16, we in float32 (float16's rounding of ours).
+
+Each 32 inputs of a group are one of our 4-bit blocks (kernels/q4_linear.py, weight = d * q + m), as
+for a compressed-tensors int4 weight (ranks/int4_tensors.py, whose group_blocks builds them): q as
+stored, d = scale and m = -z * scale in float32, exact for a float16 or bfloat16 scale (11 significant
+bits times z <= 16), so that d * q + m is scale * (q - z) exactly. Groups that are not whole blocks,
+and a row-parallel piece off the block edges, are served dequantized in float32. A column-parallel
+piece reads its columns of qweight and scales and the int32 columns of qzeros holding its outputs; a
+row-parallel piece the int32 rows of qweight holding its inputs and its groups' rows of scales and
+qzeros. So a piece's blocks are the file's own, no more read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tpserve.ranks.block_tensors import BlockValues
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.int4_tensors import SCALE_DTYPES, VALUES_PER_INT32, group_blocks, unpack_nibbles
+
+
+class StoredGptq:
+    """One GPTQ int4 weight in a checkpoint (`prefix` + qweight, ...); `read` takes a piece's slice,
+    as StoredInt4's does."""
+
+    def __init__(self, handles: dict, files: dict[str, Path], prefix: str, group_size: int):
+        self.name, self.path = prefix, files[prefix + "qweight"]
+        for part in ("qzeros", "scales"):
+            if prefix + part not in files:
+                raise self._error(f"qweight has no {prefix}{part} beside it")
+
+        def slice_of(name: str):
+            return handles[files[name]].get_slice(name)
+
+        self._values, self._scales = slice_of(prefix + "qweight"), slice_of(prefix + "scales")
+        self._zeros = slice_of(prefix + "qzeros")
+        values_shape = list(self._values.get_shape())
+        if self._values.get_dtype() != "I32" or len(values_shape) != 2:
+            raise self._error(f"qweight is {self._values.get_dtype()} {values_shape}, not I32 [in / 8, out]")
+        num_in, num_out = values_shape[0] * VALUES_PER_INT32, values_shape[1]
+        self.shape = (num_out, num_in)
+        self.group_size = num_in if group_size == -1 else group_size
+        num_groups = -(-num_in // self.group_size)
+        scale_shape = list(self._scales.get_shape())
+        if self._scales.get_dtype() not in SCALE_DTYPES or scale_shape != [num_groups, num_out]:
+            raise self._error(
+                f"scales is {self._scales.get_dtype()} {scale_shape}, expected a float [{num_groups}, {num_out}] "
+                f"(in {num_in}, group_size {group_size})"
+            )
+        wanted = [num_groups, -(-num_out // VALUES_PER_INT32)]
+        if self._zeros.get_dtype() != "I32" or list(self._zeros.get_shape()) != wanted:
+            raise self._error(
+                f"qzeros is {self._zeros.get_dtype()} {list(self._zeros.get_shape())}, expected I32 {wanted} "
+                "(packed by 8 along the outputs)"
+            )
+        if prefix + "g_idx" in files:
+            g_idx = handles[files[prefix + "g_idx"]].get_tensor(prefix + "g_idx")
+            in_order = torch.arange(num_in) // self.group_size
+            if g_idx.shape != in_order.shape or not torch.equal(g_idx.long(), in_order):
+                raise self._error(
+                    f"g_idx is not i // group_size ({self.group_size}): activation order is not supported"
+                )
+
+    def _error(self, problem: str) -> ModelFileError:
+        return ModelFileError(self.path, f"tensor {self.name}{problem}")
+
+    def read(
+        self, start: int = 0, end: int | None = None, columns: bool = False
+    ) -> BlockValues | torch.Tensor:
+        """Rows [start, end) (outputs), or (columns) columns [start, end) (inputs), of weight [out, in]
+        in blocks (or dequantized, as the module docstring says)."""
+        end = self.shape[1 if columns else 0] if end is None else end
+        rows, cols = ((0, self.shape[0]), (start, end)) if columns else ((start, end), (0, self.shape[1]))
+        first_word, last_word = cols[0] // VALUES_PER_INT32, -(-cols[1] // VALUES_PER_INT32)
+        # [words, rows] int32, eight inputs to a word -> [rows, 8 * words] uint8 -> [rows, cols]
+        u = unpack_nibbles(self._values[first_word:last_word, rows[0] : rows[1]].t())
+        offset = first_word * VALUES_PER_INT32
+        u = u[:, cols[0] - offset : cols[1] - offset]
+        first_group, last_group = cols[0] // self.group_size, -(-cols[1] // self.group_size)
+        scales = self._scales[first_group:last_group, rows[0] : rows[1]].t()  # [rows, groups]
+        return group_blocks(
+            u,
+            scales,
+            self._zero_points(rows, first_group, last_group),
+            cols,
+            self.group_size,
+            lambda problem: self._error("scales " + problem),
+        )
+
+    def _zero_points(self, rows: tuple[int, int], first_group: int, last_group: int) -> torch.Tensor:
+        """[rows, groups] float32: the stored zero points plus one (v1)."""
+        first, last = rows[0] // VALUES_PER_INT32, -(-rows[1] // VALUES_PER_INT32)
+        zeros = unpack_nibbles(self._zeros[first_group:last_group, first:last])  # [groups, 8 * words]
+        offset = first * VALUES_PER_INT32
+        return zeros[:, rows[0] - offset : rows[1] - offset].t().float() + 1
