@@ -32,6 +32,7 @@ from tpserve.ranks.errors import ModelFileError
 
 METHOD = "compressed-tensors"
 GPTQ = "gptq"
+AWQ = "awq"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
 # Sections of a compressed-tensors config whose presence changes what the stored numbers mean.
 UNSUPPORTED_SECTIONS = ("transform_config",)
@@ -50,7 +51,7 @@ class CheckpointQuantization:
     formats: tuple[str, ...]  # the formats its groups store weights in
     kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"
     strategies: tuple[str, ...] = ("channel",)  # "channel", "tensor" or "group <size>"
-    method: str = METHOD  # or GPTQ
+    method: str = METHOD  # or GPTQ, AWQ
     group_size: int = 0  # GPTQ's inputs per scale, -1 for all (compressed-tensors': read off the tensors)
 
     def describe(self) -> str:
@@ -74,9 +75,11 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
     method = raw.get("quant_method")
     if method == GPTQ:
         return _parse_gptq(raw, refuse)
+    if method == AWQ:
+        return _parse_awq(raw, refuse)
     if method != METHOD:
         raise refuse(
-            f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8; {GPTQ} int4)"
+            f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8; {GPTQ} and {AWQ} int4)"
         )
     for section in UNSUPPORTED_SECTIONS:
         if raw.get(section):
@@ -167,12 +170,29 @@ def _parse_gptq(raw: dict, refuse) -> CheckpointQuantization:
         raise refuse(f"gptq checkpoint_format {shown!r} is not supported, only 'gptq' (v1)")
     if raw.get("dynamic"):
         raise refuse("gptq dynamic (per-module bits or group sizes) is not supported")
-    group_size = raw.get("group_size")
+    return _int4(GPTQ, GPTQ, raw.get("group_size"), refuse)
+
+
+def _parse_awq(raw: dict, refuse) -> CheckpointQuantization:
+    """AutoAWQ's GEMM format with 4 bits and zero points (ranks/gptq_tensors.py)."""
+    bits = raw.get("bits", raw.get("w_bit"))
+    if bits != 4:
+        raise refuse(f"awq bits {bits!r} are not supported, only 4")
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise refuse(f"awq version {version!r} is not supported, only 'gemm'")
+    if not raw.get("zero_point", True):
+        raise refuse("awq zero_point false is not supported, only zero points")
+    return _int4(AWQ, version, raw.get("group_size", raw.get("q_group_size")), refuse)
+
+
+def _int4(method: str, fmt: str, group_size, refuse) -> CheckpointQuantization:
+    """GPTQ's or AWQ's int4 scheme with `group_size` inputs per scale (-1: all of them)."""
     if (
         not isinstance(group_size, int)
         or isinstance(group_size, bool)
         or not (group_size > 0 or group_size == -1)
     ):
-        raise refuse(f"gptq group_size {group_size!r} is not a positive integer or -1")
+        raise refuse(f"{method} group_size {group_size!r} is not a positive integer or -1")
     strategy = "channel" if group_size == -1 else f"group {group_size}"
-    return CheckpointQuantization((GPTQ,), ("int4",), (strategy,), GPTQ, group_size)
+    return CheckpointQuantization((fmt,), ("int4",), (strategy,), method, group_size)

@@ -1,7 +1,7 @@
-"""GPTQ int4 checkpoints (v1, packed as AutoGPTQ packs them: tiny_gptq_models.py), ranks/gptq_tensors.py:
-served as the file's own 4-bit blocks in int4 and dequantized exactly in none and int8, sharded like
-the float weights (the llama variant's 3 KV heads split 2 + 1), every value AutoGPTQ's dequantization
-of the file bit for bit, tp=2 == tp=1 and batched == solo, and what tpserve does not serve refused by
+"""GPTQ (v1) and AWQ (GEMM) int4 checkpoints, packed as AutoGPTQ and AutoAWQ pack them
+(tiny_gptq_models.py), ranks/gptq_tensors.py: served as the file's own 4-bit blocks in int4 and dequantized exactly in none and int8, sharded like
+the float weights (the llama variant's 3 KV heads split 2 + 1), every value AutoGPTQ's (AutoAWQ's)
+dequantization of the file bit for bit, tp=2 == tp=1 and batched == solo, and what tpserve does not serve refused by
 name."""
 
 from __future__ import annotations
@@ -16,32 +16,48 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_int8_checkpoint import Q_PROJ, load, served_and_stored
 from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
-from tiny_gptq_models import dequantize, dequantized, gptq_config, pack, quantize, write_gptq_checkpoint
+from tiny_gptq_models import (
+    awq_config,
+    dequantize,
+    dequantize_awq,
+    dequantized,
+    gptq_config,
+    pack,
+    pack_awq,
+    quantize,
+    write_gptq_checkpoint,
+)
 from tiny_int8_models import float_twin
 from tiny_models import WIDE, with_tensors
 
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
 from tpserve.ranks.errors import ModelFileError
-from tpserve.ranks.gptq_tensors import StoredGptq
+from tpserve.ranks.gptq_tensors import StoredAwq, StoredGptq
 from tpserve.ranks.model_config import load_model_config
 
 pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
 
-# name -> (variant, group_size, sym, config overrides): the uneven 2 + 1 KV split with symmetric
-# groups of 32; groups of 64 over 96 inputs (the last one short) with zero points and biases; groups
-# of 128 that a row-parallel piece cuts in half; one scale per output (group_size -1).
+# name -> (method, variant, group_size, sym, config overrides). GPTQ: the uneven 2 + 1 KV split with
+# symmetric groups of 32; groups of 64 over 96 inputs (the last one short) with zero points and
+# biases; groups of 128 that a row-parallel piece cuts in half; one scale per output (group_size
+# -1). AWQ (always zero points): the 2 + 1 split in groups of 32, biases, and groups of 128.
 CASES = {
-    "llama-g32-sym": ("llama", 32, True, None),
-    "qwen2-g64-asym": ("qwen2", 64, False, {"num_key_value_heads": 3}),
-    "mistral-g128-asym": ("mistral", 128, False, WIDE),
-    "llama-channel-asym": ("llama", -1, False, None),
+    "llama-g32-sym": ("gptq", "llama", 32, True, None),
+    "qwen2-g64-asym": ("gptq", "qwen2", 64, False, {"num_key_value_heads": 3}),
+    "mistral-g128-asym": ("gptq", "mistral", 128, False, WIDE),
+    "llama-channel-asym": ("gptq", "llama", -1, False, None),
+    "awq-llama-g32": ("awq", "llama", 32, False, None),
+    "awq-qwen2-g32": ("awq", "qwen2", 32, False, {"num_key_value_heads": 3}),
+    "awq-mistral-g128": ("awq", "mistral", 128, False, WIDE),
 }
 
 
 @functools.cache
 def _written(root, name: str):
-    variant, group_size, sym, overrides = CASES[name]
-    return write_gptq_checkpoint(root / name, variant, group_size=group_size, sym=sym, overrides=overrides)
+    method, variant, group_size, sym, overrides = CASES[name]
+    return write_gptq_checkpoint(
+        root / name, variant, method=method, group_size=group_size, sym=sym, overrides=overrides
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +68,8 @@ def gptq_model(tmp_path_factory):
 
 @pytest.mark.parametrize("quantize", ["int4", "none"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_every_piece_serves_the_values_autogptq_dequantizes(gptq_model, name, quantize):
-    # In int4 the blocks are the file's (dequantized, AutoGPTQ's arithmetic in float32 bit for bit);
+def test_every_piece_serves_the_values_autogptq_or_autoawq_dequantizes(gptq_model, name, quantize):
+    # In int4 the blocks are the file's (dequantized, the library's arithmetic in float32 bit for bit);
     # in none the same values in float32.
     model_dir = gptq_model(name)
     file = dequantized(model_dir)
@@ -64,14 +80,15 @@ def test_every_piece_serves_the_values_autogptq_dequantizes(gptq_model, name, qu
             assert torch.equal(served if quantize == "none" else served.dequantize(), stored)
 
 
-def test_autogptq_s_float16_dequantization_is_ours_rounded_once(gptq_model):
-    # scale * (q - z) is exact in float32 (11 significant bits times at most 16), so AutoGPTQ's
-    # float16 arithmetic rounds it once.
-    model_dir = gptq_model("qwen2-g64-asym")
+@pytest.mark.parametrize("name", ["qwen2-g64-asym", "awq-qwen2-g32"])
+def test_the_librarys_float16_dequantization_is_ours_rounded_once(gptq_model, name):
+    # scale * (q - z) is exact in float32 (11 significant bits times at most 16), so AutoGPTQ's and
+    # AutoAWQ's float16 arithmetic rounds it once.
+    model_dir = gptq_model(name)
     exact, half = dequantized(model_dir), dequantized(model_dir, torch.float16)
-    for name in exact:
-        if name.endswith("proj.weight"):
-            assert torch.equal(exact[name].half().float(), half[name]), name
+    for weight in exact:
+        if weight.endswith("proj.weight"):
+            assert torch.equal(exact[weight].half().float(), half[weight]), weight
 
 
 def test_the_blocks_hold_the_files_scales_and_zero_points(gptq_model):
@@ -89,20 +106,25 @@ def test_the_blocks_hold_the_files_scales_and_zero_points(gptq_model):
     assert torch.equal(d.float().repeat_interleave(32, 1) * (q.float() - 8), weight[:, :64])
 
 
-def test_a_packed_weights_rows_and_columns_are_read_at_any_offset(tmp_path):
-    # Packed as AutoGPTQ packs: columns (inputs) not on a whole int32 (8 values) nor a block (32:
-    # then dequantized), rows (outputs) not on a whole int32 of the zero points; groups of 64 over
-    # 160 inputs, the last one short.
-    weight = torch.randn(24, 160, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize(
+    "packer, reference_of, stored_type, num_in",
+    [(pack, dequantize, StoredGptq, 160), (pack_awq, dequantize_awq, StoredAwq, 192)],
+)
+def test_a_packed_weights_rows_and_columns_are_read_at_any_offset(
+    tmp_path, packer, reference_of, stored_type, num_in
+):
+    # Packed as the library packs: columns (inputs) not on a whole int32 (8 values) nor a block (32:
+    # then dequantized), rows (outputs) not on a whole int32; groups of 64, GPTQ's last one short.
+    weight = torch.randn(24, num_in, generator=torch.Generator().manual_seed(1))
     q, zeros, scales = quantize(weight, 64, sym=False)
-    tensors = pack(q, zeros, scales, 64)
-    reference = dequantize(tensors)
+    tensors = packer(q, zeros, scales, 64)
+    reference = reference_of(tensors)
     path = tmp_path / "packed.safetensors"
     save_file({"w." + key: value for key, value in tensors.items()}, str(path))
     with safe_open(str(path), framework="pt") as handle:
-        stored = StoredGptq({path: handle}, dict.fromkeys(handle.keys(), path), "w.", 64)
-        assert stored.shape == (24, 160)
-        for start, end in ((0, 160), (32, 96), (5, 11), (60, 70), (128, 160), (3, 4)):
+        stored = stored_type({path: handle}, dict.fromkeys(handle.keys(), path), "w.", 64)
+        assert stored.shape == (24, num_in)
+        for start, end in ((0, num_in), (32, 96), (5, 11), (60, 70), (128, 160), (3, 4)):
             part = stored.read(start, end, columns=True)
             assert isinstance(part, torch.Tensor) == bool(start % 32 or end % 32)
             served = part if isinstance(part, torch.Tensor) else part.dequantize()
@@ -135,7 +157,7 @@ def pool():
         yield ranks
 
 
-@pytest.mark.parametrize("name", ["llama-g32-sym", "mistral-g128-asym"])
+@pytest.mark.parametrize("name", ["llama-g32-sym", "mistral-g128-asym", "awq-llama-g32"])
 def test_tp2_equals_tp1_and_batched_equals_solo(pool, gptq_model, name):
     model_dir = str(gptq_model(name))
     torch.set_num_threads(1)
@@ -163,13 +185,18 @@ def test_tp2_equals_tp1_and_batched_equals_solo(pool, gptq_model, name):
         ({"dynamic": {"-:.*lm_head": {}}}, "gptq dynamic \\(per-module bits or group sizes\\)"),
         ({"group_size": 0}, "gptq group_size 0 is not a positive integer or -1"),
         ({"group_size": None}, "gptq group_size None is not"),
+        (awq_config(bits=8), "awq bits 8 are not supported, only 4"),
+        (awq_config(version="gemv"), "awq version 'gemv' is not supported, only 'gemm'"),
+        (awq_config(version="exllama"), "awq version 'exllama' is not supported"),
+        (awq_config(zero_point=False), "awq zero_point false is not supported"),
+        (awq_config(group_size=-2), "awq group_size -2 is not a positive integer or -1"),
     ],
 )
 def test_an_unsupported_config_is_refused_by_name_when_it_is_read(gptq_model, tmp_path, change, message):
     model_dir = tmp_path / "m"
     model_dir.mkdir()
     config = json.loads((gptq_model("llama-g32-sym") / "config.json").read_text())
-    config["quantization_config"] = gptq_config() | change
+    config["quantization_config"] = change if "quant_method" in change else gptq_config() | change
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelFileError, match=f"config.json: quantization_config: {message}"):
         load_model_config(model_dir)

@@ -1,15 +1,20 @@
-"""Tiny GPTQ int4 checkpoints (v1, desc_act false), packed as AutoGPTQ packs them.
+"""Tiny GPTQ (v1, desc_act false) and AWQ (GEMM) int4 checkpoints, packed as AutoGPTQ and AutoAWQ pack them.
 
-No GPTQ library is installed here, so the packing and the reference dequantization follow AutoGPTQ's
-own code, auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py (AutoGPTQ/AutoGPTQ): `QuantLinear.pack`
-puts input 8r + j of the integer weight [in, out] in bits 4j..4j+3 of qweight row r (`qweight[row] |=
-intweight[j] << (bits * (j - i))`), takes one from every zero point (`zeros -= 1`) and packs output
-8c + j of zeros [groups, out] into bits 4j.. of qzeros column c, as uint32 then viewed as int32; its
-forward (without the CUDA extension) shifts by 0, 4, .., 28, masks with 15, adds one to the zeros
-and takes scales * (weight - zeros), in float16. `dequantized` does that in float32 (and in float16
-when asked), reading the file, not our loader. Each weight's scale and zero point come from its min
-and max per group, as AutoGPTQ's Quantizer.find_params computes them (xmin <= 0 <= xmax; symmetric:
-zero (15 + 1) / 2); scales are float16 and the float tensors float16, as AutoGPTQ saves a model.
+No GPTQ or AWQ library is installed here, so the packing and the reference dequantization follow
+their own code. GPTQ: auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py (AutoGPTQ/AutoGPTQ):
+`QuantLinear.pack` puts input 8r + j of the integer weight [in, out] in bits 4j..4j+3 of qweight row r
+(`qweight[row] |= intweight[j] << (bits * (j - i))`), takes one from every zero point (`zeros -= 1`)
+and packs output 8c + j of zeros [groups, out] into bits 4j.. of qzeros column c, as uint32 then
+viewed as int32; its forward (without the CUDA extension) shifts by 0, 4, .., 28, masks with 15,
+adds one to the zeros and takes scales * (weight - zeros), in float16. AWQ:
+awq/modules/linear/gemm.py (casper-hansen/AutoAWQ): `WQLinear_GEMM.from_linear` packs output
+8c + order_map[i] of the integer weight [in, out] (and of the zeros [groups, out], stored as they
+are) into bits 4i.. of column c, order_map [0, 2, 4, 6, 1, 3, 5, 7]; awq/utils/packing_utils.py's
+`dequantize_gemm` unpacks, undoes the order (AWQ_REVERSE_ORDER) and takes (iweight - izeros) *
+scales. `dequantized` does either in float32 (and in float16 when asked), reading the file, not our
+loader. Each weight's scale and zero point come from its min and max per group, as AutoGPTQ's
+Quantizer.find_params computes them (xmin <= 0 <= xmax; symmetric: zero (15 + 1) / 2); scales are
+float16 and the float tensors float16, as both save a model.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from tiny_models import write_tiny_model
 
 BITS, MAXQ = 4, 15
 SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)  # AutoGPTQ's wf
+AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+PACKED = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def gptq_config(group_size: int = 32, sym: bool = True, **overrides) -> dict:
@@ -42,20 +50,36 @@ def gptq_config(group_size: int = 32, sym: bool = True, **overrides) -> dict:
     } | overrides
 
 
+def awq_config(group_size: int = 32, **overrides) -> dict:
+    """quantization_config as AutoAWQ writes it."""
+    return {
+        "quant_method": "awq",
+        "zero_point": True,
+        "group_size": group_size,
+        "bits": BITS,
+        "version": "gemm",
+    } | overrides
+
+
 def write_gptq_checkpoint(
     out_dir: str | Path,
     variant: str = "llama",
     *,
+    method: str = "gptq",
     group_size: int = 32,
     sym: bool = True,
     overrides: dict | None = None,
 ) -> Path:
-    """The tiny `variant` (config `overrides`) with every linear but lm_head GPTQ-packed at `out_dir`."""
+    """The tiny `variant` (config `overrides`) with every linear but lm_head packed by `method` (gptq
+    or awq) at `out_dir`."""
     out = Path(out_dir)
     write_tiny_model(out, variant, overrides=overrides)
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = gptq_config(group_size, sym)
+    config["quantization_config"] = (
+        gptq_config(group_size, sym) if method == "gptq" else awq_config(group_size)
+    )
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    packer = pack if method == "gptq" else pack_awq
     stored = {}
     for name, weight in load_file(out / "model.safetensors").items():
         if not is_quantizable(name) or name == "lm_head.weight":
@@ -64,7 +88,7 @@ def write_gptq_checkpoint(
         module = name.removesuffix("weight")
         group = weight.shape[1] if group_size == -1 else group_size
         q, zeros, scales = quantize(weight, group, sym)
-        stored |= {module + key: value for key, value in pack(q, zeros, scales, group).items()}
+        stored |= {module + key: value for key, value in packer(q, zeros, scales, group).items()}
     save_file(stored, str(out / "model.safetensors"))
     return out
 
@@ -113,6 +137,23 @@ def pack(
     }
 
 
+def pack_awq(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> dict[str, torch.Tensor]:
+    """AutoAWQ's WQLinear_GEMM.from_linear packing of q [out, in], zeros and scales [out, groups]."""
+    intweight = q.t().contiguous().to(torch.int32)  # [in, out]
+    zeros = zeros.t().contiguous().to(torch.int32)  # [groups, out]
+
+    def packed(values: torch.Tensor) -> torch.Tensor:
+        words = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int32)
+        for col in range(words.shape[1]):
+            for i in range(8):
+                words[:, col] |= values[:, col * 8 + AWQ_ORDER_MAP[i]] << (i * BITS)
+        return words
+
+    return {"qweight": packed(intweight), "qzeros": packed(zeros), "scales": scales.t().contiguous()}
+
+
 def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """weight [out, in] from qweight, qzeros, scales and g_idx, as AutoGPTQ's forward unpacks them
     (its float16 arithmetic where dtype is float16)."""
@@ -127,14 +168,30 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.floa
     return (scales[g_idx] * (weight - zeros[g_idx]).to(dtype)).t().contiguous()
 
 
+def dequantize_awq(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [out, in] as AutoAWQ's dequantize_gemm computes it (unpack_awq, reverse_awq_order)."""
+
+    def unpacked(words: torch.Tensor) -> torch.Tensor:  # [n, words] -> [n, 8 * words], outputs in order
+        values = torch.bitwise_right_shift(words[:, :, None], SHIFTS[None, None, :]).view(words.shape[0], -1)
+        order = torch.arange(values.shape[-1]).view(-1, 8)[:, AWQ_REVERSE_ORDER].view(-1)
+        return values[:, order] & MAXQ
+
+    iweight, izeros = unpacked(tensors["qweight"]), unpacked(tensors["qzeros"])  # [in, out], [groups, out]
+    group_size = iweight.shape[0] // izeros.shape[0]
+    scales = tensors["scales"].to(dtype).repeat_interleave(group_size, dim=0)
+    izeros = izeros.repeat_interleave(group_size, dim=0)
+    return ((iweight - izeros).to(dtype) * scales).t().contiguous()
+
+
 def dequantized(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every weight of the checkpoint at `model_dir` as AutoGPTQ dequantizes it (in `dtype`); the rest
-    as stored, in float32."""
+    """Every weight of the checkpoint at `model_dir` as AutoGPTQ or AutoAWQ dequantizes it (in
+    `dtype`); the rest as stored, in float32."""
+    method = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]["quant_method"]
+    unpack = dequantize if method == "gptq" else dequantize_awq
     stored = load_file(Path(model_dir) / "model.safetensors")
     modules = {name.removesuffix("qweight") for name in stored if name.endswith(".qweight")}
-    packed = ("qweight", "qzeros", "scales", "g_idx")
-    weights = {name: t.float() for name, t in stored.items() if name.rpartition(".")[2] not in packed}
+    weights = {name: t.float() for name, t in stored.items() if name.rpartition(".")[2] not in PACKED}
     for module in modules:
-        parts = {key: stored[module + key] for key in packed}
-        weights[module + "weight"] = dequantize(parts, dtype).float()
+        parts = {key: stored[module + key] for key in PACKED if module + key in stored}
+        weights[module + "weight"] = unpack(parts, dtype).float()
     return weights
