@@ -21,6 +21,12 @@ quantize every input row by its own absmax at run time (kernels/int8_linear.py,
 kernels/q4_linear.py), and fp8 weights compute in float.
 Which modules are quantized is read off the tensors themselves: the ones beside a `weight_scale`;
 the rest (`ignore`, usually lm_head) are float.
+
+Also supported, int4 only (ranks/gptq_tensors.py): `quant_method: gptq` with `bits: 4`, `desc_act:
+false`, `checkpoint_format: gptq` (v1) and a group_size (or -1); `quant_method: awq` with `bits: 4`,
+`version: gemm`, `zero_point: true` and a group_size (or -1). Refused by name: other bits, activation
+order, gptq_v2 and marlin formats, GPTQModel's per-module `dynamic`, other AWQ versions, AWQ without
+zero points. Their quantized modules are the ones with a `qweight`.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ KINDS = {
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """A compressed-tensors int8, int4 or fp8 checkpoint, as its config.json declares it."""
+    """A compressed-tensors int8, int4 or fp8 checkpoint, or a GPTQ or AWQ int4 one, as its config.json
+    declares it."""
 
     formats: tuple[str, ...]  # the formats its groups store weights in
     kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"

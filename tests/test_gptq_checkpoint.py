@@ -14,8 +14,8 @@ import torch
 from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_int8_checkpoint import Q_PROJ, load, served_and_stored
-from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
+from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load
+from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_gptq_models import (
     awq_config,
     dequantize,
@@ -71,13 +71,8 @@ def gptq_model(tmp_path_factory):
 def test_every_piece_serves_the_values_autogptq_or_autoawq_dequantizes(gptq_model, name, quantize):
     # In int4 the blocks are the file's (dequantized, the library's arithmetic in float32 bit for bit);
     # in none the same values in float32.
-    model_dir = gptq_model(name)
-    file = dequantized(model_dir)
-    for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
-        model = load(model_dir, tp_rank, tp_size, quantize=quantize)
-        for served, stored in served_and_stored(model, file):
-            assert isinstance(served, Q4Weight if quantize == "int4" else torch.Tensor)
-            assert torch.equal(served if quantize == "none" else served.dequantize(), stored)
+    served_type = Q4Weight if quantize == "int4" else torch.Tensor
+    check_every_piece_serves(gptq_model(name), dequantized(gptq_model(name)), quantize, served_type)
 
 
 @pytest.mark.parametrize("name", ["qwen2-g64-asym", "awq-qwen2-g32"])
@@ -159,15 +154,7 @@ def pool():
 
 @pytest.mark.parametrize("name", ["llama-g32-sym", "mistral-g128-asym", "awq-llama-g32"])
 def test_tp2_equals_tp1_and_batched_equals_solo(pool, gptq_model, name):
-    model_dir = str(gptq_model(name))
-    torch.set_num_threads(1)
-    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, quantize="int4")
-    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", "gloo", "int4", timeout_s=120)[0]
-    assert pair_tokens == solo_tokens
-    assert torch.equal(pair_logits, solo_logits)
-    for lane, (prompt, sampling) in enumerate(zip(PROMPTS, SAMPLINGS)):
-        alone, _ = run_streams(model_dir, 0, 1, prompts=[prompt], samplings=[sampling], quantize="int4")
-        assert torch.equal(solo_logits[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
+    check_tp2_equals_tp1_and_batched_equals_solo(pool, str(gptq_model(name)), "int4")
 
 
 # ---- refused by name ----
