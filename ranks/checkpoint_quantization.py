@@ -23,10 +23,10 @@ Which modules are quantized is read off the tensors themselves: the ones beside 
 the rest (`ignore`, usually lm_head) are float.
 
 Also supported, int4 only (ranks/gptq_tensors.py): `quant_method: gptq` with `bits: 4`, `desc_act:
-false`, `checkpoint_format: gptq` (v1) and a group_size (or -1); `quant_method: awq` with `bits: 4`,
-`version: gemm`, `zero_point: true` and a group_size (or -1). Refused by name: other bits, activation
-order, gptq_v2 and marlin formats, GPTQModel's per-module `dynamic`, other AWQ versions, AWQ without
-zero points. Their quantized modules are the ones with a `qweight`.
+false`, `checkpoint_format: gptq` (v1) or `gptq_v2` and a group_size (or -1); `quant_method: awq`
+with `bits: 4`, `version: gemm`, `zero_point: true` and a group_size (or -1). Refused by name: other
+bits, activation order, the marlin format, GPTQModel's per-module `dynamic`, other AWQ versions, AWQ
+without zero points. Their quantized modules are the ones with a `qweight`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from tpserve.ranks.errors import ModelFileError
 
 METHOD = "compressed-tensors"
 GPTQ = "gptq"
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point less one, v2 as it is
 AWQ = "awq"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
 # Sections of a compressed-tensors config whose presence changes what the stored numbers mean.
@@ -166,18 +167,19 @@ def _check_inputs(args, where: str, weights: str, refuse) -> None:
 
 
 def _parse_gptq(raw: dict, refuse) -> CheckpointQuantization:
-    """AutoGPTQ's (and GPTQModel's, optimum's) v1 format with 4 bits, inputs in order (ranks/gptq_tensors.py)."""
+    """AutoGPTQ's (and GPTQModel's, optimum's) v1 format, or GPTQModel's v2, with 4 bits and the
+    inputs in order (ranks/gptq_tensors.py)."""
     if raw.get("bits") != 4:
         raise refuse(f"gptq bits {raw.get('bits')!r} are not supported, only 4")
     if raw.get("desc_act"):
         raise refuse("gptq desc_act true (activation order) is not supported")
     checkpoint_format = raw.get("checkpoint_format", GPTQ)
-    if checkpoint_format != GPTQ or raw.get("is_marlin_format"):
+    if checkpoint_format not in GPTQ_FORMATS or raw.get("is_marlin_format"):
         shown = "marlin" if raw.get("is_marlin_format") else checkpoint_format
-        raise refuse(f"gptq checkpoint_format {shown!r} is not supported, only 'gptq' (v1)")
+        raise refuse(f"gptq checkpoint_format {shown!r} is not supported, only 'gptq' (v1) or 'gptq_v2'")
     if raw.get("dynamic"):
         raise refuse("gptq dynamic (per-module bits or group sizes) is not supported")
-    return _int4(GPTQ, GPTQ, raw.get("group_size"), refuse)
+    return _int4(GPTQ, checkpoint_format, raw.get("group_size"), refuse)
 
 
 def _parse_awq(raw: dict, refuse) -> CheckpointQuantization:

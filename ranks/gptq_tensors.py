@@ -1,17 +1,17 @@
-"""GPTQ's (AutoGPTQ's v1 format) and AWQ's (AutoAWQ's GEMM) int4 weights: a rank's slices, as blocks of 32.
+"""GPTQ's (AutoGPTQ's v1, GPTQModel's v2) and AWQ's (AutoAWQ's GEMM) int4 weights: a rank's slices, as blocks of 32.
 
 GPTQ stores a quantized linear `X` as `X.qweight` int32 [in / 8, out], eight inputs to an int32
 down each column (input 8w + j of word w in bits 4j..4j+3, an unsigned nibble q), `X.qzeros` int32
-[groups, out / 8], eight outputs to an int32 along each row likewise, each the zero point less one
-(v1: the zero is z = stored + 1, 1..16), `X.scales` [groups, out] (float16 as AutoGPTQ writes them;
-bfloat16 and float32 accepted), and `X.g_idx` int32 [in], each input's group: i // group_size where
-desc_act is false, anything else refused by name (absent, it is taken as that). Groups are
-ceil(in / group_size), group_size -1 meaning all the inputs. weight[o, i] = scales[g, o] * (q[i, o]
-- z[g, o]) with g = i // group_size: AutoGPTQ's QuantLinear (qlinear_cuda_old.py) computes it in
-float16, we in float32 (float16's rounding of ours). AWQ stores `X.qweight` int32 [in, out / 8] and
-`X.qzeros` [groups, out / 8] packed along the outputs, nibble i of word c holding output 8c +
-AWQ_ORDER[i], the zero points as they are (0..15), and `X.scales` [groups, out]; the same formula
-(AutoAWQ's dequantize_gemm).
+[groups, out / 8], eight outputs to an int32 along each row likewise (v1 stores each zero point
+less one, z = stored + 1 in 1..16; v2 stores z itself), `X.scales` [groups, out] (float16 as
+AutoGPTQ writes them; bfloat16 and float32 accepted), and `X.g_idx` int32 [in], each input's
+group: i // group_size where desc_act is false, anything else refused by name (absent, it is taken
+as that). Groups are ceil(in / group_size), group_size -1 meaning all the inputs. weight[o, i] =
+scales[g, o] * (q[i, o] - z[g, o]) with g = i // group_size: AutoGPTQ's QuantLinear
+(qlinear_cuda_old.py) computes it in float16, we in float32 (float16's rounding of ours). AWQ
+stores `X.qweight` int32 [in, out / 8] and `X.qzeros` [groups, out / 8] packed along the outputs,
+nibble i of word c holding output 8c + AWQ_ORDER[i], the zero points as they are (0..15), and
+`X.scales` [groups, out]; the same formula (AutoAWQ's dequantize_gemm).
 
 Each 32 inputs of a group are one of our 4-bit blocks (kernels/q4_linear.py, weight = d * q + m), as
 for a compressed-tensors int4 weight (ranks/int4_tensors.py, whose group_blocks builds them): q as
@@ -127,6 +127,12 @@ class StoredGptq:
     def _outputs_in_order(unpacked: torch.Tensor) -> torch.Tensor:
         """[n, 8 * words] nibbles of int32s packed along the outputs -> the outputs in order."""
         return unpacked
+
+
+class StoredGptqV2(StoredGptq):
+    """One GPTQ int4 weight in GPTQModel's v2 format: v1's, each zero point stored as it is (0..15)."""
+
+    ZERO_OFFSET = 0
 
 
 class StoredAwq(StoredGptq):

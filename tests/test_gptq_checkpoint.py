@@ -40,12 +40,13 @@ pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_availa
 # name -> (method, variant, group_size, sym, config overrides). GPTQ: the uneven 2 + 1 KV split with
 # symmetric groups of 32; groups of 64 over 96 inputs (the last one short) with zero points and
 # biases; groups of 128 that a row-parallel piece cuts in half; one scale per output (group_size
-# -1). AWQ (always zero points): the 2 + 1 split in groups of 32, biases, and groups of 128.
+# -1); GPTQModel's v2 (zero points stored as they are). AWQ (always zero points): the 2 + 1 split in groups of 32, biases, and groups of 128.
 CASES = {
     "llama-g32-sym": ("gptq", "llama", 32, True, None),
     "qwen2-g64-asym": ("gptq", "qwen2", 64, False, {"num_key_value_heads": 3}),
     "mistral-g128-asym": ("gptq", "mistral", 128, False, WIDE),
     "llama-channel-asym": ("gptq", "llama", -1, False, None),
+    "llama-g32-asym-v2": ("gptq_v2", "llama", 32, False, None),
     "awq-llama-g32": ("awq", "llama", 32, False, None),
     "awq-qwen2-g32": ("awq", "qwen2", 32, False, {"num_key_value_heads": 3}),
     "awq-mistral-g128": ("awq", "mistral", 128, False, WIDE),
@@ -137,13 +138,18 @@ def test_quantize_int8_serves_what_it_serves_for_the_dequantized_float_model(gpt
             assert torch.equal(ours.dequantize(), theirs.dequantize())
 
 
-def test_the_config_is_described_as_gptq(gptq_model):
-    config = load_model_config(gptq_model("mistral-g128-asym"))
-    assert config.quantization.kinds == ("int4",) and config.quantization.group_size == 128
-    assert config.quantization.describe() == "gptq int4 (gptq), group 128 scales"
-    assert (
-        load_model_config(gptq_model("llama-channel-asym")).quantization.describe().endswith("channel scales")
-    )
+@pytest.mark.parametrize(
+    "name, described",
+    [
+        ("mistral-g128-asym", "gptq int4 (gptq), group 128 scales"),
+        ("llama-channel-asym", "gptq int4 (gptq), channel scales"),
+        ("llama-g32-asym-v2", "gptq int4 (gptq_v2), group 32 scales"),
+        ("awq-llama-g32", "awq int4 (gemm), group 32 scales"),
+    ],
+)
+def test_the_config_says_what_it_is(gptq_model, name, described):
+    quantization = load_model_config(gptq_model(name)).quantization
+    assert quantization.kinds == ("int4",) and quantization.describe() == described
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +172,7 @@ def test_tp2_equals_tp1_and_batched_equals_solo(pool, gptq_model, name):
         ({"bits": 8}, "gptq bits 8 are not supported, only 4"),
         ({"bits": 3}, "gptq bits 3 are not supported"),
         ({"desc_act": True}, "gptq desc_act true \\(activation order\\) is not supported"),
-        ({"checkpoint_format": "gptq_v2"}, "gptq checkpoint_format 'gptq_v2' is not supported, only 'gptq'"),
+        ({"checkpoint_format": "gptq_v3"}, "gptq checkpoint_format 'gptq_v3' is not supported, only 'gptq'"),
         ({"checkpoint_format": "marlin"}, "gptq checkpoint_format 'marlin' is not supported"),
         ({"is_marlin_format": True}, "gptq checkpoint_format 'marlin' is not supported"),
         ({"dynamic": {"-:.*lm_head": {}}}, "gptq dynamic \\(per-module bits or group sizes\\)"),

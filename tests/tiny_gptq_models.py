@@ -19,6 +19,7 @@ float16 and the float tensors float16, as both save a model.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -70,16 +71,16 @@ def write_gptq_checkpoint(
     sym: bool = True,
     overrides: dict | None = None,
 ) -> Path:
-    """The tiny `variant` (config `overrides`) with every linear but lm_head packed by `method` (gptq
-    or awq) at `out_dir`."""
+    """The tiny `variant` (config `overrides`) with every linear but lm_head packed by `method` (gptq,
+    gptq_v2 or awq) at `out_dir`."""
     out = Path(out_dir)
     write_tiny_model(out, variant, overrides=overrides)
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = (
-        gptq_config(group_size, sym) if method == "gptq" else awq_config(group_size)
+        awq_config(group_size) if method == "awq" else gptq_config(group_size, sym, checkpoint_format=method)
     )
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    packer = pack if method == "gptq" else pack_awq
+    packer = {"gptq": pack, "gptq_v2": functools.partial(pack, zero_offset=0), "awq": pack_awq}[method]
     stored = {}
     for name, weight in load_file(out / "model.safetensors").items():
         if not is_quantizable(name) or name == "lm_head.weight":
@@ -113,9 +114,11 @@ def quantize(weight: torch.Tensor, group_size: int, sym: bool):
 
 
 def pack(
-    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int, zero_offset: int = 1
 ) -> dict[str, torch.Tensor]:
-    """AutoGPTQ's QuantLinear.pack of integer weights q [out, in], zeros and scales [out, groups]."""
+    """AutoGPTQ's QuantLinear.pack of integer weights q [out, in], zeros and scales [out, groups];
+    zero_offset 0: GPTQModel's v2, whose convert_gptq_v1_to_v2_format adds the one back to every
+    zero point."""
     intweight = q.t().contiguous().numpy().astype(np.uint32)  # [in, out]
     # AutoGPTQ sizes these `// 32 * bits`, which needs multiples of 32; `// 8` is the same there and
     # also holds the tiny models' 48 KV outputs (as GPTQModel's `// pack_factor` does).
@@ -123,7 +126,7 @@ def pack(
     for row in range(qweight.shape[0]):
         for j in range(32 // BITS):
             qweight[row] |= intweight[row * 8 + j] << (BITS * j)
-    stored_zeros = (zeros.t().contiguous() - 1).numpy().astype(np.uint32)  # [groups, out]
+    stored_zeros = (zeros.t().contiguous() - zero_offset).numpy().astype(np.uint32)  # [groups, out]
     qzeros = np.zeros((stored_zeros.shape[0], stored_zeros.shape[1] // 8), dtype=np.uint32)
     for col in range(qzeros.shape[1]):
         for j in range(32 // BITS):
@@ -154,12 +157,14 @@ def pack_awq(
     return {"qweight": packed(intweight), "qzeros": packed(zeros), "scales": scales.t().contiguous()}
 
 
-def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, zero_offset: int = 1
+) -> torch.Tensor:
     """weight [out, in] from qweight, qzeros, scales and g_idx, as AutoGPTQ's forward unpacks them
-    (its float16 arithmetic where dtype is float16)."""
+    (its float16 arithmetic where dtype is float16); zero_offset 0 for v2."""
     qweight, qzeros = tensors["qweight"], tensors["qzeros"]
     zeros = torch.bitwise_right_shift(qzeros.unsqueeze(2).expand(-1, -1, 32 // BITS), SHIFTS.view(1, 1, -1))
-    zeros = (zeros & MAXQ) + 1
+    zeros = (zeros & MAXQ) + zero_offset
     zeros = zeros.reshape(zeros.shape[0], -1)  # [groups, out]
     weight = torch.bitwise_right_shift(qweight.unsqueeze(1).expand(-1, 32 // BITS, -1), SHIFTS.view(1, -1, 1))
     weight = (weight & MAXQ).reshape(-1, weight.shape[2])  # [in, out]
@@ -186,12 +191,17 @@ def dequantize_awq(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.
 def dequantized(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every weight of the checkpoint at `model_dir` as AutoGPTQ or AutoAWQ dequantizes it (in
     `dtype`); the rest as stored, in float32."""
-    method = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]["quant_method"]
-    unpack = dequantize if method == "gptq" else dequantize_awq
+    config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
+    v2 = config.get("checkpoint_format") == "gptq_v2"
+    unpack = (
+        dequantize_awq
+        if config["quant_method"] == "awq"
+        else functools.partial(dequantize, zero_offset=1 - v2)
+    )
     stored = load_file(Path(model_dir) / "model.safetensors")
     modules = {name.removesuffix("qweight") for name in stored if name.endswith(".qweight")}
     weights = {name: t.float() for name, t in stored.items() if name.rpartition(".")[2] not in PACKED}
     for module in modules:
         parts = {key: stored[module + key] for key in PACKED if module + key in stored}
-        weights[module + "weight"] = unpack(parts, dtype).float()
+        weights[module + "weight"] = unpack(parts, dtype=dtype).float()
     return weights
