@@ -15,7 +15,7 @@ from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load
-from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
+from test_tp_exact import check_int4_logits_near_the_float_twin, check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_gptq_models import (
     awq_config,
     dequantize,
@@ -136,6 +136,13 @@ def test_quantize_int8_serves_what_it_serves_for_the_dequantized_float_model(gpt
     for layer, twin_layer in zip(served.layers[0], reference.layers[0]):
         for ours, theirs in zip(layer.products(), twin_layer.products()):
             assert torch.equal(ours.dequantize(), theirs.dequantize())
+
+
+@pytest.mark.parametrize("name", ["llama-g32-sym", "awq-qwen2-g32"])
+def test_the_logits_are_near_the_dequantized_float_model(gptq_model, tmp_path, name):
+    model_dir = gptq_model(name)
+    twin = float_twin(model_dir, tmp_path / "dequantized", dequantized(model_dir))
+    check_int4_logits_near_the_float_twin(str(model_dir), str(twin))
 
 
 @pytest.mark.parametrize(

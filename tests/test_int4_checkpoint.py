@@ -24,7 +24,7 @@ from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load, served_
 from test_tp_exact import (
     NUM_STEPS,
     PROMPTS,
-    SAMPLINGS,
+    check_int4_logits_near_the_float_twin,
     check_tp2_equals_tp1_and_batched_equals_solo,
     run_streams,
 )
@@ -144,19 +144,9 @@ def test_tp2_equals_tp1_and_batched_equals_solo(pool, int4_model, name):
 @pytest.mark.parametrize("name", ["llama-g32-bf16", "qwen2-g32-asym-f16"])
 def test_the_logits_are_near_the_librarys_dequantized_float_model(int4_model, tmp_path, name):
     model_dir = int4_model(name)
-    reference = str(float_twin(model_dir, tmp_path / "dequantized"))
-    torch.set_num_threads(1)
-    one = {"prompts": PROMPTS[:1], "samplings": SAMPLINGS[:1]}
-    float_logits, _ = run_streams(reference, 0, 1, **one)
-    int4_logits, _ = run_streams(str(model_dir), 0, 1, quantize="int4", **one)
-    plain_logits, _ = run_streams(str(model_dir), 0, 1, **one)
-    first_int4, first_float = int4_logits[0], float_logits[0]  # the prompt's logits
-    error = (first_int4 - first_float).norm() / first_float.norm()
-    # Only the inputs' rounding (8 bits per block of 32) and the float head's, quantized at load to
-    # 8-bit blocks, stand between them (test_tp_exact.py's bound for int4).
-    assert 0 < error < 0.08, f"int4 logits {error:.4f} away from the dequantized float model (relative)"
-    assert torch.equal(first_int4.argmax(-1), first_float.argmax(-1))
-    assert torch.equal(plain_logits, float_logits)  # quantize none: the very same float32 model
+    check_int4_logits_near_the_float_twin(
+        str(model_dir), str(float_twin(model_dir, tmp_path / "dequantized"))
+    )
 
 
 def test_groups_that_are_not_whole_blocks_are_served_dequantized(tmp_path):
