@@ -26,7 +26,8 @@ Also supported, int4 only (ranks/gptq_tensors.py): `quant_method: gptq` with `bi
 false`, `checkpoint_format: gptq` (v1) or `gptq_v2` and a group_size (or -1); `quant_method: awq`
 with `bits: 4`, `version: gemm`, `zero_point: true` and a group_size (or -1). Refused by name: other
 bits, activation order, the marlin format, GPTQModel's per-module `dynamic`, other AWQ versions, AWQ
-without zero points. Their quantized modules are the ones with a `qweight`.
+without zero points. Their quantized modules are the ones with a `qweight`. An older GPTQ checkpoint
+may declare its scheme in AutoGPTQ's quantize_config.json instead (ranks/model_config.py reads it).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ class CheckpointQuantization:
     kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"
     strategies: tuple[str, ...] = ("channel",)  # "channel", "tensor" or "group <size>"
     method: str = METHOD  # or GPTQ, AWQ
-    group_size: int = 0  # GPTQ's inputs per scale, -1 for all (compressed-tensors': read off the tensors)
+    group_size: int = (
+        0  # GPTQ's and AWQ's inputs per scale, -1 for all (compressed-tensors': read off the tensors)
+    )
 
     def describe(self) -> str:
         return (

@@ -14,7 +14,7 @@ import torch
 from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load
+from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load, served_and_stored
 from test_tp_exact import check_int4_logits_near_the_float_twin, check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_gptq_models import (
     awq_config,
@@ -157,6 +157,23 @@ def test_the_logits_are_near_the_dequantized_float_model(gptq_model, tmp_path, n
 def test_the_config_says_what_it_is(gptq_model, name, described):
     quantization = load_model_config(gptq_model(name)).quantization
     assert quantization.kinds == ("int4",) and quantization.describe() == described
+
+
+def test_an_older_checkpoint_s_quantize_config_json_declares_its_scheme(gptq_model, tmp_path):
+    # AutoGPTQ's own file, without quant_method, in place of config.json's quantization_config.
+    model_dir = with_tensors(gptq_model("llama-g32-sym"), tmp_path / "m", {})
+    config = json.loads((model_dir / "config.json").read_text())
+    scheme = config.pop("quantization_config")
+    del scheme["quant_method"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "quantize_config.json").write_text(json.dumps(scheme))
+    assert load_model_config(model_dir).quantization.describe() == "gptq int4 (gptq), group 32 scales"
+    file = dequantized(gptq_model("llama-g32-sym"))
+    for served, stored in served_and_stored(load(model_dir, quantize="int4"), file):
+        assert torch.equal(served.dequantize(), stored)
+    (model_dir / "quantize_config.json").write_text(json.dumps(scheme | {"desc_act": True}))
+    with pytest.raises(ModelFileError, match="gptq desc_act true"):
+        load_model_config(model_dir)
 
 
 @pytest.fixture(scope="module")
