@@ -159,6 +159,17 @@ def test_the_config_says_what_it_is(gptq_model, name, described):
     assert quantization.kinds == ("int4",) and quantization.describe() == described
 
 
+def test_a_module_left_in_float_is_served_as_a_float_checkpoint_s(tmp_path):
+    # AutoAWQ's modules_to_not_convert: no qweight, the float16 weight in its place.
+    model_dir = write_gptq_checkpoint(tmp_path / "m", method="awq", keep_float=("mlp.down_proj",))
+    file = dequantized(model_dir)
+    assert "model.layers.0.mlp.down_proj.qweight" not in load_file(model_dir / "model.safetensors")
+    for served, stored in served_and_stored(load(model_dir, 0, 2), file):
+        assert torch.equal(served, stored)
+    layer = load(model_dir, 0, 2, quantize="int4").layers[0][0]
+    assert isinstance(layer.w_down, Q4Weight) and isinstance(layer.w_o, Q4Weight)
+
+
 def test_an_older_checkpoint_s_quantize_config_json_declares_its_scheme(gptq_model, tmp_path):
     # AutoGPTQ's own file, without quant_method, in place of config.json's quantization_config.
     model_dir = with_tensors(gptq_model("llama-g32-sym"), tmp_path / "m", {})

@@ -70,9 +70,11 @@ def write_gptq_checkpoint(
     group_size: int = 32,
     sym: bool = True,
     overrides: dict | None = None,
+    keep_float: tuple[str, ...] = (),
 ) -> Path:
-    """The tiny `variant` (config `overrides`) with every linear but lm_head packed by `method` (gptq,
-    gptq_v2 or awq) at `out_dir`."""
+    """The tiny `variant` (config `overrides`) with every linear but lm_head (and those named with
+    one of `keep_float`, as AutoAWQ's modules_to_not_convert) packed by `method` (gptq, gptq_v2 or
+    awq) at `out_dir`."""
     out = Path(out_dir)
     write_tiny_model(out, variant, overrides=overrides)
     config = json.loads((out / "config.json").read_text())
@@ -83,7 +85,7 @@ def write_gptq_checkpoint(
     packer = {"gptq": pack, "gptq_v2": functools.partial(pack, zero_offset=0), "awq": pack_awq}[method]
     stored = {}
     for name, weight in load_file(out / "model.safetensors").items():
-        if not is_quantizable(name) or name == "lm_head.weight":
+        if not is_quantizable(name) or name == "lm_head.weight" or any(part in name for part in keep_float):
             stored[name] = weight.to(torch.float16)
             continue
         module = name.removesuffix("weight")
