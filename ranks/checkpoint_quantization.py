@@ -90,7 +90,8 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
         return _parse_awq(raw, refuse)
     if method != METHOD:
         raise refuse(
-            f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8; {GPTQ} and {AWQ} int4)"
+            f"quant_method {method!r} is not supported "
+            f"(supported: {METHOD} int8, int4 and fp8; {GPTQ} and {AWQ} int4)"
         )
     for section in UNSUPPORTED_SECTIONS:
         if raw.get(section):

@@ -1,4 +1,4 @@
-"""GPTQ's (AutoGPTQ's v1, GPTQModel's v2) and AWQ's (AutoAWQ's GEMM) int4 weights: a rank's slices, as blocks of 32.
+"""GPTQ's (AutoGPTQ's v1, GPTQModel's v2) and AWQ's (AutoAWQ's GEMM) int4 weights, as blocks of 32.
 
 GPTQ stores a quantized linear `X` as `X.qweight` int32 [in / 8, out], eight inputs to an int32
 down each column (input 8w + j of word w in bits 4j..4j+3, an unsigned nibble q), `X.qzeros` int32
@@ -66,8 +66,8 @@ class StoredGptq:
         scale_shape = list(self._scales.get_shape())
         if self._scales.get_dtype() not in SCALE_DTYPES or scale_shape != [num_groups, num_out]:
             raise self._error(
-                f"scales is {self._scales.get_dtype()} {scale_shape}, expected a float [{num_groups}, {num_out}] "
-                f"(in {num_in}, group_size {group_size})"
+                f"scales is {self._scales.get_dtype()} {scale_shape}, expected a float "
+                f"[{num_groups}, {num_out}] (in {num_in}, group_size {group_size})"
             )
         wanted = [num_groups, -(-num_out // VALUES_PER_INT32)]
         if self._zeros.get_dtype() != "I32" or list(self._zeros.get_shape()) != wanted:

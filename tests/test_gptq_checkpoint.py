@@ -1,8 +1,8 @@
-"""GPTQ (v1) and AWQ (GEMM) int4 checkpoints, packed as AutoGPTQ and AutoAWQ pack them
-(tiny_gptq_models.py), ranks/gptq_tensors.py: served as the file's own 4-bit blocks in int4 and dequantized exactly in none and int8, sharded like
-the float weights (the llama variant's 3 KV heads split 2 + 1), every value AutoGPTQ's (AutoAWQ's)
-dequantization of the file bit for bit, tp=2 == tp=1 and batched == solo, and what tpserve does not serve refused by
-name."""
+"""GPTQ (v1 and v2) and AWQ (GEMM) int4 checkpoints, packed as AutoGPTQ and AutoAWQ pack them
+(tiny_gptq_models.py), read by ranks/gptq_tensors.py: served as the file's own 4-bit blocks in int4
+and dequantized exactly in none and int8, sharded like the float weights (the llama variant's 3 KV
+heads split 2 + 1), every value AutoGPTQ's (AutoAWQ's) dequantization of the file bit for bit,
+tp=2 == tp=1 and batched == solo, and what tpserve does not serve refused by name."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load, served_and_stored
 from test_tp_exact import check_int4_logits_near_the_float_twin, check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_gptq_models import (
+    PACKED,
     awq_config,
     dequantize,
     dequantize_awq,
@@ -40,7 +41,8 @@ pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_availa
 # name -> (method, variant, group_size, sym, config overrides). GPTQ: the uneven 2 + 1 KV split with
 # symmetric groups of 32; groups of 64 over 96 inputs (the last one short) with zero points and
 # biases; groups of 128 that a row-parallel piece cuts in half; one scale per output (group_size
-# -1); GPTQModel's v2 (zero points stored as they are). AWQ (always zero points): the 2 + 1 split in groups of 32, biases, and groups of 128.
+# -1); GPTQModel's v2 (zero points stored as they are). AWQ (always zero points): the 2 + 1 split
+# in groups of 32, biases, and groups of 128.
 CASES = {
     "llama-g32-sym": ("gptq", "llama", 32, True, None),
     "qwen2-g64-asym": ("gptq", "qwen2", 64, False, {"num_key_value_heads": 3}),
@@ -70,8 +72,8 @@ def gptq_model(tmp_path_factory):
 @pytest.mark.parametrize("quantize", ["int4", "none"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_piece_serves_the_values_autogptq_or_autoawq_dequantizes(gptq_model, name, quantize):
-    # In int4 the blocks are the file's (dequantized, the library's arithmetic in float32 bit for bit);
-    # in none the same values in float32.
+    # In int4 the blocks are the file's (dequantized, the library's arithmetic in float32 bit for
+    # bit); in none the same values in float32.
     served_type = Q4Weight if quantize == "int4" else torch.Tensor
     check_every_piece_serves(gptq_model(name), dequantized(gptq_model(name)), quantize, served_type)
 
@@ -93,12 +95,7 @@ def test_the_blocks_hold_the_files_scales_and_zero_points(gptq_model):
     q, d, m = load(model_dir, quantize="int4").layers[0][0].w_o.blocks()  # piece 0: 64 columns
     scales = stored["model.layers.0.self_attn.o_proj.scales"][:2].t().float()  # [out, 2 groups]
     assert torch.equal(d.float(), scales) and torch.equal(m.float(), -8 * scales)  # sym: z = 7 + 1
-    weight = dequantize(
-        {
-            key: stored["model.layers.0.self_attn.o_proj." + key]
-            for key in ("qweight", "qzeros", "scales", "g_idx")
-        }
-    )
+    weight = dequantize({key: stored["model.layers.0.self_attn.o_proj." + key] for key in PACKED})
     assert torch.equal(d.float().repeat_interleave(32, 1) * (q.float() - 8), weight[:, :64])
 
 
