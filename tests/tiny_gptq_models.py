@@ -1,4 +1,4 @@
-"""Tiny GPTQ (v1, desc_act false) and AWQ (GEMM) int4 checkpoints, packed as AutoGPTQ and AutoAWQ pack them.
+"""Tiny GPTQ (v1 and v2, desc_act false) and AWQ (GEMM) int4 checkpoints, packed as their libraries pack them.
 
 No GPTQ or AWQ library is installed here, so the packing and the reference dequantization follow
 their own code. GPTQ: auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py (AutoGPTQ/AutoGPTQ):
@@ -6,7 +6,8 @@ their own code. GPTQ: auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py (AutoGPTQ
 (`qweight[row] |= intweight[j] << (bits * (j - i))`), takes one from every zero point (`zeros -= 1`)
 and packs output 8c + j of zeros [groups, out] into bits 4j.. of qzeros column c, as uint32 then
 viewed as int32; its forward (without the CUDA extension) shifts by 0, 4, .., 28, masks with 15,
-adds one to the zeros and takes scales * (weight - zeros), in float16. AWQ:
+adds one to the zeros and takes scales * (weight - zeros), in float16. GPTQ v2 is v1 with the one
+added back to every stored zero point (GPTQModel's convert_gptq_v1_to_v2_format). AWQ:
 awq/modules/linear/gemm.py (casper-hansen/AutoAWQ): `WQLinear_GEMM.from_linear` packs output
 8c + order_map[i] of the integer weight [in, out] (and of the zeros [groups, out], stored as they
 are) into bits 4i.. of column c, order_map [0, 2, 4, 6, 1, 3, 5, 7]; awq/utils/packing_utils.py's
