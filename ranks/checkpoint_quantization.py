@@ -21,6 +21,13 @@ quantize every input row by its own absmax at run time (kernels/int8_linear.py,
 kernels/q4_linear.py), and fp8 weights compute in float.
 Which modules are quantized is read off the tensors themselves: the ones beside a `weight_scale`;
 the rest (`ignore`, usually lm_head) are float.
+
+Also supported, int4 only (ranks/gptq_tensors.py): `quant_method: gptq` with `bits: 4`, `desc_act:
+false`, `checkpoint_format: gptq` (v1) or `gptq_v2` and a group_size (or -1); `quant_method: awq`
+with `bits: 4`, `version: gemm`, `zero_point: true` and a group_size (or -1). Refused by name: other
+bits, activation order, the marlin format, GPTQModel's per-module `dynamic`, other AWQ versions, AWQ
+without zero points. Their quantized modules are the ones with a `qweight`. An older GPTQ checkpoint
+may declare its scheme in AutoGPTQ's quantize_config.json instead (ranks/model_config.py reads it).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from pathlib import Path
 from tpserve.ranks.errors import ModelFileError
 
 METHOD = "compressed-tensors"
+GPTQ = "gptq"
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point less one, v2 as it is
+AWQ = "awq"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
 # Sections of a compressed-tensors config whose presence changes what the stored numbers mean.
 UNSUPPORTED_SECTIONS = ("transform_config",)
@@ -44,14 +54,22 @@ KINDS = {
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """A compressed-tensors int8, int4 or fp8 checkpoint, as its config.json declares it."""
+    """A compressed-tensors int8, int4 or fp8 checkpoint, or a GPTQ or AWQ int4 one, as its config.json
+    declares it."""
 
     formats: tuple[str, ...]  # the formats its groups store weights in
     kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"
     strategies: tuple[str, ...] = ("channel",)  # "channel", "tensor" or "group <size>"
+    method: str = METHOD  # or GPTQ, AWQ
+    group_size: int = (
+        0  # GPTQ's and AWQ's inputs per scale, -1 for all (compressed-tensors': read off the tensors)
+    )
 
     def describe(self) -> str:
-        return f"{METHOD} {', '.join(self.kinds)} ({', '.join(self.formats)}), {', '.join(self.strategies)} scales"
+        return (
+            f"{self.method} {', '.join(self.kinds)} ({', '.join(self.formats)}), "
+            f"{', '.join(self.strategies)} scales"
+        )
 
 
 def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization | None:
@@ -66,8 +84,15 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
     if not isinstance(raw, dict):
         raise refuse("not a JSON object")
     method = raw.get("quant_method")
+    if method == GPTQ:
+        return _parse_gptq(raw, refuse)
+    if method == AWQ:
+        return _parse_awq(raw, refuse)
     if method != METHOD:
-        raise refuse(f"quant_method {method!r} is not supported (supported: {METHOD} int8, int4 and fp8)")
+        raise refuse(
+            f"quant_method {method!r} is not supported "
+            f"(supported: {METHOD} int8, int4 and fp8; {GPTQ} and {AWQ} int4)"
+        )
     for section in UNSUPPORTED_SECTIONS:
         if raw.get(section):
             raise refuse(f"{section} is not supported (its weights are stored transformed)")
@@ -143,3 +168,44 @@ def _check_inputs(args, where: str, weights: str, refuse) -> None:
     num_bits, kind = args.get("num_bits", 8), args.get("type", "int")
     if num_bits != 8 or kind not in (("int", "float") if weights == "fp8" else ("int",)):
         raise refuse(f"{where}: {kind}{num_bits} input activations are not supported (inputs run in int8)")
+
+
+def _parse_gptq(raw: dict, refuse) -> CheckpointQuantization:
+    """AutoGPTQ's (and GPTQModel's, optimum's) v1 format, or GPTQModel's v2, with 4 bits and the
+    inputs in order (ranks/gptq_tensors.py)."""
+    if raw.get("bits") != 4:
+        raise refuse(f"gptq bits {raw.get('bits')!r} are not supported, only 4")
+    if raw.get("desc_act"):
+        raise refuse("gptq desc_act true (activation order) is not supported")
+    checkpoint_format = raw.get("checkpoint_format", GPTQ)
+    if checkpoint_format not in GPTQ_FORMATS or raw.get("is_marlin_format"):
+        shown = "marlin" if raw.get("is_marlin_format") else checkpoint_format
+        raise refuse(f"gptq checkpoint_format {shown!r} is not supported, only 'gptq' (v1) or 'gptq_v2'")
+    if raw.get("dynamic"):
+        raise refuse("gptq dynamic (per-module bits or group sizes) is not supported")
+    return _int4(GPTQ, checkpoint_format, raw.get("group_size"), refuse)
+
+
+def _parse_awq(raw: dict, refuse) -> CheckpointQuantization:
+    """AutoAWQ's GEMM format with 4 bits and zero points (ranks/gptq_tensors.py)."""
+    bits = raw.get("bits", raw.get("w_bit"))
+    if bits != 4:
+        raise refuse(f"awq bits {bits!r} are not supported, only 4")
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise refuse(f"awq version {version!r} is not supported, only 'gemm'")
+    if not raw.get("zero_point", True):
+        raise refuse("awq zero_point false is not supported, only zero points")
+    return _int4(AWQ, version, raw.get("group_size", raw.get("q_group_size")), refuse)
+
+
+def _int4(method: str, fmt: str, group_size, refuse) -> CheckpointQuantization:
+    """GPTQ's or AWQ's int4 scheme with `group_size` inputs per scale (-1: all of them)."""
+    if (
+        not isinstance(group_size, int)
+        or isinstance(group_size, bool)
+        or not (group_size > 0 or group_size == -1)
+    ):
+        raise refuse(f"{method} group_size {group_size!r} is not a positive integer or -1")
+    strategy = "channel" if group_size == -1 else f"group {group_size}"
+    return CheckpointQuantization((fmt,), ("int4",), (strategy,), method, group_size)

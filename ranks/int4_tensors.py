@@ -107,16 +107,11 @@ class StoredInt4:
         rows, cols = ((0, self.shape[0]), (start, end)) if columns else ((start, end), (0, self.shape[1]))
         u = self._nibbles(rows, cols)  # [rows, cols] uint8 0..15
         first_group, last_group = cols[0] // self.group_size, -(-cols[1] // self.group_size)
-        scales = self._scales[rows[0] : rows[1], first_group:last_group].float()  # [rows, groups]
-        if not (torch.isfinite(scales).all() and (scales > 0).all()):
-            raise self._error("_scale holds a scale that is not a positive finite number")
+        scales = self._scales[rows[0] : rows[1], first_group:last_group]  # [rows, groups]
         zeros = self._zero_points(rows, first_group, last_group)  # [rows, groups] float32
-        group_of = torch.arange(*cols) // self.group_size - first_group  # per column
-        if self.group_size % BLOCK == 0 and cols[0] % BLOCK == 0 and cols[1] % BLOCK == 0:
-            block_groups = group_of[::BLOCK]
-            d = scales[:, block_groups]  # [rows, cols / 32]
-            return BlockValues(u, d, -(d * zeros[:, block_groups]))
-        return scales[:, group_of] * (u.float() - zeros[:, group_of])
+        return group_blocks(
+            u, scales, zeros, cols, self.group_size, lambda problem: self._error("_scale " + problem)
+        )
 
     def _nibbles(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         first, last = cols[0] // VALUES_PER_INT32, -(-cols[1] // VALUES_PER_INT32)
@@ -133,6 +128,25 @@ class StoredInt4:
         zeros = unpack_nibbles(packed.t()).t()
         offset = first * VALUES_PER_INT32
         return zeros[rows[0] - offset : rows[1] - offset].float()
+
+
+def group_blocks(
+    u: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, cols: tuple[int, int], group_size: int, error
+) -> BlockValues | torch.Tensor:
+    """Columns `cols` of a weight scale * (u - z) per group of `group_size` inputs: u [rows, cols]
+    uint8 0..15, scales and zeros [rows, groups] (the groups `cols` touch), as blocks of 32 (d = scale,
+    m = -z * scale in float32) where every block lies in one group, else dequantized in float32.
+    `error(problem)` is the ModelFileError naming the scales' tensor, raised unless every scale is
+    positive and finite."""
+    scales = scales.float()
+    if not (torch.isfinite(scales).all() and (scales > 0).all()):
+        raise error("holds a scale that is not a positive finite number")
+    group_of = torch.arange(*cols) // group_size - cols[0] // group_size  # per column
+    if group_size % BLOCK == 0 and cols[0] % BLOCK == 0 and cols[1] % BLOCK == 0:
+        block_groups = group_of[::BLOCK]
+        d = scales[:, block_groups]  # [rows, cols / 32]
+        return BlockValues(u, d, -(d * zeros[:, block_groups]))
+    return scales[:, group_of] * (u.float() - zeros[:, group_of])
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

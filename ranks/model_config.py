@@ -72,7 +72,22 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelFileError(path, f"not valid JSON ({error})") from None
     if not isinstance(raw, dict):
         raise ModelFileError(path, "not a JSON object")
+    quantize_config = Path(model_dir) / "quantize_config.json"
+    if "quantization_config" not in raw and quantize_config.exists():
+        raw = raw | {"quantization_config": _autogptq_config(quantize_config)}
     return parse_model_config(raw, path)
+
+
+def _autogptq_config(path: Path) -> dict:
+    """AutoGPTQ's own quantize_config.json, which older GPTQ checkpoints carry instead of a
+    quantization_config in config.json (and which names no quant_method)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelFileError(path, f"not valid JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ModelFileError(path, "not a JSON object")
+    return {"quant_method": "gptq"} | raw
 
 
 def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConfig:

@@ -1,10 +1,10 @@
 """A rank's loaded weights as the products take them: fused (q/k/v, gate/up) and packed in their format.
 
 A loaded weight is float, a compressed-tensors checkpoint's int8 (ranks/int8_tensors.py) or blocks:
-a GGUF import's (ranks/block_tensors.py) or a compressed-tensors int4 checkpoint's
-(ranks/int4_tensors.py). A checkpoint's int8 is served as stored whatever the format asked; blocks
-are served as stored where the format takes their bits; anything else is quantized (or kept float)
-as kernels/weight_formats.py says.
+a GGUF import's (ranks/block_tensors.py), a compressed-tensors int4 checkpoint's
+(ranks/int4_tensors.py) or a GPTQ or AWQ one's (ranks/gptq_tensors.py). A checkpoint's int8 is
+served as stored whatever the format asked; blocks are served as stored where the format takes their
+bits; anything else is quantized (or kept float) as kernels/weight_formats.py says.
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tpserve.ranks.block_tensors import BlockValues, StoredBlocks, stored_blocks
+from tpserve.ranks.checkpoint_quantization import AWQ, GPTQ
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.fp8_tensors import StoredFp8, holds_fp8
+from tpserve.ranks.gptq_tensors import StoredAwq, StoredGptq, StoredGptqV2
 from tpserve.ranks.int4_tensors import StoredInt4, holds_int4
 from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
 from tpserve.ranks.model_config import ModelConfig
@@ -31,6 +33,8 @@ class RankWeights:
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names
+# (quant_method, format) -> the reader of its qweight and the rest
+PACKED_INT4 = {(GPTQ, "gptq"): StoredGptq, (GPTQ, "gptq_v2"): StoredGptqV2, (AWQ, "gemm"): StoredAwq}
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -159,9 +163,15 @@ class StoredFloat:
 
 def _stored_tensor(
     model_dir: Path, config: ModelConfig, files: dict[str, Path], handles: dict, name: str
-) -> StoredFloat | StoredInt8 | StoredInt4 | StoredFp8 | StoredBlocks:
+) -> StoredFloat | StoredInt8 | StoredInt4 | StoredGptq | StoredFp8 | StoredBlocks:
     """`name`'s tensor in the checkpoint: float, or (a compressed-tensors checkpoint's quantized
-    layer, a weight_scale beside it) int8, int4 or fp8, or (a GGUF import's) blocks."""
+    layer, a weight_scale beside it) int8, int4 or fp8, or a GPTQ or AWQ checkpoint's int4 (a
+    qweight in its place), or (a GGUF import's) blocks."""
+    scheme = config.quantization
+    packed = PACKED_INT4.get((scheme.method, scheme.formats[0])) if scheme else None
+    qweight = stored_name(files, name.removesuffix("weight") + "qweight") if packed else None
+    if qweight is not None and may_be_int8(name):
+        return packed(handles, files, qweight.removesuffix("qweight"), scheme.group_size)
     scale = stored_name(files, name + "_scale") if config.quantization and may_be_int8(name) else None
     if scale is not None:
         quantized = scale.removesuffix("_scale")

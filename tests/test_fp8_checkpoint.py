@@ -21,9 +21,9 @@ from tiny_compressed_models import (
     float_twin,
     fp8_args,
     fp8_inputs,
-    with_tensors,
     write_compressed_checkpoint,
 )
+from tiny_models import with_tensors
 
 from tpserve.kernels.weight_formats import quantize_unavailable
 from tpserve.ranks.errors import ModelFileError

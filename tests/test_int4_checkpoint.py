@@ -20,16 +20,16 @@ from daemon import read_reply, running_daemon
 from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_int8_checkpoint import Q_PROJ, load, served_and_stored
-from test_tp_exact import NUM_STEPS, PROMPTS, SAMPLINGS, _tp2, run_streams
-from tiny_compressed_models import (
-    WIDE,
-    decompressed,
-    float_twin,
-    weight_args,
-    with_tensors,
-    write_compressed_checkpoint,
+from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load, served_and_stored
+from test_tp_exact import (
+    NUM_STEPS,
+    PROMPTS,
+    check_int4_logits_near_the_float_twin,
+    check_tp2_equals_tp1_and_batched_equals_solo,
+    run_streams,
 )
+from tiny_compressed_models import decompressed, float_twin, weight_args, write_compressed_checkpoint
+from tiny_models import WIDE, with_tensors
 
 from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
@@ -76,13 +76,8 @@ def _served(weight) -> torch.Tensor:
 def test_every_piece_serves_the_values_compressed_tensors_decompresses(int4_model, name, quantize):
     # In int4 the blocks are the file's (dequantized, they are the library's float32 decompression
     # bit for bit); in none the same values in float32.
-    model_dir = int4_model(name)
-    file = decompressed(model_dir)
-    for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
-        model = load(model_dir, tp_rank, tp_size, quantize=quantize)
-        for served, stored in served_and_stored(model, file):
-            assert isinstance(served, Q4Weight if quantize == "int4" else torch.Tensor)
-            assert torch.equal(_served(served), stored)
+    served_type = Q4Weight if quantize == "int4" else torch.Tensor
+    check_every_piece_serves(int4_model(name), decompressed(int4_model(name)), quantize, served_type)
 
 
 @pytest.mark.parametrize("dtype, layout", [(torch.bfloat16, torch.float16), (torch.float32, torch.float32)])
@@ -143,33 +138,15 @@ def pool():
 
 @pytest.mark.parametrize("name", ["llama-g32-bf16", "mistral-g128-asym-bf16"])
 def test_tp2_equals_tp1_and_batched_equals_solo(pool, int4_model, name):
-    model_dir = str(int4_model(name))
-    torch.set_num_threads(1)
-    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, quantize="int4")
-    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", "gloo", "int4", timeout_s=120)[0]
-    assert pair_tokens == solo_tokens
-    assert torch.equal(pair_logits, solo_logits)
-    for lane, (prompt, sampling) in enumerate(zip(PROMPTS, SAMPLINGS)):
-        alone, _ = run_streams(model_dir, 0, 1, prompts=[prompt], samplings=[sampling], quantize="int4")
-        assert torch.equal(solo_logits[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
+    check_tp2_equals_tp1_and_batched_equals_solo(pool, str(int4_model(name)), "int4")
 
 
 @pytest.mark.parametrize("name", ["llama-g32-bf16", "qwen2-g32-asym-f16"])
 def test_the_logits_are_near_the_librarys_dequantized_float_model(int4_model, tmp_path, name):
     model_dir = int4_model(name)
-    reference = str(float_twin(model_dir, tmp_path / "dequantized"))
-    torch.set_num_threads(1)
-    one = {"prompts": PROMPTS[:1], "samplings": SAMPLINGS[:1]}
-    float_logits, _ = run_streams(reference, 0, 1, **one)
-    int4_logits, _ = run_streams(str(model_dir), 0, 1, quantize="int4", **one)
-    plain_logits, _ = run_streams(str(model_dir), 0, 1, **one)
-    first_int4, first_float = int4_logits[0], float_logits[0]  # the prompt's logits
-    error = (first_int4 - first_float).norm() / first_float.norm()
-    # Only the inputs' rounding (8 bits per block of 32) and the float head's, quantized at load to
-    # 8-bit blocks, stand between them (test_tp_exact.py's bound for int4).
-    assert 0 < error < 0.08, f"int4 logits {error:.4f} away from the dequantized float model (relative)"
-    assert torch.equal(first_int4.argmax(-1), first_float.argmax(-1))
-    assert torch.equal(plain_logits, float_logits)  # quantize none: the very same float32 model
+    check_int4_logits_near_the_float_twin(
+        str(model_dir), str(float_twin(model_dir, tmp_path / "dequantized"))
+    )
 
 
 def test_groups_that_are_not_whole_blocks_are_served_dequantized(tmp_path):

@@ -75,6 +75,16 @@ def served_and_stored(model, file):
             yield layer.w_down, part("mlp.down_proj", "intermediate", columns=True)
 
 
+def check_every_piece_serves(model_dir, file, quantize: str, served_type) -> None:
+    """At tp=1 and on both ranks of tp=2, every layer product is a `served_type` holding the file's
+    values (`file`, dequantized) exactly."""
+    for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
+        model = load(model_dir, tp_rank, tp_size, quantize=quantize)
+        for served, stored in served_and_stored(model, file):
+            assert isinstance(served, served_type)
+            assert torch.equal(served if isinstance(served, torch.Tensor) else served.dequantize(), stored)
+
+
 @pytest.mark.parametrize("variant, fmt, ignore", CASES)
 def test_every_piece_computes_with_the_files_int8_values_and_scales(tmp_path, variant, fmt, ignore):
     model_dir = int8_model(tmp_path, variant, fmt, ignore, scale_dtype=torch.bfloat16)
@@ -199,7 +209,7 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
         ),
         ({"format": "nvfp4-pack-quantized"}, "format 'nvfp4-pack-quantized' is not supported"),
         ({"format": "marlin-24"}, "format 'marlin-24' is not supported"),
-        ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
         ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format 'sparse-24-bitmask'"),
         ({"transform_config": {"config_groups": {}}}, "transform_config is not supported"),
     ],

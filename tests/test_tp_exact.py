@@ -92,6 +92,37 @@ def _tp2(ctx, model_dir, dtype, choice, quantize="none"):
     return run_streams(model_dir, ctx.rank, 2, dtype, world_collectives(ctx, choice), quantize=quantize)
 
 
+def check_tp2_equals_tp1_and_batched_equals_solo(pool, model_dir: str, quantize: str) -> None:
+    """The model's streams at tp=2 (on `pool`) have tp=1's tokens and logits bit for bit, and each
+    stream of the batch the logits of its solo run."""
+    torch.set_num_threads(1)
+    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, quantize=quantize)
+    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", "gloo", quantize, timeout_s=120)[0]
+    assert pair_tokens == solo_tokens
+    assert torch.equal(pair_logits, solo_logits)
+    for lane, (prompt, sampling) in enumerate(zip(PROMPTS, SAMPLINGS)):
+        alone, _ = run_streams(model_dir, 0, 1, prompts=[prompt], samplings=[sampling], quantize=quantize)
+        assert torch.equal(solo_logits[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
+
+
+def check_int4_logits_near_the_float_twin(model_dir: str, twin: str) -> None:
+    """A 4-bit checkpoint's prompt logits in int4 are near those of its dequantized float `twin`
+    (same argmax), and in none they are the twin's bit for bit."""
+    torch.set_num_threads(1)
+    one = {"prompts": PROMPTS[:1], "samplings": SAMPLINGS[:1]}
+    float_logits, _ = run_streams(twin, 0, 1, **one)
+    int4_logits, _ = run_streams(model_dir, 0, 1, quantize="int4", **one)
+    plain_logits, _ = run_streams(model_dir, 0, 1, **one)
+    first_int4, first_float = int4_logits[0], float_logits[0]  # the prompt's logits
+    error = (first_int4 - first_float).norm() / first_float.norm()
+    # Only the inputs' rounding (8 bits per block of 32) and the float head's, quantized at load to
+    # 8-bit blocks, stand between them (test_quantized_logits_are_near_the_float_ones_but_not_the_same's
+    # bound for int4).
+    assert 0 < error < 0.08, f"int4 logits {error:.4f} away from the dequantized float model (relative)"
+    assert torch.equal(first_int4.argmax(-1), first_float.argmax(-1))
+    assert torch.equal(plain_logits, float_logits)  # quantize none: the very same float32 model
+
+
 @pytest.fixture(scope="module")
 def pool():
     with RankPool(2) as ranks:

@@ -29,15 +29,11 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
 )
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tiny_int8_models import MODEL_FILES
 from tiny_int8_models import float_twin as float_checkpoint
 from tiny_models import write_tiny_model
 from transformers import AutoModelForCausalLM
-
-# Sizes whose every input is whole groups of 128 (the tiny models' hidden size, 96, is not); its
-# o_proj's columns split 64 + 64 inside one group.
-WIDE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def weight_args(
@@ -138,14 +134,3 @@ def decompressed(
 def float_twin(model_dir: str | Path, out_dir: str | Path) -> Path:
     """The checkpoint's decompressed weights (float32, exact) as a float checkpoint."""
     return float_checkpoint(model_dir, out_dir, decompressed(model_dir))
-
-
-def with_tensors(model_dir: str | Path, out_dir: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
-    """A copy of `model_dir` at `out_dir` whose `tensors` replace or add stored ones (a corrupt file)."""
-    model_dir, out = Path(model_dir), Path(out_dir)
-    out.mkdir(parents=True)
-    for file in model_dir.iterdir():
-        if file.name != "model.safetensors":
-            shutil.copy(file, out / file.name)
-    save_file(load_file(model_dir / "model.safetensors") | tensors, str(out / "model.safetensors"))
-    return out

@@ -6,10 +6,11 @@ One variant per supported architecture. Weights are seeded, so a variant is the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CHAT_TEMPLATE = (
@@ -127,3 +128,19 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
             weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
             weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
     return weights
+
+
+# Sizes whose every input is whole groups of 128 (the tiny models' hidden size, 96, is not); its
+# o_proj's columns split 64 + 64 inside one group.
+WIDE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def with_tensors(model_dir: str | Path, out_dir: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A copy of `model_dir` at `out_dir` whose `tensors` replace or add stored ones (a corrupt file)."""
+    model_dir, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True)
+    for file in model_dir.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy(file, out / file.name)
+    save_file(load_file(model_dir / "model.safetensors") | tensors, str(out / "model.safetensors"))
+    return out
