@@ -61,9 +61,8 @@ class CheckpointQuantization:
     kinds: tuple[str, ...] = ("int8",)  # its groups' weights: "int8", "int4", "fp8"
     strategies: tuple[str, ...] = ("channel",)  # "channel", "tensor" or "group <size>"
     method: str = METHOD  # or GPTQ, AWQ
-    group_size: int = (
-        0  # GPTQ's and AWQ's inputs per scale, -1 for all (compressed-tensors': read off the tensors)
-    )
+    # GPTQ's and AWQ's inputs per scale, -1 for all (compressed-tensors': read off the tensors)
+    group_size: int = 0
 
     def describe(self) -> str:
         return (

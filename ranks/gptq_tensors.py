@@ -32,7 +32,13 @@ import torch
 
 from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.errors import ModelFileError
-from tpserve.ranks.int4_tensors import SCALE_DTYPES, VALUES_PER_INT32, group_blocks, unpack_nibbles
+from tpserve.ranks.int4_tensors import (
+    SCALE_DTYPES,
+    VALUES_PER_INT32,
+    group_blocks,
+    packed_words,
+    unpack_nibbles,
+)
 
 # Nibble i of an AWQ int32 holds output 8c + AWQ_ORDER[i] (AutoAWQ's WQLinear_GEMM order_map).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -110,18 +116,15 @@ class StoredGptq:
 
     def _nibbles(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         """[rows, cols] uint8 0..15."""
-        first, last = cols[0] // VALUES_PER_INT32, -(-cols[1] // VALUES_PER_INT32)
+        words, kept = packed_words(cols)
         # [words, rows] int32, eight inputs to a word -> [rows, 8 * words]
-        values = unpack_nibbles(self._values[first:last, rows[0] : rows[1]].t())
-        offset = first * VALUES_PER_INT32
-        return values[:, cols[0] - offset : cols[1] - offset]
+        return unpack_nibbles(self._values[words, rows[0] : rows[1]].t())[:, kept]
 
     def _zero_points(self, rows: tuple[int, int], first_group: int, last_group: int) -> torch.Tensor:
         """[rows, groups] float32: the stored zero points (plus ZERO_OFFSET)."""
-        first, last = rows[0] // VALUES_PER_INT32, -(-rows[1] // VALUES_PER_INT32)
-        zeros = self._outputs_in_order(unpack_nibbles(self._zeros[first_group:last_group, first:last]))
-        offset = first * VALUES_PER_INT32
-        return zeros[:, rows[0] - offset : rows[1] - offset].t().float() + self.ZERO_OFFSET
+        words, kept = packed_words(rows)
+        zeros = self._outputs_in_order(unpack_nibbles(self._zeros[first_group:last_group, words]))
+        return zeros[:, kept].t().float() + self.ZERO_OFFSET
 
     @staticmethod
     def _outputs_in_order(unpacked: torch.Tensor) -> torch.Tensor:
@@ -147,11 +150,10 @@ class StoredAwq(StoredGptq):
         return num_words * VALUES_PER_INT32, num_in
 
     def _nibbles(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
-        first, last = rows[0] // VALUES_PER_INT32, -(-rows[1] // VALUES_PER_INT32)
+        words, kept = packed_words(rows)
         # [cols, words] int32, eight outputs to a word -> [cols, 8 * words] -> [rows, cols]
-        values = self._outputs_in_order(unpack_nibbles(self._values[cols[0] : cols[1], first:last]))
-        offset = first * VALUES_PER_INT32
-        return values[:, rows[0] - offset : rows[1] - offset].t().contiguous()
+        values = self._outputs_in_order(unpack_nibbles(self._values[cols[0] : cols[1], words]))
+        return values[:, kept].t().contiguous()
 
     @staticmethod
     def _outputs_in_order(unpacked: torch.Tensor) -> torch.Tensor:

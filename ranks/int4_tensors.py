@@ -114,20 +114,16 @@ class StoredInt4:
         )
 
     def _nibbles(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
-        first, last = cols[0] // VALUES_PER_INT32, -(-cols[1] // VALUES_PER_INT32)
-        values = unpack_nibbles(self._values[rows[0] : rows[1], first:last])
-        offset = first * VALUES_PER_INT32
-        return values[:, cols[0] - offset : cols[1] - offset]
+        words, kept = packed_words(cols)
+        return unpack_nibbles(self._values[rows[0] : rows[1], words])[:, kept]
 
     def _zero_points(self, rows: tuple[int, int], first_group: int, last_group: int) -> torch.Tensor:
         if self._zeros is None:
             return torch.full((rows[1] - rows[0], last_group - first_group), 8.0)
-        first, last = rows[0] // VALUES_PER_INT32, -(-rows[1] // VALUES_PER_INT32)
+        words, kept = packed_words(rows)
         # [words, groups] int32, eight outputs to a word -> [groups, 8 * words] -> [outputs, groups]
-        packed = self._zeros[first:last, first_group:last_group]
-        zeros = unpack_nibbles(packed.t()).t()
-        offset = first * VALUES_PER_INT32
-        return zeros[rows[0] - offset : rows[1] - offset].float()
+        zeros = unpack_nibbles(self._zeros[words, first_group:last_group].t()).t()
+        return zeros[kept].float()
 
 
 def group_blocks(
@@ -147,6 +143,14 @@ def group_blocks(
         d = scales[:, block_groups]  # [rows, cols / 32]
         return BlockValues(u, d, -(d * zeros[:, block_groups]))
     return scales[:, group_of] * (u.float() - zeros[:, group_of])
+
+
+def packed_words(span: tuple[int, int]) -> tuple[slice, slice]:
+    """The int32 words holding values span[0] .. span[1] - 1, eight to a word, and where those
+    values lie among the words' unpacked ones."""
+    first, last = span[0] // VALUES_PER_INT32, -(-span[1] // VALUES_PER_INT32)
+    offset = first * VALUES_PER_INT32
+    return slice(first, last), slice(span[0] - offset, span[1] - offset)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ModelFileError(model_dir, "not a model directory (run `tpserve prepare` for the default model)")
+    raw = _json_object(path)
+    # AutoGPTQ's own quantize_config.json, which older GPTQ checkpoints carry instead of a
+    # quantization_config in config.json (and which names no quant_method)
+    quantize_config = Path(model_dir) / "quantize_config.json"
+    if "quantization_config" not in raw and quantize_config.exists():
+        raw = raw | {"quantization_config": {"quant_method": "gptq"} | _json_object(quantize_config)}
+    return parse_model_config(raw, path)
+
+
+def _json_object(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -72,22 +82,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelFileError(path, f"not valid JSON ({error})") from None
     if not isinstance(raw, dict):
         raise ModelFileError(path, "not a JSON object")
-    quantize_config = Path(model_dir) / "quantize_config.json"
-    if "quantization_config" not in raw and quantize_config.exists():
-        raw = raw | {"quantization_config": _autogptq_config(quantize_config)}
-    return parse_model_config(raw, path)
-
-
-def _autogptq_config(path: Path) -> dict:
-    """AutoGPTQ's own quantize_config.json, which older GPTQ checkpoints carry instead of a
-    quantization_config in config.json (and which names no quant_method)."""
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ModelFileError(path, f"not valid JSON ({error})") from None
-    if not isinstance(raw, dict):
-        raise ModelFileError(path, "not a JSON object")
-    return {"quant_method": "gptq"} | raw
+    return raw
 
 
 def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConfig:

@@ -204,8 +204,7 @@ def start_rank(
     device, settings, facts, refusal = _place_on_device(settings, config, local_rank, local_world_size)
     store, control = _join_control_group(settings, rank, world_size, host, port, agent_store)
     agree_on_flags(settings, facts, rank, world_size, control, refusal)
-    model = _load_model(settings, config, rank, world_size, device, control)
-    kv_type = kv_dtype(settings.kv_dtype, model.attention, DTYPES[settings.dtype])
+    model, kv_type = _load_model(settings, config, rank, world_size, device, control)
     per_token = kv_bytes_per_token(config.num_layers, model.kv_heads_per_piece(), config.head_dim, kv_type)
     kv_budget = settle_room(settings, rank, per_token, device, control)
     log.info(
@@ -269,7 +268,8 @@ def _join_control_group(
 
 
 def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_size: int, device, control):
-    """This rank's shard on its device, with its collectives, proven batch invariant when asked."""
+    """This rank's shard on its device, with its collectives, proven batch invariant when asked; and
+    the dtype its KV pool holds (which follows the attention kernel the ranks agreed on)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model_group = open_model_group(device, rank, world_size, settings.collective_timeout_s)
@@ -313,9 +313,10 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
     )
     if settings.batch_invariant:
         agree_on_attention(model, rank, control)
-        kv_type = kv_dtype(settings.kv_dtype, model.attention, DTYPES[settings.dtype])
+    kv_type = kv_dtype(settings.kv_dtype, model.attention, DTYPES[settings.dtype])
+    if settings.batch_invariant:
         check_invariance(model, rank, control, kv_type, drill=settings.shape_dependent_on_rank == rank)
-    return model
+    return model, kv_type
 
 
 def _build_engine(

@@ -172,12 +172,12 @@ def _stored_tensor(
     qweight = stored_name(files, name.removesuffix("weight") + "qweight") if packed else None
     if qweight is not None and may_be_int8(name):
         return packed(handles, files, qweight.removesuffix("qweight"), scheme.group_size)
-    scale = stored_name(files, name + "_scale") if config.quantization and may_be_int8(name) else None
+    scale = stored_name(files, name + "_scale") if scheme and may_be_int8(name) else None
     if scale is not None:
         quantized = scale.removesuffix("_scale")
-        if holds_fp8(handles, files, quantized, config.quantization.kinds):
+        if holds_fp8(handles, files, quantized, scheme.kinds):
             return StoredFp8(handles, files, quantized)
-        if holds_int4(handles, files, quantized, config.quantization.kinds):
+        if holds_int4(handles, files, quantized, scheme.kinds):
             return StoredInt4(handles, files, quantized)
         return StoredInt8(handles, files, quantized)
     blocks = stored_blocks(files, name)

@@ -11,7 +11,8 @@
  * same bits alone, in a decode round, in a Verify, in a chunk or in a whole prefill.
  *
  * Rows are blocked for speed only: BLOCK_TOKENS consecutive tokens of a span under one KV head, with
- * their `group` query heads, share each key and value as it is loaded.
+ * their `group` query heads, make a row block, whose rows the vector paths' values step sums
+ * together, sharing each value as it is loaded.
  *
  * With AVX-512 (or AVX2) a row's scores are taken 16 (8) keys at a time, their trees reduced together
  * by shuffles that pair the very partial sums dot() pairs; exp runs on 16 (8) lanes, operation for
@@ -36,6 +37,7 @@
 #define W 16 /* partial sums; head_dim must be a multiple of W */
 #define BLOCK_TOKENS 4
 #define MAX_ROWS (BLOCK_TOKENS * 64) /* a row block: 4 tokens, at most 64 query heads a KV head */
+#define MAX_HEAD_DIM 512             /* native_attention.py's MAX_HEAD_DIM: a key row on the stack */
 
 enum { PATH_PLAIN = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
@@ -106,7 +108,7 @@ static void widen_plain(const _Float16 *from, int64_t n, float *to) {
 /* Key j's dot with row, times scale; a float16 key widened first (exactly). */
 static inline float score(const float *row, const void *keys, int half, int64_t j, int head_dim, float scale) {
     if (!half) return dot(row, (const float *)keys + j * head_dim, head_dim) * scale;
-    float key[512]; /* head_dim is at most 512 (native_attention.py MAX_HEAD_DIM) */
+    float key[MAX_HEAD_DIM];
     widen_plain((const _Float16 *)keys + j * head_dim, head_dim, key);
     return dot(row, key, head_dim) * scale;
 }
@@ -494,12 +496,12 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
         return -1;
     }
     int num_heads = num_kv_heads * group;
+    size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
     for (int s = 0; s < num_spans; s++) {
         int64_t offset = spans[4 * s], base = spans[4 * s + 1], start = spans[4 * s + 2];
         int64_t length = spans[4 * s + 3];
         for (int h = 0; h < num_kv_heads; h++) {
             int64_t at = h * head_stride + base * head_dim;
-            size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
             const void *k_head = (const char *)keys + at * element, *v_head = (const char *)values + at * element;
             if (widen) {
                 int64_t num = (start + length) * head_dim;
@@ -518,14 +520,14 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
                 float *o[MAX_ROWS], totals[MAX_ROWS];
                 int n[MAX_ROWS];
                 for (int r = 0; r < num_rows; r++) {
-                    int64_t row = (offset + t0 + r / group) * num_heads + h * group + r % group;
+                    int64_t token = offset + t0 + r / group, head = h * group + r % group;
                     float *row_scores = scores + r * max_keys;
                     n[r] = (int)(first + r / group + 1);
-                    steps->scores(q + (offset + t0 + r / group) * q_stride + (h * group + r % group) * head_dim,
-                                  k_head, half, n[r], head_dim, scale, row_scores);
+                    steps->scores(q + token * q_stride + head * head_dim, k_head, half, n[r], head_dim, scale,
+                                  row_scores);
                     totals[r] = steps->softmax(row_scores, n[r]);
                     w[r] = row_scores;
-                    o[r] = out + row * head_dim;
+                    o[r] = out + (token * num_heads + head) * head_dim;
                 }
                 steps->values(num_rows, w, n, totals, v_head, half, head_dim, o);
             }
@@ -561,7 +563,7 @@ static void store_row(const float *restrict row, int head_dim, int kv_half, void
  * q is kept in `out`, which each row block reads before it writes its own rows there.
  * q, k, v: [T, heads, head_dim] rows of token stride q_stride, k_stride, v_stride (views of the
  * fused product); cos, sin: [T, head_dim]; slots: [num_real] (the pass's real tokens; rows past
- * them are padding, neither stored nor attended). head_dim is at most 512. */
+ * them are padding, neither stored nor attended). head_dim is at most MAX_HEAD_DIM. */
 int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                            const float *v, int64_t v_stride, const float *cos, const float *sin,
                            const int64_t *slots, int64_t num_real, void *pool_k, void *pool_v,
@@ -569,8 +571,8 @@ int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int
                            const int64_t *spans, int num_spans, float scale, float *out) {
     int num_heads = num_kv_heads * group;
     size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
-    float rotated[512];
-    if (head_dim > 512) return -1;
+    float rotated[MAX_HEAD_DIM];
+    if (head_dim > MAX_HEAD_DIM) return -1;
     for (int64_t t = 0; t < num_real; t++) {
         const float *c = cos + t * head_dim, *s = sin + t * head_dim;
         for (int j = 0; j < num_heads; j++)
