@@ -18,7 +18,7 @@ from pathlib import Path
 
 # Named here for the benchmarks; they live apart so the GPU check can import them without this
 # module's default-model preparation (which needs the `gguf` package).
-from bench.prompts import chat_prompt, text_prompt  # noqa: F401
+from bench.prompts import FILLER, chat_prompt, text_prompt  # noqa: F401
 from bench.tables import print_table  # noqa: F401
 from tpserve.kernels.machine import machine_facts
 from tpserve.kernels.sampling_params import SamplingParams
@@ -39,8 +39,9 @@ def default_model_dir() -> str:
 
 
 def bench_settings(model_dir: str, **overrides) -> EngineSettings:
-    """Engine settings for a benchmark: one thread per rank unless overridden."""
-    values = {"model_dir": model_dir, "threads_per_rank": THREADS_PER_RANK} | overrides
+    """Engine settings for a benchmark: two ranks on the CPU, one thread each, unless overridden
+    (these benchmarks measure the CPU pair, also on a GPU host; bench/gpu_check.py is the GPU's)."""
+    values = {"model_dir": model_dir, "device": "cpu", "threads_per_rank": THREADS_PER_RANK} | overrides
     return EngineSettings(**values)
 
 
