@@ -16,23 +16,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Named here for the benchmarks; they live apart so the GPU check can import them without this
+# module's default-model preparation (which needs the `gguf` package).
+from bench.prompts import FILLER, chat_prompt, text_prompt  # noqa: F401
+from bench.tables import print_table  # noqa: F401
 from tpserve.kernels.machine import machine_facts
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.prepare import prepare
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.lane_host import LaneHost, Stream
 from tpserve.server.requests import Finished, GenerationRequest, TokenDelta
-from tpserve.server.tokenizer import Tokenizer
 
 GREEDY = SamplingParams()
 THREADS_PER_RANK = 1  # two ranks on a two-core machine: one core each
 STREAM_TIMEOUT_S = 600.0  # a stream that sends nothing this long means the engine hung
 SUBMIT_SWITCH_INTERVAL_S = 1.0
-
-FILLER = (
-    "the lane host admits waiting requests, prefills their prompts and runs decode rounds over "
-    "every live lane while the follower replays each message on its own shard of the weights"
-)
 
 
 def default_model_dir() -> str:
@@ -41,26 +39,10 @@ def default_model_dir() -> str:
 
 
 def bench_settings(model_dir: str, **overrides) -> EngineSettings:
-    """Engine settings for a benchmark: one thread per rank unless overridden."""
-    values = {"model_dir": model_dir, "threads_per_rank": THREADS_PER_RANK} | overrides
+    """Engine settings for a benchmark: two ranks on the CPU, one thread each, unless overridden
+    (these benchmarks measure the CPU pair, also on a GPU host; bench/gpu_check.py is the GPU's)."""
+    values = {"model_dir": model_dir, "device": "cpu", "threads_per_rank": THREADS_PER_RANK} | overrides
     return EngineSettings(**values)
-
-
-def chat_prompt(tokenizer: Tokenizer, index: int) -> list[int]:
-    """A short chat prompt, different for every index."""
-    topics = ("rivers", "bridges", "libraries", "volcanoes", "gardens", "trains", "comets", "bees")
-    topic = topics[index % len(topics)]
-    return tokenizer.encode_chat([{"role": "user", "content": f"Tell me fact {index} about {topic}."}])
-
-
-def text_prompt(tokenizer: Tokenizer, index: int, num_tokens: int) -> list[int]:
-    """A prompt of exactly `num_tokens` ids, different for every index (its opening names it)."""
-    text = f"Request {index}: "
-    ids: list[int] = []
-    while len(ids) < num_tokens:
-        text += FILLER + f" (part {len(ids)}). "
-        ids = tokenizer.encode(text)
-    return ids[:num_tokens]
 
 
 def submit_together(host: LaneHost, requests: Sequence[GenerationRequest]) -> list[Stream]:
@@ -142,21 +124,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the figures to FILE")
-
-
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [[_cell(value) for value in row] for row in rows]
-    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
-    print(title)
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-    for row in cells:
-        print("  ".join(value.rjust(w) for value, w in zip(row, widths)))
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
 
 
 def write_json(path: str | None, report: dict) -> None:

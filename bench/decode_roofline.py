@@ -14,7 +14,6 @@ what exactness costs a single stream. Only decode is timed: prefill and a few wa
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -37,17 +36,15 @@ from bench.common import (  # noqa: E402
     median,
     print_table,
 )
+from bench.weight_bytes import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
 from tpserve.generate import single_stream_leader  # noqa: E402
 from tpserve.ranks.model import TPModel  # noqa: E402
 from tpserve.ranks.model_config import ModelConfig, load_model_config  # noqa: E402
-from tpserve.ranks.sharding import Split, piece_range, pieces_of_rank, rule_for  # noqa: E402
-from tpserve.ranks.weights import expected_shape, required_names  # noqa: E402
 from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 
 LANE = 0
 NUM_WARMUP_TOKENS = 4
-ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -58,31 +55,6 @@ class Mode:
     @property
     def name(self) -> str:
         return f"tp={self.tp_size} {'invariant' if self.batch_invariant else 'fast'}"
-
-
-def weight_bytes_per_token(config: ModelConfig, tp_rank: int, tp_size: int, element_size: int) -> int:
-    """Weight bytes one decode step reads on this rank, from the sharding plan.
-
-    Every layer weight of the rank's pieces, the replicated norms, and its vocabulary slice of the
-    head (read whole to compute the logits; with tied embeddings that is the embedding table). An
-    untied embedding table is only looked up, one row per token.
-    """
-    total = 0
-    for name in required_names(config):
-        shape = expected_shape(config, name)
-        split, unit = rule_for(name)
-        if split is Split.REPLICATED:
-            total += math.prod(shape)
-            continue
-        for piece in pieces_of_rank(config, tp_rank, tp_size):
-            start, end = piece_range(config, piece, unit)
-            if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
-                total += config.hidden_size
-            elif split is Split.ROW:
-                total += shape[0] * (end - start)
-            else:
-                total += (end - start) * math.prod(shape[1:])
-    return total * element_size
 
 
 def loaded_weight_bytes(model: TPModel) -> int:

@@ -1,6 +1,12 @@
 """The one-shot GPU check: one command, one JSON report, under ten minutes on a GPU machine.
 
-    python -m bench.gpu_check [--device auto|cpu|cuda] [--model DIR] [--out gpu_check.json]
+    python -m bench.gpu_check [--device auto|cpu|cuda] [--model DIR | --random-model tiny|1b|8b]
+                              [--out gpu_check.json]
+
+Offline, from a bare copy of the tree: `--random-model 1b` (or 8b) writes a random-weights Llama
+model of that geometry on the spot (bench/random_model.py), and nothing beyond torch, numpy,
+safetensors, tokenizers, jinja2, pyyaml and tqdm is imported (no gguf, no default model's package,
+no pip install: bench/source_tree.py maps the folders). Without either, the prepared default model.
 
 It records the machine (CPU model, vector extensions, BLAS, torch and its threads; the GPU, driver,
 CUDA and NCCL), then checks, each on ranks started for real:
@@ -23,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,10 +37,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.source_tree import import_tpserve_from_tree  # noqa: E402
+
+import_tpserve_from_tree()  # before the imports below, on a machine where nothing is installed
+
 import torch  # noqa: E402
 
-from bench.common import chat_prompt, default_model_dir, print_table  # noqa: E402
-from bench.decode_roofline import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
 from bench.gpu_facts import gpu_facts  # noqa: E402
 from bench.gpu_passes import (  # noqa: E402
     GREEDY,
@@ -44,6 +53,11 @@ from bench.gpu_passes import (  # noqa: E402
     prompt_logits,
     read_bandwidth,
 )
+from bench.prompts import chat_prompt  # noqa: E402
+from bench.random_model import GEOMETRIES, num_parameters, write_random_model  # noqa: E402
+from bench.tables import print_table  # noqa: E402
+from bench.weight_bytes import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
+from tpserve.default_model import default_model_dir  # noqa: E402
 from tpserve.generate import generate_tokens  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.ranks.errors import BackendBroken  # noqa: E402
@@ -59,14 +73,24 @@ KILL_AFTER_S = 0.5  # into the stream
 KILL_DEADLINE_S = 30.0  # the pair's collective_timeout_s in the kill check
 
 
-def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
+def run_gpu_check(args: argparse.Namespace, model_dir: str) -> tuple[dict, list[str]]:
     """The report, and the checks that failed."""
-    model_dir = args.model or default_model_dir()
     tokenizer = Tokenizer.from_model_dir(model_dir)
     prompt = chat_prompt(tokenizer, 0)
     lanes = [int(n) for n in args.lanes.split(",")]
     started = time.monotonic()
-    report: dict = {"model": model_dir, "host": machine_facts(), "gpu": gpu_facts(), "checks": {}}
+    report: dict = {
+        "model": model_dir,
+        "random_model": args.random_model,
+        "num_parameters": num_parameters(json.loads(Path(model_dir, "config.json").read_text()))
+        if args.random_model
+        else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": machine_facts(),
+        "gpu": gpu_facts(),
+        "checks": {},
+    }
     checks, failed = report["checks"], []
     context = len(chat_prompt(tokenizer, max(lanes))) + args.tokens + 8
 
@@ -129,6 +153,28 @@ def run_gpu_check(args: argparse.Namespace) -> tuple[dict, list[str]]:
     report["failed"] = failed
     report["elapsed_s"] = time.monotonic() - started
     return report, failed
+
+
+def chosen_model(args: argparse.Namespace, scratch: str) -> str:
+    """The model directory to check: --model, a random model written under `scratch`, or the
+    prepared default model (never prepared here: that needs the `gguf` package)."""
+    if args.model:
+        return args.model
+    if args.random_model:
+        draw_on = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+        out = Path(args.random_model_dir or scratch) / f"random-{args.random_model}"
+        started = time.monotonic()
+        write_random_model(out, args.random_model, device=draw_on)
+        print(f"random {args.random_model} model written to {out} in {time.monotonic() - started:.0f} s")
+        return str(out)
+    prepared = default_model_dir()
+    if not (prepared / "config.json").is_file():
+        raise SystemExit(
+            f"gpu_check: no model: {prepared} is not prepared. Pass --random-model SIZE (one of "
+            f"{', '.join(GEOMETRIES)}) to check a random model written here, --model DIR, or run "
+            "`tpserve prepare` first"
+        )
+    return str(prepared)
 
 
 def guarded(check, *args, n: int = 1):
@@ -260,7 +306,19 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="model directory (default: the prepared default model)")
+    source.add_argument(
+        "--random-model",
+        choices=tuple(GEOMETRIES),
+        default=None,
+        help="write a random-weights Llama of this geometry and check it (offline)",
+    )
+    parser.add_argument(
+        "--random-model-dir",
+        default=None,
+        help="where --random-model writes it (default: a temporary folder)",
+    )
     parser.add_argument("--out", default="gpu_check.json", help="the JSON report (default: gpu_check.json)")
     parser.add_argument("--lanes", default="1,8,32", help="lane counts to time decode at")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per exactness check")
@@ -269,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--two-ranks", choices=("auto", "yes", "no"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: half the cores)")
     args = parser.parse_args(argv)
-    report, failed = run_gpu_check(args)
+    with tempfile.TemporaryDirectory(prefix="tpserve-gpu-check-") as scratch:
+        report, failed = run_gpu_check(args, chosen_model(args, scratch))
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     checks = report["checks"]
     rows = checks["decode"].get("rows", [])

@@ -4,11 +4,13 @@
 # already met when the package installs:
 #   - no NVIDIA GPU: a CPU build of torch, so pip never pulls a multi-GB CUDA build;
 #   - an NVIDIA GPU: a CUDA build from PyTorch's own CUDA wheel index (the registry's Linux aarch64
-#     wheel, a GB10's, is CPU-only), then checked to see the GPU. A torch already in .venv that
-#     cannot use the GPU (a CPU build, or a CUDA build newer than the driver) is replaced, and if
-#     the new one cannot either, set-up removes it and fails naming the driver: it never leaves a
-#     torch that would serve on the CPU while a GPU sits idle.
-# TPSERVE_TORCH_INDEX names another CUDA wheel index (for an older driver, say .../cu128);
+#     wheel, a GB10's, is CPU-only), chosen from the builds PyTorch publishes for the pinned torch,
+#     the driver's CUDA version and the GPU's compute capability (cuda_build below), then checked to
+#     see the GPU. A torch already in .venv that cannot use the GPU (a CPU build, or a CUDA build
+#     newer than the driver) is replaced, and if the new one cannot either, set-up removes it and
+#     fails naming the driver: it never leaves a torch that would serve on the CPU while a GPU sits
+#     idle. Where no build fits, set-up refuses, naming the driver's CUDA version and the builds.
+# TPSERVE_TORCH_INDEX names another CUDA wheel index (the experimental .../cu132, say), used as it is;
 # TPSERVE_DEVICE=cpu sets up for the CPU on a machine with a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,28 +25,84 @@ has_gpu() {
 }
 torch_imports() { "$venv" -c 'import torch' >/dev/null 2>&1; }
 torch_sees_gpu() { "$venv" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
-cuda_index() {
-    # CUDA 13 for a GB10 (aarch64, compute capability 12.1); CUDA 12.8 suits the x86-64 drivers about.
+# The CUDA builds PyTorch publishes for torch 2.12 and 2.13 (its RELEASE.md support matrix: review it
+# with torch_version), newest first, as "CUDA index lowest-compute-capability highest-major": 12.6
+# and 13.0 are stable, 13.2 is experimental (it covers the same GPUs as 13.0, so it is never needed);
+# 12.8 is gone since 2.12. 13.0 carries PTX for its newest architecture, so newer GPUs (a GB10's
+# 12.1) run it too; 12.6 stops at Hopper (9.0), and its aarch64 build starts at Ampere (8.0).
+cuda_builds() {
     case "$(uname -m)" in
-        aarch64 | arm64) echo "${TPSERVE_TORCH_INDEX:-https://download.pytorch.org/whl/cu130}" ;;
-        *) echo "${TPSERVE_TORCH_INDEX:-https://download.pytorch.org/whl/cu128}" ;;
+        aarch64 | arm64) printf '%s\n' "13.0 cu130 8.0 any" "12.6 cu126 8.0 9" ;;
+        *) printf '%s\n' "13.0 cu130 7.5 any" "12.6 cu126 5.0 9" ;;
     esac
+}
+# "X.Y" as one comparable number, X*100+Y.
+version_number() { local major=${1%%.*} minor=${1#*.}; echo $((10#$major * 100 + 10#${minor%%.*})); }
+driver_cuda() { nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p' | head -n 1; }
+# Every GPU's compute capability, one a line; nothing where this nvidia-smi cannot say.
+compute_caps() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | grep -E '^[0-9]+\.[0-9]+$' || true; }
+# The newest build the driver can run (its CUDA version at most the driver's) that has code for
+# every GPU here, as "CUDA index"; nothing where none fits.
+cuda_build() {
+    local driver=$1 caps=$2 cuda index lowest highest cap fits
+    while read -r cuda index lowest highest; do
+        [ "$(version_number "$cuda")" -le "$(version_number "$driver")" ] || continue
+        fits=1
+        for cap in $caps; do
+            if [ "$(version_number "$cap")" -lt "$(version_number "$lowest")" ] ||
+                { [ "$highest" != any ] && [ "${cap%%.*}" -gt "$highest" ]; }; then
+                fits=0
+            fi
+        done
+        [ "$fits" = 1 ] && echo "$cuda $index" && return 0
+    done < <(cuda_builds)
+    return 0
+}
+cuda_index() {
+    if [ -n "${TPSERVE_TORCH_INDEX:-}" ]; then
+        echo "$TPSERVE_TORCH_INDEX"
+        return 0
+    fi
+    local driver caps caps_said build builds
+    driver=$(driver_cuda)
+    caps=$(compute_caps)
+    builds=$(cuda_builds | cut -d' ' -f1 | paste -sd, - | sed 's/,/, /g')
+    if [ -z "$driver" ]; then
+        echo "setup: error: nvidia-smi sees a GPU but does not say which CUDA version its driver" \
+            "supports; torch $torch_version has CUDA builds $builds. Name one the driver supports:" \
+            "TPSERVE_TORCH_INDEX=https://download.pytorch.org/whl/cu126 make setup" >&2
+        return 1
+    fi
+    build=$(cuda_build "$driver" "$caps")
+    caps_said=${caps//$'\n'/, }
+    if [ -z "$build" ]; then
+        echo "setup: error: no CUDA build of torch $torch_version suits this machine: its NVIDIA driver" \
+            "supports CUDA $driver, its GPU has compute capability ${caps_said:-unknown} ($(uname -m)), and" \
+            "torch $torch_version has CUDA builds $builds (each needs a driver of its CUDA version or" \
+            "newer, and 12.6 stops at compute capability 9.x). Update the driver, or name a wheel" \
+            "index to try: TPSERVE_TORCH_INDEX=https://download.pytorch.org/whl/cuXYZ make setup" >&2
+        return 1
+    fi
+    echo "setup: torch $torch_version for CUDA ${build%% *} (the driver supports CUDA $driver)" >&2
+    echo "https://download.pytorch.org/whl/${build#* }"
 }
 
 if has_gpu; then
     if ! torch_sees_gpu; then
+        index=$(cuda_index) || exit 1 # chosen first: a refusal leaves the .venv as it was
         if torch_imports; then
             echo "setup: the torch in .venv cannot use this machine's GPU; replacing it with a CUDA build" >&2
             "$venv" -m pip uninstall --quiet --disable-pip-version-check -y torch
         fi
-        "${pip[@]}" --index-url "$(cuda_index)" "torch==$torch_version"
+        "${pip[@]}" --index-url "$index" "torch==$torch_version"
         if ! torch_sees_gpu; then
             built=$("$venv" -c 'import torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda})")' 2>/dev/null || echo torch)
             driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)
             "$venv" -m pip uninstall --quiet --disable-pip-version-check -y torch || true
-            echo "setup: error: $built from $(cuda_index) cannot use this machine's GPU (NVIDIA driver" \
-                "${driver:-unknown}); it was removed again. Update the driver, or name a CUDA wheel index" \
-                "the driver supports: TPSERVE_TORCH_INDEX=https://download.pytorch.org/whl/cu128 make setup" >&2
+            echo "setup: error: $built from $index cannot use this machine's GPU (NVIDIA driver" \
+                "${driver:-unknown}, CUDA $(driver_cuda)); it was removed again. Update the driver, or name" \
+                "a CUDA wheel index the driver supports: TPSERVE_TORCH_INDEX=https://download.pytorch.org/whl/cu126" \
+                "make setup" >&2
             exit 1
         fi
     fi

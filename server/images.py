@@ -9,7 +9,6 @@ edge, center crop, rescale and normalise. Every failure is a RequestRefused nami
 from __future__ import annotations
 
 import io
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 from tpserve.ranks.errors import ModelFileError
+from tpserve.server.processor_config import image_processor_settings
 from tpserve.server.validation import RequestRefused
 
 FORMATS = ("JPEG", "PNG", "WEBP")
@@ -55,15 +55,7 @@ class Preprocessor:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Preprocessor:
-        path = Path(model_dir) / "preprocessor_config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelFileError(
-                path, "missing (a vision model needs its image preprocessor config)"
-            ) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ModelFileError(path, f"not valid JSON ({error})") from None
+        raw, path = image_processor_settings(model_dir)  # either file layout (server/processor_config.py)
         size = raw.get("size", {"shortest_edge": 224})
         # An int is a shortest edge too: CLIP's processor reads sizes with default_to_square=False.
         shortest = (

@@ -328,7 +328,7 @@ def serve_command(*args: str) -> list[str]:
 
 
 def serve_args(model_dir: str | Path, daemon: Daemon) -> list[str]:
-    """The flags every test daemon is served with: its model, its ports, one thread per rank."""
+    """The flags every test daemon is served with: its model, its ports, one thread per rank, the CPU."""
     return [
         "--model",
         str(model_dir),
@@ -340,6 +340,8 @@ def serve_args(model_dir: str | Path, daemon: Daemon) -> list[str]:
         str(daemon.http_port),
         "--threads-per-rank",
         "1",
+        "--device",  # the CPU, also on a GPU host; a test marked gpu names cuda after these
+        "cpu",
     ]
 
 

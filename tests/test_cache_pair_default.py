@@ -50,6 +50,7 @@ def chat_turn(tokenizer: Tokenizer, first_reply: tuple[int, ...] | None) -> Gene
 def settings_for(model_dir: str, cache_budget_bytes: int) -> EngineSettings:
     return EngineSettings(
         model_dir=model_dir,
+        device="cpu",  # the CPU, also on a GPU host (tests/conftest.py: gpu tests are marked)
         num_lanes=2,
         context_size=1024,
         cache_budget_bytes=cache_budget_bytes,

@@ -78,6 +78,7 @@ def long_request(**fields) -> serving_pb2.GenerateRequest:
 def offline_reply(model_dir, *args: str) -> dict:
     """`tpserve generate --tp 1 --json`: the same model run offline on one rank, no gRPC."""
     command = [sys.executable, "-m", "tpserve.cli", "generate", "--model", str(model_dir), "--tp", "1"]
+    command += ["--device", "cpu"]  # the CPU, also on a GPU host
     done = subprocess.run(
         [*command, *args, "--json"], capture_output=True, text=True, env=daemon_env(), timeout=120
     )

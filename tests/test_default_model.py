@@ -33,7 +33,9 @@ def prompts(model_dir: str, questions=QUESTIONS) -> list[list[int]]:
 
 def run(model_dir: str, tp: int, dtype: str, questions=QUESTIONS, num_tokens=NUM_TOKENS) -> list[list[int]]:
     ids = prompts(model_dir, questions)
-    settings = EngineSettings(model_dir=model_dir, dtype=dtype, tp_size=tp, num_lanes=1, context_size=256)
+    settings = EngineSettings(
+        model_dir=model_dir, device="cpu", dtype=dtype, tp_size=tp, num_lanes=1, context_size=256
+    )
     jobs = [(p, SamplingParams()) for p in ids] + [(p, SAMPLED) for p in ids]
     # No eos: every reply runs the full num_tokens, so every position is compared.
     return [g.token_ids for g in generate_tokens(settings, jobs, num_tokens, eos_ids=frozenset())]

@@ -75,6 +75,7 @@ class Reply:
 def pair_settings(model_dir: str, **changes) -> EngineSettings:
     settings = EngineSettings(
         model_dir=model_dir,
+        device="cpu",  # the CPU, also on a GPU host (tests/conftest.py: gpu tests are marked)
         num_lanes=8,
         context_size=256,
         max_prefill_tokens=48,

@@ -55,6 +55,7 @@ def requests_for(model_dir: str):
 def settings_for(model_dir: str, dtype: str) -> EngineSettings:
     return EngineSettings(
         model_dir=model_dir,
+        device="cpu",  # the CPU, also on a GPU host (tests/conftest.py: gpu tests are marked)
         dtype=dtype,
         num_lanes=8,
         context_size=256,

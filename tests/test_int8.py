@@ -84,7 +84,7 @@ def test_an_unknown_format_is_refused_by_name(tmp_path):
 
 
 def test_what_int8_cannot_run_with_is_refused_before_loading():
-    settings = EngineSettings(model_dir="unused", quantize="int8", dtype="bfloat16")
+    settings = EngineSettings(model_dir="unused", device="cpu", quantize="int8", dtype="bfloat16")
     with pytest.raises(UserError, match="int8 computes in float32, not dtype bfloat16"):
         check_quantize(settings, torch.device("cpu"))
     with pytest.raises(UserError, match="x86 CPUs.*not on cuda.*quantize: none"):

@@ -327,7 +327,7 @@ def test_a_device_or_dtype_without_int8_products_refuses_the_checkpoint_by_name(
         )
     with pytest.raises(UserError, match="compute in float32, not dtype bfloat16"):
         check_checkpoint_quantization(
-            config, EngineSettings(model_dir="m", dtype="bfloat16"), torch.device("cpu")
+            config, EngineSettings(model_dir="m", device="cpu", dtype="bfloat16"), torch.device("cpu")
         )
 
 

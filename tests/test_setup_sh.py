@@ -1,6 +1,9 @@
 """scripts/setup.sh on the machines it meets, run for real against stubs on PATH: `nvidia-smi` (a
-GPU or none, and its driver), `uname` (x86-64 or a GB10's aarch64) and a .venv python whose pip
-records what it was asked to install and whose torch is a CPU build, a CUDA build or none."""
+GPU or none, its driver's CUDA version and the GPU's compute capability), `uname` (x86-64 or a
+GB10's aarch64) and a .venv python whose pip records what it was asked to install. Like the real
+index, the stub pip finds torch 2.13.0 only on the CUDA wheel indexes PyTorch publishes for it
+(cu126, cu130, cu132), and a CUDA build sees the GPU only when the driver supports its CUDA version:
+a wrong index fails set-up here as it would on the machine."""
 
 from __future__ import annotations
 
@@ -13,20 +16,23 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU_TORCH = "torch==2.13.0"
-GB10_INDEX = "--index-url https://download.pytorch.org/whl/cu130"
-X86_INDEX = "--index-url https://download.pytorch.org/whl/cu128"
+INDEX = "https://download.pytorch.org/whl/"
 DRIVER = "580.95.05"
 
-# A .venv python: `-c` snippets answer from the torch recorded in $STUB_TORCH (none, cpu or cuda;
-# a CUDA build sees the GPU only when $STUB_DRIVER_OK is 1); pip records its calls and installs
-# a CUDA build from a CUDA wheel index, a CPU build otherwise (as this machine's registry does).
+# A .venv python: `-c` snippets answer from the torch recorded in $STUB_TORCH ("none", "cpu" or
+# "cuda X.Y"; a CUDA build sees the GPU only when X.Y is at most $STUB_CUDA, the driver's); pip
+# records its calls and installs a CUDA build from a CUDA wheel index that has torch 2.13.0, a CPU
+# build from the registry (whose aarch64 wheel is CPU-only), and refuses any other index as pip does.
 STUB_PYTHON = r"""#!/usr/bin/env bash
 echo "python $*" >> "$STUB_LOG"
 torch=$(cat "$STUB_TORCH")
 if [ "$1" = -c ]; then
     case "$2" in
-        *cuda.is_available*) [ "$torch" = cuda ] && [ "$STUB_DRIVER_OK" = 1 ]; exit $? ;;
-        *torch.__version__*) [ "$torch" != none ] || exit 1; echo "torch 2.13.0+$torch (CUDA 13.0)"; exit 0 ;;
+        *cuda.is_available*)
+            [ "${torch%% *}" = cuda ] || exit 1
+            build=${torch#cuda }
+            [ "$(printf '%s\n%s\n' "$build" "$STUB_CUDA" | sort -V | head -n 1)" = "$build" ]; exit $? ;;
+        *torch.__version__*) [ "$torch" != none ] || exit 1; echo "torch 2.13.0 ($torch)"; exit 0 ;;
         *"import torch"*) [ "$torch" != none ]; exit $? ;;
     esac
     exit 0
@@ -34,16 +40,29 @@ fi
 if [ "$1 $2" = "-m pip" ]; then
     case " $* " in
         *" uninstall "*) echo none > "$STUB_TORCH" ;;
-        *" --index-url "*torch==*) echo cuda > "$STUB_TORCH" ;;
+        *" --index-url "*torch==*)
+            case " $* " in
+                *" https://download.pytorch.org/whl/cu126 "*) echo "cuda 12.6" > "$STUB_TORCH" ;;
+                *" https://download.pytorch.org/whl/cu130 "*) echo "cuda 13.0" > "$STUB_TORCH" ;;
+                *" https://download.pytorch.org/whl/cu132 "*) echo "cuda 13.2" > "$STUB_TORCH" ;;
+                *) echo "ERROR: Could not find a version that satisfies the requirement torch==2.13.0" \
+                    "(from versions: none)" >&2; exit 1 ;;
+            esac ;;
         *" torch=="*) echo cpu > "$STUB_TORCH" ;;
     esac
 fi
 exit 0
 """
+# nvidia-smi as drivers print it: the table's header names the CUDA version the driver supports;
+# an older nvidia-smi knows no compute_cap field ($STUB_CAPS empty).
 NVIDIA_SMI_WITH_GPU = f"""#!/usr/bin/env bash
 case "$*" in
-    -L) echo "GPU 0: NVIDIA GB10 (UUID: GPU-0)" ;;
+    "") echo "| NVIDIA-SMI {DRIVER}   Driver Version: {DRIVER}   ${{STUB_CUDA:+CUDA Version: $STUB_CUDA}} |" ;;
+    -L) echo "GPU 0: NVIDIA H200 (UUID: GPU-0)" ;;
     *driver_version*) echo "{DRIVER}" ;;
+    *compute_cap*)
+        [ -n "$STUB_CAPS" ] || {{ echo 'Field "compute_cap" is not a valid field to query.'; exit 2; }}
+        printf '%b\\n' "$STUB_CAPS" ;;
 esac
 """
 NVIDIA_SMI_WITHOUT_GPU = """#!/usr/bin/env bash
@@ -57,8 +76,12 @@ def _executable(path: Path, text: str) -> None:
     path.chmod(0o755)
 
 
-def run_setup(tmp_path: Path, *, gpu: bool, machine: str, torch: str, driver_ok: bool = True, env=None):
-    """Run a copy of setup.sh in a bare checkout; returns (exit code, stderr, python calls, torch after)."""
+def run_setup(
+    tmp_path: Path, *, gpu: bool, machine: str, torch: str, cuda: str = "13.0", caps: str = "9.0", env=None
+):
+    """Run a copy of setup.sh in a bare checkout, on a driver supporting CUDA `cuda` ("" where it
+    does not say) and GPUs of compute capabilities `caps` ("\\n" between GPUs; "" where nvidia-smi
+    cannot say); returns (exit code, stderr, python calls, torch after)."""
     repo, stubs = tmp_path / "repo", tmp_path / "bin"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(REPO_ROOT / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
@@ -74,7 +97,8 @@ def run_setup(tmp_path: Path, *, gpu: bool, machine: str, torch: str, driver_ok:
         "HOME": str(tmp_path),
         "STUB_LOG": str(log),
         "STUB_TORCH": str(state),
-        "STUB_DRIVER_OK": "1" if driver_ok else "0",
+        "STUB_CUDA": cuda,
+        "STUB_CAPS": caps,
         **(env or {}),
     }
     done = subprocess.run(
@@ -102,43 +126,105 @@ def test_a_machine_without_a_gpu_installs_the_cpu_build_and_no_cuda_index(tmp_pa
     assert calls[-1] == "tpserve prepare"
 
 
-def test_a_gb10_gets_a_cuda_build_from_pytorchs_index_and_checks_it_sees_the_gpu(tmp_path):
-    code, err, calls, torch = run_setup(tmp_path, gpu=True, machine="aarch64", torch="none")
-    assert code == 0, err
-    assert torch == "cuda"
+def cuda_index_used(calls: list[str]) -> str:
+    """The CUDA wheel index of the one torch install, as cu126 etc."""
     (install,) = torch_installs(calls)
-    assert GB10_INDEX in install and install.endswith(CPU_TORCH)
-    checks = [i for i, call in enumerate(calls) if "cuda.is_available" in call]
-    assert checks and checks[-1] > calls.index(install)  # checked after installing
+    assert install.endswith(CPU_TORCH)
+    words = install.split()
+    return words[words.index("--index-url") + 1].removeprefix(INDEX)
 
 
-def test_an_x86_gpu_machine_gets_a_cuda_build_too(tmp_path):
-    code, err, calls, torch = run_setup(tmp_path, gpu=True, machine="x86_64", torch="none")
+@pytest.mark.parametrize(
+    ("machine", "cuda", "caps", "index"),
+    [
+        ("x86_64", "13.0", "9.0", "cu130"),  # an H200 on a 580 driver
+        ("x86_64", "13.2", "10.0", "cu130"),  # a B200 on a newer driver: 13.0 is the newest stable build
+        ("x86_64", "12.8", "9.0", "cu126"),  # an H100 on a 570 driver: torch 2.13 has no cu128
+        ("x86_64", "12.6", "8.6", "cu126"),
+        ("x86_64", "13.0", "7.0", "cu126"),  # a V100: the CUDA 13 builds start at Turing (7.5)
+        ("x86_64", "13.0", "9.0\\n7.0", "cu126"),  # every GPU must be covered
+        ("x86_64", "13.0", "", "cu130"),  # an nvidia-smi that cannot say: the driver decides
+        ("aarch64", "13.0", "12.1", "cu130"),  # a GB10
+        ("aarch64", "13.2", "12.1", "cu130"),
+        ("aarch64", "12.9", "9.0", "cu126"),  # a GH200 on an older driver
+    ],
+)
+def test_a_gpu_machine_gets_the_cuda_build_its_driver_and_gpu_can_run(tmp_path, machine, cuda, caps, index):
+    code, err, calls, torch = run_setup(
+        tmp_path, gpu=True, machine=machine, torch="none", cuda=cuda, caps=caps
+    )
     assert code == 0, err
-    assert torch == "cuda" and X86_INDEX in torch_installs(calls)[0]
+    assert cuda_index_used(calls) == index
+    assert torch.startswith("cuda")  # the stub's GPU check passed
+    install = calls.index(torch_installs(calls)[0])
+    checks = [i for i, call in enumerate(calls) if "cuda.is_available" in call]
+    assert checks and checks[-1] > install  # checked after installing
+    assert f"for CUDA {index[2:4]}.{index[4:]} (the driver supports CUDA {cuda})" in err
+
+
+@pytest.mark.parametrize(
+    ("machine", "cuda", "caps"),
+    [
+        ("x86_64", "12.4", "9.0"),  # older than every build
+        ("x86_64", "12.8", "12.0"),  # a Blackwell GPU on a 570 driver: 12.6 stops at Hopper
+        ("aarch64", "12.9", "12.1"),  # a GB10 on a driver before CUDA 13
+        ("aarch64", "13.0", "7.5"),  # the aarch64 builds start at Ampere
+    ],
+)
+def test_no_build_that_fits_is_refused_naming_the_driver_and_the_builds(tmp_path, machine, cuda, caps):
+    code, err, calls, torch = run_setup(
+        tmp_path, gpu=True, machine=machine, torch="cpu", cuda=cuda, caps=caps
+    )
+    assert code == 1
+    assert f"no CUDA build of torch 2.13.0 suits this machine: its NVIDIA driver supports CUDA {cuda}" in err
+    assert f"compute capability {caps} ({machine})" in err
+    assert "CUDA builds 13.0, 12.6" in err and "TPSERVE_TORCH_INDEX" in err
+    assert torch_installs(calls) == [] and not any("uninstall" in call for call in calls)
+    assert torch == "cpu"  # refused before anything changed
+
+
+def test_a_driver_that_does_not_say_its_cuda_version_is_refused(tmp_path):
+    code, err, calls, _ = run_setup(tmp_path, gpu=True, machine="x86_64", torch="none", cuda="")
+    assert code == 1
+    assert "does not say which CUDA version" in err and "TPSERVE_TORCH_INDEX" in err
+    assert torch_installs(calls) == []
+
+
+@pytest.mark.parametrize(("cuda", "caps", "index"), [("13.2", "9.0", "cu132"), ("12.8", "12.0", "cu126")])
+def test_torch_index_overrides_the_choice_even_where_it_refuses(tmp_path, cuda, caps, index):
+    env = {"TPSERVE_TORCH_INDEX": INDEX + index}
+    code, err, calls, torch = run_setup(
+        tmp_path, gpu=True, machine="x86_64", torch="none", cuda=cuda, caps=caps, env=env
+    )
+    assert code == 0, err
+    assert cuda_index_used(calls) == index and torch == f"cuda {index[2:4]}.{index[4:]}"
 
 
 def test_a_cpu_torch_left_in_the_venv_is_replaced_on_a_gpu_machine(tmp_path):
-    code, err, calls, torch = run_setup(tmp_path, gpu=True, machine="aarch64", torch="cpu")
+    code, err, calls, torch = run_setup(tmp_path, gpu=True, machine="aarch64", torch="cpu", caps="12.1")
     assert code == 0, err
-    assert torch == "cuda"
+    assert torch == "cuda 13.0"
     assert "cannot use this machine's GPU; replacing it" in err
     uninstall = next(i for i, call in enumerate(calls) if "pip uninstall" in call)
     assert uninstall < calls.index(torch_installs(calls)[0])
 
 
 def test_a_cuda_build_the_driver_cannot_run_fails_naming_the_driver_and_leaves_no_torch(tmp_path):
-    code, err, calls, torch = run_setup(tmp_path, gpu=True, machine="aarch64", torch="none", driver_ok=False)
+    env = {"TPSERVE_TORCH_INDEX": INDEX + "cu132"}  # newer than the driver's CUDA 13.0
+    code, err, calls, torch = run_setup(
+        tmp_path, gpu=True, machine="aarch64", torch="none", caps="12.1", env=env
+    )
     assert code == 1
-    assert f"cannot use this machine's GPU (NVIDIA driver {DRIVER})" in err and "TPSERVE_TORCH_INDEX" in err
+    assert f"cannot use this machine's GPU (NVIDIA driver {DRIVER}, CUDA 13.0)" in err
+    assert "TPSERVE_TORCH_INDEX" in err
     assert torch == "none"  # nothing left that would serve on the CPU beside the GPU
     assert "tpserve prepare" not in calls
 
 
 def test_a_torch_that_sees_the_gpu_is_kept(tmp_path):
-    code, err, calls, torch = run_setup(tmp_path, gpu=True, machine="aarch64", torch="cuda")
+    code, err, calls, torch = run_setup(tmp_path, gpu=True, machine="aarch64", torch="cuda 13.0")
     assert code == 0, err
-    assert torch == "cuda" and torch_installs(calls) == []
+    assert torch == "cuda 13.0" and torch_installs(calls) == []
     assert not any("uninstall" in call for call in calls)
 
 

