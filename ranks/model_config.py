@@ -10,6 +10,7 @@ from pathlib import Path
 from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.unsupported import live_window, refuse_architecture, refuse_unimplemented
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
 # Every family here is a Llama-style decoder; they differ in biases, q/k norms and defaults.
@@ -54,6 +55,7 @@ class ModelConfig:
     architecture: str = ""
     vision: VisionConfig | None = None  # a vision-language model's tower, projector and image token
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
+    sliding_window: int | None = None  # a window some layers attend within (ranks/unsupported.py)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -99,6 +101,7 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
         return _parse_vision_language(raw, vision_arch, path)
     family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
     if family is None:
+        refuse_architecture(architectures, path)
         supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES))
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
     return _parse_text(raw, family, architectures[0], path)
@@ -133,6 +136,7 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
             raise ModelFileError(path, f"{key!r} must be a positive number, not {value!r}")
         return value
 
+    refuse_unimplemented(raw, family, architecture, path)
     hidden_size = need("hidden_size")
     num_heads = need("num_attention_heads")
     num_kv_heads = raw.get("num_key_value_heads") or num_heads
@@ -141,7 +145,7 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         raise ModelFileError(path, f"{num_heads} attention heads do not divide into {num_kv_heads} KV heads")
     # transformers 5 writes rope_theta and the scaling inside rope_parameters.
     rope = raw.get("rope_parameters") or {}
-    rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_theta = raw.get("rope_theta") or rope.get("rope_theta", 10000.0)
     rope_scaling = raw.get("rope_scaling")
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -166,6 +170,7 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         architecture=architecture,
+        sliding_window=live_window(raw, family, path),
     )
 
 
