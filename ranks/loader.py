@@ -32,7 +32,9 @@ def load_rank_model(
 ) -> TPModel:
     config = config or load_model_config(model_dir)
     # max_positions is the served context: a sliding window shorter than it is refused
-    check_served_context(config.architecture, config.sliding_window, max_positions, model_dir)
+    check_served_context(
+        config.architecture, config.sliding_window, config.rope_scaling, max_positions, model_dir
+    )
     pieces = pieces_of_rank(config, tp_rank, tp_size)
     weights = read_rank_weights(model_dir, config, pieces, dtype, device)
     return TPModel(

@@ -19,8 +19,9 @@ FAMILIES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored fused (ranks/fused_tensors.py)
 }
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # A vision-language checkpoint's text_config names its decoder by model_type only.
 TEXT_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 # transformers' LlamaConfig defaults, which llava-hf text_configs leave out.
@@ -149,6 +150,11 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
     rope_scaling = raw.get("rope_scaling")
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = parse_rope_scaling(_with_longrope_defaults(rope_scaling, raw), path)
+    if scaling.rope_type == "longrope" and len(scaling.short_factor) != head_dim // 2:
+        raise ModelFileError(
+            path, f"longrope's short_factor must hold {head_dim // 2} numbers (head_dim / 2)"
+        )
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -162,7 +168,7 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        rope_scaling=parse_rope_scaling(rope_scaling, path),
+        rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
@@ -172,6 +178,27 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         architecture=architecture,
         sliding_window=live_window(raw, family, path),
     )
+
+
+def _with_longrope_defaults(rope_scaling: dict | None, raw: dict) -> dict | None:
+    """Phi-3's longrope (once named "su") with what transformers derives: the original context
+    (config.json keeps it beside the scaling), the factor and the attention factor."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) not in ("longrope", "su"):
+        return rope_scaling
+    original = rope_scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings", raw.get("max_position_embeddings", 2048)
+    )
+    factor = rope_scaling.get("factor") or raw.get("max_position_embeddings", original) / original
+    attention_factor = rope_scaling.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    )
+    return rope_scaling | {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "factor": factor,
+        "attention_factor": attention_factor,
+        "short_factor": tuple(rope_scaling.get("short_factor") or ()),
+    }
 
 
 def parse_rope_scaling(raw: dict | None, path: str | Path) -> RopeScaling:

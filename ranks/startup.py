@@ -203,7 +203,11 @@ def start_rank(
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     config = load_model_config(settings.model_dir)
     window = check_served_context(
-        config.architecture, config.sliding_window, settings.context_size, settings.model_dir
+        config.architecture,
+        config.sliding_window,
+        config.rope_scaling,
+        settings.context_size,
+        settings.model_dir,
     )
     if window is not None:
         log.info("rank %d: %s", rank, window)

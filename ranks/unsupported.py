@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.errors import ModelFileError
 
 # Known architectures tpserve does not load, and what in them it does not compute.
@@ -94,9 +95,21 @@ def live_window(raw: dict, family: str, path: str | Path) -> int | None:
     return int(window) if sliding else None
 
 
-def check_served_context(architecture: str, window: int | None, context_size: int, path) -> str | None:
+def check_served_context(
+    architecture: str, window: int | None, scaling: RopeScaling, context_size: int, path
+) -> str | None:
     """Refuses a sliding window shorter than the served context (tpserve attends to every earlier
-    token); else a line for the log where a window is set but never binds, None where none is."""
+    token), and longrope past its original context; else a line for the log where a window is set
+    but never binds, None where none is."""
+    original = scaling.original_max_position_embeddings
+    if scaling.rope_type == "longrope" and context_size > original:
+        # transformers switches to the long factors once a sequence outgrows the original context,
+        # re-rotating every position: not implemented.
+        raise ModelFileError(
+            path,
+            f"{architecture}: longrope's long factors (past {original} positions) are not implemented: "
+            f"serve --context {original} or less, where the short factors hold",
+        )
     if window is None:
         return None
     # transformers' window: a query sees the `window` latest positions, itself included, so a

@@ -17,6 +17,7 @@ from tpserve.ranks.block_tensors import BlockValues, StoredBlocks, stored_blocks
 from tpserve.ranks.checkpoint_quantization import AWQ, GPTQ
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.fp8_tensors import StoredFp8, holds_fp8
+from tpserve.ranks.fused_tensors import StoredRows, fused_part
 from tpserve.ranks.gptq_tensors import StoredAwq, StoredGptq, StoredGptqV2
 from tpserve.ranks.int4_tensors import StoredInt4, holds_int4
 from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
@@ -167,6 +168,10 @@ def _stored_tensor(
     """`name`'s tensor in the checkpoint: float, or (a compressed-tensors checkpoint's quantized
     layer, a weight_scale beside it) int8, int4 or fp8, or a GPTQ or AWQ checkpoint's int4 (a
     qweight in its place), or (a GGUF import's) blocks."""
+    fused = fused_part(config, name)
+    if fused is not None and stored_name(files, name) is None and stored_name(files, fused[0]) is not None:
+        whole = _stored_tensor(model_dir, config, files, handles, fused[0])
+        return StoredRows(whole, *fused)
     scheme = config.quantization
     packed = PACKED_INT4.get((scheme.method, scheme.formats[0])) if scheme else None
     qweight = stored_name(files, name.removesuffix("weight") + "qweight") if packed else None

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import BASE, write_tiny_model
 
+from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import parse_model_config
@@ -95,18 +96,18 @@ def test_a_live_sliding_window_is_read_from_the_config(case):
 
 def test_a_window_shorter_than_the_context_is_refused_naming_model_feature_and_window():
     with pytest.raises(ModelFileError) as refused:
-        check_served_context("MistralForCausalLM", 16, 64, "/models/m")
+        check_served_context("MistralForCausalLM", 16, RopeScaling(), 64, "/models/m")
     assert str(refused.value) == (
         "/models/m: MistralForCausalLM attends within a sliding window of 16 tokens, which tpserve does "
         "not implement: a served context of 64 would attend past it (serve --context 16 or less, where "
         "the window never binds)"
     )
-    note = check_served_context("MistralForCausalLM", 4096, 4096, "/models/m")
+    note = check_served_context("MistralForCausalLM", 4096, RopeScaling(), 4096, "/models/m")
     assert note == (
         "MistralForCausalLM's sliding window of 4096 tokens never binds at a context of 4096: "
         "full attention is exact"
     )
-    assert check_served_context("MistralForCausalLM", None, 1 << 20, "/models/m") is None
+    assert check_served_context("MistralForCausalLM", None, RopeScaling(), 1 << 20, "/models/m") is None
 
 
 def test_loading_a_windowed_model_for_a_longer_context_is_refused(tmp_path):
