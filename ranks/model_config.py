@@ -10,16 +10,20 @@ from pathlib import Path
 from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.moe_config import MoeConfig, parse_moe_config
 from tpserve.ranks.unsupported import live_window, refuse_architecture, refuse_unimplemented
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
-# Every family here is a Llama-style decoder; they differ in biases, q/k norms and defaults.
+# Every family here is a Llama-style decoder; they differ in biases, q/k norms, fused weights and
+# (Mixtral, Qwen3-MoE) a mixture of experts in place of the MLP.
 FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored fused (ranks/fused_tensors.py)
+    "MixtralForCausalLM": "mixtral",  # mixtures of experts (ranks/moe_config.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # A vision-language checkpoint's text_config names its decoder by model_type only.
@@ -57,6 +61,7 @@ class ModelConfig:
     vision: VisionConfig | None = None  # a vision-language model's tower, projector and image token
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
     sliding_window: int | None = None  # a window some layers attend within (ranks/unsupported.py)
+    moe: MoeConfig | None = None  # a mixture of experts' routing shape
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -172,11 +177,12 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         architecture=architecture,
         sliding_window=live_window(raw, family, path),
+        moe=parse_moe_config(raw, family, need("num_hidden_layers"), path),
     )
 
 

@@ -75,6 +75,11 @@ def _open(path: Path):
 
 
 def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    expert = config.moe.expert_shape(name, config.hidden_size) if config.moe else None
+    if expert is not None:
+        return expert
+    if config.moe and name.endswith(config.moe.prefix + "gate.weight"):  # the router
+        return (config.moe.num_experts, config.hidden_size)
     key = name.rsplit(".", 2)
     leaf = ".".join(key[-2:])
     q_width = config.num_heads * config.head_dim
@@ -109,16 +114,21 @@ def required_names(config: ModelConfig) -> list[str]:
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
         "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
     ]
+    dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     if config.qkv_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    moe = config.moe
     for layer in range(config.num_layers):
         names += [f"model.layers.{layer}.{leaf}" for leaf in per_layer]
+        if moe is None or not moe.is_sparse(layer):
+            names += [f"model.layers.{layer}.{leaf}" for leaf in dense]
+            continue
+        names.append(moe.router_name(layer))
+        for expert in range(moe.num_experts):
+            names += moe.expert_names(layer, expert)
     return names
 
 

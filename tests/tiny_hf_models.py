@@ -41,6 +41,26 @@ FAMILIES = {
             "long_factor": [4.0] * 8,
         },
     ),
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        **(SMALL | {"num_local_experts": 8, "num_experts_per_tok": 2} | kw)
+    ),
+    # Qwen3-MoE with a dense layer among the sparse ones (mlp_only_layers) and an odd expert width
+    # (18: 9 + 9 columns a piece)
+    "qwen3-moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "head_dim": 16,
+                "num_experts": 8,
+                "num_experts_per_tok": 3,
+                "moe_intermediate_size": 18,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [1],
+            }
+            | kw
+        )
+    ),
 }
 
 
