@@ -33,13 +33,17 @@ def expert_sum(
     gate_ups: list,
     downs: list,
     row_tile: int,
+    held: range | None = None,
 ) -> torch.Tensor:
     """x: [T, hidden]; weights, experts: [T, k] (route's). gate_ups[e]: [2*I, hidden] (gate rows
     then up rows), downs[e]: [hidden, I]. Returns sum over each row's k experts, in increasing
-    expert index, of weight * down(silu(gate) * up): [T, hidden] float32."""
+    expert index, of weight * down(silu(gate) * up): [T, hidden] float32. held: the experts summed
+    (expert parallelism's share, bench/moe_split.py); None: every expert, each in its slice."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     # One loop step per expert some row chose (not per token): the rows routed to it, gathered.
     for expert in torch.unique(experts).tolist():  # sorted: the fixed order of each row's sum
+        if held is not None and expert not in held:
+            continue
         rows, slots = (experts == expert).nonzero(as_tuple=True)  # a row chooses an expert once
         gate, up = linear(x[rows], gate_ups[expert], None, row_tile).chunk(2, dim=-1)
         y = linear(F.silu(gate) * up, downs[expert], None, row_tile)  # [n, hidden]

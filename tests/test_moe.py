@@ -4,12 +4,15 @@ checkpoints themselves; tp=2 against tp=1 bit for bit, every stream of a batch a
 from __future__ import annotations
 
 import pytest
+import torch
 from hf_reference import check_against_transformers
 from multiproc import RankPool
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
 
+from bench.moe_split import run_moe_split
 from tpserve.kernels.linear import ROW_TILE
+from tpserve.kernels.moe import expert_sum, route
 from tpserve.ranks.model_config import load_model_config
 
 VARIANTS = {
@@ -43,3 +46,21 @@ def test_qwen3_moe_reads_its_dense_and_sparse_layers(tmp_path):
     moe = load_model_config(write_hf_model(tmp_path / "m", "qwen3-moe", decoder_sparse_step=1)).moe
     assert moe.sparse_layers == (0, 2) and moe.num_experts == 8 and moe.num_experts_per_tok == 3
     assert moe.normalize_top_k and moe.expert_size == 18
+
+
+def test_the_split_benchmark_times_both_splits_of_the_same_experts():
+    report = run_moe_split(num_experts=4, top_k=2, hidden=32, expert_size=16, rows=(1, 3), num_samples=2)
+    assert [r["rows"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        assert r["tp_ms"] > 0 and r["ep_ms"] > 0 and 0.5 <= r["busier_share"] <= 1.0
+    # expert parallelism's two shares add up to the whole layer's sum
+    gen = torch.Generator().manual_seed(0)
+    x, logits = torch.randn(5, 32, generator=gen), torch.randn(5, 4, generator=gen)
+    gate_ups = [torch.randn(32, 32, generator=gen) for _ in range(4)]
+    downs = [torch.randn(32, 16, generator=gen) for _ in range(4)]
+    weights, experts = route(logits, 2, True)
+    whole = expert_sum(x, weights, experts, gate_ups, downs, ROW_TILE)
+    halves = [
+        expert_sum(x, weights, experts, gate_ups, downs, ROW_TILE, held=range(a, a + 2)) for a in (0, 2)
+    ]
+    torch.testing.assert_close(halves[0] + halves[1], whole)
