@@ -3,6 +3,8 @@ checkpoints themselves; tp=2 against tp=1 bit for bit, every stream of a batch a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hf_reference import check_against_transformers, engine_of
@@ -10,6 +12,7 @@ from multiproc import RankPool
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
 
+from bench.moe_models import main as moe_models_main
 from bench.moe_split import run_moe_split
 from tpserve.kernels.linear import ROW_TILE
 from tpserve.kernels.moe import expert_sum, route
@@ -84,3 +87,18 @@ def test_the_split_benchmark_times_both_splits_of_the_same_experts():
         expert_sum(x, weights, experts, gate_ups, downs, ROW_TILE, held=range(a, a + 2)) for a in (0, 2)
     ]
     torch.testing.assert_close(halves[0] + halves[1], whole)
+
+
+def test_the_speed_figures_models_load_with_half_their_weights_on_a_rank(tmp_path):
+    args = ["--out", str(tmp_path), "--hidden", "128", "--layers", "1", "--experts", "4", "--top-k", "2"]
+    assert (
+        moe_models_main(
+            [*args, "--expert-size", "32", "--quantize", "none", "--json", str(tmp_path / "m.json")]
+        )
+        == 0
+    )
+    rows = json.loads((tmp_path / "m.json").read_text())["models"]
+    assert load_model_config(rows["moe"]["dir"]).moe.num_experts == 4
+    assert load_model_config(rows["dense"]["dir"]).intermediate_size == 64  # top-k experts wide
+    for row in rows.values():  # float32 served as stored: half, and the norms and router whole
+        assert row["checkpoint_bytes"] / 2 <= row["rank0_bytes"] < row["checkpoint_bytes"]
