@@ -35,17 +35,22 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def byte_tokenizer() -> Tokenizer:
-    """256 byte tokens after 3 specials: 259 ids."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(SPECIALS)} | {
-        c: 3 + i for i, c in enumerate(sorted(alphabet))
-    }
+def ascii_tokenizer() -> Tokenizer:
+    """3 specials, then the 128 ASCII bytes (131 ids): whatever a random model emits decodes to
+    text at once, so no reply's tokens wait in the text stream for the rest of a UTF-8 character."""
+    vocab = {token: i for i, token in enumerate(SPECIALS)} | {_byte_char(b): 3 + b for b in range(128)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIALS)
     return tokenizer
+
+
+def _byte_char(byte: int) -> str:
+    """The character the byte-level pre-tokenizer writes for an ASCII byte (GPT-2's table: the
+    printable ones as themselves, the rest from U+0100 on, in order)."""
+    unprintable = [b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+    return chr(256 + unprintable.index(byte)) if byte in unprintable else chr(byte)
 
 
 def write_model(out: Path, config: dict, seed: int) -> int:
@@ -93,7 +98,7 @@ def write_model(out: Path, config: dict, seed: int) -> int:
             tensors[p + "mlp.down_proj.weight"] = rand(hidden, width)
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    byte_tokenizer().save(str(out / "tokenizer.json"))
+    ascii_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": SPECIALS[0]})
     )
@@ -112,7 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     base = {
-        "vocab_size": 259, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
+        "vocab_size": 131, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
         "num_attention_heads": args.hidden // 64, "num_key_value_heads": args.hidden // 128, "head_dim": 64,
         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 4096,
         "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": 0, "torch_dtype": "float32",
