@@ -54,6 +54,24 @@ REFUSED = {
         config_of("LlamaForCausalLM", partial_rotary_factor=0.75),
         "partial rotary embedding (partial_rotary_factor 0.75) is not implemented",
     ),
+    "shared-expert": (
+        config_of(
+            "Qwen3MoeForCausalLM",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        ),
+        "a shared expert (shared_expert_intermediate_size) is not implemented",
+    ),  # fmt: skip
+    "top-k": (
+        config_of("MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=3),
+        "num_experts_per_tok 3 is more than the 2 experts",
+    ),
+    "glm-moe": (
+        config_of("Glm4MoeForCausalLM"),
+        "Glm4MoeForCausalLM is not supported: its mixture of experts",
+    ),
     "dynamic-rope": (
         config_of("LlamaForCausalLM", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
         "unsupported rope scaling 'dynamic'",
