@@ -14,3 +14,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 0  # llama3, yarn
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
+    # longrope (Phi-3's): a divisor per frequency (the short ones, within the original context) and
+    # the factor cos and sin are scaled by
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0

@@ -21,6 +21,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tu
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling)
+    if kind == "longrope":  # within the original context: the short factors, as transformers does
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(scaling.short_factor) * theta**shape), scaling.attention_factor
     raise ValueError(f"unknown rope scaling {kind!r}")
 
 

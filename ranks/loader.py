@@ -11,6 +11,7 @@ from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.settings import DTYPE_NAMES
 from tpserve.ranks.sharding import pieces_of_rank
+from tpserve.ranks.unsupported import check_served_context
 from tpserve.ranks.weights import read_rank_weights
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # name -> torch dtype
@@ -30,6 +31,10 @@ def load_rank_model(
     quantize: str = "none",
 ) -> TPModel:
     config = config or load_model_config(model_dir)
+    # max_positions is the served context: a sliding window shorter than it is refused
+    check_served_context(
+        config.architecture, config.sliding_window, config.rope_scaling, max_positions, model_dir
+    )
     pieces = pieces_of_rank(config, tp_rank, tp_size)
     weights = read_rank_weights(model_dir, config, pieces, dtype, device)
     return TPModel(

@@ -25,6 +25,7 @@ from tpserve.kernels.rotary import Rotary
 from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.moe import PieceExperts, Router
 from tpserve.ranks.packing import fuse, pack_weight
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
@@ -43,6 +44,7 @@ class PieceLayer:
         prefix: str,
         quantize: str,
         dtype: torch.dtype,
+        layer: int = 0,
     ):
         self.num_kv_heads = piece.num_kv_heads()
         self.num_q_heads = self.num_kv_heads * config.num_queries_per_kv
@@ -56,6 +58,11 @@ class PieceLayer:
         self.w_qkv = q(fuse(tensors, [attn + f"{n}_proj.weight" for n in "qkv"]))  # [(Hq+2Hkv)*D, hidden]
         self.b_qkv = fuse(tensors, [attn + f"{n}_proj.bias" for n in "qkv"]) if config.qkv_bias else None
         self.w_o = q(tensors.pop(attn + "o_proj.weight"))  # [hidden, Hq*D]
+        # A sparse layer's MLP is its experts' slices (ranks/moe.py), a dense one's gate/up and down.
+        self.experts = self.w_gate_up = self.w_down = None
+        if config.moe is not None and config.moe.is_sparse(layer):
+            self.experts = PieceExperts(config.moe, layer, tensors, quantize, dtype)
+            return
         self.w_gate_up = q(fuse(tensors, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
         # (kernels/weight_formats.py: down_proj and the head may be served in another format; a
         # checkpoint's int8 down_proj stays int8)
@@ -63,10 +70,17 @@ class PieceLayer:
             tensors.pop(mlp + "down_proj.weight"), formats.down, dtype
         )  # [hidden, I_piece]
 
+    def mlp_products(self) -> list:
+        return self.experts.products() if self.experts else [self.w_gate_up, self.w_down]
+
+    def probed_mlp(self) -> list[tuple[str, object]]:
+        """The MLP products the start-up probe checks (one expert's stand for all)."""
+        return self.experts.probed() if self.experts else [("gate_up", self.w_gate_up), ("down", self.w_down)]
+
     def products(self) -> list:
         """The layer's computed weights (a piece holding no KV head computes no q/k/v nor o)."""
         attention = [self.w_qkv, self.w_o] if self.num_kv_heads else []
-        return [*attention, self.w_gate_up, self.w_down]
+        return [*attention, *self.mlp_products()]
 
 
 class PassPlan:
@@ -114,9 +128,16 @@ class TPModel:
         self.dtype, self.device = first.dtype, first.device
         self.layers = [
             [
-                PieceLayer(config, piece, weights.pieces[i], f"model.layers.{layer}.", quantize, self.dtype)
+                PieceLayer(
+                    config, piece, weights.pieces[i], f"model.layers.{layer}.", quantize, self.dtype, layer
+                )
                 for i, piece in enumerate(pieces)
             ]
+            for layer in range(config.num_layers)
+        ]
+        moe = config.moe  # a sparse layer's router, None for a dense layer
+        self.routers = [
+            Router(moe, weights.replicated[moe.router_name(layer)]) if moe and moe.is_sparse(layer) else None
             for layer in range(config.num_layers)
         ]
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
@@ -155,11 +176,8 @@ class TPModel:
         held = [*self.replicated.values(), *self.head, *self.embed]
         for pieces in self.layers:
             for layer in pieces:
-                held += [
-                    w
-                    for w in (layer.w_qkv, layer.b_qkv, layer.w_o, layer.w_gate_up, layer.w_down)
-                    if w is not None
-                ]
+                held += [w for w in (layer.w_qkv, layer.b_qkv, layer.w_o) if w is not None]
+                held += layer.mlp_products()
         unique = {id(w): w for w in held}.values()
         return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in unique)
 
@@ -216,7 +234,9 @@ class TPModel:
         attended = self.attention.attend(q, pool_k, pool_v, plan.attention, self.scale)
         return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
 
-    def _mlp(self, layer: PieceLayer, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+    def _mlp(self, layer: PieceLayer, x: torch.Tensor, plan: PassPlan, routes) -> torch.Tensor:
+        if layer.experts is not None:  # routes: the layer's (weights, experts), [T, k] each
+            return layer.experts.forward(x, routes, plan.num_tokens, self.row_tile)
         gate, up = linear(x, layer.w_gate_up, None, self.row_tile, plan.num_tokens).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, layer.w_down, None, self.row_tile, plan.num_tokens)
 
@@ -264,7 +284,10 @@ class TPModel:
             )
             h = h + self._reduce(self._sum_pieces(attended, h))
             x = rms_norm(h, replicated[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + self._reduce(self._sum_pieces((self._mlp(layer, x, plan) for layer in pieces), h))
+            router = self.routers[index]
+            routes = router.route(x, plan.num_tokens, self.row_tile) if router else None
+            mlp = (self._mlp(layer, x, plan, routes) for layer in pieces)
+            h = h + self._reduce(self._sum_pieces(mlp, h))
         last = rms_norm(h[logit_rows], replicated["model.norm.weight"], cfg.rms_norm_eps)
         local = torch.cat(
             [linear(last, head, None, self.row_tile) for head in self.head], dim=-1

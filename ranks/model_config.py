@@ -10,16 +10,22 @@ from pathlib import Path
 from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.moe_config import MoeConfig, parse_moe_config
+from tpserve.ranks.unsupported import live_window, refuse_architecture, refuse_unimplemented
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
-# Every family here is a Llama-style decoder; they differ in biases, q/k norms and defaults.
+# Every family here is a Llama-style decoder; they differ in biases, q/k norms, fused weights and
+# (Mixtral, Qwen3-MoE) a mixture of experts in place of the MLP.
 FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored fused (ranks/fused_tensors.py)
+    "MixtralForCausalLM": "mixtral",  # mixtures of experts (ranks/moe_config.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # A vision-language checkpoint's text_config names its decoder by model_type only.
 TEXT_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 # transformers' LlamaConfig defaults, which llava-hf text_configs leave out.
@@ -54,6 +60,8 @@ class ModelConfig:
     architecture: str = ""
     vision: VisionConfig | None = None  # a vision-language model's tower, projector and image token
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
+    sliding_window: int | None = None  # a window some layers attend within (ranks/unsupported.py)
+    moe: MoeConfig | None = None  # a mixture of experts' routing shape
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -99,6 +107,7 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
         return _parse_vision_language(raw, vision_arch, path)
     family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
     if family is None:
+        refuse_architecture(architectures, path)
         supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES))
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
     return _parse_text(raw, family, architectures[0], path)
@@ -133,6 +142,7 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
             raise ModelFileError(path, f"{key!r} must be a positive number, not {value!r}")
         return value
 
+    refuse_unimplemented(raw, family, architecture, path)
     hidden_size = need("hidden_size")
     num_heads = need("num_attention_heads")
     num_kv_heads = raw.get("num_key_value_heads") or num_heads
@@ -141,10 +151,15 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         raise ModelFileError(path, f"{num_heads} attention heads do not divide into {num_kv_heads} KV heads")
     # transformers 5 writes rope_theta and the scaling inside rope_parameters.
     rope = raw.get("rope_parameters") or {}
-    rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_theta = raw.get("rope_theta") or rope.get("rope_theta", 10000.0)
     rope_scaling = raw.get("rope_scaling")
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = parse_rope_scaling(_with_longrope_defaults(rope_scaling, raw), path)
+    if scaling.rope_type == "longrope" and len(scaling.short_factor) != head_dim // 2:
+        raise ModelFileError(
+            path, f"longrope's short_factor must hold {head_dim // 2} numbers (head_dim / 2)"
+        )
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -158,15 +173,38 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        rope_scaling=parse_rope_scaling(rope_scaling, path),
+        rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         architecture=architecture,
+        sliding_window=live_window(raw, family, path),
+        moe=parse_moe_config(raw, family, need("num_hidden_layers"), path),
     )
+
+
+def _with_longrope_defaults(rope_scaling: dict | None, raw: dict) -> dict | None:
+    """Phi-3's longrope (once named "su") with what transformers derives: the original context
+    (config.json keeps it beside the scaling), the factor and the attention factor."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) not in ("longrope", "su"):
+        return rope_scaling
+    original = rope_scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings", raw.get("max_position_embeddings", 2048)
+    )
+    factor = rope_scaling.get("factor") or raw.get("max_position_embeddings", original) / original
+    attention_factor = rope_scaling.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    )
+    return rope_scaling | {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "factor": factor,
+        "attention_factor": attention_factor,
+        "short_factor": tuple(rope_scaling.get("short_factor") or ()),
+    }
 
 
 def parse_rope_scaling(raw: dict | None, path: str | Path) -> RopeScaling:

@@ -66,8 +66,7 @@ def _linears(piece):
     return (
         ("qkv", piece.w_qkv, piece.b_qkv),
         ("o", piece.w_o, None),
-        ("gate_up", piece.w_gate_up, None),
-        ("down", piece.w_down, None),
+        *((name, weight, None) for name, weight in piece.probed_mlp()),
     )
 
 

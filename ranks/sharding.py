@@ -40,11 +40,22 @@ SHARDING_TABLE: dict[str, tuple[Split, str | None]] = {
     "mlp.gate_proj.weight": (Split.COLUMN, "intermediate"),
     "mlp.up_proj.weight": (Split.COLUMN, "intermediate"),
     "mlp.down_proj.weight": (Split.ROW, "intermediate"),
+    # Mixtures of experts (ranks/moe_config.py): the router whole on every rank; every expert's
+    # intermediate dimension cut as the dense MLP's is (TP within experts, bench/moe_split.py).
+    "mlp.gate.weight": (Split.REPLICATED, None),
+    "mlp.experts.E.gate_proj.weight": (Split.COLUMN, "expert_intermediate"),
+    "mlp.experts.E.up_proj.weight": (Split.COLUMN, "expert_intermediate"),
+    "mlp.experts.E.down_proj.weight": (Split.ROW, "expert_intermediate"),
+    "block_sparse_moe.gate.weight": (Split.REPLICATED, None),
+    "block_sparse_moe.experts.E.w1.weight": (Split.COLUMN, "expert_intermediate"),
+    "block_sparse_moe.experts.E.w3.weight": (Split.COLUMN, "expert_intermediate"),
+    "block_sparse_moe.experts.E.w2.weight": (Split.ROW, "expert_intermediate"),
     "input_layernorm.weight": (Split.REPLICATED, None),
     "post_attention_layernorm.weight": (Split.REPLICATED, None),
     "norm.weight": (Split.REPLICATED, None),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"\.experts\.\d+\.")  # every expert's weight has one rule
 
 
 def split_evenly(total: int, num_parts: int) -> list[tuple[int, int]]:
@@ -60,12 +71,14 @@ def split_evenly(total: int, num_parts: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Piece:
-    """One piece's share: KV heads [kv_start, kv_end), MLP columns, vocabulary rows."""
+    """One piece's share: KV heads [kv_start, kv_end), MLP columns, vocabulary rows, and every
+    expert's intermediate columns (a mixture of experts)."""
 
     index: int
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
+    expert_intermediate: tuple[int, int] = (0, 0)
 
     def num_kv_heads(self) -> int:
         return self.kv_heads[1] - self.kv_heads[0]
@@ -75,7 +88,8 @@ def plan_pieces(config: ModelConfig) -> list[Piece]:
     kv = split_evenly(config.num_kv_heads, NUM_PIECES)
     mlp = split_evenly(config.intermediate_size, NUM_PIECES)
     vocab = split_evenly(config.vocab_size, NUM_PIECES)
-    return [Piece(i, kv[i], mlp[i], vocab[i]) for i in range(NUM_PIECES)]
+    experts = split_evenly(config.moe.expert_size if config.moe else 0, NUM_PIECES)
+    return [Piece(i, kv[i], mlp[i], vocab[i], experts[i]) for i in range(NUM_PIECES)]
 
 
 def pieces_of_rank(config: ModelConfig, tp_rank: int, tp_size: int) -> list[Piece]:
@@ -87,7 +101,7 @@ def pieces_of_rank(config: ModelConfig, tp_rank: int, tp_size: int) -> list[Piec
 
 def rule_for(name: str) -> tuple[Split, str | None]:
     match = _LAYER_NAME.match(name)
-    key = match.group(2) if match else name.removeprefix("model.")
+    key = _EXPERT.sub(".experts.E.", match.group(2)) if match else name.removeprefix("model.")
     if key not in SHARDING_TABLE:
         raise KeyError(name)
     return SHARDING_TABLE[key]
@@ -99,5 +113,7 @@ def piece_range(config: ModelConfig, piece: Piece, unit: str) -> tuple[int, int]
         return piece.vocab
     if unit == "intermediate":
         return piece.intermediate
+    if unit == "expert_intermediate":
+        return piece.expert_intermediate
     width = config.head_dim * (config.num_queries_per_kv if unit == "q_heads" else 1)
     return piece.kv_heads[0] * width, piece.kv_heads[1] * width

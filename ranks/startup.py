@@ -41,6 +41,7 @@ from tpserve.ranks.model_group import open_model_group
 from tpserve.ranks.network import check_interface, name_interface
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 from tpserve.ranks.settings import EngineSettings
+from tpserve.ranks.unsupported import check_served_context
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,15 @@ def start_rank(
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     config = load_model_config(settings.model_dir)
+    window = check_served_context(
+        config.architecture,
+        config.sliding_window,
+        config.rope_scaling,
+        settings.context_size,
+        settings.model_dir,
+    )
+    if window is not None:
+        log.info("rank %d: %s", rank, window)
     device, settings, facts, refusal = _place_on_device(settings, config, local_rank, local_world_size)
     store, control = _join_control_group(settings, rank, world_size, host, port, agent_store)
     agree_on_flags(settings, facts, rank, world_size, control, refusal)

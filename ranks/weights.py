@@ -17,6 +17,7 @@ from tpserve.ranks.block_tensors import BlockValues, StoredBlocks, stored_blocks
 from tpserve.ranks.checkpoint_quantization import AWQ, GPTQ
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.fp8_tensors import StoredFp8, holds_fp8
+from tpserve.ranks.fused_tensors import StoredRows, fused_part
 from tpserve.ranks.gptq_tensors import StoredAwq, StoredGptq, StoredGptqV2
 from tpserve.ranks.int4_tensors import StoredInt4, holds_int4
 from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
@@ -74,6 +75,11 @@ def _open(path: Path):
 
 
 def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    expert = config.moe.expert_shape(name, config.hidden_size) if config.moe else None
+    if expert is not None:
+        return expert
+    if config.moe and name.endswith(config.moe.prefix + "gate.weight"):  # the router
+        return (config.moe.num_experts, config.hidden_size)
     key = name.rsplit(".", 2)
     leaf = ".".join(key[-2:])
     q_width = config.num_heads * config.head_dim
@@ -108,16 +114,21 @@ def required_names(config: ModelConfig) -> list[str]:
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
         "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
     ]
+    dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     if config.qkv_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    moe = config.moe
     for layer in range(config.num_layers):
         names += [f"model.layers.{layer}.{leaf}" for leaf in per_layer]
+        if moe is None or not moe.is_sparse(layer):
+            names += [f"model.layers.{layer}.{leaf}" for leaf in dense]
+            continue
+        names.append(moe.router_name(layer))
+        for expert in range(moe.num_experts):
+            names += moe.expert_names(layer, expert)
     return names
 
 
@@ -167,6 +178,10 @@ def _stored_tensor(
     """`name`'s tensor in the checkpoint: float, or (a compressed-tensors checkpoint's quantized
     layer, a weight_scale beside it) int8, int4 or fp8, or a GPTQ or AWQ checkpoint's int4 (a
     qweight in its place), or (a GGUF import's) blocks."""
+    fused = fused_part(config, name)
+    if fused is not None and stored_name(files, name) is None and stored_name(files, fused[0]) is not None:
+        whole = _stored_tensor(model_dir, config, files, handles, fused[0])
+        return StoredRows(whole, *fused)
     scheme = config.quantization
     packed = PACKED_INT4.get((scheme.method, scheme.formats[0])) if scheme else None
     qweight = stored_name(files, name.removesuffix("weight") + "qweight") if packed else None

@@ -1,0 +1,66 @@
+"""A mixture of experts through the real two-rank daemon: replies batched equal replies alone, greedy
+ones equal transformers' generate; a sliding window shorter than the served context refuses to start."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from daemon import read_reply, running_daemon
+from tiny_hf_models import transformers, write_hf_model
+from tiny_models import write_tiny_model
+
+from tpserve.v1 import serving_pb2
+
+PROMPTS = [[(11 * i + 5 * n) % 250 + 3 for i in range(length)] for n, length in enumerate((5, 40, 130, 17))]
+MAX_TOKENS = 12
+
+
+def request(ids, **fields) -> serving_pb2.GenerateRequest:
+    return serving_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+
+
+def test_qwen3_moe_replies_batched_equal_their_solo_runs_and_transformers(tmp_path):
+    # with a sliding window on every layer, longer than the served context: it never binds
+    window = {"use_sliding_window": True, "sliding_window": 300, "max_window_layers": 0}
+    model_dir = write_hf_model(tmp_path / "qwen3-moe", "qwen3-moe", **window)
+    requests = [request(ids) for ids in PROMPTS] + [request(PROMPTS[1], temperature=0.9, seed=7)]
+    args = ("--lanes", "6", "--context", "256", "--max-prefill-tokens", "64")
+    with running_daemon("spawn", model_dir, tmp_path / "logs", *args) as served:
+
+        def generate(one):
+            return read_reply(served.stub.Generate(one, timeout=300))
+
+        solo = [generate(one) for one in requests]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(generate, requests))
+        note = "Qwen3MoeForCausalLM's sliding window of 300 tokens never binds at a context of 256"
+        assert note in served.logs()
+    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo)
+    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation="eager"
+    )
+    for ids, reply in zip(PROMPTS, solo):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None
+            )
+        assert reply.token_ids == out[0, len(ids) :].tolist()
+
+
+def test_a_sliding_window_shorter_than_the_context_refuses_to_start(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "mistral", "mistral", overrides={"sliding_window": 16})
+    with running_daemon("spawn", model_dir, tmp_path / "logs", "--context", "64", wait=False) as served:
+        assert served.wait_exits(timeout_s=60) == {"daemon": 2}
+        assert (
+            "MistralForCausalLM attends within a sliding window of 16 tokens, which tpserve does not "
+            "implement: a served context of 64 would attend past it (serve --context 16 or less"
+        ) in served.logs()
+        assert served.leftovers() == []
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)

@@ -1,0 +1,46 @@
+"""Phi-3 / Phi-4 (Phi3ForCausalLM): fused qkv_proj and gate_up_proj split on load, longrope within
+its original context; checked against transformers' own Phi3ForCausalLM, tp=2 against tp=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import check_against_transformers
+from multiproc import RankPool
+from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
+from tiny_hf_models import write_hf_model
+
+from tpserve.kernels.linear import ROW_TILE
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.loader import load_rank_model
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("row_tile", [0, ROW_TILE], ids=["plain", "batch-invariant"])
+@pytest.mark.parametrize("family", ["phi3", "phi3-longrope"])
+def test_phi3_matches_transformers(tmp_path, family, row_tile):
+    check_against_transformers(write_hf_model(tmp_path / family, family), row_tile)
+
+
+def test_phi3_tp2_equals_tp1_and_batched_equals_solo(pool, tmp_path):
+    model_dir = str(write_hf_model(tmp_path / "phi3", "phi3"))
+    check_tp2_equals_tp1_and_batched_equals_solo(pool, model_dir, "none")
+
+
+def test_longrope_past_its_original_context_is_refused(tmp_path):
+    model_dir = write_hf_model(tmp_path / "phi3", "phi3-longrope")
+    with pytest.raises(ModelFileError, match="longrope's long factors \\(past 256 positions\\) are not"):
+        load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=512)
+
+
+def test_phi3_with_a_sliding_window_longer_than_the_context_is_served(tmp_path):
+    # Phi-3-mini-4k's config: a window of 2047 tokens. Within it, full attention is exact.
+    model_dir = write_hf_model(tmp_path / "phi3", "phi3", sliding_window=200)
+    check_against_transformers(model_dir, ROW_TILE, max_positions=200)
+    with pytest.raises(ModelFileError, match="sliding window of 200 tokens"):
+        load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=256)

@@ -1,0 +1,136 @@
+"""A checkpoint that asks for math tpserve does not compute is refused by name, not served wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import BASE, write_tiny_model
+
+from tpserve.kernels.rope_scaling import RopeScaling
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.loader import load_rank_model
+from tpserve.ranks.model_config import parse_model_config
+from tpserve.ranks.unsupported import check_served_context
+
+
+def config_of(architecture: str, **fields) -> dict:
+    return {**BASE, "vocab_size": 320, "architectures": [architecture], **fields}
+
+
+REFUSED = {
+    "mla": (
+        config_of("LlamaForCausalLM", kv_lora_rank=512),
+        "multi-head latent attention (MLA, kv_lora_rank 512)",
+    ),
+    "deepseek": (
+        config_of("DeepseekV3ForCausalLM"),
+        "DeepseekV3ForCausalLM is not supported: multi-head latent",
+    ),
+    "qwen3-next": (
+        config_of("Qwen3NextForCausalLM"),
+        "Qwen3NextForCausalLM is not supported: hybrid linear-attention",
+    ),
+    "qwen3.5": (
+        config_of("Qwen3_5ForCausalLM"),
+        "hybrid linear-attention (Gated DeltaNet) layers not implemented",
+    ),
+    "gpt-oss": (config_of("GptOssForCausalLM"), "GptOssForCausalLM is not supported: attention sinks"),
+    "unknown": (config_of("FooForCausalLM"), "unsupported architecture ['FooForCausalLM'] (supported: Llama"),
+    "linear-layers": (
+        config_of("Qwen3ForCausalLM", layer_types=["linear_attention", "full_attention"]),
+        "Qwen3ForCausalLM: layer_types ['linear_attention'] is not implemented",
+    ),
+    "softcap": (
+        config_of("LlamaForCausalLM", final_logit_softcapping=30.0),
+        "final_logit_softcapping 30.0 is not implemented",
+    ),
+    "gelu": (config_of("MistralForCausalLM", hidden_act="gelu"), "hidden_act 'gelu' (only SwiGLU's silu is)"),
+    "mlp-bias": (config_of("LlamaForCausalLM", mlp_bias=True), "mlp_bias (biases on gate, up and down)"),
+    "o-bias": (
+        config_of("LlamaForCausalLM", attention_bias=True),
+        "attention_bias (transformers puts a bias on o_proj too) is not implemented",
+    ),
+    "partial-rotary": (
+        config_of("LlamaForCausalLM", partial_rotary_factor=0.75),
+        "partial rotary embedding (partial_rotary_factor 0.75) is not implemented",
+    ),
+    "shared-expert": (
+        config_of(
+            "Qwen3MoeForCausalLM",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        ),
+        "a shared expert (shared_expert_intermediate_size) is not implemented",
+    ),  # fmt: skip
+    "top-k": (
+        config_of("MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=3),
+        "num_experts_per_tok 3 is more than the 2 experts",
+    ),
+    "glm-moe": (
+        config_of("Glm4MoeForCausalLM"),
+        "Glm4MoeForCausalLM is not supported: its mixture of experts",
+    ),
+    "dynamic-rope": (
+        config_of("LlamaForCausalLM", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "unsupported rope scaling 'dynamic'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_unimplemented_features_are_refused_by_name(case):
+    raw, message = REFUSED[case]
+    with pytest.raises(ModelFileError) as refused:
+        parse_model_config(raw)
+    assert message in str(refused.value)
+
+
+WINDOWS = {
+    # Mistral-7B-v0.1: a sliding_window set is a window in force.
+    "mistral": (config_of("MistralForCausalLM", sliding_window=16), 16),
+    # Qwen2 with the flag on: layers from max_window_layers on slide.
+    "qwen2-on": (
+        config_of("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=32, max_window_layers=1),
+        32,
+    ),
+    # Qwen2.5 carries a window with the flag off: none in force.
+    "qwen2.5": (config_of("Qwen2ForCausalLM", use_sliding_window=False, sliding_window=32768), None),
+    # transformers 5 writes layer_types: they say which layers slide.
+    "qwen3-layers": (
+        config_of("Qwen3ForCausalLM", layer_types=["full_attention", "sliding_attention"], sliding_window=8),
+        8,
+    ),
+    "llama": (config_of("LlamaForCausalLM", sliding_window=16), None),  # Llama has no window
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWS))
+def test_a_live_sliding_window_is_read_from_the_config(case):
+    raw, window = WINDOWS[case]
+    assert parse_model_config(raw).sliding_window == window
+
+
+def test_a_window_shorter_than_the_context_is_refused_naming_model_feature_and_window():
+    with pytest.raises(ModelFileError) as refused:
+        check_served_context("MistralForCausalLM", 16, RopeScaling(), 64, "/models/m")
+    assert str(refused.value) == (
+        "/models/m: MistralForCausalLM attends within a sliding window of 16 tokens, which tpserve does "
+        "not implement: a served context of 64 would attend past it (serve --context 16 or less, where "
+        "the window never binds)"
+    )
+    note = check_served_context("MistralForCausalLM", 4096, RopeScaling(), 4096, "/models/m")
+    assert note == (
+        "MistralForCausalLM's sliding window of 4096 tokens never binds at a context of 4096: "
+        "full attention is exact"
+    )
+    assert check_served_context("MistralForCausalLM", None, RopeScaling(), 1 << 20, "/models/m") is None
+
+
+def test_loading_a_windowed_model_for_a_longer_context_is_refused(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m", "mistral", overrides={"sliding_window": 16})
+    with pytest.raises(ModelFileError, match="sliding window of 16 tokens"):
+        load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64)
+    model = load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=16)
+    assert model.config.sliding_window == 16

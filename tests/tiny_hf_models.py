@@ -1,0 +1,87 @@
+"""Tiny random models that transformers writes itself: its own config class, its own `save_pretrained`.
+
+So the checkpoint's names, fusions and config keys are the family's real ones (Phi-3's fused
+qkv_proj, Mixtral's block_sparse_moe.experts.N.w1), not our reading of them. The weights are drawn
+again at a larger scale than transformers' init (0.02 would leave every logit near zero, where a
+wrong product hides), seeded, so a model is the same every time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tiny_models import CHAT_TEMPLATE, build_tokenizer
+
+transformers = __import__("pytest").importorskip("transformers")
+
+VOCAB = build_tokenizer(320).get_vocab_size()
+SMALL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+FAMILIES = {
+    "phi3": lambda **kw: transformers.Phi3Config(**(SMALL | kw)),
+    # longrope within its original context: the short factors (head_dim 16: 8 of them)
+    "phi3-longrope": lambda **kw: transformers.Phi3Config(
+        **(SMALL | {"max_position_embeddings": 1024, "original_max_position_embeddings": 256} | kw),
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.25 * i for i in range(8)],
+            "long_factor": [4.0] * 8,
+        },
+    ),
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        **(SMALL | {"num_local_experts": 8, "num_experts_per_tok": 2} | kw)
+    ),
+    # Qwen3-MoE with a dense layer among the sparse ones (mlp_only_layers) and an odd expert width
+    # (18: 9 + 9 columns a piece)
+    "qwen3-moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "head_dim": 16,
+                "num_experts": 8,
+                "num_experts_per_tok": 3,
+                "moe_intermediate_size": 18,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [1],
+            }
+            | kw
+        )
+    ),
+}
+
+
+def write_hf_model(out_dir: str | Path, family: str, seed: int = 0, **overrides) -> Path:
+    """`family`'s tiny model at `out_dir`, written by transformers, with the tests' tokenizer."""
+    out = Path(out_dir)
+    config = FAMILIES[family](**overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if param.dim() == 1:  # norms' weights
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(noise * (1.0 if "embed_tokens" in name else 0.2))
+    model.save_pretrained(out)
+    tokenizer = build_tokenizer(320)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "add_bos_token": False})
+    )
+    return out
