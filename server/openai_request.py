@@ -11,9 +11,9 @@ import base64
 import binascii
 from dataclasses import dataclass
 
-import grpc
-
-from tpserve.server.validation import MAX_SEED, RequestRefused
+from tpserve.server.openai_constraint import constraint_from
+from tpserve.server.openai_fields import FieldRefused
+from tpserve.server.validation import MAX_SEED
 from tpserve.v1 import serving_pb2
 
 INT32_MAX = 2**31 - 1
@@ -27,19 +27,10 @@ NEUTRAL = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
-
-
-class FieldRefused(RequestRefused):
-    """A bad field of an OpenAI body: INVALID_ARGUMENT, and the field's name (the error's `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -112,6 +103,9 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
         request.seed = _seed(body["seed"])
     request.stop.extend(_stop(body.get("stop")))
     request.ignore_eos = _flag(body, "ignore_eos")
+    constraint = constraint_from(body)
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise FieldRefused("user", "user must be a string")
     model = body.get("model")

@@ -15,6 +15,7 @@ import time
 import grpc
 
 from tpserve.ranks.errors import UserError
+from tpserve.server.grammar import Grammars
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
@@ -73,6 +74,7 @@ class Submitter:
             max_image_bytes=info.max_image_bytes,
             max_image_pixels=info.max_image_pixels,
         )
+        self.grammars = Grammars(tokenizer.backend_json, tokenizer.vocab_size, tokenizer.eos_ids)
         self._stopping = False
 
     @property
@@ -111,6 +113,7 @@ class Submitter:
         else:
             prompt_ids = list(request.prompt_token_ids)
         max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
+        grammar = self.grammars.compile(request.constraint) if request.HasField("constraint") else None
         images = ()
         if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
             media, wheres = _media_parts(request.messages)
@@ -124,6 +127,7 @@ class Submitter:
             background=request.background,
             keep_boundaries=boundaries,
             images=images,
+            grammar=grammar,
         )
         try:
             return self.lane_host.submit(job)

@@ -107,6 +107,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json has it (what the grammar engine reads)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; BOS first when the model wants it (add_bos=None) or when asked.
 

@@ -46,7 +46,19 @@ def openai_body(request: serving_pb2.GenerateRequest, model: str | None = None) 
             body["logprobs"], body["top_logprobs"] = True, request.logprobs
     if request.ignore_eos:
         body["ignore_eos"] = True  # an extension vLLM, llama.cpp's server and tpserve all read
+    if request.HasField("constraint"):
+        body["structured_outputs"] = _structured_outputs(request.constraint)
     return path, body
+
+
+def _structured_outputs(constraint: serving_pb2.Constraint) -> dict:
+    """vLLM's spelling of a constraint (the json schema as its text, which vLLM reads too)."""
+    kind = constraint.WhichOneof("kind")
+    if kind == "json_schema":
+        return {"json": constraint.json_schema}
+    if kind == "choice":
+        return {"choice": list(constraint.choice.choices)}
+    return {kind: getattr(constraint, kind)} if kind else {}
 
 
 def _part(part: serving_pb2.ContentPart) -> dict:
