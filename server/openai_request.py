@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from dataclasses import dataclass
 
 from tpserve.server.openai_constraint import constraint_from
 from tpserve.server.openai_fields import FieldRefused
+from tpserve.server.openai_tools import add_message_tools, add_tools
+from tpserve.server.tool_calls import ToolMode
 from tpserve.server.validation import MAX_SEED
 from tpserve.v1 import serving_pb2
 
@@ -24,8 +27,6 @@ NEUTRAL = {
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -43,9 +44,11 @@ class OpenAIRequest:
     stream: bool  # server-sent events, else one JSON object
     include_usage: bool  # a last streamed chunk with the usage (stream_options.include_usage)
     return_token_ids: bool  # token_ids in each choice (an extension, as vLLM's)
+    tools: ToolMode | None = None  # how a chat reply's tool calls are read (server/tool_calls.py)
 
 
-def parse_chat(body: dict) -> OpenAIRequest:
+def parse_chat(body: dict, tool_parser: str | None = None) -> OpenAIRequest:
+    """`tool_parser`: the family of the model's tool calls (tool_calls.py), None if it has none."""
     request = serving_pb2.GenerateRequest()
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -58,7 +61,8 @@ def parse_chat(body: dict) -> OpenAIRequest:
         raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
     if wants_logprobs:
         request.logprobs = num_top or 0
-    return _finish(body, request, chat=True)
+    parsed = _finish(body, request, chat=True)
+    return dataclasses.replace(parsed, tools=add_tools(body, request, tool_parser))
 
 
 def parse_completion(body: dict) -> OpenAIRequest:
@@ -143,6 +147,7 @@ def _add_message(request: serving_pb2.GenerateRequest, message, index: int) -> N
             _add_part(added, part, f"{where}.content[{part_index}]")
     else:
         raise FieldRefused(f"{where}.content", f"{where}.content must be a string or a list of parts")
+    add_message_tools(added, message, where)
 
 
 def _add_part(message: serving_pb2.ChatMessage, part, where: str) -> None:

@@ -29,6 +29,7 @@ from tpserve.server.requests import (
     TokenDelta,
 )
 from tpserve.server.serving_info import ServingInfo
+from tpserve.server.template_inputs import template_inputs, tool_fields
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.validation import (
     Limits,
@@ -108,7 +109,7 @@ class Submitter:
         if kind == "prompt":
             prompt_ids = self.tokenizer.encode(request.prompt)
         elif kind == "messages":
-            prompt_ids, offsets = self._encode_chat(request.messages)
+            prompt_ids, offsets = self._encode_chat(request.messages, **template_inputs(request))
             boundaries = self.chat_boundaries(request.messages, prompt_ids)
         else:
             prompt_ids = list(request.prompt_token_ids)
@@ -197,7 +198,9 @@ class Submitter:
         tokens_per_image image tokens)."""
         return self._encode_chat(messages, add_generation_prompt)[0]
 
-    def _encode_chat(self, messages, add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+    def _encode_chat(
+        self, messages, add_generation_prompt: bool = True, *, tools=None, template_kwargs=None
+    ) -> tuple[list[int], list[int]]:
         """The token ids and where each image's positions start."""
         num_images = sum(part.HasField("media") for message in messages for part in message.parts)
         if num_images and self.vision is None:
@@ -213,9 +216,14 @@ class Submitter:
                 ]
             else:
                 content = "".join(part.text for part in message.parts) if message.parts else message.content
-            chat.append({"role": message.role, "content": content})
+            chat.append({"role": message.role, "content": content, **tool_fields(message)})
         try:
-            ids = self.tokenizer.encode_chat(chat, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.encode_chat(
+                chat,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
         except UserError as error:  # the template refused the conversation, or there is none
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         if self.vision is None:
