@@ -11,6 +11,9 @@ from __future__ import annotations
 from tpserve.server.tool_calls import MARKERS, ToolMode, marker_start, parse_calls
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# --reasoning-parser: qwen3 splits <think> blocks the reply opens; deepseek_r1 also counts the
+# reply's start as inside one (R1 distills' templates open it in the prompt, or the model omits it).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 def thinks(template: str) -> bool:
@@ -28,6 +31,7 @@ class ChatReply:
         self._pending = ""  # text not yet sent: a possible marker, or a tool call
         self._calling = False  # a tool call began: everything from here waits for the end
         self._started = False  # any text seen yet (an opening <think> only counts first)
+        self._after_think = False  # a </think> just closed: newlines next are dropped
 
     def push(self, text: str) -> list[dict]:
         """Delta objects for newly released text (maybe none yet)."""
@@ -85,9 +89,15 @@ class ChatReply:
                     break
                 if at:
                     deltas.append({"reasoning_content": self._pending[:at]})
-                self._pending = self._pending[at + len(THINK_CLOSE) :].lstrip("\n")
+                self._pending = self._pending[at + len(THINK_CLOSE) :]
                 self._thinking = False
+                self._after_think = True
                 continue
+            if self._after_think:  # the newlines templates put after </think> are not content
+                self._pending = self._pending.lstrip("\n")
+                if not self._pending:
+                    break
+                self._after_think = False
             at = marker_start(self._pending, self._tools) if self._tools is not None else None
             if at is None:
                 deltas.append({"content": self._pending})

@@ -50,16 +50,27 @@ class HttpRefusal(Exception):
 
 class OpenAIApi:
     def __init__(
-        self, submitter: Submitter, *, api_key: str = "", poll_s: float = 0.25, queue_size: int = 64
+        self,
+        submitter: Submitter,
+        *,
+        api_key: str = "",
+        poll_s: float = 0.25,
+        queue_size: int = 64,
+        tool_call_parser: str = "",
+        reasoning_parser: str = "",
     ):
+        """The parsers: "" reads the family from the chat template, "none" turns it off."""
         self._submitter = submitter
         self._api_key = api_key
         self._model = submitter.info.model_name
-        # How chat replies are read: the tool-call family and <think> reasoning, from the template.
+        # How chat replies are read: the tool-call family and <think> reasoning.
         template = submitter.tokenizer.chat_template
-        self._tool_parser = parser_for_template(template)
-        self._thinks = thinks(template)
-        self._starts_thinking = self._thinks and _prompt_opens_think(submitter.tokenizer)
+        parser = tool_call_parser or parser_for_template(template)
+        self._tool_parser = None if parser == "none" else parser
+        self._thinks = reasoning_parser != "none" if reasoning_parser else thinks(template)
+        self._starts_thinking = reasoning_parser == "deepseek_r1" or (
+            self._thinks and _prompt_opens_think(submitter.tokenizer)
+        )
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
         self._limiter: anyio.CapacityLimiter | None = None
