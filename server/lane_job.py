@@ -105,7 +105,8 @@ class Job:
         if token_id in eos_ids and not self.request.ignore_eos:
             self._send(self.text.finish())
             return STOP
-        if self.matcher is not None:
+        if self.matcher is not None and token_id not in eos_ids:
+            # An EOS kept under ignore_eos leaves the grammar where it was (complete).
             self.matcher.accept(token_id)
         self._send(self.text.push(token_id))
         if self.text.stopped:

@@ -53,7 +53,7 @@ def _json(text: str, name: str, kind: type):
     except json.JSONDecodeError as error:
         raise _invalid(f"{name} is not valid JSON: {error}") from None
     if not isinstance(value, kind):
-        raise _invalid(f"{name} must be a JSON {'list' if kind is list else 'object'}")
+        raise _invalid(f"{name} must be {'a list' if kind is list else 'an object'}")
     return value
 
 

@@ -33,8 +33,12 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    model_dir = write_daemon_model(tmp_path_factory.mktemp("structured-model"))
+def model_dir(tmp_path_factory):
+    return write_daemon_model(tmp_path_factory.mktemp("structured-model"))
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("structured-logs")
     with running_daemon("spawn", model_dir, log_dir, "--context", str(CONTEXT), "--lanes", "4") as served:
         yield served
@@ -138,6 +142,18 @@ def test_a_constrained_reply_is_the_same_alone_and_batched(client):
         thread.join(timeout=300)
     assert failures == []
     assert [together[seed] for seed in range(3)] == solo
+
+
+def test_a_constrained_reply_is_the_same_at_tp1_and_tp2(client, model_dir, tmp_path):
+    fields = {"extra_body": {"guided_json": City.model_json_schema()}, "temperature": 0.9, "seed": 21}
+    tp2 = chat(client, **fields).choices[0].message.content
+    with (
+        running_daemon("spawn", model_dir, tmp_path, "--context", str(CONTEXT), "--tp", "1") as one_rank,
+        openai.OpenAI(base_url=one_rank.http_url, api_key="unused", max_retries=0, timeout=120) as other,
+    ):
+        other.served_model = client.served_model
+        assert chat(other, **fields).choices[0].message.content == tp2
+    City.model_validate_json(tp2)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ OpenAI-compatible server; the reverse of the server's own translation (server/op
 from __future__ import annotations
 
 import base64
+import json
 
 from tpserve.v1 import serving_pb2
 
@@ -48,6 +49,12 @@ def openai_body(request: serving_pb2.GenerateRequest, model: str | None = None) 
         body["ignore_eos"] = True  # an extension vLLM, llama.cpp's server and tpserve all read
     if request.HasField("constraint"):
         body["structured_outputs"] = _structured_outputs(request.constraint)
+    for field, key in (("tools_json", "tools"), ("chat_template_kwargs_json", "chat_template_kwargs")):
+        if getattr(request, field):
+            try:
+                body[key] = json.loads(getattr(request, field))
+            except json.JSONDecodeError:
+                return None  # JSON in name only: an OpenAI body cannot carry it
     return path, body
 
 
