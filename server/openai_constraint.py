@@ -21,8 +21,6 @@ GUIDED = {
     "guided_grammar": "grammar",
 }
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-# Which engine vLLM should use; this server has one, so the name changes nothing in the reply.
-ENGINE_CHOICE = "guided_decoding_backend"
 
 
 def constraint_from(body: dict) -> serving_pb2.Constraint | None:
