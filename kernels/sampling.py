@@ -31,10 +31,18 @@ _NO_CANDIDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
 _FIRST_TOP_P_BLOCK = 64  # tokens sorted first when looking for the top_p cut; grows 8x when short
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    allowed: Sequence[np.ndarray | None] | None = None,
+) -> list[int]:
     """One token per row of `logits` [num_rows, vocab_size], drawn as each row's params say.
 
     positions[i] is the position of the token row i draws; with params[i].seed it keys the noise.
+    allowed[i], when given and not None, is row i's grammar mask (int32 words, token t at bit t % 32
+    of word t // 32; tokens past its end are refused): every other token reads as -inf before the
+    draw, so the draw is the same function of (row, mask, seed, position) whatever ran beside it.
     """
     if logits.dim() != 2 or len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
         raise ValueError(
@@ -42,6 +50,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
             f"{tuple(logits.shape)}, {len(params)} params, {len(positions)} positions"
         )
     scores = _to_float32(logits)  # [num_rows, vocab]
+    if allowed is not None and any(mask is not None for mask in allowed):
+        scores = _masked(scores, allowed)
     # numpy documents argmax as returning the first occurrence of the maximum: the lower id.
     tokens = scores.argmax(axis=-1)  # [num_rows], the greedy choice of every row
     sampled = [row for row, p in enumerate(params) if not p.greedy]
@@ -107,6 +117,21 @@ def _to_float32(logits: torch.Tensor) -> np.ndarray:
     if np.isnan(scores).any():
         # A NaN logit can never win: it reads as -inf (in a copy; the caller's tensor is left alone).
         scores = np.where(np.isnan(scores), np.float32(-np.inf), scores)
+    return scores
+
+
+def _masked(scores: np.ndarray, allowed: Sequence[np.ndarray | None]) -> np.ndarray:
+    """A copy of scores [num_rows, vocab] with each masked row's refused tokens at -inf (a copy: the
+    caller's logits stay raw for the log probabilities)."""
+    scores = scores.copy()
+    vocab_size = scores.shape[-1]
+    for row, mask in enumerate(allowed):
+        if mask is not None:
+            keep = np.unpackbits(mask.astype("<i4").view(np.uint8), bitorder="little")[:vocab_size].astype(
+                bool
+            )
+            keep = np.pad(keep, (0, vocab_size - len(keep)))  # [vocab]; past the mask: refused
+            scores[row, ~keep] = -np.inf
     return scores
 
 

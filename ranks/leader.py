@@ -112,7 +112,11 @@ class Leader:
         msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft)) for i in items))
         rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
         logits = self._run(msg)
-        tokens = sample(logits, [item.sampling for item, _ in rows], [position for _, position in rows])
+        # A constrained stream brings no draft (server/drafts.py), so its one row takes its mask.
+        masks = [item.allowed if position == item.position + 1 else None for item, position in rows]
+        tokens = sample(
+            logits, [item.sampling for item, _ in rows], [position for _, position in rows], masks
+        )
         self._keep_logprobs(
             logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
         )
@@ -197,7 +201,7 @@ class Leader:
 
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).
-        tokens = sample(logits, [i.sampling for i in items], positions)
+        tokens = sample(logits, [i.sampling for i in items], positions, [i.allowed for i in items])
         self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
         if self._record_features:
             for item, features in zip(items, top_logits(logits, NUM_FEATURES)):

@@ -57,6 +57,8 @@ class PrefillItem:
     last: bool
     sampling: SamplingParams
     images: tuple[PromptImage, ...] = ()
+    # With `last`: the grammar mask of the token sampled (kernels/sampling.py's `allowed`), or None.
+    allowed: object = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class DecodeItem:
     token_id: int
     sampling: SamplingParams
     draft: tuple[int, ...] = ()
+    # The grammar mask of the token sampled after token_id (kernels/sampling.py's `allowed`), or
+    # None; a constrained stream brings no draft.
+    allowed: object = None
 
 
 class Backend(Protocol):

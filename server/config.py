@@ -21,6 +21,8 @@ from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTIZE_CHOICES, EngineSettings
 from tpserve.server.api_key import API_KEY_ENV
+from tpserve.server.chat_reply import REASONING_PARSERS
+from tpserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
 class ConfigError(UserError):
@@ -71,6 +73,9 @@ class ServeConfig:
     max_image_bytes: int = 10 << 20  # with --vision: encoded bytes per image
     max_image_pixels: int = 4096 * 4096  # with --vision: width x height per image
     record: str = ""  # a directory: record every stream there
+    # How chat replies are read over HTTP: "" reads the family from the chat template.
+    tool_call_parser: str = ""  # hermes, llama3, mistral or none
+    reasoning_parser: str = ""  # qwen3 (<think> blocks), deepseek_r1 (the reply opens inside one) or none
     grace_s: float = 10.0
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
     master: str = ""  # HOST[:PORT] of rank 0, for one process per host
@@ -94,6 +99,8 @@ _CHOICES = {
     "quantize": QUANTIZE_CHOICES,
     "tp": (1, 2),
     "cpu_collectives": CHOICES,
+    "tool_call_parser": ("", *TOOL_CALL_PARSERS, "none"),
+    "reasoning_parser": ("", *REASONING_PARSERS, "none"),
 }
 _AT_MOST = {"draft_tokens": MAX_DRAFT_TOKENS}  # a decode product holds 16 rows: the token and 15 drafts
 # Keys whose default (None) is "auto": the device's own default, decided when the rank knows it.

@@ -164,7 +164,13 @@ def _build_apis(
     )
     http = None
     if config.http_port:
-        api = OpenAIApi(submitter, api_key=config.api_key, queue_size=config.queue_size)
+        api = OpenAIApi(
+            submitter,
+            api_key=config.api_key,
+            queue_size=config.queue_size,
+            tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
+        )
         http = HttpServer(api.app(), host=config.host, port=config.http_port)
     return server, http
 

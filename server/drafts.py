@@ -74,6 +74,11 @@ class Drafter:
             return [()] * len(jobs)
         out = []
         for job in jobs:
+            if job.matcher is not None:
+                # A draft token would be verified against logits that no grammar masked; a
+                # constrained stream decodes one token a round instead.
+                out.append(())
+                continue
             reach = self._streams.setdefault(job, _Reach(self.max_draft_tokens))
             room = min(job.reserve - job.next_position, job.request.max_tokens - len(job.produced)) - 1
             out.append(propose(job.feed_ids, min(per_job, room, reach.next_round())))

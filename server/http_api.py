@@ -26,12 +26,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpserve.server.api_key import UNAUTHENTICATED, key_matches
+from tpserve.server.chat_reply import THINK_OPEN, ChatReply, thinks
 from tpserve.server.http_errors import error_json, param_of, status_of
 from tpserve.server.lane_stream import Stream, merge_deltas
-from tpserve.server.openai_reply import ReplyShape
+from tpserve.server.openai_reply import FINISH_REASONS, TOOL_CALLS, ReplyShape
 from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
-from tpserve.server.requests import ERROR, Event, Finished, TokenDelta
+from tpserve.server.requests import ERROR, STOP, Event, Finished, TokenDelta
 from tpserve.server.submitter import Submitter
+from tpserve.server.tool_calls import parser_for_template
 from tpserve.server.validation import RequestRefused
 
 MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
@@ -48,11 +50,27 @@ class HttpRefusal(Exception):
 
 class OpenAIApi:
     def __init__(
-        self, submitter: Submitter, *, api_key: str = "", poll_s: float = 0.25, queue_size: int = 64
+        self,
+        submitter: Submitter,
+        *,
+        api_key: str = "",
+        poll_s: float = 0.25,
+        queue_size: int = 64,
+        tool_call_parser: str = "",
+        reasoning_parser: str = "",
     ):
+        """The parsers: "" reads the family from the chat template, "none" turns it off."""
         self._submitter = submitter
         self._api_key = api_key
         self._model = submitter.info.model_name
+        # How chat replies are read: the tool-call family and <think> reasoning.
+        template = submitter.tokenizer.chat_template
+        parser = tool_call_parser or parser_for_template(template)
+        self._tool_parser = None if parser == "none" else parser
+        self._thinks = reasoning_parser != "none" if reasoning_parser else thinks(template)
+        self._starts_thinking = reasoning_parser == "deepseek_r1" or (
+            self._thinks and _prompt_opens_think(submitter.tokenizer)
+        )
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
         self._limiter: anyio.CapacityLimiter | None = None
@@ -94,7 +112,7 @@ class OpenAIApi:
         return JSONResponse(self._model_card())
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_chat)
+        return await self._generate(request, lambda body: parse_chat(body, self._tool_parser))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
@@ -122,13 +140,18 @@ class OpenAIApi:
             logprobs=parsed.generate.HasField("logprobs"),
             token_text=self._token_text,
         )
+        reply = None
+        if parsed.chat and (parsed.tools is not None or self._thinks):
+            reply = ChatReply(parsed.tools, self._thinks, self._starts_thinking)
         if parsed.stream:
-            events = self._server_sent_events(stream, shape, parsed.include_usage)
+            events = self._server_sent_events(stream, shape, parsed.include_usage, reply)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self._whole(request, stream, shape)
+        return await self._whole(request, stream, shape, reply)
 
-    async def _whole(self, request: Request, stream: Stream, shape: ReplyShape) -> Response:
+    async def _whole(
+        self, request: Request, stream: Stream, shape: ReplyShape, reply: ChatReply | None
+    ) -> Response:
         text, token_ids, logprobs = [], [], []
         async for event in self._events(stream, request):
             if isinstance(event, TokenDelta):
@@ -139,20 +162,27 @@ class OpenAIApi:
                 refusal = self._failure(event)
                 if refusal is not None:
                     return _refusal(refusal)
-                return JSONResponse(
-                    shape.whole("".join(text), token_ids, event.reason, event.usage, logprobs)
-                )
+                whole = shape.whole("".join(text), token_ids, event.reason, event.usage, logprobs)
+                if reply is not None:
+                    message, called = reply.whole("".join(text))
+                    whole["choices"][0]["message"] = message
+                    if called and event.reason == STOP:
+                        whole["choices"][0]["finish_reason"] = FINISH_REASONS[TOOL_CALLS]
+                return JSONResponse(whole)
         return Response(status_code=499)  # the client went away; its stream is cancelled
 
     async def _server_sent_events(
-        self, stream: Stream, shape: ReplyShape, include_usage: bool
+        self, stream: Stream, shape: ReplyShape, include_usage: bool, reply: ChatReply | None
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; _events then cancels the
         # stream, so its lane is freed at the host's next boundary.
         if shape.chat:
             yield _sse(shape.first_chunk())
         async for event in self._events(stream, None):
-            if isinstance(event, TokenDelta):
+            if isinstance(event, TokenDelta) and reply is not None:
+                for delta in reply.push(event.text):
+                    yield _sse(shape.delta_chunk(delta))
+            elif isinstance(event, TokenDelta):
                 if event.text or event.logprobs or shape.return_token_ids:
                     yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs))
             elif isinstance(event, Finished):
@@ -160,7 +190,13 @@ class OpenAIApi:
                 if refusal is not None:
                     yield _sse(error_json(status_of(refusal.code), refusal.message))
                     break
-                yield _sse(shape.chunk("", reason=event.reason))
+                reason = event.reason
+                if reply is not None:
+                    deltas, called = reply.finish()
+                    for delta in deltas:
+                        yield _sse(shape.delta_chunk(delta))
+                    reason = TOOL_CALLS if called and reason == STOP else reason
+                yield _sse(shape.chunk("", reason=reason))
                 if include_usage:
                     yield _sse(shape.usage_chunk(event.usage))
         yield "data: [DONE]\n\n"
@@ -241,6 +277,15 @@ async def _read_json(request: Request) -> dict:
     if not isinstance(value, dict):
         raise HttpRefusal(400, "the request body must be a JSON object")
     return value
+
+
+def _prompt_opens_think(tokenizer) -> bool:
+    """The template's generation prompt itself opens the <think> block (DeepSeek-R1 distills)."""
+    try:
+        prompt = tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    except Exception:  # noqa: BLE001 (a template that refuses this conversation opens nothing)
+        return False
+    return prompt.rstrip().endswith(THINK_OPEN)
 
 
 def _sse(value: dict) -> str:

@@ -231,12 +231,19 @@ class Admission:
         start = job.num_prefilled
         chunk = feed[start : start + self._max_prefill_tokens]
         last = start + len(chunk) == len(feed)
-        return PrefillItem(job.lane, start, chunk, last, job.request.sampling, job.request.images)
+        allowed = job.allowed_tokens() if last else None
+        return PrefillItem(job.lane, start, chunk, last, job.request.sampling, job.request.images, allowed)
 
     def _whole_prompt(self, job: Job) -> PrefillItem:
         start = job.cached_tokens
         return PrefillItem(
-            job.lane, start, job.feed_ids[start:], True, job.request.sampling, job.request.images
+            job.lane,
+            start,
+            job.feed_ids[start:],
+            True,
+            job.request.sampling,
+            job.request.images,
+            job.allowed_tokens(),
         )
 
     def _prefill(self, job: Job, item: PrefillItem) -> Outcome | None:

@@ -54,6 +54,8 @@ class Job:
         self.cancel_requested = False
         self.submitted_at = submitted_at
         self.first_token_at: float | None = None
+        # Structured outputs: the stream's place in its grammar, advanced on every kept token.
+        self.matcher = request.grammar.matcher() if request.grammar is not None else None
 
     @property
     def background(self) -> bool:
@@ -87,6 +89,10 @@ class Job:
         """Where the next sampled token goes (its log probability is keyed by it)."""
         return len(self.request.prompt_ids) + len(self.produced)
 
+    def allowed_tokens(self):
+        """The grammar mask of the next draw (kernels/sampling.py's `allowed`), or None when free."""
+        return None if self.matcher is None else self.matcher.allowed()
+
     def accept(
         self, token_id: int, eos_ids: frozenset[int], now: float, logprob: TokenLogprob | None = None
     ) -> str | None:
@@ -99,6 +105,9 @@ class Job:
         if token_id in eos_ids and not self.request.ignore_eos:
             self._send(self.text.finish())
             return STOP
+        if self.matcher is not None and token_id not in eos_ids:
+            # An EOS kept under ignore_eos leaves the grammar where it was (complete).
+            self.matcher.accept(token_id)
         self._send(self.text.push(token_id))
         if self.text.stopped:
             return STOP

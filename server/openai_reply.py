@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 
 from tpserve.server.requests import CANCELLED, LENGTH, STOP, TokenLogprob, Usage
 
-FINISH_REASONS = {STOP: "stop", LENGTH: "length", CANCELLED: "cancelled"}
+TOOL_CALLS = "tool_calls"  # the reply ended in tool calls (a chat's finish reason only)
+FINISH_REASONS = {STOP: "stop", LENGTH: "length", CANCELLED: "cancelled", TOOL_CALLS: "tool_calls"}
 
 
 def usage_json(usage: Usage) -> dict:
@@ -90,6 +91,14 @@ class ReplyShape:
         if self.return_token_ids and reason is None:
             choice["token_ids"] = list(token_ids)
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def delta_chunk(
+        self, delta: dict, token_ids: tuple[int, ...] = (), logprobs: Sequence[TokenLogprob] = ()
+    ) -> dict:
+        """A streamed chat piece carrying `delta` (content, reasoning_content or tool_calls)."""
+        chunk = self.chunk("", token_ids, logprobs=logprobs)
+        chunk["choices"][0]["delta"] = delta
+        return chunk
 
     def first_chunk(self) -> dict:
         """The chat's opening piece: the role, no text yet (as OpenAI's own streams begin)."""

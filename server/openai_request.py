@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from dataclasses import dataclass
 
-import grpc
-
-from tpserve.server.validation import MAX_SEED, RequestRefused
+from tpserve.server.openai_constraint import constraint_from
+from tpserve.server.openai_fields import FieldRefused
+from tpserve.server.openai_tools import add_message_tools, add_tools
+from tpserve.server.tool_calls import ToolMode
+from tpserve.server.validation import MAX_SEED
 from tpserve.v1 import serving_pb2
 
 INT32_MAX = 2**31 - 1
@@ -24,22 +27,11 @@ NEUTRAL = {
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
-
-
-class FieldRefused(RequestRefused):
-    """A bad field of an OpenAI body: INVALID_ARGUMENT, and the field's name (the error's `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -52,9 +44,11 @@ class OpenAIRequest:
     stream: bool  # server-sent events, else one JSON object
     include_usage: bool  # a last streamed chunk with the usage (stream_options.include_usage)
     return_token_ids: bool  # token_ids in each choice (an extension, as vLLM's)
+    tools: ToolMode | None = None  # how a chat reply's tool calls are read (server/tool_calls.py)
 
 
-def parse_chat(body: dict) -> OpenAIRequest:
+def parse_chat(body: dict, tool_parser: str | None = None) -> OpenAIRequest:
+    """`tool_parser`: the family of the model's tool calls (tool_calls.py), None if it has none."""
     request = serving_pb2.GenerateRequest()
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -67,7 +61,8 @@ def parse_chat(body: dict) -> OpenAIRequest:
         raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
     if wants_logprobs:
         request.logprobs = num_top or 0
-    return _finish(body, request, chat=True)
+    parsed = _finish(body, request, chat=True)
+    return dataclasses.replace(parsed, tools=add_tools(body, request, tool_parser))
 
 
 def parse_completion(body: dict) -> OpenAIRequest:
@@ -112,6 +107,9 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
         request.seed = _seed(body["seed"])
     request.stop.extend(_stop(body.get("stop")))
     request.ignore_eos = _flag(body, "ignore_eos")
+    constraint = constraint_from(body)
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise FieldRefused("user", "user must be a string")
     model = body.get("model")
@@ -149,6 +147,7 @@ def _add_message(request: serving_pb2.GenerateRequest, message, index: int) -> N
             _add_part(added, part, f"{where}.content[{part_index}]")
     else:
         raise FieldRefused(f"{where}.content", f"{where}.content must be a string or a list of parts")
+    add_message_tools(added, message, where)
 
 
 def _add_part(message: serving_pb2.ChatMessage, part, where: str) -> None:

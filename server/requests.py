@@ -6,8 +6,12 @@ Plain frozen values shared by the lane host, the gRPC servicer and the tests; no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tpserve.kernels.sampling_params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from tpserve.server.grammar import Grammar
 
 __all__ = [
     "CANCELLED",
@@ -68,6 +72,8 @@ class GenerationRequest:
     # last user turn, the end of a system block), from the chat template.
     keep_boundaries: tuple[int, ...] = ()
     images: tuple[PromptImage, ...] = ()  # in prompt order; only from a server started with --vision
+    # Structured outputs: every sampled token is masked to what this grammar allows next.
+    grammar: Grammar | None = None
 
     def cache_ids(self) -> tuple[int, ...]:
         """The prompt as the prompt cache keys it: each image's positions hold its key, not the

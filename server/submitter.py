@@ -15,6 +15,7 @@ import time
 import grpc
 
 from tpserve.ranks.errors import UserError
+from tpserve.server.grammar import Grammars
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
@@ -28,6 +29,7 @@ from tpserve.server.requests import (
     TokenDelta,
 )
 from tpserve.server.serving_info import ServingInfo
+from tpserve.server.template_inputs import template_inputs, tool_fields
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.validation import (
     Limits,
@@ -73,6 +75,7 @@ class Submitter:
             max_image_bytes=info.max_image_bytes,
             max_image_pixels=info.max_image_pixels,
         )
+        self.grammars = Grammars(tokenizer.backend_json, tokenizer.vocab_size, tokenizer.eos_ids)
         self._stopping = False
 
     @property
@@ -106,11 +109,12 @@ class Submitter:
         if kind == "prompt":
             prompt_ids = self.tokenizer.encode(request.prompt)
         elif kind == "messages":
-            prompt_ids, offsets = self._encode_chat(request.messages)
+            prompt_ids, offsets = self._encode_chat(request.messages, **template_inputs(request))
             boundaries = self.chat_boundaries(request.messages, prompt_ids)
         else:
             prompt_ids = list(request.prompt_token_ids)
         max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
+        grammar = self.grammars.compile(request.constraint) if request.HasField("constraint") else None
         images = ()
         if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
             media, wheres = _media_parts(request.messages)
@@ -124,6 +128,7 @@ class Submitter:
             background=request.background,
             keep_boundaries=boundaries,
             images=images,
+            grammar=grammar,
         )
         try:
             return self.lane_host.submit(job)
@@ -193,7 +198,9 @@ class Submitter:
         tokens_per_image image tokens)."""
         return self._encode_chat(messages, add_generation_prompt)[0]
 
-    def _encode_chat(self, messages, add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+    def _encode_chat(
+        self, messages, add_generation_prompt: bool = True, *, tools=None, template_kwargs=None
+    ) -> tuple[list[int], list[int]]:
         """The token ids and where each image's positions start."""
         num_images = sum(part.HasField("media") for message in messages for part in message.parts)
         if num_images and self.vision is None:
@@ -209,9 +216,14 @@ class Submitter:
                 ]
             else:
                 content = "".join(part.text for part in message.parts) if message.parts else message.content
-            chat.append({"role": message.role, "content": content})
+            chat.append({"role": message.role, "content": content, **tool_fields(message)})
         try:
-            ids = self.tokenizer.encode_chat(chat, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.encode_chat(
+                chat,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
         except UserError as error:  # the template refused the conversation, or there is none
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         if self.vision is None:

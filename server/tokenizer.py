@@ -48,6 +48,7 @@ class Tokenizer:
         # bos_token, eos_token, ...: templates write them into the text themselves.
         self._special_tokens = dict(special_tokens or {})
         self._template = None
+        self._template_source = chat_template or ""
         if chat_template:
             try:
                 self._template = _template_environment().from_string(chat_template)
@@ -107,6 +108,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json has it (what the grammar engine reads)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; BOS first when the model wants it (add_bos=None) or when asked.
 
@@ -120,10 +125,16 @@ class Tokenizer:
         return ids
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation. No BOS is added: templates write their own."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False)
+        text = self.render_chat(messages, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
+        return self.encode(text, add_bos=False)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token id (such as a vision model's image token), as the vocabulary has it."""
@@ -137,13 +148,29 @@ class Tokenizer:
         """
         return self._backend.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the prompt text the model was trained on."""
+    @property
+    def chat_template(self) -> str:
+        """The chat template's source ("" without one): which tool-call and reasoning formats the
+        model writes is read from it."""
+        return self._template_source
+
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The conversation as the prompt text the model was trained on. `tools` and the extra
+        `template_kwargs` (enable_thinking, ...) reach the template as transformers passes them."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         try:
             return self._template.render(
+                **(template_kwargs or {}),
                 messages=[dict(message) for message in messages],
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
             )

@@ -6,6 +6,7 @@ OpenAI-compatible server; the reverse of the server's own translation (server/op
 from __future__ import annotations
 
 import base64
+import json
 
 from tpserve.v1 import serving_pb2
 
@@ -46,7 +47,25 @@ def openai_body(request: serving_pb2.GenerateRequest, model: str | None = None) 
             body["logprobs"], body["top_logprobs"] = True, request.logprobs
     if request.ignore_eos:
         body["ignore_eos"] = True  # an extension vLLM, llama.cpp's server and tpserve all read
+    if request.HasField("constraint"):
+        body["structured_outputs"] = _structured_outputs(request.constraint)
+    for field, key in (("tools_json", "tools"), ("chat_template_kwargs_json", "chat_template_kwargs")):
+        if getattr(request, field):
+            try:
+                body[key] = json.loads(getattr(request, field))
+            except json.JSONDecodeError:
+                return None  # JSON in name only: an OpenAI body cannot carry it
     return path, body
+
+
+def _structured_outputs(constraint: serving_pb2.Constraint) -> dict:
+    """vLLM's spelling of a constraint (the json schema as its text, which vLLM reads too)."""
+    kind = constraint.WhichOneof("kind")
+    if kind == "json_schema":
+        return {"json": constraint.json_schema}
+    if kind == "choice":
+        return {"choice": list(constraint.choice.choices)}
+    return {kind: getattr(constraint, kind)} if kind else {}
 
 
 def _part(part: serving_pb2.ContentPart) -> dict:

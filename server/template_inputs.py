@@ -1,0 +1,61 @@
+"""What a chat request hands its template besides roles and text: the tools on offer, each turn's
+tool calls and tool results, and extra template variables (chat_template_kwargs), read from the
+GenerateRequest's JSON fields as transformers' apply_chat_template receives them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import grpc
+
+from tpserve.server.validation import RequestRefused
+
+# Variables the server itself sets; chat_template_kwargs may not replace them.
+RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def template_inputs(request) -> dict:
+    """tools and template_kwargs for Tokenizer.encode_chat (None where the request sets none)."""
+    tools = _json(request.tools_json, "tools", list) if request.tools_json else None
+    kwargs = None
+    if request.chat_template_kwargs_json:
+        kwargs = _json(request.chat_template_kwargs_json, "chat_template_kwargs", dict)
+        reserved = sorted(set(kwargs) & set(RESERVED))
+        if reserved:
+            raise _invalid(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return {"tools": tools, "template_kwargs": kwargs}
+
+
+def tool_fields(message) -> dict:
+    """A ChatMessage's tool_calls, tool_call_id and name, for the template (only those it sets)."""
+    fields: dict = {}
+    if message.tool_calls_json:
+        calls = _json(message.tool_calls_json, "tool_calls", list)
+        for call in calls:
+            # OpenAI sends arguments as JSON text; templates (Qwen's, Llama's, Hermes') write them
+            # with tojson or test for a mapping, so they get the object, as vLLM hands them over.
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                with contextlib.suppress(json.JSONDecodeError):
+                    function["arguments"] = json.loads(function["arguments"])
+        fields["tool_calls"] = calls
+    if message.tool_call_id:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name:
+        fields["name"] = message.name
+    return fields
+
+
+def _json(text: str, name: str, kind: type):
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _invalid(f"{name} is not valid JSON: {error}") from None
+    if not isinstance(value, kind):
+        raise _invalid(f"{name} must be {'a list' if kind is list else 'an object'}")
+    return value
+
+
+def _invalid(message: str) -> RequestRefused:
+    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
