@@ -46,7 +46,8 @@ def attempt(operation: Callable[..., T], *args) -> tuple[T | None, Exception | N
 class PrefillItem:
     """Compute the KV of `token_ids` at positions start..start+len-1 of `lane`.
 
-    When `last` is set this chunk ends the prompt and the backend samples the stream's next token
+    The lane's block table, with `blocks` appended, covers every position the chunk writes; a pass
+    that fails or is refused appends nothing. When `last` is set this chunk ends the prompt and the backend samples the stream's next token
     at position start+len (keyed by `sampling`). `images`: the whole prompt's images; the backend
     embeds the features of those that fall in this chunk at their positions.
     """
@@ -57,6 +58,7 @@ class PrefillItem:
     last: bool
     sampling: SamplingParams
     images: tuple[PromptImage, ...] = ()
+    blocks: tuple[int, ...] = ()  # KV blocks appended to the lane's block table before this pass
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class DecodeItem:
     token_id: int
     sampling: SamplingParams
     draft: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()  # KV blocks appended to the lane's block table before this round
 
 
 class Backend(Protocol):
@@ -81,17 +84,17 @@ class Backend(Protocol):
     one that lacks any, once, where it is taken."""
 
     num_lanes: int
-    room: int  # KV tokens the ranks can hold in all (the smallest rank's figure)
+    num_blocks: int  # KV blocks the ranks hold (the smallest rank's figure)
+    block_size: int  # tokens per KV block
+    room: int  # KV tokens the ranks can hold in all: num_blocks * block_size
     context_size: int  # most tokens (prompt + reply) one stream may reach
     batches_prompts: bool  # prefill_many is worth calling
     verifies_drafts: bool  # decode_drafts checks draft tokens (draft tokens are worth making)
     max_prefill_tokens: int  # most prompt tokens one pass takes (a longer prompt goes in chunks)
 
-    def free_room(self) -> int:
-        """KV tokens not reserved by any open lane."""
-
-    def open(self, lane: int, reserve_tokens: int) -> bool:
-        """Reserve KV for `reserve_tokens` tokens on `lane`. False (nothing held) when they do not fit."""
+    def open(self, lane: int, blocks: tuple[int, ...]) -> None:
+        """Open `lane` with `blocks` as its block table (more come with its passes). The lane host
+        books the blocks (server/kv_blocks.py): it never hands out a block another lane holds."""
 
     def prefill(self, item: PrefillItem) -> int | None:
         """One prompt chunk on one lane; the sampled token when item.last, else None.
@@ -122,7 +125,7 @@ class Backend(Protocol):
         """
 
     def close(self, lane: int) -> None:
-        """Drop the lane's KV and its reservation."""
+        """Drop the lane and its block table (the host frees the blocks in its book)."""
 
     def idle(self) -> None:
         """Called once when the host runs out of work, before it waits. Rank 0's leader tells the
@@ -135,7 +138,7 @@ class Backend(Protocol):
         """Save the lane's first num_tokens of KV as the entry."""
 
     def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        """An open, empty lane takes the entry's first num_tokens as its prefix."""
+        """An open, empty lane takes the entry's first num_tokens as its prefix (its blocks cover them)."""
 
     def evict(self, entry_id: int) -> None:
         """Free the entry (an id never kept is ignored)."""

@@ -16,21 +16,23 @@ from tpserve.server.prompt_cache import PromptCache
 log = logging.getLogger(__name__)
 
 
-def restore_prefix(cache: PromptCache | None, backend: Backend, job: Job) -> int:
-    """Restore the longest cached prefix of the job's prompt into its lane; the tokens restored."""
-    if cache is None:
+def restore_prefix(cache: PromptCache | None, backend: Backend, job: Job, max_tokens: int) -> int:
+    """Restore the longest cached prefix of the job's prompt into its lane, at most `max_tokens`
+    (what its blocks hold); the tokens restored."""
+    if cache is None or max_tokens <= 0:
         return 0
     borrow = cache.lookup(job.cache_ids)
     if borrow is None:
         return 0
-    restored, error = attempt(backend.restore, job.lane, borrow.entry_id, borrow.num_tokens)
+    num_tokens = min(borrow.num_tokens, max_tokens)
+    restored, error = attempt(backend.restore, job.lane, borrow.entry_id, num_tokens)
     if error is not None:
         log.warning("restoring cache entry %d failed (%r); prefilling in full", borrow.entry_id, error)
     if not restored:
         cache.restore_failed(borrow)  # lookups miss it now; freed once unborrowed
         return 0
     cache.release(borrow)
-    return borrow.num_tokens
+    return num_tokens
 
 
 def keep_prompt(cache: PromptCache | None, backend: Backend, job: Job) -> None:

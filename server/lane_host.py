@@ -99,7 +99,7 @@ class LaneHost:
             submitted_at=self._clock(),
             cancel=self._state.cancel,
         )
-        never_fits = reserve > self._room
+        never_fits = self._lanes.blocks.blocks_for(reserve) > self._lanes.blocks.num_blocks
         self._state.add(job, queued=not never_fits)
         if never_fits:
             self._state.finish(
@@ -117,6 +117,7 @@ class LaneHost:
             room=self._room,
             draft_tokens=self.drafter.num_drafted if self.drafter else 0,
             draft_tokens_accepted=self.drafter.num_accepted if self.drafter else 0,
+            preempted=self._scheduler.num_preempted,
         )
 
     def step(self) -> bool:

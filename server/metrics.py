@@ -30,12 +30,13 @@ HOST_COUNTERS = (
         "Draft tokens the model agreed with (each saved a decode round)",
         "draft_tokens_accepted",
     ),
+    ("tpserve_preemptions", "Streams that gave up their lane for want of KV blocks", "preempted"),
 )
 HOST_GAUGES = (
     ("tpserve_queue_depth", "Requests waiting for a lane", "queued"),
     ("tpserve_lanes_busy", "Lanes running a stream", "lanes_busy"),
     ("tpserve_lanes", "Lanes in all", "num_lanes"),
-    ("tpserve_room_used_tokens", "KV tokens reserved by open lanes", "room_used"),
+    ("tpserve_room_used_tokens", "KV tokens the open lanes' blocks hold", "room_used"),
     ("tpserve_room_tokens", "KV tokens the ranks can hold in all", "room"),
 )
 CACHE_COUNTERS = (

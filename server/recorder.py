@@ -3,7 +3,7 @@
 A stream is one open..close of a lane; its file is `stream-NNNN.jsonl`, numbered in open order (a
 background stream that yields and resumes gets a second file). One JSON object per line:
 
-    {"step": "open", "reserve": 40}
+    {"step": "open"}
     {"step": "restore", "num_tokens": 32}                              a prompt-cache prefix
     {"step": "prefill", "start": 0, "token_ids": [...]}                  a chunk that samples nothing
     {"step": "prefill", "start": 64, "token_ids": [...], "position": 70, "fed": 9, "sampled": 12, "features": [...]}
@@ -50,23 +50,22 @@ class RecordingBackend:
 
     # The inner backend's figures and flags, read through (they are the inner's to change).
     num_lanes = _inner_figure("num_lanes")
+    num_blocks = _inner_figure("num_blocks")
+    block_size = _inner_figure("block_size")
     room = _inner_figure("room")
     context_size = _inner_figure("context_size")
     batches_prompts = _inner_figure("batches_prompts")
     verifies_drafts = _inner_figure("verifies_drafts")
     max_prefill_tokens = _inner_figure("max_prefill_tokens")
 
-    def free_room(self) -> int:
-        return self._inner.free_room()
-
-    def open(self, lane: int, reserve_tokens: int) -> bool:
-        if not self._inner.open(lane, reserve_tokens):
-            return False
+    def open(self, lane: int, blocks: tuple[int, ...]) -> None:
+        # Block ids are left out: they depend on what ran beside the stream, and a batched run's
+        # files must read as a solo run's.
+        self._inner.open(lane, blocks)
         self._num_streams += 1
         path = self._out_dir / f"stream-{self._num_streams:04d}.jsonl"
         self._files[lane] = path.open("w", encoding="utf-8")
-        self._write(lane, {"step": "open", "reserve": reserve_tokens})
-        return True
+        self._write(lane, {"step": "open"})
 
     def prefill(self, item: PrefillItem) -> int | None:
         token = self._inner.prefill(item)
