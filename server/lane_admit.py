@@ -120,7 +120,11 @@ class Admission:
         new_tokens = self._expected_new_tokens(job)
         hit = len(job.feed_ids) - new_tokens
         # A prompt that goes in one pass counts the position its first decode round writes too.
-        end = len(job.feed_ids) + 1 if new_tokens <= self._max_prefill_tokens else hit + self._max_prefill_tokens
+        end = (
+            len(job.feed_ids) + 1
+            if new_tokens <= self._max_prefill_tokens
+            else hit + self._max_prefill_tokens
+        )
         return self._lanes.blocks.blocks_for(end)
 
     def num_to_take(

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import random
 
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, read_reply, run_all, step_until_finished
+from fake_backend import (
+    EOS_IDS,
+    FakeBackend,
+    fake_detokenize,
+    make_request,
+    read_reply,
+    run_all,
+    step_until_finished,
+)
 
 from tpserve.server.lane_admit import Admission, Ended
 from tpserve.server.lane_host import LaneHost
