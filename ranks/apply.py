@@ -27,21 +27,19 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
     Raises VotedDown when the ranks voted no.
     """
     if isinstance(msg, Admit):
-        ok = engine.admit(msg.lane, msg.reserve_tokens)
-        refusal = f"lane {msg.lane}: no room for {msg.reserve_tokens} tokens on some rank"
-        _vote(channel, ok, lambda: engine.release(msg.lane), refusal)
+        engine.admit(msg.lane, msg.blocks)  # rank 0 chose the blocks: nothing a rank could refuse
         return None
     if isinstance(msg, Prefill):
-        spans = [(s.lane, s.start, s.token_ids) for s in msg.spans]
+        spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]
         if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
             raise VotedDown("prefill refused by some rank")
         if not any(s.media for s in msg.spans):
             return engine.forward(spans)
         return engine.forward(spans, media_rows=[s.media_rows() for s in msg.spans], media=media)
     if isinstance(msg, Round):
-        return engine.decode_round([(s.lane, s.position, (s.token_id,)) for s in msg.steps])
+        return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])
     if isinstance(msg, Verify):
-        return engine.verify([(s.lane, s.start, s.token_ids) for s in msg.spans])
+        return engine.verify([(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans])
     if isinstance(msg, Release):
         engine.release(msg.lane)
         return None

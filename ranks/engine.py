@@ -1,8 +1,12 @@
 """What every rank applies: admissions, prefill passes, decode rounds, releases and cache moves.
 
 Rank 0 and the followers call the same methods with the same arguments in the same order, so
-their bookkeeping (lanes, ranges, cache slots) stays identical. Methods that can fail return False
-and leave nothing changed; the caller votes and, when another rank failed, calls the undo.
+their bookkeeping (lanes, block tables, cache slots) stays identical. KV lives in blocks of the pool
+(ranks/kv_store.py); each lane has a block table that rank 0's lane host fills (server/kv_blocks.py)
+and sends with the passes, so no rank allocates: a rank only checks that a table it is given is
+sound (blocks in the pool, none held by two lanes) and refuses the call otherwise. Methods that can
+fail return False and leave nothing changed; the caller votes and, when another rank failed, calls
+the undo.
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Lane:
-    base: int  # first slot of the lane's range in the KV pool
-    capacity: int  # slots reserved
+    blocks: list[int]  # the block table: block ids holding positions 0, 1, ... in order
     length: int = 0  # tokens whose KV is computed (positions 0..length-1)
     drafts_from: int = 0  # after a Verify: where its drafts begin (a later round may drop them); 0: none
 
@@ -51,40 +54,70 @@ class Engine:
         self.kv = kv
         self.cache_kv = cache_kv
         self.lanes: dict[int, Lane] = {}
+        self.owner: dict[int, int] = {}  # block id -> the lane whose table holds it
         self.cache_slots: dict[int, tuple[int, int]] = {}  # entry id -> (start, num_tokens)
 
     # Admission ---------------------------------------------------------------------------------
-    def admit(self, lane: int, reserve_tokens: int) -> bool:
-        if lane in self.lanes or reserve_tokens <= 0:
-            return False
-        base = self.kv.allocator.allocate(reserve_tokens)
-        if base is None:
-            return False
-        self.lanes[lane] = Lane(base, reserve_tokens)
-        return True
+    def admit(self, lane: int, blocks: tuple[int, ...]) -> None:
+        if lane in self.lanes:
+            raise EngineError(f"lane {lane} is already open")
+        self._check_blocks(lane, blocks)
+        self.lanes[lane] = Lane([])
+        self._append(lane, blocks)
 
     def release(self, lane: int) -> None:
         state = self.lanes.pop(lane, None)
         if state is not None:
-            self.kv.allocator.free(state.base)
+            for block in state.blocks:
+                del self.owner[block]
+
+    def _check_blocks(self, lane: int, blocks) -> None:
+        for block in blocks:
+            if not 0 <= block < self.kv.num_blocks or block in self.owner:
+                holder = self.owner.get(block)
+                raise EngineError(
+                    f"lane {lane} given KV block {block}: outside the pool of {self.kv.num_blocks} "
+                    f"or held by lane {holder}"
+                )
+        if len(set(blocks)) != len(blocks):
+            raise EngineError(f"lane {lane} given a KV block twice: {list(blocks)}")
+
+    def _append(self, lane: int, blocks) -> None:
+        for block in blocks:
+            self.owner[block] = lane
+        self.lanes[lane].blocks.extend(blocks)
+
+    def _grow(self, spans) -> None:
+        """Append each span's new blocks to its lane's table (spans passed check())."""
+        for lane, _, _, blocks in spans:
+            self._append(lane, blocks)
 
     # Passes ------------------------------------------------------------------------------------
-    def check(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> bool:
-        """Whether forward(spans) would be accepted: open lanes, each span at its lane's length, in
-        its reservation, no lane twice."""
-        seen = set()
-        for lane, start, tokens in spans:
+    @staticmethod
+    def _spans(spans) -> list:
+        """Spans as (lane, start, token ids, new blocks); a span of three has no new blocks."""
+        return [span if len(span) == 4 else (*span, ()) for span in spans]
+
+    def check(self, spans) -> bool:
+        """Whether forward(spans) would be accepted: open lanes, each span at its lane's length, its
+        positions inside the lane's blocks with the span's new ones, sound new blocks, no lane twice.
+        spans: (lane, start, token ids, new blocks)."""
+        seen, given = set(), set()
+        for lane, start, tokens, blocks in self._spans(spans):
             state = self.lanes.get(lane)
             if state is None or lane in seen or not tokens or start != state.length:
                 return False
-            if start + len(tokens) > state.capacity:
+            if start + len(tokens) > (len(state.blocks) + len(blocks)) * self.kv.block_size:
                 return False
+            if any(not 0 <= b < self.kv.num_blocks or b in self.owner or b in given for b in blocks):
+                return False
+            given.update(blocks)
             seen.add(lane)
         return True
 
     def refuses(self, spans) -> bool:
         """A fault drill: this rank refuses any prompt holding `refuse_token` (tests of rollback)."""
-        return self.refuse_token is not None and any(self.refuse_token in tokens for _, _, tokens in spans)
+        return self.refuse_token is not None and any(self.refuse_token in span[2] for span in spans)
 
     def forward(
         self,
@@ -94,7 +127,7 @@ class Engine:
         media_rows: list[list[int]] | None = None,
         media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """A prompt pass. spans: (lane, start, token ids) that pass check(). Computes and stores their
+        """A prompt pass. spans: (lane, start, token ids, new blocks) that pass check(). Computes and stores their
         KV, advances the lanes, and returns the next-token logits of each span's last token
         ([num_spans, vocab] float32; with every_row, of every token in order) on rank 0, None elsewhere.
 
@@ -103,34 +136,38 @@ class Engine:
         return self._pass(spans, every_row, media_rows, media)
 
     def decode_round(self, steps: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
-        """One token per lane: (lane, position, (token,)), as forward. A lane a Verify left longer
+        """One token per lane: (lane, position, (token,), new blocks), as forward. A lane a Verify left longer
         than `position` is first cut back to it: the drafts the host did not keep are dropped."""
         self._drop_unkept_drafts(steps)
         return self._pass(steps, every_row=False)
 
     def verify(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
-        """A decode round with drafts: (lane, position, (token, *drafts)), with the logits of every
+        """A decode round with drafts: (lane, position, (token, *drafts), new blocks), with the logits of every
         row. The next round keeps the samples the host kept and drops the rest of the drafts."""
         self._drop_unkept_drafts(spans)
         logits = self._pass(spans, every_row=True)
-        for lane, start, _ in spans:
+        for lane, start, *_ in spans:
             self.lanes[lane].drafts_from = start + 1  # the fed token stays; its drafts may go
         return logits
 
     def _drop_unkept_drafts(self, spans) -> None:
         # Only the drafts a Verify fed may be dropped: a span anywhere else fails check().
-        for lane, start, _ in spans:
+        for lane, start, *_ in spans:
             state = self.lanes.get(lane)
             if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
                 state.length = start
 
     def _pass(self, spans, every_row: bool, media_rows=None, media=None) -> torch.Tensor | None:
+        spans = self._spans(spans)
         if not self.check(spans):
-            raise EngineError(f"inconsistent pass {[(lane, start, len(t)) for lane, start, t in spans]}")
+            raise EngineError(
+                f"inconsistent pass {[(lane, start, len(t), b) for lane, start, t, b in spans]}"
+            )
+        self._grow(spans)
         views, token_ids, positions, logit_rows, packed_media = [], [], [], [], []
-        for index, (lane, start, tokens) in enumerate(spans):
+        for index, (lane, start, tokens, _) in enumerate(spans):
             state = self.lanes[lane]
-            views.append(SpanView(len(token_ids), state.base, start, len(tokens)))
+            views.append(SpanView(len(token_ids), start, len(tokens), tuple(state.blocks)))
             if media_rows is not None:
                 packed_media.extend(len(token_ids) + row for row in media_rows[index])
             token_ids.extend(tokens)
@@ -155,7 +192,7 @@ class Engine:
             )
         if logits is not None:
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
-        for lane, _, tokens in spans:
+        for lane, _, tokens, _ in spans:
             state = self.lanes[lane]
             state.length += len(tokens)
             state.drafts_from = 0
@@ -188,18 +225,26 @@ class Engine:
         start = self.cache_kv.allocator.allocate(num_tokens)
         if start is None:
             return False
-        self.cache_kv.copy(self.kv, state.base, start, num_tokens)
+        self.cache_kv.copy_slots(self.kv, self._slots(state, num_tokens), range(start, start + num_tokens))
         self.cache_slots[entry_id] = (start, num_tokens)
         return True
 
     def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
         state = self.lanes.get(lane)
         slot = self.cache_slots.get(entry_id)
-        if state is None or slot is None or state.length != 0 or num_tokens > min(slot[1], state.capacity):
+        capacity = 0 if state is None else len(state.blocks) * self.kv.block_size
+        if state is None or slot is None or state.length != 0 or num_tokens > min(slot[1], capacity):
             return False
-        self.kv.copy(self.cache_kv, slot[0], state.base, num_tokens)
+        self.kv.copy_slots(
+            self.cache_kv, range(slot[0], slot[0] + num_tokens), self._slots(state, num_tokens)
+        )
         state.length = num_tokens
         return True
+
+    def _slots(self, state: Lane, num_tokens: int) -> list[int]:
+        """The pool slots of the lane's positions 0..num_tokens-1."""
+        size = self.kv.block_size
+        return [state.blocks[p // size] * size + p % size for p in range(num_tokens)]
 
     def evict(self, entry_id: int) -> None:
         slot = self.cache_slots.pop(entry_id, None)

@@ -1,7 +1,10 @@
-"""Per-rank KV memory: a pool of token slots per local piece and layer, and its allocator.
+"""Per-rank KV memory: a pool of token slots per local piece and layer, in blocks.
 
-A lane reserves one contiguous range of slots, so attention reads a view with no gather. The
-allocator is first-fit and deterministic: every rank replaying the same calls holds the same ranges.
+The live streams' pool is cut into blocks of `block_size` slots (block b: slots b*block_size ..
+(b+1)*block_size-1); a stream's block table says which blocks hold its positions (ranks/engine.py),
+and rank 0's lane host hands them out (server/kv_blocks.py). The prompt cache's pool keeps whole
+states in contiguous ranges (RangeAllocator, first fit and deterministic: every rank replaying the
+same calls holds the same ranges).
 """
 
 from __future__ import annotations
@@ -62,7 +65,12 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device="cpu",
+        *,
+        block_size: int = 1,
     ):
+        self.block_size = block_size
+        self.num_blocks = num_slots // block_size
+        num_slots = self.num_blocks * block_size
         self.num_slots = num_slots
         self.k = [
             torch.zeros(num_layers, h, num_slots, head_dim, dtype=dtype, device=device) for h in kv_heads
@@ -77,9 +85,11 @@ class KVPool:
     def layer(self, piece: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[piece][layer]
 
-    def copy(self, source: KVPool, source_start: int, target_start: int, num_tokens: int) -> None:
-        """Copy num_tokens slots of every layer from `source` (may be self) into this pool."""
-        src = slice(source_start, source_start + num_tokens)
-        dst = slice(target_start, target_start + num_tokens)
+    def copy_slots(self, source: KVPool, source_slots, target_slots) -> None:
+        """Copy the KV of `source_slots` of every layer from `source` (may be self) into this pool's
+        `target_slots` (sequences of slot indices, the same length)."""
+        device = self.k[0].device if self.k else "cpu"
+        src = torch.as_tensor(list(source_slots), dtype=torch.int64, device=device)
+        dst = torch.as_tensor(list(target_slots), dtype=torch.int64, device=device)
         for mine, theirs in zip(self.k + self.v, source.k + source.v):
-            mine[:, :, dst] = theirs[:, :, src]
+            mine.index_copy_(2, dst, theirs.index_select(2, src))

@@ -68,7 +68,9 @@ class Leader:
         self.engine = engine
         self.channel = channel
         self.num_lanes = num_lanes
-        self.room = engine.kv.num_slots
+        self.num_blocks = engine.kv.num_blocks
+        self.block_size = engine.kv.block_size
+        self.room = self.num_blocks * self.block_size
         self.context_size = context_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batches_prompts = batches_prompts
@@ -83,11 +85,8 @@ class Leader:
         self._record_features = record_features  # top logits per step, for the recorder only
 
     # The Backend protocol ---------------------------------------------------------------------
-    def free_room(self) -> int:
-        return self.room - self.engine.kv.allocator.used
-
-    def open(self, lane: int, reserve_tokens: int) -> bool:
-        return self._voted(Admit(lane, reserve_tokens))
+    def open(self, lane: int, blocks: tuple[int, ...]) -> None:
+        self._run(Admit(lane, blocks))
 
     def prefill(self, item) -> int | None:
         tokens = self.prefill_many([item])
@@ -99,7 +98,7 @@ class Leader:
         spans, features = [], []
         for item in items:
             runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
-            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs))
+            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks))
             features += rows
         msg = Prefill(tuple(spans))
         try:
@@ -109,7 +108,7 @@ class Leader:
         return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
 
     def decode_drafts(self, items) -> list[list[int]]:
-        msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft)) for i in items))
+        msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft), (), i.blocks) for i in items))
         rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
         logits = self._run(msg)
         tokens = sample(logits, [item.sampling for item, _ in rows], [position for _, position in rows])
@@ -126,7 +125,7 @@ class Leader:
         return out
 
     def decode(self, items) -> list[int]:
-        logits = self._run(Round(tuple(Step(i.lane, i.position, i.token_id) for i in items)))
+        logits = self._run(Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items)))
         return self._sample(logits, items, [i.position + 1 for i in items])
 
     def close(self, lane: int) -> None:

@@ -36,6 +36,8 @@ class EngineSettings:
     # budgets); empty: a share of the memory the rank finds free at start-up.
     kv_budget_bytes: tuple[int, ...] = ()
     cache_budget_bytes: int = 64 << 20  # the prompt cache's KV bytes on each rank; 0: no cache
+    # Tokens per KV block: the unit of room, admission and preemption (server/kv_blocks.py).
+    kv_block_size: int = 16
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
     # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.

@@ -83,10 +83,11 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
         budget = int(free_memory_bytes(device) * KV_SHARE_OF_FREE_MEMORY)
     else:
         budget = budgets[rank] if has_budget else 0
-    wanted = settings.num_lanes * settings.context_size
+    block = settings.kv_block_size
+    wanted = settings.num_lanes * -(-settings.context_size // block) * block  # whole blocks per lane
     figures = torch.tensor(
         [
-            min(wanted, budget // bytes_per_token),
+            min(wanted, budget // bytes_per_token) // block * block,
             settings.cache_budget_bytes // bytes_per_token,
             int(has_budget),
         ],
@@ -324,7 +325,15 @@ def _build_engine(
 ) -> Engine:
     """The KV store sized by room (and the prompt cache's pool by its tokens), and the engine."""
     config, kv_heads = model.config, model.kv_heads_per_piece()
-    kv = KVPool(config.num_layers, kv_budget.kv_tokens, kv_heads, config.head_dim, kv_type, device)
+    kv = KVPool(
+        config.num_layers,
+        kv_budget.kv_tokens,
+        kv_heads,
+        config.head_dim,
+        kv_type,
+        device,
+        block_size=settings.kv_block_size,
+    )
     cache_kv = (
         KVPool(config.num_layers, kv_budget.cache_tokens, kv_heads, config.head_dim, kv_type, device)
         if kv_budget.cache_tokens

@@ -42,12 +42,12 @@ __all__ = [
     "read_head",
 ]
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
-HEAD_SIZE = 64
+HEAD_SIZE = 128
 _HEAD_FIELDS = 4  # magic|version, kind, seq, payload size
-INLINE_SIZE = HEAD_SIZE - _HEAD_FIELDS  # a decode round over up to 20 lanes needs no overflow
+INLINE_SIZE = HEAD_SIZE - _HEAD_FIELDS  # a decode round over up to 31 lanes needs no overflow
 # Bounds what a corrupt head can make a follower allocate (128 MiB of int64s).
 MAX_PAYLOAD_SIZE = 1 << 24
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -63,11 +63,15 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class Admit:
-    """Open `lane` with a KV reservation of `reserve_tokens` tokens (the ranks vote after)."""
+    """Open `lane` with `blocks` as its block table (rank 0's lane host chose them: every rank's
+    tables are the same by construction, so nothing is voted)."""
 
     KIND: ClassVar[int] = 1
     lane: int
-    reserve_tokens: int
+    blocks: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(self.blocks))
 
 
 @dataclass(frozen=True)
@@ -75,17 +79,20 @@ class Span:
     """Prompt tokens for positions start..start+len(token_ids)-1 of `lane`.
 
     `media`: (offset, length) runs of the span's tokens whose embeddings are image features (rank 0
-    holds the features; every rank zeroes those rows, see kernels/embedding.py).
+    holds the features; every rank zeroes those rows, see kernels/embedding.py). `blocks`: KV blocks
+    appended to the lane's block table before the pass.
     """
 
     lane: int
     start: int
     token_ids: tuple[int, ...]
     media: tuple[tuple[int, int], ...] = ()
+    blocks: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         object.__setattr__(self, "media", tuple((int(o), int(n)) for o, n in self.media))
+        object.__setattr__(self, "blocks", tuple(self.blocks))
 
     def media_rows(self) -> list[int]:
         """The span's own row offsets that carry image features, in order."""
@@ -105,11 +112,15 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Step:
-    """Feed `token_id` at `position` of `lane`."""
+    """Feed `token_id` at `position` of `lane`, `blocks` appended to its block table first."""
 
     lane: int
     position: int
     token_id: int
+    blocks: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(self.blocks))
 
 
 @dataclass(frozen=True)
@@ -138,7 +149,7 @@ class Verify:
 
 @dataclass(frozen=True)
 class Release:
-    """Drop the lane's KV and its reservation."""
+    """Drop the lane and its block table."""
 
     KIND: ClassVar[int] = 4
     lane: int
@@ -190,8 +201,8 @@ Message = Admit | Prefill | Round | Verify | Release | Keep | Restore | Evict | 
 _KINDS: dict[int, type] = {
     cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Keep, Restore, Evict, Idle, Stop)
 }
-_STEP_SIZE = len(fields(Step))
-_SPAN_HEAD_SIZE = 4  # lane, start, number of tokens, number of media runs
+_STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
+_SPAN_HEAD_SIZE = 5  # lane, start, number of tokens, number of media runs, number of blocks
 
 
 @dataclass(frozen=True)
@@ -264,11 +275,16 @@ def _payload(msg: Message) -> list:
     if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
         for span in msg.spans:
-            payload += [span.lane, span.start, len(span.token_ids), len(span.media), *span.token_ids]
-            payload += [value for run in span.media for value in run]
+            payload += [span.lane, span.start, len(span.token_ids), len(span.media), len(span.blocks)]
+            payload += [*span.token_ids, *(value for run in span.media for value in run), *span.blocks]
         return payload
     if isinstance(msg, Round):
-        return [value for step in msg.steps for value in (step.lane, step.position, step.token_id)]
+        payload = []
+        for step in msg.steps:
+            payload += [step.lane, step.position, step.token_id, len(step.blocks), *step.blocks]
+        return payload
+    if isinstance(msg, Admit):
+        return [msg.lane, *msg.blocks]
     return [getattr(msg, field.name) for field in fields(msg)]
 
 
@@ -276,13 +292,31 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
     if cls in (Prefill, Verify):
         return cls(_spans(payload))
     if cls is Round:
-        if len(payload) % _STEP_SIZE:
-            raise WireError(f"a Round payload holds {_STEP_SIZE} ints per step, got {len(payload)} ints")
-        return Round(tuple(Step(*payload[i : i + _STEP_SIZE]) for i in range(0, len(payload), _STEP_SIZE)))
+        return Round(_steps(payload))
+    if cls is Admit:
+        if not payload:
+            raise WireError("an Admit payload starts with its lane, got nothing")
+        return Admit(payload[0], tuple(payload[1:]))
     num_fields = len(fields(cls))
     if len(payload) != num_fields:
         raise WireError(f"a {cls.__name__} payload holds {num_fields} ints, got {len(payload)}")
     return cls(*payload)
+
+
+def _steps(payload: list[int]) -> tuple[Step, ...]:
+    steps, at = [], 0
+    while at < len(payload):
+        if at + _STEP_HEAD_SIZE > len(payload):
+            raise WireError(f"Round step {len(steps)} runs past the payload's {len(payload)} ints")
+        lane, position, token_id, num_blocks = payload[at : at + _STEP_HEAD_SIZE]
+        at += _STEP_HEAD_SIZE
+        if num_blocks < 0 or at + num_blocks > len(payload):
+            raise WireError(
+                f"Round step {len(steps)} claims {num_blocks} blocks; the payload has {len(payload) - at} ints left"
+            )
+        steps.append(Step(lane, position, token_id, tuple(payload[at : at + num_blocks])))
+        at += num_blocks
+    return tuple(steps)
 
 
 def _spans(payload: list[int]) -> tuple[Span, ...]:
@@ -297,23 +331,26 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
             raise WireError(
                 f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints"
             )
-        lane, start, num_tokens, num_media = payload[at : at + _SPAN_HEAD_SIZE]
+        lane, start, num_tokens, num_media, num_blocks = payload[at : at + _SPAN_HEAD_SIZE]
         at += _SPAN_HEAD_SIZE
-        if num_tokens < 0 or num_media < 0 or at + num_tokens + 2 * num_media > len(payload):
+        size = num_tokens + 2 * num_media + num_blocks
+        if min(num_tokens, num_media, num_blocks) < 0 or at + size > len(payload):
             raise WireError(
-                f"Prefill span {index} claims {num_tokens} tokens and {num_media} media runs; "
-                f"the payload has {len(payload) - at} ints left"
+                f"Prefill span {index} claims {num_tokens} tokens, {num_media} media runs and "
+                f"{num_blocks} blocks; the payload has {len(payload) - at} ints left"
             )
         tokens = tuple(payload[at : at + num_tokens])
         at += num_tokens
         media = tuple((payload[at + 2 * i], payload[at + 2 * i + 1]) for i in range(num_media))
         at += 2 * num_media
+        blocks = tuple(payload[at : at + num_blocks])
+        at += num_blocks
         for offset, length in media:
             if offset < 0 or length <= 0 or offset + length > num_tokens:
                 raise WireError(
                     f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens"
                 )
-        spans.append(Span(lane, start, tokens, media))
+        spans.append(Span(lane, start, tokens, media, blocks))
     if at != len(payload):
         raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")
     return tuple(spans)

@@ -163,7 +163,7 @@ def assert_books_balance(pair: Pair) -> None:
     """Every lane and all room free; the cache pool holds exactly the entries the cache counts."""
     assert_nothing_held(pair.engine.host)
     engine, cache = pair.engine.runtime.engine, pair.cache
-    assert engine.lanes == {} and engine.kv.allocator.used == 0
+    assert engine.lanes == {} and engine.owner == {}
     stats = cache.stats()
     assert (stats.num_dead, stats.num_pending) == (0, 0), stats
     assert len(engine.cache_slots) == cache.stats().num_live_states == stats.num_entries

@@ -53,11 +53,11 @@ def _channel(ctx) -> Channel:
 def _every_kind() -> list:
     long_prefill = Prefill(tuple(Span(lane, 3 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
     return [
-        Admit(lane=0, reserve_tokens=4096),
+        Admit(lane=0, blocks=tuple(range(40))),
         Prefill((Span(lane=0, start=0, token_ids=(1, 2, 3)),)),
         Round((Step(lane=0, position=3, token_id=42),)),
         Idle(),
-        Admit(lane=1, reserve_tokens=128),
+        Admit(lane=1, blocks=(41, 42)),
         long_prefill,
         Round(tuple(Step(lane, 100 + lane, lane * 7) for lane in range(30))),
         Keep(lane=0, num_tokens=3, entry_id=5),
@@ -97,9 +97,9 @@ def _vote(ctx):
     results = []
     for lane, oks in enumerate(VOTES):
         if ctx.rank == 0:
-            channel.send(Admit(lane, 16))
+            channel.send(Admit(lane, (16,)))
         else:
-            assert channel.receive() == Admit(lane, 16)
+            assert channel.receive() == Admit(lane, (16,))
         results.append(channel.vote(oks[ctx.rank]))
     return results
 
@@ -251,17 +251,17 @@ def _skip_a_vote(ctx, skipper: int):
         leader_dead_after_s=LEADER_DEAD_AFTER_S,
     )
     if ctx.rank == 0:
-        channel.send(Admit(0, 16))
+        channel.send(Admit(0, (16,)))
     else:
         channel.receive()
     channel.vote(True)
     started = time.monotonic()
     try:
         if ctx.rank == 0:
-            channel.send(Admit(1, 16))
+            channel.send(Admit(1, (16,)))
             if skipper != 0:
                 channel.vote(True)
-            channel.send(Admit(2, 16))
+            channel.send(Admit(2, (16,)))
         else:
             channel.receive()
             if skipper != 1:

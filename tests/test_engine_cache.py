@@ -8,6 +8,8 @@ import torch.distributed as dist
 from multiproc import RankPool
 from tiny_models import write_tiny_model
 
+from engine_lanes import open_lane
+
 from tpserve.kernels.collectives import GroupCollectives
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
@@ -32,17 +34,17 @@ def cached_and_cold(model_dir: str, tp_rank: int, tp_size: int):
         model, KVPool(layers, 512, heads, dim, torch.float32), KVPool(layers, 128, heads, dim, torch.float32)
     )
     # Turn one: prefill the history, keep its first 64 tokens, drop the lane.
-    assert engine.admit(0, 100)
+    open_lane(engine, 0, 100)
     engine.forward([(0, 0, HISTORY)])
     assert engine.keep(0, 64, entry_id=7)
     assert not engine.keep(0, 64, entry_id=7), "an entry id is kept once"
     engine.release(0)
     # Turn two, warm: restore 64 tokens, prefill the rest of history + the new turn.
-    assert engine.admit(1, 100)
+    open_lane(engine, 1, 100)
     assert engine.restore(1, 7, 64)
     warm = engine.forward([(1, 64, HISTORY[64:] + TURN)])
     # Turn two, cold, on another lane.
-    assert engine.admit(2, 100)
+    open_lane(engine, 2, 100)
     cold = engine.forward([(2, 0, HISTORY + TURN)])
     engine.evict(7)
     assert not engine.restore(3, 7, 64), "an evicted entry cannot be restored"

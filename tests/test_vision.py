@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from test_tp_exact import decode_steps
 from tiny_llava import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, block_image, write_tiny_llava
 
+from engine_lanes import open_lane
+
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import ModelFileError
@@ -70,7 +72,7 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
     engine = Engine(model, kv)
     spans, media_rows, media = [], [], []
     for lane, (prompt, image) in enumerate(zip(prompts, images)):
-        assert engine.admit(lane, 200)
+        open_lane(engine, lane, 200)
         spans.append((lane, 0, prompt))
         prompt_images = ()
         if image is not None:
