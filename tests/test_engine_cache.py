@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from engine_lanes import open_lane
 from multiproc import RankPool
 from tiny_models import write_tiny_model
-
-from engine_lanes import open_lane
 
 from tpserve.kernels.collectives import GroupCollectives
 from tpserve.ranks.engine import Engine

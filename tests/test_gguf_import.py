@@ -10,11 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from engine_lanes import open_lane
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-
-from engine_lanes import open_lane
 
 from tpserve import cli
 from tpserve import prepare as prepare_module

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VARIANTS, write_tiny_model
-
 from engine_lanes import open_lane
+from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.attention_kernels import NATIVE, SPANS, TILED
 from tpserve.kernels.linear import ROW_TILE

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import write_tiny_model
-
 from engine_lanes import open_lane
+from tiny_models import write_tiny_model
 
 from tpserve.ranks.engine import Engine, EngineError
 from tpserve.ranks.kv_store import KVPool

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from engine_lanes import open_lane
 from multiproc import RankPool, world_collectives
 from safetensors.torch import load_file, save_file
 from tiny_models import VARIANTS, write_tiny_model
-
-from engine_lanes import open_lane
 
 from tpserve.kernels.attention_kernels import kv_dtype
 from tpserve.kernels.q4_linear import Q4Weight

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_lanes import open_lane
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from test_tp_exact import decode_steps
 from tiny_llava import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, block_image, write_tiny_llava
-
-from engine_lanes import open_lane
 
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.engine import Engine
