@@ -8,12 +8,10 @@ be rolled back and latches the engine broken instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Stop, Verify
+from tpserve.ranks.wire import Admit, Idle, Prefill, Release, Round, Stop, Verify
 
 
 class VotedDown(Exception):
@@ -27,7 +25,7 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
     Raises VotedDown when the ranks voted no.
     """
     if isinstance(msg, Admit):
-        engine.admit(msg.lane, msg.blocks)  # rank 0 chose the blocks: nothing a rank could refuse
+        engine.admit(msg.lane, msg.blocks, msg.num_cached)  # rank 0 chose them: nothing to vote on
         return None
     if isinstance(msg, Prefill):
         spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]
@@ -43,33 +41,6 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
     if isinstance(msg, Release):
         engine.release(msg.lane)
         return None
-    if isinstance(msg, Keep):
-        ok = engine.keep(msg.lane, msg.num_tokens, msg.entry_id)
-        _vote(
-            channel,
-            ok,
-            lambda: engine.evict(msg.entry_id),
-            f"cache entry {msg.entry_id}: keep refused by some rank",
-        )
-        return None
-    if isinstance(msg, Restore):
-        before = engine.lengths([msg.lane])
-        ok = engine.restore(msg.lane, msg.entry_id, msg.num_tokens)
-        refusal = f"cache entry {msg.entry_id}: restore refused by some rank"
-        _vote(channel, ok, lambda: engine.rewind(before), refusal)
-        return None
-    if isinstance(msg, Evict):
-        engine.evict(msg.entry_id)
-        return None
     if isinstance(msg, (Idle, Stop)):
         return None
     raise TypeError(f"no rule to apply {type(msg).__name__}")
-
-
-def _vote(channel, ok: bool, undo: Callable[[], None], refusal: str) -> None:
-    """Every rank votes on what it just did; on a no anywhere, the ranks that did it undo it (so
-    nothing changed anywhere) and all raise VotedDown."""
-    if not channel.vote(ok):
-        if ok:
-            undo()
-        raise VotedDown(refusal)

@@ -4,9 +4,9 @@ Rank 0 and the followers call the same methods with the same arguments in the sa
 their bookkeeping (lanes, block tables, cache slots) stays identical. KV lives in blocks of the pool
 (ranks/kv_store.py); each lane has a block table that rank 0's lane host fills (server/kv_blocks.py)
 and sends with the passes, so no rank allocates: a rank only checks that a table it is given is
-sound (blocks in the pool, none held by two lanes) and refuses the call otherwise. Methods that can
-fail return False and leave nothing changed; the caller votes and, when another rank failed, calls
-the undo.
+sound and refuses the call otherwise. A lane may open on the blocks of a cached prefix that other
+lanes hold too (read only); every block it writes is its own (no other lane holds it). Methods
+that can fail return False and leave nothing changed; the caller votes on them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class Engine:
         self,
         model: TPModel,
         kv: KVPool,
-        cache_kv: KVPool | None = None,
         *,
         refuse_token: int | None = None,
         device_timeout_s: float = 60.0,
@@ -52,39 +51,48 @@ class Engine:
         self.device_timeout_s = device_timeout_s
         self.refuse_token = refuse_token
         self.kv = kv
-        self.cache_kv = cache_kv
         self.lanes: dict[int, Lane] = {}
-        self.owner: dict[int, int] = {}  # block id -> the lane whose table holds it
-        self.cache_slots: dict[int, tuple[int, int]] = {}  # entry id -> (start, num_tokens)
+        self.refs: dict[int, int] = {}  # block id -> how many lanes' tables hold it
 
     # Admission ---------------------------------------------------------------------------------
-    def admit(self, lane: int, blocks: tuple[int, ...]) -> None:
-        if lane in self.lanes:
-            raise EngineError(f"lane {lane} is already open")
-        self._check_blocks(lane, blocks)
-        self.lanes[lane] = Lane([])
+    def admit(self, lane: int, blocks: tuple[int, ...], num_cached: int = 0) -> None:
+        """Open `lane` on `blocks`, its first `num_cached` positions (whole blocks of a shared cached
+        prefix, which other lanes may hold) already computed; the rest of its blocks its own."""
+        size = self.kv.block_size
+        num_shared = num_cached // size
+        if lane in self.lanes or num_cached % size or num_shared > len(blocks):
+            raise EngineError(
+                f"lane {lane}: cannot open on {len(blocks)} blocks with {num_cached} cached tokens"
+            )
+        if any(not 0 <= block < self.kv.num_blocks for block in blocks[:num_shared]):
+            raise EngineError(f"lane {lane} given a shared KV block outside the pool: {list(blocks)}")
+        self._check_own(lane, blocks[num_shared:])
+        self.lanes[lane] = Lane([], num_cached)
         self._append(lane, blocks)
 
     def release(self, lane: int) -> None:
         state = self.lanes.pop(lane, None)
         if state is not None:
             for block in state.blocks:
-                del self.owner[block]
+                if self.refs[block] == 1:
+                    del self.refs[block]
+                else:
+                    self.refs[block] -= 1
 
-    def _check_blocks(self, lane: int, blocks) -> None:
+    def _check_own(self, lane: int, blocks) -> None:
+        """Blocks a lane will write: in the pool, held by no lane, each once."""
         for block in blocks:
-            if not 0 <= block < self.kv.num_blocks or block in self.owner:
-                holder = self.owner.get(block)
+            if not 0 <= block < self.kv.num_blocks or block in self.refs:
                 raise EngineError(
-                    f"lane {lane} given KV block {block}: outside the pool of {self.kv.num_blocks} "
-                    f"or held by lane {holder}"
+                    f"lane {lane} given KV block {block} to write: outside the pool of "
+                    f"{self.kv.num_blocks} or held by {self.refs.get(block)} lane(s)"
                 )
         if len(set(blocks)) != len(blocks):
             raise EngineError(f"lane {lane} given a KV block twice: {list(blocks)}")
 
     def _append(self, lane: int, blocks) -> None:
         for block in blocks:
-            self.owner[block] = lane
+            self.refs[block] = self.refs.get(block, 0) + 1
         self.lanes[lane].blocks.extend(blocks)
 
     def _grow(self, spans) -> None:
@@ -92,7 +100,6 @@ class Engine:
         for lane, _, _, blocks in spans:
             self._append(lane, blocks)
 
-    # Passes ------------------------------------------------------------------------------------
     @staticmethod
     def _spans(spans) -> list:
         """Spans as (lane, start, token ids, new blocks); a span of three has no new blocks."""
@@ -100,16 +107,20 @@ class Engine:
 
     def check(self, spans) -> bool:
         """Whether forward(spans) would be accepted: open lanes, each span at its lane's length, its
-        positions inside the lane's blocks with the span's new ones, sound new blocks, no lane twice.
-        spans: (lane, start, token ids, new blocks)."""
-        seen, given = set(), set()
+        positions inside the lane's blocks with the span's new ones, sound new blocks, no lane twice,
+        and no write into a block another lane holds. spans: (lane, start, token ids, new blocks)."""
+        seen, given, size = set(), set(), self.kv.block_size
         for lane, start, tokens, blocks in self._spans(spans):
             state = self.lanes.get(lane)
             if state is None or lane in seen or not tokens or start != state.length:
                 return False
-            if start + len(tokens) > (len(state.blocks) + len(blocks)) * self.kv.block_size:
+            table = state.blocks + list(blocks)
+            if start + len(tokens) > len(table) * size:
                 return False
-            if any(not 0 <= b < self.kv.num_blocks or b in self.owner or b in given for b in blocks):
+            if any(not 0 <= b < self.kv.num_blocks or b in self.refs or b in given for b in blocks):
+                return False
+            written = table[start // size : -(-(start + len(tokens)) // size)]
+            if any(self.refs.get(b, 0) > 1 for b in written):
                 return False
             given.update(blocks)
             seen.add(lane)
@@ -202,51 +213,3 @@ class Engine:
         peers = ", ".join(f"rank {r}" for r in range(1, self.model.tp_size))
         who = f"a collective with {peers} never finished (lost or hung)" if peers else "the device hung"
         return f"rank 0: the logits of a pass over {len(spans)} span(s) never reached the host: {who}"
-
-    def rewind(self, lengths: dict[int, int]) -> None:
-        """Undo passes: put lanes back to earlier lengths (their later slots are simply ignored)."""
-        for lane, length in lengths.items():
-            if lane in self.lanes:
-                self.lanes[lane].length = length
-
-    def lengths(self, lanes) -> dict[int, int]:
-        return {lane: self.lanes[lane].length for lane in lanes if lane in self.lanes}
-
-    # Prompt-cache states -------------------------------------------------------------------------
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        state = self.lanes.get(lane)
-        if (
-            self.cache_kv is None
-            or state is None
-            or entry_id in self.cache_slots
-            or num_tokens > state.length
-        ):
-            return False
-        start = self.cache_kv.allocator.allocate(num_tokens)
-        if start is None:
-            return False
-        self.cache_kv.copy_slots(self.kv, self._slots(state, num_tokens), range(start, start + num_tokens))
-        self.cache_slots[entry_id] = (start, num_tokens)
-        return True
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        state = self.lanes.get(lane)
-        slot = self.cache_slots.get(entry_id)
-        capacity = 0 if state is None else len(state.blocks) * self.kv.block_size
-        if state is None or slot is None or state.length != 0 or num_tokens > min(slot[1], capacity):
-            return False
-        self.kv.copy_slots(
-            self.cache_kv, range(slot[0], slot[0] + num_tokens), self._slots(state, num_tokens)
-        )
-        state.length = num_tokens
-        return True
-
-    def _slots(self, state: Lane, num_tokens: int) -> list[int]:
-        """The pool slots of the lane's positions 0..num_tokens-1."""
-        size = self.kv.block_size
-        return [state.blocks[p // size] * size + p % size for p in range(num_tokens)]
-
-    def evict(self, entry_id: int) -> None:
-        slot = self.cache_slots.pop(entry_id, None)
-        if slot is not None:
-            self.cache_kv.allocator.free(slot[0])

@@ -19,12 +19,9 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken
 from tpserve.ranks.wire import (
     Admit,
-    Evict,
     Idle,
-    Keep,
     Prefill,
     Release,
-    Restore,
     Round,
     Span,
     Step,
@@ -85,8 +82,8 @@ class Leader:
         self._record_features = record_features  # top logits per step, for the recorder only
 
     # The Backend protocol ---------------------------------------------------------------------
-    def open(self, lane: int, blocks: tuple[int, ...]) -> None:
-        self._run(Admit(lane, blocks))
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        self._run(Admit(lane, blocks, num_cached))
 
     def prefill(self, item) -> int | None:
         tokens = self.prefill_many([item])
@@ -133,16 +130,6 @@ class Leader:
         self._draft_features.pop(lane, None)
         self._run(Release(lane))
 
-    # Prompt-cache storage: states kept in every rank's cache pool, under ids the cache gives.
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        return self._voted(Keep(lane, num_tokens, entry_id))
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        return self._voted(Restore(lane, entry_id, num_tokens))
-
-    def evict(self, entry_id: int) -> None:
-        self._run(Evict(entry_id))
-
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         return self._features.get(lane, [])
 
@@ -165,14 +152,6 @@ class Leader:
     def stop(self) -> None:
         if self.broken is None:
             self._run(Stop())
-
-    def _voted(self, msg) -> bool:
-        """Send and apply a message every rank votes on; False (nothing changed anywhere) on a no."""
-        try:
-            self._run(msg)
-            return True
-        except VotedDown:
-            return False
 
     def _run(self, msg, media=None):
         if self.broken is not None:

@@ -23,14 +23,11 @@ __all__ = [
     "MAX_PAYLOAD_SIZE",
     "WIRE_VERSION",
     "Admit",
-    "Evict",
     "Head",
     "Idle",
-    "Keep",
     "Message",
     "Prefill",
     "Release",
-    "Restore",
     "Round",
     "Span",
     "Step",
@@ -63,12 +60,14 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class Admit:
-    """Open `lane` with `blocks` as its block table (rank 0's lane host chose them: every rank's
-    tables are the same by construction, so nothing is voted)."""
+    """Open `lane` with `blocks` as its block table, its first `num_cached` positions a shared cached
+    prefix already in those blocks (rank 0's lane host chose them: every rank's tables are the same by
+    construction, so nothing is voted)."""
 
     KIND: ClassVar[int] = 1
     lane: int
     blocks: tuple[int, ...] = ()
+    num_cached: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -156,34 +155,6 @@ class Release:
 
 
 @dataclass(frozen=True)
-class Keep:
-    """Copy the first `num_tokens` of `lane`'s KV into prompt-cache entry `entry_id` (vote after)."""
-
-    KIND: ClassVar[int] = 5
-    lane: int
-    num_tokens: int
-    entry_id: int
-
-
-@dataclass(frozen=True)
-class Restore:
-    """Copy the first `num_tokens` of cache entry `entry_id` into `lane` (vote after)."""
-
-    KIND: ClassVar[int] = 6
-    lane: int
-    entry_id: int
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class Evict:
-    """Free prompt-cache entry `entry_id`."""
-
-    KIND: ClassVar[int] = 7
-    entry_id: int
-
-
-@dataclass(frozen=True)
 class Idle:
     """Rank 0 is going idle: followers wait on the doorbell, not in a collective, before the next."""
 
@@ -197,10 +168,8 @@ class Stop:
     KIND: ClassVar[int] = 9
 
 
-Message = Admit | Prefill | Round | Verify | Release | Keep | Restore | Evict | Idle | Stop
-_KINDS: dict[int, type] = {
-    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Keep, Restore, Evict, Idle, Stop)
-}
+Message = Admit | Prefill | Round | Verify | Release | Idle | Stop
+_KINDS: dict[int, type] = {cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop)}
 _STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
 _SPAN_HEAD_SIZE = 5  # lane, start, number of tokens, number of media runs, number of blocks
 
@@ -284,7 +253,7 @@ def _payload(msg: Message) -> list:
             payload += [step.lane, step.position, step.token_id, len(step.blocks), *step.blocks]
         return payload
     if isinstance(msg, Admit):
-        return [msg.lane, *msg.blocks]
+        return [msg.lane, msg.num_cached, *msg.blocks]
     return [getattr(msg, field.name) for field in fields(msg)]
 
 
@@ -294,9 +263,11 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
     if cls is Round:
         return Round(_steps(payload))
     if cls is Admit:
-        if not payload:
-            raise WireError("an Admit payload starts with its lane, got nothing")
-        return Admit(payload[0], tuple(payload[1:]))
+        if len(payload) < 2:
+            raise WireError(
+                f"an Admit payload starts with its lane and cached length, got {len(payload)} ints"
+            )
+        return Admit(payload[0], tuple(payload[2:]), payload[1])
     num_fields = len(fields(cls))
     if len(payload) != num_fields:
         raise WireError(f"a {cls.__name__} payload holds {num_fields} ints, got {len(payload)}")

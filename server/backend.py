@@ -92,9 +92,11 @@ class Backend(Protocol):
     verifies_drafts: bool  # decode_drafts checks draft tokens (draft tokens are worth making)
     max_prefill_tokens: int  # most prompt tokens one pass takes (a longer prompt goes in chunks)
 
-    def open(self, lane: int, blocks: tuple[int, ...]) -> None:
-        """Open `lane` with `blocks` as its block table (more come with its passes). The lane host
-        books the blocks (server/kv_blocks.py): it never hands out a block another lane holds."""
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        """Open `lane` with `blocks` as its block table (more come with its passes). Its first
+        `num_cached` positions (whole blocks) are a shared cached prefix: those blocks already hold
+        their KV, other lanes may hold them too, and no pass writes into them. The lane host books
+        the blocks (server/kv_blocks.py): it never hands out for writing a block another lane holds."""
 
     def prefill(self, item: PrefillItem) -> int | None:
         """One prompt chunk on one lane; the sampled token when item.last, else None.
@@ -131,17 +133,6 @@ class Backend(Protocol):
         """Called once when the host runs out of work, before it waits. Rank 0's leader tells the
         followers to wait off any collective timeout (see ranks/channel.py); a backend with no
         followers does nothing."""
-
-    # Prompt-cache storage, used when the host is given a PromptCache (ids come from the cache).
-    # False leaves nothing changed anywhere.
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        """Save the lane's first num_tokens of KV as the entry."""
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        """An open, empty lane takes the entry's first num_tokens as its prefix (its blocks cover them)."""
-
-    def evict(self, entry_id: int) -> None:
-        """Free the entry (an id never kept is ignored)."""
 
     # Per-step features for `--record`: empty where the backend keeps none.
     def top_logits(self, lane: int) -> list[tuple[int, float]]:

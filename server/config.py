@@ -46,7 +46,7 @@ class ServeConfig:
     lanes: int = _ENGINE.num_lanes
     context: int = _ENGINE.context_size
     kv_budget_bytes: tuple[int, ...] = _ENGINE.kv_budget_bytes
-    cache_budget_bytes: int = _ENGINE.cache_budget_bytes
+    prefix_caching: bool = _ENGINE.prefix_caching
     kv_block_size: int = _ENGINE.kv_block_size
     max_prefill_tokens: int = _ENGINE.max_prefill_tokens
     batch_prefill: bool = _ENGINE.batch_prefill

@@ -1,8 +1,9 @@
 """Admission: getting waiting jobs from the queue into lanes, up to each one's first sampled token.
 
 Three steps per job, as in the design: take it off the queue when its first pass's KV blocks are
-free, set it up (lane and blocks, then a prompt-cache lookup and restore), launch it (its own prefill, chunks of a long prompt between
-decode rounds, or one prefill_many with other jobs). A refusal or failure ends that job alone and
+free, set it up (a lane, with the shared blocks of its prompt's cached prefix: kv_blocks.py), launch
+it (its own prefill, chunks of a long prompt between decode rounds, or one prefill_many with other
+jobs). A refusal or failure ends that job alone and
 frees what it held; only BackendBroken goes further (the host latches broken).
 
 Admission decides and runs the passes; it never touches the host's lock, queue or streams. Each call
@@ -15,11 +16,10 @@ the yielded job goes back to the front of the background line and later re-prefi
 the tokens it already produced, so position-keyed sampling continues exactly where it left off.
 
 A step prefills at most `max_prefill_tokens` prompt tokens of whole prompts (its first pass always
-goes), so a burst delays the live streams' next decode round by about one pass. With a prompt cache
-(lane_cache.py), setup restores a job's cached prefix and its prompt is kept once prefilled. Whether
-a prompt needs chunks, and how much of the budget it takes, is judged at take time by what the
-cache would restore, so a mostly cached prompt can join a joint pass; one whose restore then fails
-launches alone.
+goes), so a burst delays the live streams' next decode round by about one pass. Whether a prompt
+needs chunks, and how much of the budget it takes, is judged at take time by the prefix its shared
+blocks would supply, so a mostly cached prompt can join a joint pass. Every full block a pass
+computes becomes shareable at once, so the chunks of one long prompt serve the next that starts so.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tpserve.server.backend import Backend, BackendBroken, PrefillItem, attempt
-from tpserve.server.lane_cache import keep_prompt, restore_prefix
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
-from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import CANCELLED, ERROR
 
 log = logging.getLogger(__name__)
@@ -82,11 +80,9 @@ class Admission:
         lanes: LaneTable,
         *,
         batch_prefill: bool,
-        prompt_cache: PromptCache | None = None,
     ):
         self._backend = backend
         self._lanes = lanes
-        self._cache = prompt_cache
         self._max_prefill_tokens = backend.max_prefill_tokens
         batches = batch_prefill and backend.batches_prompts
         # Halved whenever the backend refuses a pass (returns None): it said it cannot take that many.
@@ -99,12 +95,8 @@ class Admission:
         return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
 
     def _expected_new_tokens(self, job: Job) -> int:
-        """Before setup: the prompt tokens left past the prefix the prompt cache would restore now.
-
-        A forecast only (setup's restore may still fail); `launch` copes when it was wrong.
-        """
-        hit = 0 if self._cache is None else self._cache.cached_length(job.cache_ids)
-        return len(job.feed_ids) - hit
+        """Before setup: the prompt tokens left past the prefix shared blocks would supply now."""
+        return len(job.feed_ids) - self._lanes.cached_prefix(job)[0]
 
     def _expects_chunks(self, job: Job) -> bool:
         """Before setup: `_needs_chunks`, counting the prefix the prompt cache would restore now."""
@@ -115,17 +107,19 @@ class Admission:
         return num_free > 0 and (budget is None or budget > 0)
 
     def first_pass_blocks(self, job: Job) -> int:
-        """Before setup: the blocks the job's lane needs for its first pass (the prefix the prompt
-        cache would restore now, then one pass's worth of its prompt); later blocks come as it grows."""
-        new_tokens = self._expected_new_tokens(job)
-        hit = len(job.feed_ids) - new_tokens
+        """Before setup: the free blocks the job's lane takes for its first pass (the unreferenced
+        shared blocks of its cached prefix, then one pass's worth of its prompt); later blocks come
+        as it grows."""
+        hit, num_idle = self._lanes.cached_prefix(job)
+        new_tokens = len(job.feed_ids) - hit
         # A prompt that goes in one pass counts the position its first decode round writes too.
         end = (
             len(job.feed_ids) + 1
             if new_tokens <= self._max_prefill_tokens
             else hit + self._max_prefill_tokens
         )
-        return self._lanes.blocks.blocks_for(end)
+        blocks = self._lanes.blocks
+        return blocks.blocks_for(end) - hit // blocks.block_size + num_idle
 
     def num_to_take(
         self, head: Sequence[Job], free_blocks: int, budget: int | None, chunking: Job | None
@@ -195,15 +189,11 @@ class Admission:
         return outcomes
 
     def _setup(self, job: Job) -> Ended | None:
-        """Lane, blocks and cached prefix. None when the job is ready, else how it ended (cancelled)."""
+        """Lane, shared prefix and first blocks. None when the job is ready, else how it ended."""
         if job.cancel_requested:
             return Ended(job, CANCELLED)
-        # Blocks for the prefix a restore would bring; the rest of the first pass's come with it.
-        hit = len(job.feed_ids) - self._expected_new_tokens(job)
-        free = self._lanes.blocks.num_free * self._lanes.blocks.block_size
-        self._lanes.open(job, min(hit, free))
-        job.cached_tokens = restore_prefix(self._cache, self._backend, job, self._lanes.covered(job))
-        job.num_prefilled = job.cached_tokens
+        # The shared prefix's blocks now; the rest of the first pass's come with its prefill.
+        self._lanes.open(job, 0)
         return None
 
     def _prefill_together(self, jobs: list[Job]) -> list[Outcome] | None:
@@ -233,7 +223,7 @@ class Admission:
         for job, token in zip(jobs, tokens):
             self._lanes.sent(job)
             job.num_prefilled = len(job.feed_ids)
-            keep_prompt(self._cache, self._backend, job)
+            self._lanes.keep_computed(job, job.num_prefilled)
             outcomes.append(FirstToken(job, token))
         return outcomes
 
@@ -303,11 +293,11 @@ class Admission:
             return Ended(job, ERROR, f"prefill failed: {error}")
         self._lanes.sent(job)
         job.num_prefilled = item.start + len(item.token_ids)
+        self._lanes.keep_computed(job, job.num_prefilled)
         if not item.last:
             return None
         if token is None:
             return Ended(job, ERROR, "the engine sampled no token after the prompt")
-        keep_prompt(self._cache, self._backend, job)
         return FirstToken(job, token)
 
     def yielding_stream(self, waiting: Sequence[Job], chunking: Job | None) -> Job | None:

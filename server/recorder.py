@@ -4,7 +4,7 @@ A stream is one open..close of a lane; its file is `stream-NNNN.jsonl`, numbered
 background stream that yields and resumes gets a second file). One JSON object per line:
 
     {"step": "open"}
-    {"step": "restore", "num_tokens": 32}                              a prompt-cache prefix
+    {"step": "cached", "num_tokens": 32}                               shared blocks of a cached prefix
     {"step": "prefill", "start": 0, "token_ids": [...]}                  a chunk that samples nothing
     {"step": "prefill", "start": 64, "token_ids": [...], "position": 70, "fed": 9, "sampled": 12, "features": [...]}
     {"step": "decode", "position": 71, "fed": 12, "sampled": 30, "features": [...]}
@@ -58,14 +58,16 @@ class RecordingBackend:
     verifies_drafts = _inner_figure("verifies_drafts")
     max_prefill_tokens = _inner_figure("max_prefill_tokens")
 
-    def open(self, lane: int, blocks: tuple[int, ...]) -> None:
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
         # Block ids are left out: they depend on what ran beside the stream, and a batched run's
-        # files must read as a solo run's.
-        self._inner.open(lane, blocks)
+        # files must read as a solo run's. A cached prefix is written: the prefill starts after it.
+        self._inner.open(lane, blocks, num_cached)
         self._num_streams += 1
         path = self._out_dir / f"stream-{self._num_streams:04d}.jsonl"
         self._files[lane] = path.open("w", encoding="utf-8")
         self._write(lane, {"step": "open"})
+        if num_cached:
+            self._write(lane, {"step": "cached", "num_tokens": num_cached})
 
     def prefill(self, item: PrefillItem) -> int | None:
         token = self._inner.prefill(item)
@@ -107,20 +109,6 @@ class RecordingBackend:
             file = self._files.pop(lane, None)
             if file is not None:
                 file.close()
-
-    # Prompt-cache storage, forwarded; a restore is recorded, since the prompt's prefill then
-    # starts at the restored length.
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        return self._inner.keep(lane, num_tokens, entry_id)
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        restored = self._inner.restore(lane, entry_id, num_tokens)
-        if restored:
-            self._write(lane, {"step": "restore", "num_tokens": num_tokens})
-        return restored
-
-    def evict(self, entry_id: int) -> None:
-        self._inner.evict(entry_id)
 
     def idle(self) -> None:
         self._inner.idle()

@@ -105,7 +105,7 @@ class FakeBackend:
         # What happened.
         self.lanes: dict[int, _Lane] = {}
         self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> the token written there
-        self.owner: dict[int, int] = {}  # block -> the lane whose table holds it
+        self.refs: dict[int, int] = {}  # block -> how many lanes' tables hold it
         self.num_opens = 0
         self.num_prefills = 0
         self.num_decodes = 0
@@ -120,20 +120,28 @@ class FakeBackend:
         self.broken = False
         self.num_calls_after_broken = 0
         self.misuse: list[str] = []
-        # Prompt-cache storage: entry id -> the history kept.
-        self.states: dict[int, tuple[int, ...]] = {}
-        self.fail_restores = False  # restore returns False (a test asks for it)
-        self.num_restores = 0
 
     # ---- the Backend protocol ----
 
-    def open(self, lane: int, blocks: tuple[int, ...]) -> None:
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        """The first num_cached positions are shared blocks of a cached prefix: read back through
+        the table like any others, so sharing the wrong blocks changes the reply."""
         self._call()
         if not 0 <= lane < self.num_lanes or lane in self.lanes:
             self._misuse(f"open of lane {lane}, which is out of range or already open")
+        num_shared, partial = divmod(num_cached, self.block_size)
+        if partial or num_shared > len(blocks):
+            self._misuse(f"open of lane {lane} with {num_cached} cached tokens on {len(blocks)} blocks")
         self.num_opens += 1
-        self.lanes[lane] = _Lane([])
-        self._extend(lane, blocks)
+        self.lanes[lane] = _Lane([], num_cached)
+        for block in blocks[:num_shared]:
+            if not 0 <= block < self.num_blocks or any(
+                (block, offset) not in self.slots for offset in range(self.block_size)
+            ):
+                self._misuse(f"lane {lane} shares block {block}, which holds no whole prefix")
+            self.refs[block] = self.refs.get(block, 0) + 1
+            self.lanes[lane].table.append(block)
+        self._extend(lane, blocks[num_shared:])
 
     def prefill(self, item: PrefillItem) -> int | None:
         self._call()
@@ -243,30 +251,9 @@ class FakeBackend:
         if lane not in self.lanes:
             self._misuse(f"close of lane {lane}, which is not open")
         for block in self.lanes.pop(lane).table:
-            del self.owner[block]
-
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        self._call()
-        state = self._open_lane(lane)
-        if entry_id in self.states or not 0 < num_tokens <= state.length:
-            self._misuse(f"keep of {num_tokens} tokens of lane {lane} as entry {entry_id}")
-        self.states[entry_id] = tuple(self._history(state)[:num_tokens])
-        return True
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        self._call()
-        state = self._open_lane(lane)
-        if state.length or entry_id not in self.states or num_tokens > len(self.states[entry_id]):
-            self._misuse(f"restore of entry {entry_id} ({num_tokens} tokens) into lane {lane}")
-        if self.fail_restores:
-            return False
-        self.num_restores += 1
-        self._feed(state, self.states[entry_id][:num_tokens])
-        return True
-
-    def evict(self, entry_id: int) -> None:
-        self._call()
-        self.states.pop(entry_id, None)
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                del self.refs[block]
 
     def idle(self) -> None:
         self._call()
@@ -286,7 +273,7 @@ class FakeBackend:
         """Everything the host held is returned and it never broke the contract."""
         assert self.misuse == [], self.misuse
         assert self.lanes == {}, f"lanes still open: {sorted(self.lanes)}"
-        assert self.owner == {}, f"blocks still held: {sorted(self.owner)}"
+        assert self.refs == {}, f"blocks still held: {sorted(self.refs)}"
 
     def solo_reply(self, request: GenerationRequest) -> Reply:
         """The reply `request` gets alone on a fresh fake of the same shape: the oracle."""
@@ -331,10 +318,9 @@ class FakeBackend:
         """Append blocks to the lane's table: refused, as the engine refuses, when a block is out of
         the pool or another table holds it."""
         for block in blocks:
-            if not 0 <= block < self.num_blocks or block in self.owner:
-                holder = self.owner.get(block)
-                self._misuse(f"lane {lane} given block {block}, out of the pool or held by lane {holder}")
-            self.owner[block] = lane
+            if not 0 <= block < self.num_blocks or block in self.refs:
+                self._misuse(f"lane {lane} given block {block} to write, out of the pool or held")
+            self.refs[block] = 1
             self.lanes[lane].table.append(block)
 
     def _unextend(self, lane: int, blocks: Sequence[int]) -> None:
@@ -342,7 +328,7 @@ class FakeBackend:
         for block in reversed(blocks):
             if table and table[-1] == block:
                 table.pop()
-                del self.owner[block]
+                del self.refs[block]
 
     def _history(self, lane: _Lane) -> list[int]:
         """The tokens at the lane's positions, read back through its block table."""
@@ -369,7 +355,10 @@ class FakeBackend:
             position = lane.length
             if position // self.block_size >= len(lane.table):
                 self._misuse(f"a lane wrote position {position} past its blocks ({len(lane.table)} blocks)")
-            self.slots[(lane.table[position // self.block_size], position % self.block_size)] = token
+            block = lane.table[position // self.block_size]
+            if self.refs[block] > 1:
+                self._misuse(f"a lane wrote position {position} into block {block}, which another lane holds")
+            self.slots[(block, position % self.block_size)] = token
             lane.length += 1
 
     def _sample(self, lane: _Lane, sampling: SamplingParams) -> int:

@@ -86,7 +86,7 @@ def pair_settings(model_dir: str, **changes) -> EngineSettings:
         refuse_token_on_rank=(1, POISON),
         # Each reply (and record file) is compared with its solo run: no prompt cache serves a
         # second run from the first (tests/test_cache_pair.py has one). Drafts: the daemon's default.
-        cache_budget_bytes=0,
+        prefix_caching=False,
     )
     return replace(settings, **changes)
 

@@ -123,7 +123,7 @@ def serving(
         vision=vision,
         **limits,
     )
-    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache), vision_input)
+    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.block_stats), vision_input)
     server = GrpcServer(
         host,
         tokenizer,

@@ -102,7 +102,7 @@ def test_the_fake_rolls_back_every_participant_including_the_failing_one(where):
     backend.raise_in_pass_at = where
     greedy = SamplingParams()
     for lane in range(4):
-        backend.open(lane, ())
+        backend.open(lane, (), 0)
     assert backend.prefill(PrefillItem(3, 0, (7, 8), True, greedy, blocks=(3,))) is not None
     with pytest.raises(RuntimeError, match="participant"):
         backend.prefill_many(

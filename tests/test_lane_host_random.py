@@ -49,11 +49,17 @@ actions = st.lists(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(shape=shapes, schedule=actions, queue_size=st.integers(1, 8))
-def test_random_schedules_never_wedge_and_replies_equal_solo(shape, schedule, queue_size):
+@given(shape=shapes, schedule=actions, queue_size=st.integers(1, 8), prefix_caching=st.booleans())
+def test_random_schedules_never_wedge_and_replies_equal_solo(shape, schedule, queue_size, prefix_caching):
     backend = FakeBackend(**shape)
     backend.poisoned_prompts = {POISONED}
-    host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS, queue_size=queue_size)
+    host = LaneHost(
+        backend,
+        detokenize=fake_detokenize,
+        eos_ids=EOS_IDS,
+        queue_size=queue_size,
+        prefix_caching=prefix_caching,
+    )
     submitted = []
     for kind, value in schedule:
         if kind == "submit":

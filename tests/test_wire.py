@@ -12,12 +12,9 @@ from tpserve.ranks.wire import (
     INLINE_SIZE,
     MAX_PAYLOAD_SIZE,
     Admit,
-    Evict,
     Idle,
-    Keep,
     Prefill,
     Release,
-    Restore,
     Round,
     Span,
     Step,
@@ -51,14 +48,11 @@ block_lists = st.lists(counts, max_size=6).map(tuple)
 steps = st.builds(Step, lane=counts, position=counts, token_id=int64s, blocks=block_lists)
 
 messages = st.one_of(
-    st.builds(Admit, lane=counts, blocks=block_lists),
+    st.builds(Admit, lane=counts, blocks=block_lists, num_cached=counts),
     st.builds(Prefill, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Round, steps=st.lists(steps, max_size=64).map(tuple)),
     st.builds(Verify, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Release, lane=counts),
-    st.builds(Keep, lane=counts, num_tokens=counts, entry_id=int64s),
-    st.builds(Restore, lane=counts, entry_id=int64s, num_tokens=counts),
-    st.builds(Evict, entry_id=int64s),
     st.just(Idle()),
     st.just(Stop()),
 )
@@ -103,7 +97,7 @@ def test_lists_are_accepted_and_frozen_as_tuples():
     [
         (Admit(0, (1.5,)), "integer"),
         (Release("3"), "integer"),
-        (Evict(1 << 63), "int64"),
+        (Release(1 << 63), "int64"),
         (Round((Step(0, 0, -(1 << 64)),)), "int64"),
     ],
 )

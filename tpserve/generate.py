@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         num_lanes=1,
         context_size=len(prompt_ids) + args.max_tokens,
         batch_invariant=False if args.no_batch_invariant else None,  # None: the device's default
-        cache_budget_bytes=0,  # one prompt: nothing to keep for a later one
+        prefix_caching=False,  # one prompt: nothing to keep for a later one
     )
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     (result,) = generate_tokens(settings, [(prompt_ids, sampling)], args.max_tokens, tokenizer.eos_ids)
