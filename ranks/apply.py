@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Idle, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire import Admit, Bundle, Idle, Prefill, Release, Round, Stop, Verify
 
 
 class VotedDown(Exception):
@@ -24,6 +24,11 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
     `media`: on rank 0, the image features of a Prefill's media runs, in message order.
     Raises VotedDown when the ranks voted no.
     """
+    if isinstance(msg, Bundle):  # a follower's: rank 0 applied all but the last as it sent them
+        *first, last = msg.messages
+        for inner in first:
+            apply_message(engine, channel, inner)
+        return apply_message(engine, channel, last, media)
     if isinstance(msg, Admit):
         engine.admit(msg.lane, msg.blocks, msg.num_cached)  # rank 0 chose them: nothing to vote on
         return None

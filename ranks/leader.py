@@ -19,6 +19,7 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken
 from tpserve.ranks.wire import (
     Admit,
+    Bundle,
     Idle,
     Prefill,
     Release,
@@ -74,6 +75,9 @@ class Leader:
         self.verifies_drafts = True
         self.broken: str | None = None
         self._idle = False
+        # Lanes opened and closed since the last message: applied here at once, and sent to the
+        # followers inside the next pass's message (a Bundle), so a lane costs no message of its own.
+        self._unsent: list[Admit | Release] = []
         self._features: dict[int, list[tuple[int, float]]] = {}
         self._draft_features: dict[int, list[list[tuple[int, float]]]] = {}  # per row of a Verify
         # The log probabilities of the last sampling pass's tokens, by (lane, position), for the
@@ -83,7 +87,7 @@ class Leader:
 
     # The Backend protocol ---------------------------------------------------------------------
     def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
-        self._run(Admit(lane, blocks, num_cached))
+        self._apply_here(Admit(lane, blocks, num_cached))
 
     def prefill(self, item) -> int | None:
         tokens = self.prefill_many([item])
@@ -128,7 +132,7 @@ class Leader:
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)
         self._draft_features.pop(lane, None)
-        self._run(Release(lane))
+        self._apply_here(Release(lane))
 
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         return self._features.get(lane, [])
@@ -140,6 +144,8 @@ class Leader:
     def idle(self) -> None:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
         if not self._idle and self.broken is None:
+            if self._unsent:  # the followers close the lanes rank 0 closed before they wait
+                self._run(None)
             self._run(Idle())
             self._idle = True
 
@@ -153,11 +159,24 @@ class Leader:
         if self.broken is None:
             self._run(Stop())
 
+    def _apply_here(self, msg: Admit | Release) -> None:
+        """Apply an Admit or Release on rank 0 now; the followers get it with the next message."""
+        if self.broken is not None:
+            raise BackendBroken(self.broken)
+        apply_message(self.engine, self.channel, msg)  # raises EngineError on an unsound table
+        self._unsent.append(msg)
+
     def _run(self, msg, media=None):
+        """Send `msg` (with the lanes opened and closed since the last message; None: those alone)
+        and apply it here. Any failure but a vote's no latches the leader broken."""
         if self.broken is not None:
             raise BackendBroken(self.broken)
         try:
-            self.channel.send(msg)
+            unsent, self._unsent = self._unsent, []
+            if msg is None:  # only what rank 0 already applied
+                self.channel.send(Bundle(tuple(unsent)))
+                return None
+            self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
             self._idle = False
             return apply_message(self.engine, self.channel, msg, media)
         except VotedDown:

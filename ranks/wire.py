@@ -23,6 +23,7 @@ __all__ = [
     "MAX_PAYLOAD_SIZE",
     "WIRE_VERSION",
     "Admit",
+    "Bundle",
     "Head",
     "Idle",
     "Message",
@@ -168,8 +169,24 @@ class Stop:
     KIND: ClassVar[int] = 9
 
 
-Message = Admit | Prefill | Round | Verify | Release | Idle | Stop
-_KINDS: dict[int, type] = {cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop)}
+@dataclass(frozen=True)
+class Bundle:
+    """Several messages in one broadcast, applied in order: the lanes rank 0 opened and closed since
+    its last message, then the pass that uses them. Opening or closing a lane so costs the wire
+    nothing of its own; rank 0 applied those at once, the followers apply them before the pass."""
+
+    KIND: ClassVar[int] = 11
+    messages: tuple[Admit | Release | Prefill | Round | Verify, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "messages", tuple(self.messages))
+
+
+Message = Admit | Prefill | Round | Verify | Release | Idle | Stop | Bundle
+_KINDS: dict[int, type] = {
+    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, Bundle)
+}
+_BUNDLED = (Admit, Release, Prefill, Round, Verify)
 _STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
 _SPAN_HEAD_SIZE = 5  # lane, start, number of tokens, number of media runs, number of blocks
 
@@ -241,6 +258,14 @@ def decode(tensor: torch.Tensor) -> Message:
 
 
 def _payload(msg: Message) -> list:
+    if isinstance(msg, Bundle):
+        payload = []
+        for inner in msg.messages:
+            if type(inner) not in _BUNDLED:
+                raise WireError(f"a Bundle cannot carry {type(inner).__name__}")
+            values = _payload(inner)
+            payload += [inner.KIND, len(values), *values]
+        return payload
     if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
         for span in msg.spans:
@@ -258,6 +283,18 @@ def _payload(msg: Message) -> list:
 
 
 def _from_payload(cls: type, payload: list[int]) -> Message:
+    if cls is Bundle:
+        messages, at = [], 0
+        while at < len(payload):
+            if at + 2 > len(payload):
+                raise WireError(f"Bundle message {len(messages)} runs past the payload's {len(payload)} ints")
+            kind, size = payload[at : at + 2]
+            inner = _KINDS.get(kind)
+            if inner not in _BUNDLED or size < 0 or at + 2 + size > len(payload):
+                raise WireError(f"Bundle message {len(messages)}: kind {kind} with {size} ints does not fit")
+            messages.append(_from_payload(inner, payload[at + 2 : at + 2 + size]))
+            at += 2 + size
+        return Bundle(tuple(messages))
     if cls in (Prefill, Verify):
         return cls(_spans(payload))
     if cls is Round:

@@ -12,6 +12,7 @@ from tpserve.ranks.wire import (
     INLINE_SIZE,
     MAX_PAYLOAD_SIZE,
     Admit,
+    Bundle,
     Idle,
     Prefill,
     Release,
@@ -47,12 +48,16 @@ def spans(draw):
 block_lists = st.lists(counts, max_size=6).map(tuple)
 steps = st.builds(Step, lane=counts, position=counts, token_id=int64s, blocks=block_lists)
 
-messages = st.one_of(
+bundled = st.one_of(
     st.builds(Admit, lane=counts, blocks=block_lists, num_cached=counts),
     st.builds(Prefill, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Round, steps=st.lists(steps, max_size=64).map(tuple)),
     st.builds(Verify, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Release, lane=counts),
+)
+messages = st.one_of(
+    bundled,
+    st.builds(Bundle, messages=st.lists(bundled, min_size=1, max_size=5).map(tuple)),
     st.just(Idle()),
     st.just(Stop()),
 )
@@ -104,6 +109,15 @@ def test_lists_are_accepted_and_frozen_as_tuples():
 def test_values_that_are_not_int64_are_refused(msg, problem):
     with pytest.raises(WireError, match=problem):
         encode(msg)
+
+
+def test_a_bundle_carries_no_idle_nor_another_bundle():
+    with pytest.raises(WireError, match="cannot carry Idle"):
+        encode(Bundle((Release(0), Idle())))
+    tensor = encode(Bundle((Release(3),))).clone()
+    tensor[4] = Idle.KIND  # the inner message's kind
+    with pytest.raises(WireError, match="kind 8"):
+        decode(tensor)
 
 
 def test_a_non_message_is_refused():
