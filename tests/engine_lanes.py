@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def open_lane(engine, lane: int, num_tokens: int) -> tuple[int, ...]:
     """Open `lane` with blocks for positions 0..num_tokens-1; the block ids it got."""
-    size, held = engine.kv.block_size, set(engine.owner)
+    size, held = engine.kv.block_size, set(engine.refs)
     free = [block for block in range(engine.kv.num_blocks) if block not in held]
     blocks = tuple(free[: -(-num_tokens // size)])
     if len(blocks) * size < num_tokens:
