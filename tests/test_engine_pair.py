@@ -177,8 +177,8 @@ def watch_opens(leader) -> Iterator[list[int]]:
     lanes_open: list[int] = []
     inner = leader.open
 
-    def watched(lane: int, blocks: tuple[int, ...]) -> None:
-        inner(lane, blocks)
+    def watched(lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        inner(lane, blocks, num_cached)
         lanes_open.append(len(leader.engine.lanes))
 
     leader.open = watched
