@@ -311,7 +311,9 @@ class TestSmallPair:
     @classmethod
     def small(cls, model_dir):
         budget = RANK0_BYTES_PER_TOKEN * 200
-        with local_engine(pair_settings(model_dir, num_lanes=2, kv_budget_bytes=(budget, budget))) as engine:
+        # No refusal drill: a preempted stream re-prefills the tokens it produced, POISON among them.
+        settings = pair_settings(model_dir, num_lanes=2, kv_budget_bytes=(budget, budget), refuse_token_on_rank=())
+        with local_engine(settings) as engine:
             yield engine
 
     def test_streams_that_outgrow_the_room_are_preempted_and_run_exactly(self, small):
