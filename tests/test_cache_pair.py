@@ -42,7 +42,7 @@ from tpserve.server.wiring import LocalEngine, local_engine
 
 EVENT_TIMEOUT_S = 30.0
 ROOMY_TOKENS = 2048  # the roomy pair's pool: every prefix these tests compute stays cached
-SMALL_TOKENS = 192  # about two prompts' blocks: new prompts evict the cached ones
+SMALL_TOKENS = 128  # eight blocks, not two prompts: new prompts evict the cached ones
 
 # Two long shared prefixes (a system block, a chat history) and short tails that differ.
 HISTORY_A = tuple(3 + (11 * i + 5) % 290 for i in range(80))
