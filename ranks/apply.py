@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Bundle, Idle, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
 
 
 class VotedDown(Exception):
@@ -39,6 +39,22 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
         if not any(s.media for s in msg.spans):
             return engine.forward(spans)
         return engine.forward(spans, media_rows=[s.media_rows() for s in msg.spans], media=media)
+    if isinstance(msg, Mixed):
+        verify = isinstance(msg.round, Verify)
+        steps = msg.round.spans if verify else msg.round.steps
+        steps = [
+            (s.lane, s.start, s.token_ids, s.blocks)
+            if verify
+            else (s.lane, s.position, (s.token_id,), s.blocks)
+            for s in steps
+        ]
+        (span,) = msg.prefill.spans
+        chunk = (span.lane, span.start, span.token_ids, span.blocks)
+        engine.drop_unkept_drafts(steps)  # the same on every rank, whatever the vote: drafts it did not keep
+        if not channel.vote(engine.check([*steps, chunk]) and not engine.refuses([chunk])):
+            raise VotedDown("a prompt chunk beside a decode round refused by some rank")
+        media_rows = span.media_rows() if span.media else None
+        return engine.mixed(steps, verify, chunk, media_rows, media if span.media else None)
     if isinstance(msg, Round):
         return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])
     if isinstance(msg, Verify):

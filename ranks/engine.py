@@ -149,27 +149,45 @@ class Engine:
     def decode_round(self, steps: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
         """One token per lane: (lane, position, (token,), new blocks), as forward. A lane a Verify left longer
         than `position` is first cut back to it: the drafts the host did not keep are dropped."""
-        self._drop_unkept_drafts(steps)
+        self.drop_unkept_drafts(steps)
         return self._pass(steps, every_row=False)
 
     def verify(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
         """A decode round with drafts: (lane, position, (token, *drafts), new blocks), with the logits of every
         row. The next round keeps the samples the host kept and drops the rest of the drafts."""
-        self._drop_unkept_drafts(spans)
+        self.drop_unkept_drafts(spans)
         logits = self._pass(spans, every_row=True)
         for lane, start, *_ in spans:
             self.lanes[lane].drafts_from = start + 1  # the fed token stays; its drafts may go
         return logits
 
-    def _drop_unkept_drafts(self, spans) -> None:
-        # Only the drafts a Verify fed may be dropped: a span anywhere else fails check().
+    def mixed(self, steps, verify: bool, chunk, media_rows: list[int] | None = None, media=None):
+        """A decode round (a Verify when `verify`) and one prompt chunk (lane, start, token ids, new
+        blocks) in one pass, so decoding streams keep their pace while a long prompt fills. Logits:
+        the round's rows as decode_round's or verify's, then the chunk's last token's. Each row is
+        the same as in separate passes: every product and attention row is batch-invariant.
+        media_rows: the chunk's offsets embedded as image features (media: those features)."""
+        self.drop_unkept_drafts(steps)
+        spans = [*steps, chunk]
+        rows = None if media_rows is None else [[]] * len(steps) + [media_rows]
+        logits = self._pass(spans, [verify] * len(steps) + [False], rows, media)
+        if verify:
+            for lane, start, *_ in steps:
+                self.lanes[lane].drafts_from = start + 1
+        return logits
+
+    def drop_unkept_drafts(self, spans) -> None:
+        """Cut lanes a Verify left longer than a span's start back to it (idempotent).
+        Only the drafts a Verify fed may be dropped: a span anywhere else fails check()."""
         for lane, start, *_ in spans:
             state = self.lanes.get(lane)
             if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
                 state.length = start
 
-    def _pass(self, spans, every_row: bool, media_rows=None, media=None) -> torch.Tensor | None:
+    def _pass(self, spans, every_row, media_rows=None, media=None) -> torch.Tensor | None:
+        """every_row: one flag for the pass or one per span (a span's rows' logits, or its last's)."""
         spans = self._spans(spans)
+        every_row = every_row if isinstance(every_row, list) else [every_row] * len(spans)
         if not self.check(spans):
             raise EngineError(
                 f"inconsistent pass {[(lane, start, len(t), b) for lane, start, t, b in spans]}"
@@ -183,7 +201,7 @@ class Engine:
                 packed_media.extend(len(token_ids) + row for row in media_rows[index])
             token_ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
-            if every_row:
+            if every_row[index]:
                 logit_rows.extend(range(len(token_ids) - len(tokens), len(token_ids)))
             else:
                 logit_rows.append(len(token_ids) - 1)

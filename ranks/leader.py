@@ -16,11 +16,12 @@ from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.errors import BackendBroken
+from tpserve.ranks.errors import BackendBroken, ChunkRefused
 from tpserve.ranks.wire import (
     Admit,
     Bundle,
     Idle,
+    Mixed,
     Prefill,
     Release,
     Round,
@@ -96,22 +97,40 @@ class Leader:
         return tokens[0] if item.last else None
 
     def prefill_many(self, items) -> list[int] | None:
+        msg, media = self._prefill_message(items)
+        try:
+            logits = self._run(msg, media)
+        except VotedDown:
+            return None
+        return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
+
+    @staticmethod
+    def _prefill_message(items) -> tuple[Prefill, torch.Tensor | None]:
         spans, features = [], []
         for item in items:
             runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
             spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks))
             features += rows
-        msg = Prefill(tuple(spans))
-        try:
-            logits = self._run(msg, torch.cat(features) if features else None)
-        except VotedDown:
-            return None
-        return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
+        return Prefill(tuple(spans)), torch.cat(features) if features else None
 
-    def decode_drafts(self, items) -> list[list[int]]:
+    def _with_chunk(self, round_msg, chunk):
+        """Run a Round or Verify, with `chunk` (a PrefillItem or None) in the same pass. Returns the
+        logits of the round's rows, then the chunk's last row when the chunk ends its prompt."""
+        if chunk is None:
+            return self._run(round_msg)
+        prefill, media = self._prefill_message([chunk])
+        try:
+            logits = self._run(Mixed(round_msg, prefill), media)
+        except VotedDown as error:
+            raise ChunkRefused(f"lane {chunk.lane}: prompt chunk refused") from error
+        return logits if chunk.last else logits[:-1]
+
+    def decode_drafts(self, items, chunk=None) -> list[list[int]]:
         msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft), (), i.blocks) for i in items))
         rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
-        logits = self._run(msg)
+        if chunk is not None and chunk.last:
+            rows.append((chunk, chunk.start + len(chunk.token_ids)))
+        logits = self._with_chunk(msg, chunk)
         tokens = sample(logits, [item.sampling for item, _ in rows], [position for _, position in rows])
         self._keep_logprobs(
             logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
@@ -123,11 +142,19 @@ class Leader:
             if features is not None:
                 self._draft_features[item.lane] = features[at : at + 1 + len(item.draft)]
             at += 1 + len(item.draft)
+        if at < len(tokens):  # the chunk's first sampled token
+            out.append(tokens[at:])
+            if features is not None:
+                self._features[chunk.lane] = features[at]
         return out
 
-    def decode(self, items) -> list[int]:
-        logits = self._run(Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items)))
-        return self._sample(logits, items, [i.position + 1 for i in items])
+    def decode(self, items, chunk=None) -> list[int]:
+        msg = Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items))
+        logits = self._with_chunk(msg, chunk)
+        positions = [i.position + 1 for i in items]
+        if chunk is not None and chunk.last:
+            items, positions = [*items, chunk], [*positions, chunk.start + len(chunk.token_ids)]
+        return self._sample(logits, items, positions)
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)

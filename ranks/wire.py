@@ -27,6 +27,7 @@ __all__ = [
     "Head",
     "Idle",
     "Message",
+    "Mixed",
     "Prefill",
     "Release",
     "Round",
@@ -170,23 +171,33 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Mixed:
+    """A decode round (a Round or a Verify) and one prompt chunk (a Prefill of one span) in one
+    forward pass (the ranks vote on the chunk first, as on a Prefill)."""
+
+    KIND: ClassVar[int] = 12
+    round: Round | Verify
+    prefill: Prefill
+
+
+@dataclass(frozen=True)
 class Bundle:
     """Several messages in one broadcast, applied in order: the lanes rank 0 opened and closed since
     its last message, then the pass that uses them. Opening or closing a lane so costs the wire
     nothing of its own; rank 0 applied those at once, the followers apply them before the pass."""
 
     KIND: ClassVar[int] = 11
-    messages: tuple[Admit | Release | Prefill | Round | Verify, ...]
+    messages: tuple[Admit | Release | Prefill | Round | Verify | Mixed, ...]
 
     def __post_init__(self):
         object.__setattr__(self, "messages", tuple(self.messages))
 
 
-Message = Admit | Prefill | Round | Verify | Release | Idle | Stop | Bundle
+Message = Admit | Prefill | Round | Verify | Release | Idle | Stop | Bundle | Mixed
 _KINDS: dict[int, type] = {
-    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, Bundle)
+    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, Bundle, Mixed)
 }
-_BUNDLED = (Admit, Release, Prefill, Round, Verify)
+_BUNDLED = (Admit, Release, Prefill, Round, Verify, Mixed)
 _STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
 _SPAN_HEAD_SIZE = 5  # lane, start, number of tokens, number of media runs, number of blocks
 
@@ -257,15 +268,38 @@ def decode(tensor: torch.Tensor) -> Message:
     return _from_payload(_KINDS[head.kind], payload)
 
 
+def _nested(messages, allowed, outer: str) -> list:
+    """Inner messages as [kind, size, payload...] each."""
+    payload = []
+    for inner in messages:
+        if type(inner) not in allowed:
+            raise WireError(f"a {outer} cannot carry {type(inner).__name__}")
+        values = _payload(inner)
+        payload += [inner.KIND, len(values), *values]
+    return payload
+
+
+def _unnested(payload: list[int], allowed, outer: str) -> list:
+    messages, at = [], 0
+    while at < len(payload):
+        if at + 2 > len(payload):
+            raise WireError(f"{outer} message {len(messages)} runs past the payload's {len(payload)} ints")
+        kind, size = payload[at : at + 2]
+        inner = _KINDS.get(kind)
+        if inner not in allowed or size < 0 or at + 2 + size > len(payload):
+            raise WireError(f"{outer} message {len(messages)}: kind {kind} with {size} ints does not fit")
+        messages.append(_from_payload(inner, payload[at + 2 : at + 2 + size]))
+        at += 2 + size
+    return messages
+
+
 def _payload(msg: Message) -> list:
     if isinstance(msg, Bundle):
-        payload = []
-        for inner in msg.messages:
-            if type(inner) not in _BUNDLED:
-                raise WireError(f"a Bundle cannot carry {type(inner).__name__}")
-            values = _payload(inner)
-            payload += [inner.KIND, len(values), *values]
-        return payload
+        return _nested(msg.messages, _BUNDLED, "Bundle")
+    if isinstance(msg, Mixed):
+        if len(msg.prefill.spans) != 1:
+            raise WireError(f"a Mixed pass takes one prompt chunk, got {len(msg.prefill.spans)}")
+        return _nested((msg.round, msg.prefill), (Round, Verify, Prefill), "Mixed")
     if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
         for span in msg.spans:
@@ -284,17 +318,14 @@ def _payload(msg: Message) -> list:
 
 def _from_payload(cls: type, payload: list[int]) -> Message:
     if cls is Bundle:
-        messages, at = [], 0
-        while at < len(payload):
-            if at + 2 > len(payload):
-                raise WireError(f"Bundle message {len(messages)} runs past the payload's {len(payload)} ints")
-            kind, size = payload[at : at + 2]
-            inner = _KINDS.get(kind)
-            if inner not in _BUNDLED or size < 0 or at + 2 + size > len(payload):
-                raise WireError(f"Bundle message {len(messages)}: kind {kind} with {size} ints does not fit")
-            messages.append(_from_payload(inner, payload[at + 2 : at + 2 + size]))
-            at += 2 + size
-        return Bundle(tuple(messages))
+        return Bundle(tuple(_unnested(payload, _BUNDLED, "Bundle")))
+    if cls is Mixed:
+        parts = _unnested(payload, (Round, Verify, Prefill), "Mixed")
+        if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or len(parts[1].spans) != 1:
+            raise WireError(
+                f"a Mixed pass is a round and a one-span Prefill, got {[type(p).__name__ for p in parts]}"
+            )
+        return Mixed(*parts)
     if cls in (Prefill, Verify):
         return cls(_spans(payload))
     if cls is Round:

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.errors import BackendBroken
+from tpserve.ranks.errors import BackendBroken, ChunkRefused
 from tpserve.server.requests import PromptImage
 
 __all__ = [
     "Backend",
     "BackendBroken",
+    "ChunkRefused",
     "PrefillItem",
     "DecodeItem",
     "SamplingParams",
@@ -111,19 +112,24 @@ class Backend(Protocol):
         lanes prefilled (the failing one included); the host then runs each alone.
         """
 
-    def decode(self, items: list[DecodeItem]) -> list[int]:
+    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
         """One round over the given live lanes; one sampled token per item, in order.
 
-        Raises BackendBroken when the round failed: the engine cannot go on.
+        With `chunk`, that prompt chunk (of a lane not in the round) goes in the same forward pass,
+        so the decoding streams keep their pace while a long prompt fills; when the chunk ends its
+        prompt, the token sampled after it follows the items' tokens. Raises ChunkRefused when some
+        rank refused the chunk (then neither the chunk nor the round ran), BackendBroken when the
+        round failed: the engine cannot go on.
         """
 
-    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
         """A decode round whose items carry draft tokens (called only when verifies_drafts).
 
         Per item, 1 + len(draft) sampled tokens, the i-th sampled after feeding the token and its
         first i drafts. The host keeps the samples up to the first that differs from the next draft;
         the lane's later positions are rewritten by the next round (which starts where the kept
-        tokens end). Raises BackendBroken as decode does.
+        tokens end). `chunk` as for decode (its token, when sampled, comes last, a list of one).
+        Raises ChunkRefused and BackendBroken as decode does.
         """
 
     def close(self, lane: int) -> None:

@@ -291,6 +291,19 @@ class Admission:
         token, error = attempt(self._backend.prefill, item)
         if error is not None:
             return Ended(job, ERROR, f"prefill failed: {error}")
+        return self.prefilled(job, item, token)
+
+    def chunk_beside_round(self, job: Job) -> PrefillItem | BlockWait | Ended:
+        """The chunking job's next chunk, to ride with this step's decode round (the scheduler runs
+        it, then reports with `prefilled`); BlockWait while its blocks are not free."""
+        if job.cancel_requested:
+            return Ended(job, CANCELLED)
+        item = self._next_chunk(job)
+        return BlockWait(job) if item is None else item
+
+    def prefilled(self, job: Job, item: PrefillItem, token: int | None) -> Outcome | None:
+        """A pass over `item` went through (`token`: what it sampled after the prompt's last chunk).
+        None after a chunk that is not the prompt's last."""
         self._lanes.sent(job)
         job.num_prefilled = item.start + len(item.token_ids)
         self._lanes.keep_computed(job, job.num_prefilled)

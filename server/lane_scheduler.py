@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tpserve.server.backend import Backend, BackendBroken, DecodeItem, attempt
+from tpserve.server.backend import Backend, BackendBroken, ChunkRefused, DecodeItem, PrefillItem, attempt
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
 from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome
@@ -64,7 +64,6 @@ class Scheduler:
                 changed = self._end_cancelled()
                 if not self._state.stopping:
                     changed = self._admit() or changed
-                changed = self._prefill_chunk() or changed
                 return self._decode_round() or changed
             except BackendBroken as error:
                 self.latch_broken(str(error))
@@ -173,10 +172,13 @@ class Scheduler:
                         self._give_up_lane(job)
 
     def _decode_round(self) -> bool:
+        """One decode round over every live stream, the long prompt's next chunk in the same pass
+        (alone when no stream decodes). True when anything ran."""
         self._end_cancelled()
         live = self._cover_live()
         if not live:
-            return False
+            return self._prefill_chunk()
+        chunk = self._next_chunk()
         drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
         drafts = [self._covered_draft(job, draft) for job, draft in zip(live, drafts)]
         items = [
@@ -190,13 +192,16 @@ class Scheduler:
             )
             for job, draft in zip(live, drafts)
         ]
-        if any(drafts):
-            samples, error = attempt(self._backend.decode_drafts, items)
-        else:
-            tokens, error = attempt(self._backend.decode, items)
-            samples = [[token] for token in tokens] if error is None else None
+        samples, error = self._run_round(items, drafts, chunk)
+        if isinstance(error, ChunkRefused):  # nothing ran: the prompt fails alone, the round goes again
+            self._end(self._chunking, ERROR, f"prefill failed: {error}")
+            chunk = None
+            samples, error = self._run_round(items, drafts, None)
         if error is not None:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
+        chunk_token = None
+        if chunk is not None and chunk.last:
+            chunk_token = samples.pop()[0] if samples and len(samples) == len(items) + 1 else None
         if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
             raise BackendBroken(
                 f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
@@ -208,7 +213,27 @@ class Scheduler:
                 self._take_token(job, token)
                 if job.lane is None:  # the reply ended: later tokens are not part of it
                     break
+        if chunk is not None:
+            outcome = self._admission.prefilled(self._chunking, chunk, chunk_token)
+            self._apply([] if outcome is None else [outcome])
         return True
+
+    def _run_round(self, items: list[DecodeItem], drafts, chunk: PrefillItem | None):
+        """(samples per item, and the chunk's [token] last when it ended its prompt; the error)."""
+        if any(drafts):
+            return attempt(self._backend.decode_drafts, items, chunk)
+        tokens, error = attempt(self._backend.decode, items, chunk)
+        return (None if error is not None else [[token] for token in tokens]), error
+
+    def _next_chunk(self) -> PrefillItem | None:
+        """The chunking job's next chunk for this round; None when there is none or it waits."""
+        if self._chunking is None:
+            return None
+        got = self._admission.chunk_beside_round(self._chunking)
+        if isinstance(got, PrefillItem):
+            return got
+        self._apply([got])
+        return None
 
     def _cover_live(self) -> list[Job]:
         """The streams this round decodes, each with a block for the position it writes. When too few

@@ -81,17 +81,19 @@ class RecordingBackend:
                 self._write_prefill(item, token)
         return tokens
 
-    def decode(self, items: list[DecodeItem]) -> list[int]:
-        tokens = self._inner.decode(items)
+    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
+        tokens = self._inner.decode(items, chunk)
         for item, token in zip(items, tokens):
             step = {"step": "decode", "position": item.position, "fed": item.token_id, "sampled": token}
             self._write(item.lane, self._with_features(item.lane, step))
+        self._write_chunk(chunk, tokens[len(items) :])
         return tokens
 
-    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
         """A Verify, written as the decode steps of the samples the stream keeps (count_kept): the
         very lines plain decoding writes, so a run with drafts records what one without does."""
-        samples = self._inner.decode_drafts(items)
+        samples = self._inner.decode_drafts(items, chunk)
+        self._write_chunk(chunk, [token for tokens in samples[len(items) :] for token in tokens])
         for item, tokens in zip(items, samples):
             features = self._inner.draft_top_logits(item.lane)
             fed = (item.token_id, *item.draft)
@@ -118,6 +120,11 @@ class RecordingBackend:
 
     def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
         return self._inner.draft_top_logits(lane)
+
+    def _write_chunk(self, chunk: PrefillItem | None, tokens: list[int]) -> None:
+        """A prompt chunk that rode with a decode round, written as after its own prefill."""
+        if chunk is not None:
+            self._write_prefill(chunk, tokens[0] if tokens else None)
 
     def _write_prefill(self, item: PrefillItem, token: int | None) -> None:
         step: dict = {"step": "prefill", "start": item.start, "token_ids": list(item.token_ids)}

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.server.backend import BackendBroken, DecodeItem, PrefillItem
+from tpserve.server.backend import BackendBroken, ChunkRefused, DecodeItem, PrefillItem
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.requests import Finished, GenerationRequest, Prefilled, TokenDelta
@@ -194,8 +194,9 @@ class FakeBackend:
         self.joint_passes.append(len(items))
         return [self._sample(lane, item.sampling) for item, lane in zip(items, lanes)]
 
-    def decode(self, items: list[DecodeItem]) -> list[int]:
+    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
         self._call()
+        chunk_lane = self._check_chunk(items, chunk)
         if self.break_after_decodes is not None and self.num_decodes >= self.break_after_decodes:
             self.broken = True
             raise BackendBroken("fake: the decode round failed (a rank was lost)")
@@ -215,15 +216,38 @@ class FakeBackend:
             self._extend(item.lane, item.blocks)
             self._feed(lane, (item.token_id,))
             tokens.append(self._sample(lane, item.sampling))
-        return tokens
+        chunk_token = self._feed_chunk(chunk_lane, chunk)
+        return tokens if chunk_token is None else [*tokens, chunk_token]
 
-    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+    def _check_chunk(self, items: list[DecodeItem], chunk: PrefillItem | None) -> _Lane | None:
+        """A chunk beside a round: checked as a prefill is, and refused (nothing of the round
+        runs) when poisoned, as the engine's vote refuses it."""
+        if chunk is None:
+            return None
+        if chunk.lane in {item.lane for item in items}:
+            self._misuse(f"a chunk on lane {chunk.lane}, which the round decodes")
+        lane = self._check_prefill(chunk, max_tokens=self.max_prefill_tokens)
+        if self._first_token_of(lane, chunk) in self.poisoned_prompts:
+            raise ChunkRefused(f"lane {chunk.lane}: the engine refused the prompt chunk")
+        return lane
+
+    def _feed_chunk(self, lane: _Lane | None, chunk: PrefillItem | None) -> int | None:
+        if chunk is None:
+            return None
+        self.num_prefills += 1
+        self.timeline.append(("prefill", len(chunk.token_ids)))
+        self._extend(chunk.lane, chunk.blocks)
+        self._feed(lane, chunk.token_ids)
+        return self._sample(lane, chunk.sampling) if chunk.last else None
+
+    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
         """A decode round whose items carry drafts: a token sampled after each fed token. The lane
         then keeps what the host keeps (up to the first sample that differs from the next draft), so
         the next round finds it where the engine's cut would leave it."""
         self._call()
         if not self.verifies_drafts:
             self._misuse("decode_drafts on a backend that does not verify drafts")
+        chunk_lane = self._check_chunk(items, chunk)
         self.num_verifies += 1
         self.timeline.append(("verify", sum(1 + len(item.draft) for item in items)))
         out = []
@@ -244,7 +268,8 @@ class FakeBackend:
             self._rewind(lane, item.position + num_kept)
             lane.pending, lane.num_samples = samples[num_kept - 1], num_samples
             out.append(samples)
-        return out
+        chunk_token = self._feed_chunk(chunk_lane, chunk)
+        return out if chunk_token is None else [*out, [chunk_token]]
 
     def close(self, lane: int) -> None:
         self._call()

@@ -312,7 +312,9 @@ class TestSmallPair:
     def small(cls, model_dir):
         budget = RANK0_BYTES_PER_TOKEN * 200
         # No refusal drill: a preempted stream re-prefills the tokens it produced, POISON among them.
-        settings = pair_settings(model_dir, num_lanes=2, kv_budget_bytes=(budget, budget), refuse_token_on_rank=())
+        settings = pair_settings(
+            model_dir, num_lanes=2, kv_budget_bytes=(budget, budget), refuse_token_on_rank=()
+        )
         with local_engine(settings) as engine:
             yield engine
 

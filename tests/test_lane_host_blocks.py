@@ -152,3 +152,34 @@ def test_a_job_cancelled_between_take_and_setup_is_never_launched():
     assert [(outcome.job, outcome.reason) for outcome in ended] == [(jobs[1], CANCELLED)]
     assert jobs[1].lane is None and backend.num_opens == 2, "the cancelled job got no lane"
     assert backend.joint_passes == [2]
+
+
+def test_a_long_prompts_chunks_ride_with_the_decode_rounds():
+    backend = FakeBackend(num_lanes=2, max_prefill_tokens=8)
+    host = make_host(backend)
+    live = host.submit(request_of(1, 3, 30))
+    host.step()
+    long = request_of(9, 40, 4)  # five chunks of 8
+    streams = [live, host.submit(long)]
+    replies = run_all(host, streams)
+    # Every chunk went in a decode round's pass: a prefill right after each decode, never alone.
+    after_start = backend.timeline[backend.timeline.index(("decode", 1)) :]
+    chunks = [i for i, (kind, size) in enumerate(after_start) if kind == "prefill"]
+    assert len(chunks) == 5 and all(after_start[i - 1][0] == "decode" for i in chunks)
+    assert replies == [backend.solo_reply(request_of(1, 3, 30)), backend.solo_reply(long)]
+    backend.assert_clean()
+
+
+def test_a_refused_chunk_beside_a_round_fails_its_request_alone():
+    backend = FakeBackend(num_lanes=2, max_prefill_tokens=8)
+    backend.poisoned_prompts = {37}
+    host = make_host(backend)
+    live = request_of(1, 3, 30)
+    streams = [host.submit(live)]
+    host.step()
+    streams.append(host.submit(request_of(36, 40, 4)))  # its first token is 37: refused
+    replies = run_all(host, streams)
+    assert replies[1].reason == "error" and "prefill failed" in replies[1].error
+    assert replies[0] == backend.solo_reply(live)
+    assert not host.broken
+    backend.assert_clean()

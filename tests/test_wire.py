@@ -14,6 +14,7 @@ from tpserve.ranks.wire import (
     Admit,
     Bundle,
     Idle,
+    Mixed,
     Prefill,
     Release,
     Round,
@@ -55,8 +56,17 @@ bundled = st.one_of(
     st.builds(Verify, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Release, lane=counts),
 )
+mixed = st.builds(
+    Mixed,
+    round=st.one_of(
+        st.builds(Round, steps=st.lists(steps, max_size=16).map(tuple)),
+        st.builds(Verify, spans=st.lists(spans(), max_size=8).map(tuple)),
+    ),
+    prefill=st.builds(Prefill, spans=st.tuples(spans())),
+)
 messages = st.one_of(
     bundled,
+    mixed,
     st.builds(Bundle, messages=st.lists(bundled, min_size=1, max_size=5).map(tuple)),
     st.just(Idle()),
     st.just(Stop()),
