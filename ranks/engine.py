@@ -130,7 +130,9 @@ class Engine:
         views, token_ids, positions, logit_rows, packed_media = [], [], [], [], []
         for index, (lane, start, tokens) in enumerate(spans):
             state = self.lanes[lane]
-            views.append(SpanView(len(token_ids), state.base, start, len(tokens)))
+            # Interim: the lane's range as a table of one-slot blocks (KVPool block_size 1).
+            blocks = tuple(range(state.base, state.base + start + len(tokens)))
+            views.append(SpanView(len(token_ids), start, len(tokens), blocks))
             if media_rows is not None:
                 packed_media.extend(len(token_ids) + row for row in media_rows[index])
             token_ids.extend(tokens)
