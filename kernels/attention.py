@@ -63,7 +63,6 @@ class BlockTables:
         for span in spans:
             self.first.append(len(ids))
             ids.extend(span.table(block_size))
-        self._ids = ids  # the memory flat is a view of
         self.flat = torch.frombuffer(ids, dtype=torch.int64) if ids else torch.zeros(0, dtype=torch.int64)
         num_blocks = num_slots // block_size
         if ids and (int(self.flat.min()) < 0 or int(self.flat.max()) >= num_blocks):
