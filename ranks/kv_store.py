@@ -18,7 +18,9 @@ def kv_bytes_per_token(num_layers: int, kv_heads: list[int], head_dim: int, dtyp
 
 
 class KVPool:
-    """k/v[piece]: [num_layers, Hkv_piece, num_slots, D]: head-major, so a lane's keys are a view."""
+    """k/v[piece]: [num_layers, Hkv_piece, num_slots, D], head-major; the slots are num_blocks KV
+    blocks of block_size tokens (block b: slots b*block_size .. (b+1)*block_size - 1), which a
+    stream's block table names (kernels/attention.py SpanView)."""
 
     def __init__(
         self,
@@ -31,10 +33,9 @@ class KVPool:
         *,
         block_size: int = 1,
     ):
-        self.block_size = block_size
-        self.num_blocks = num_slots // block_size
-        num_slots = self.num_blocks * block_size
-        self.num_slots = num_slots
+        if block_size < 1 or num_slots % block_size:
+            raise ValueError(f"{num_slots} KV slots are not whole blocks of {block_size}")
+        self.num_slots, self.block_size, self.num_blocks = num_slots, block_size, num_slots // block_size
         self.k = [
             torch.zeros(num_layers, h, num_slots, head_dim, dtype=dtype, device=device) for h in kv_heads
         ]
