@@ -10,7 +10,13 @@ after pass, each case's median kept:
   the fastest path over float32, and on the fastest over float16 (kv_dtype auto's choice here).
 One thread.
 
-    python -m bench.attention [--passes 7] [--rounds] [--context 64 512 1500] [--json FILE]
+With --blocks, instead: one layer call of the default model's whole attention (3 KV heads, tp=1) on
+the fastest path over a float16 pool, each lane's keys in one contiguous range against shuffled block
+tables of 8 to 128 tokens a block (a decode round of 16 lanes at 512 and 1500 keys, one lane at 1500,
+a 256-token chunk after 512 keys, a 512-token prompt), layouts interleaved call by call, medians, with
+what each block size wastes (half a block a stream).
+
+    python -m bench.attention [--passes 7] [--rounds] [--context 64 512 1500] [--blocks] [--json FILE]
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from tpserve.kernels.native_attention import (  # noqa: E402
 )
 
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 64  # SmolLM2-135M, one rank of tp=2
+BLOCK_KV_HEADS = 3  # the whole model's (tp=1), for --blocks
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block, for --blocks
+BLOCK_CASES = ((512, 16, 1), (1500, 16, 1), (1500, 1, 1), (512, 1, 256), (0, 1, 512))  # keys, lanes, tokens
 CASES = (
     (64, 1, 1),
     (512, 1, 1),
@@ -56,8 +65,11 @@ def time_kernel(num_keys: int, num_lanes: int, num_tokens: int, paths: list[str]
     pool_k, pool_v = (
         torch.randn(NUM_KV_HEADS, per_lane * num_lanes, HEAD_DIM, generator=gen) for _ in range(2)
     )
-    spans = [SpanView(i * num_tokens, i * per_lane, num_keys, num_tokens) for i in range(num_lanes)]
-    plan = NativePlan(spans, GROUP)
+    spans = [
+        SpanView(i * num_tokens, num_keys, num_tokens, _range(i * per_lane, per_lane))
+        for i in range(num_lanes)
+    ]
+    plan = NativePlan(spans, GROUP, per_lane * num_lanes, 1)
     q = torch.randn(num_lanes * num_tokens, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
     work = num_lanes * num_tokens * (num_keys + (num_tokens + 1) / 2)  # rows x keys each sees
     calls = max(1, int(200_000 // work))
@@ -74,6 +86,113 @@ def time_kernel(num_keys: int, num_lanes: int, num_tokens: int, paths: list[str]
         use_attention_path(None)
     ms = {path: median(values) for path, values in samples.items()}
     return {"keys": num_keys, "lanes": num_lanes, "tokens": num_tokens, "ms": ms}
+
+
+def _range(first: int, num_slots: int) -> tuple[int, ...]:
+    """The table of a lane holding slots first.. as one-slot blocks (the contiguous layout)."""
+    return tuple(range(first, first + num_slots))
+
+
+def paged_lanes(num_lanes: int, per_lane: int, block_size: int, gen) -> tuple[int, list[tuple[int, ...]]]:
+    """Slots of a pool holding num_lanes lanes of per_lane tokens in blocks of block_size, and each
+    lane's table: every block of the pool given to a lane at random, so no two of a lane's blocks are
+    neighbours but by chance (a pool long in service: blocks freed and taken in any order)."""
+    per_table = -(-per_lane // block_size)
+    ids = torch.randperm(num_lanes * per_table, generator=gen).tolist()
+    return len(ids) * block_size, [tuple(ids[i * per_table : (i + 1) * per_table]) for i in range(num_lanes)]
+
+
+def time_blocks(num_keys: int, num_lanes: int, num_tokens: int, path: str, num_passes: int) -> dict:
+    """ms per layer call (and per plan, built once a pass) over the contiguous layout and over shuffled
+    block tables at each of BLOCK_SIZES: each of num_lanes lanes adds num_tokens after num_keys, the
+    default model's whole attention (3 KV heads x 3 queries, head_dim 64), float16 pool."""
+    per_lane = num_keys + num_tokens
+    gen = torch.Generator().manual_seed(per_lane + num_lanes)
+    layouts = {
+        "contiguous": (per_lane * num_lanes, 1, [_range(i * per_lane, per_lane) for i in range(num_lanes)])
+    }
+    for block_size in BLOCK_SIZES:
+        slots, tables = paged_lanes(num_lanes, per_lane, block_size, gen)
+        layouts[block_size] = (slots, block_size, tables)
+    q = torch.randn(num_lanes * num_tokens, BLOCK_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
+    pools = {
+        name: [torch.randn(BLOCK_KV_HEADS, slots, HEAD_DIM, generator=gen).half() for _ in range(2)]
+        for name, (slots, _, _) in layouts.items()
+    }
+    work = num_lanes * num_tokens * (num_keys + (num_tokens + 1) / 2)
+    calls = max(3, int(300_000 // work))
+    samples = {name: ([], []) for name in layouts}
+    use_attention_path(path)
+    try:
+        # Layouts interleaved call by call, so a shared machine's load falls on each alike; each
+        # call's plan built anew, as each pass builds its own.
+        for _ in range(num_passes * calls):
+            for name, (slots, block_size, tables) in layouts.items():
+                start = time.perf_counter()
+                spans = [SpanView(i * num_tokens, num_keys, num_tokens, t) for i, t in enumerate(tables)]
+                plan = NativePlan(spans, GROUP, slots, block_size)
+                planned = time.perf_counter()
+                native_attention(q, *pools[name], plan, HEAD_DIM**-0.5)
+                samples[name][0].append((time.perf_counter() - planned) * 1e3)
+                samples[name][1].append((planned - start) * 1e3)
+    finally:
+        use_attention_path(None)
+    return {
+        "keys": num_keys,
+        "lanes": num_lanes,
+        "tokens": num_tokens,
+        "ms": {str(name): median(times) for name, (times, _) in samples.items()},
+        "plan_ms": {str(name): median(plans) for name, (_, plans) in samples.items()},
+    }
+
+
+def print_blocks(results: list[dict]) -> None:
+    print_table(
+        "C attention through block tables, one layer call of the default model (3 KV heads x 3 queries, "
+        "head_dim 64, float16 pool, one thread), ms; x: contiguous / shuffled (below 1: slower); "
+        "plan: ms to build the pass's plan",
+        [
+            "keys",
+            "lanes",
+            "tokens",
+            "block",
+            "contiguous",
+            "shuffled",
+            "x",
+            "plan contiguous",
+            "plan shuffled",
+        ],
+        [
+            [
+                r["keys"],
+                r["lanes"],
+                r["tokens"],
+                size,
+                r["ms"]["contiguous"],
+                r["ms"][str(size)],
+                r["ms"]["contiguous"] / r["ms"][str(size)],
+                r["plan_ms"]["contiguous"],
+                r["plan_ms"][str(size)],
+            ]
+            for r in results
+            for size in BLOCK_SIZES
+        ],
+    )
+    bytes_per_token = 2 * 30 * 3 * HEAD_DIM * 2  # SmolLM2-135M: k and v, 30 layers, 3 KV heads, float16
+    print_table(
+        "waste: a stream's last block is on average half empty ((block - 1) / 2 slots)",
+        ["block", "slots / stream", "KiB / stream", "% of 512 tokens", "% of 2048 tokens"],
+        [
+            [
+                size,
+                (size - 1) / 2,
+                (size - 1) / 2 * bytes_per_token / 1024,
+                50 * (size - 1) / 512,
+                50 * (size - 1) / 2048,
+            ]
+            for size in BLOCK_SIZES
+        ],
+    )
 
 
 def time_rounds(contexts: list[int], variants: list[tuple[str, str]], num_passes: int) -> list[dict]:
@@ -120,9 +239,21 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", action="store_true", help="also time the model's decode rounds")
     parser.add_argument("--context", type=int, nargs="+", default=[64, 512, 1500])
     parser.add_argument("--json", metavar="FILE", default=None)
+    parser.add_argument(
+        "--blocks",
+        action="store_true",
+        help="time shuffled block tables against the contiguous layout instead",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     paths = attention_paths()
+    if args.blocks:
+        report = {
+            "path": paths[-1],
+            "blocks": [time_blocks(*case, paths[-1], args.passes) for case in BLOCK_CASES],
+        }
+        print_blocks(report["blocks"])
+        return finish(report, args.json)
     report = {"paths": paths, "kernel": [time_kernel(*case, paths, args.passes) for case in CASES]}
     print_table(
         "C attention, one layer call (rank 0 of tp=2: 2 KV heads x 3 queries), ms; x: plain / path",

@@ -31,7 +31,7 @@ from bench.common import (  # noqa: E402
     print_table,
     text_prompt,
 )
-from tpserve.generate import single_stream_leader  # noqa: E402
+from tpserve.generate import open_single_lane, single_stream_leader  # noqa: E402
 from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 
@@ -54,7 +54,7 @@ def sample_mode(model_dir, tp_size, choice, prompt_ids, *, dtype, num_prefills, 
     prefill_s, tokens_per_s, token_ids = [], [], []
     with single_stream_leader(settings) as leader:
         for attempt in range(num_prefills + 1):  # attempt 0 warms up, untimed
-            if not leader.open(LANE, len(prompt_ids) + num_tokens):
+            if not open_single_lane(leader, LANE, len(prompt_ids) + num_tokens):
                 raise RuntimeError(f"no room for one stream of {len(prompt_ids) + num_tokens} tokens")
             start = time.perf_counter()
             token = leader.prefill(PrefillItem(LANE, 0, tuple(prompt_ids), True, GREEDY))

@@ -37,7 +37,7 @@ from bench.common import (  # noqa: E402
     print_table,
 )
 from bench.weight_bytes import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
-from tpserve.generate import single_stream_leader  # noqa: E402
+from tpserve.generate import open_single_lane, single_stream_leader  # noqa: E402
 from tpserve.ranks.model import TPModel  # noqa: E402
 from tpserve.ranks.model_config import ModelConfig, load_model_config  # noqa: E402
 from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
@@ -112,7 +112,7 @@ def sample_mode(
     with single_stream_leader(settings) as leader:
         samples.loaded_bytes = loaded_weight_bytes(leader.engine.model)
         buffer = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
-        if not leader.open(LANE, len(prompt_ids) + num_tokens + 1):
+        if not open_single_lane(leader, LANE, len(prompt_ids) + num_tokens + 1):
             raise RuntimeError(f"no room for one stream of {len(prompt_ids) + num_tokens + 1} tokens")
         token = leader.prefill(PrefillItem(LANE, 0, tuple(prompt_ids), True, GREEDY))
         position = len(prompt_ids)

@@ -58,7 +58,7 @@ from bench.random_model import GEOMETRIES, num_parameters, write_random_model  #
 from bench.tables import print_table  # noqa: E402
 from bench.weight_bytes import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
 from tpserve.default_model import default_model_dir  # noqa: E402
-from tpserve.generate import generate_tokens  # noqa: E402
+from tpserve.generate import generate_tokens, open_single_lane  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.ranks.errors import BackendBroken  # noqa: E402
 from tpserve.ranks.leader import Leader  # noqa: E402
@@ -271,7 +271,7 @@ def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
             runtime.engine, runtime.channel, num_lanes=1, context_size=settings.context_size,
             max_prefill_tokens=len(prompt), batches_prompts=False,
         )  # fmt: skip
-        leader.open(0, len(prompt) + 4096)
+        open_single_lane(leader, 0, len(prompt) + 4096)
         token = leader.prefill(PrefillItem(0, 0, tuple(prompt), True, GREEDY))
         killed_at: list[float] = []
 

@@ -1,16 +1,16 @@
-"""A chat's second turn with the prompt cache on versus off: time to its first token (issue 6).
+"""A chat's second turn with prefix caching on versus off: time to its first token.
 
 Each round is a new conversation: a first turn whose prompt (a system line and a long first message)
 runs to about `--history-tokens` tokens, then a second turn that repeats that history, the first
-turn's reply and a short new message. With the cache on, the first turn's prompt is kept after its
-prefill and the second turn restores it, prefilling only what follows; with it off
-(cache_budget_bytes=0) the second turn prefills everything. Both modes run in one invocation on two
+turn's reply and a short new message. With prefix caching on, the first turn's full KV blocks stay
+cached and the second turn's table starts with them, prefilling only what follows; with it off
+(prefix_caching false) the second turn prefills everything. Both modes run in one invocation on two
 ranks through the real lane host, one engine per mode, on the same conversations. Reported per mode:
 the second turn's time to first token (target: on / off at most 0.3), the first turn's (cold in both
 modes, for scale), and the prompt tokens the cache supplied. Every reply must be identical between
 the modes (even rounds greedy, odd rounds sampled with a seed); the run exits 1 otherwise.
 
-    python -m bench.prompt_cache [--history-tokens 1000 --rounds 2 --cache-mib 64] [--json FILE]
+    python -m bench.prompt_cache [--history-tokens 1000 --rounds 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run_mode(
     model_dir: str,
     tokenizer: Tokenizer,
     *,
-    cache_bytes: int,
+    prefix_caching: bool,
     history_tokens: int,
     max_tokens: int,
     num_rounds: int,
@@ -121,22 +121,22 @@ def run_mode(
         tp_size=2,
         num_lanes=2,
         context_size=64 * -(-needed // 64),
-        cache_budget_bytes=cache_bytes,
+        prefix_caching=prefix_caching,
     )
     with local_engine(settings) as engine:
         rounds = [
             run_conversation(engine, tokenizer, index, history_tokens, max_tokens)
             for index in range(num_rounds)
         ]
-        stats = engine.host.prompt_cache.stats() if engine.host.prompt_cache else None
+        stats = engine.host.block_stats()
     return {
-        "cache_budget_bytes": cache_bytes,
+        "prefix_caching": prefix_caching,
         "max_prefill_tokens": settings.max_prefill_tokens,
         "second_first_token_s": median([r["second_first_token_s"] for r in rounds]),
         "first_first_token_s": median([r["first_first_token_s"] for r in rounds]),
         "second_cached_tokens": median([r["second_cached_tokens"] for r in rounds]),
-        "cache_hits": stats.hits if stats else 0,
-        "cache_evictions": stats.evictions if stats else 0,
+        "cache_hits": stats.hits,
+        "cache_evictions": stats.evictions,
         "rounds": rounds,
     }
 
@@ -147,18 +147,15 @@ def run_prompt_cache(
     history_tokens: int = 1000,
     max_tokens: int = 16,
     num_rounds: int = 2,
-    cache_bytes: int = 64 << 20,
     dtype: str = "float32",
 ) -> dict:
     """Both modes, one after the other, on the same conversations."""
-    if cache_bytes <= 0:
-        raise ValueError(f"the cached mode needs a cache budget, got {cache_bytes} bytes")
     tokenizer = Tokenizer.from_model_dir(model_dir)
     off, on = (
         run_mode(
             model_dir,
             tokenizer,
-            cache_bytes=cache_bytes if mode else 0,
+            prefix_caching=mode,
             history_tokens=history_tokens,
             max_tokens=max_tokens,
             num_rounds=num_rounds,
@@ -197,7 +194,7 @@ def print_report(report: dict) -> None:
         ("cache", "2nd turn first token s", "1st turn first token s", "cached tokens", "hits", "evictions"),
         [
             (
-                "on" if mode["cache_budget_bytes"] else "off",
+                "on" if mode["prefix_caching"] else "off",
                 mode["second_first_token_s"],
                 mode["first_first_token_s"],
                 mode["second_cached_tokens"],
@@ -219,16 +216,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-tokens", type=int, default=16, help="each reply's length, compared between modes"
     )
     parser.add_argument("--rounds", type=int, default=2, help="conversations per mode (medians are reported)")
-    parser.add_argument("--cache-mib", type=int, default=64, help="the prompt cache's budget when on")
     args = parser.parse_args(argv)
-    if args.history_tokens < 32 or args.rounds < 1 or args.cache_mib < 1:
-        parser.error("need --history-tokens >= 32, --rounds >= 1 and --cache-mib >= 1")
+    if args.history_tokens < 32 or args.rounds < 1:
+        parser.error("need --history-tokens >= 32 and --rounds >= 1")
     report = run_prompt_cache(
         args.model or default_model_dir(),
         history_tokens=args.history_tokens,
         max_tokens=args.max_tokens,
         num_rounds=args.rounds,
-        cache_bytes=args.cache_mib << 20,
         dtype=args.dtype,
     )
     print_report(report)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.kernels.attention import span_attention
+from tpserve.kernels.attention import SpanPlan, span_attention
 from tpserve.kernels.native_attention import (
     NativePlan,
     native_attention,
@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AttentionKernel:
     name: str
-    # (spans, group, num_slots, device, num_rows) -> what `attend` reads: built once per pass
+    # (spans, group, num_slots, block_size, device, num_rows) -> what `attend` reads, the spans' keys
+    # through their block tables (kernels/attention.py): built once per pass
     plan: Callable
     # (q [T, Hq, D], pool_k, pool_v [Hkv, slots, D], plan, scale) -> [T, Hq*D]
     attend: Callable
@@ -42,12 +43,16 @@ class AttentionKernel:
 
 NATIVE = AttentionKernel(
     "native",
-    lambda spans, group, *_: NativePlan(spans, group),
+    lambda spans, group, num_slots, block_size, *_: NativePlan(spans, group, num_slots, block_size),
     native_attention,
     rotate_store_attend=rotate_store_attend,
 )
 TILED = AttentionKernel("tiled", TiledPlan, tiled_attention)
-SPANS = AttentionKernel("spans", lambda spans, *_: spans, span_attention)
+SPANS = AttentionKernel(
+    "spans",
+    lambda spans, group, num_slots, block_size, device, *_: SpanPlan(spans, num_slots, block_size, device),
+    span_attention,
+)
 
 
 def choose_attention(

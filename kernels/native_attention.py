@@ -1,8 +1,8 @@
 """Batch-invariant attention in one C call per layer: every row's reduction order fixed by the code.
 
-kernels/native/attention.c computes each query row over its own lane's keys in key order, with
-fixed partial sums, straight from the KV pool: no gathered copies of the keys, no padding to key
-blocks, no mask. A row's bits depend on its query and its keys only, so a decode step, a Verify, a
+kernels/native/attention.c computes each query row over its own stream's keys in key order, with
+fixed partial sums, straight from the KV pool through the span's block table (kernels/attention.py):
+no gathered copies of the keys, no padding to key blocks, no mask. A row's bits depend on its query and its keys only, so a decode step, a Verify, a
 chunk and a whole prefill agree, and so do tp=1 and tp=2 (a piece computes whole KV heads). On a
 CPU it replaces the tiled BLAS products (kernels/tiled_attention.py), which stay for devices and
 machines where no C kernel is built.
@@ -16,6 +16,7 @@ import functools
 import torch
 
 from tpserve.kernels import native
+from tpserve.kernels.attention import BlockTables
 
 PARTIAL_SUMS = 16  # attention.c's W: head_dim must be a multiple of it
 MAX_GROUP = 64  # query heads per KV head attention.c's row block holds
@@ -23,14 +24,17 @@ MAX_HEAD_DIM = 512  # the rotated key row tp_rotate_store_attend holds
 
 
 class NativePlan:
-    """One pass's spans as attention.c reads them: [num_spans, 4] int64 (offset, base, start, length)."""
+    """One pass's spans as attention.c reads them: `table` [num_spans, 4] int64 (offset, where the
+    span's block table begins in `blocks`, start, length) and `blocks`, the tables concatenated."""
 
-    def __init__(self, spans, group: int):
-        self.spans, self.group = spans, group
+    def __init__(self, spans, group: int, num_slots: int, block_size: int):
+        # (the tables tensor lives as long as the plan: the C kernel reads its memory)
+        self.spans, self.group, self.num_slots, self.block_size = spans, group, num_slots, block_size
         self.num_rows = sum(s.length for s in spans)  # rows of q past these (padding) come out zero
-        self.table = torch.tensor(
-            [(s.offset, s.base, s.start, s.length) for s in spans], dtype=torch.int64
-        ).view(-1, 4)
+        tables = BlockTables(spans, block_size, num_slots)
+        rows = [(span.offset, first, span.start, span.length) for span, first in zip(spans, tables.first)]
+        self.table = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+        self.blocks = tables.flat
 
 
 def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) -> str | None:
@@ -53,8 +57,8 @@ def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) ->
 
 _P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # The tail every entry point shares: pool_k, pool_v, head_stride, kv_half, num_kv_heads, group,
-# head_dim, spans, num_spans, scale, out.
-_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _FLOAT, _P]
+# head_dim, spans, num_spans, blocks, block_size, scale, out.
+_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _P, _I64, _FLOAT, _P]
 POOL_DTYPES = (torch.float32, torch.float16)  # what the KV pool may hold: float16 is widened exactly
 _SIGNATURES = {
     "tp_span_attention": [_P, _I64, *_ATTEND],
@@ -99,7 +103,7 @@ def native_attention(
     rows no span holds (a pass's padding) are zeros."""
     num_tokens, num_heads, head_dim = q.shape
     q = _rows_of_heads(q)
-    _check_pool(pool_k, pool_v)
+    _check_pool(pool_k, pool_v, plan)
     out = (torch.empty if plan.num_rows == num_tokens else torch.zeros)(num_tokens, num_heads, head_dim)
     failed = _kernel()(q.data_ptr(), q.stride(0), *_attend_args(pool_k, pool_v, plan, head_dim, scale, out))
     _check(failed)
@@ -110,12 +114,12 @@ def rotate_store_attend(
     qkv, num_q: int, normed, tables, slots, pool_k, pool_v, plan: NativePlan, scale: float
 ) -> torch.Tensor:
     """A layer's attention block in one call: q and k rotated by `tables` (cos, signed sin: [T, 1,
-    D]), k and v stored at `slots` ([T_real]: rows past them are padding), then attention.
+    D]), k and v stored at `slots` ([T_real], kv_slots: rows past them are padding), then attention.
 
     qkv: [T, (Hq + 2 Hkv) * D], the fused product (q heads, k heads, v heads); normed: None, or q
     [T, Hq, D] and k [T, Hkv, D] normed first (qk_norm), read instead of qkv's; pool_*: [Hkv,
     slots, D]. Returns [T, Hq*D], padding rows zero."""
-    _check_pool(pool_k, pool_v)
+    _check_pool(pool_k, pool_v, plan)
     num_kv_heads, head_dim = pool_k.shape[0], pool_k.shape[2]
     num_tokens = qkv.shape[0]
     if qkv.stride(1) != 1:
@@ -163,13 +167,17 @@ def _attend_args(pool_k, pool_v, plan: NativePlan, head_dim: int, scale: float, 
         head_dim,
         plan.table.data_ptr(),
         plan.table.shape[0],
+        plan.blocks.data_ptr(),
+        plan.block_size,
         scale,
         out.data_ptr(),
     )
 
 
-def _check_pool(pool_k, pool_v) -> None:
+def _check_pool(pool_k, pool_v, plan: NativePlan) -> None:
     head_dim = pool_k.shape[2]
+    if pool_k.shape[1] < plan.num_slots:  # the plan's tables were checked against num_slots
+        raise ValueError(f"a pool of {pool_k.shape[1]} slots under a plan for {plan.num_slots}")
     if pool_k.stride(2) != 1 or pool_k.stride(1) != head_dim or pool_v.stride() != pool_k.stride():
         raise ValueError(
             "the KV pool's heads must be [slots, head_dim] rows with one layout for keys and values"

@@ -22,8 +22,10 @@ numbers of a whole prefill, on any CPU whose BLAS is deterministic for a fixed s
 probe (ranks/probe.py) checks that on the machine at hand.
 
 Spans of up to SHORT_ROWS grouped rows per head (decode steps, Verifies, short prompts) are computed
-together, keys gathered per tile; a longer span is computed alone, its keys shared by every tile
-(a stride-0 batch), so a long prompt's keys are not copied once per tile. A long span's tile skips
+together, keys gathered per tile; a longer span is computed alone, its keys gathered once and shared
+by every tile (a stride-0 batch), so a long prompt's keys are not copied once per tile. Either
+gathers a span's keys through its block table (kernels/attention.py), in position order: the same
+keys in the same places of every product as a contiguous layout gives, so the same bits. A long span's tile skips
 the key blocks that lie wholly past its last row's position (causal: about half of a long prompt's
 blocks): their weights would all be zero, and a skipped block adds nothing where it would have added
 exact zeros.
@@ -34,6 +36,8 @@ from __future__ import annotations
 import bisect
 
 import torch
+
+from tpserve.kernels.attention import BlockTables
 
 # Rows of every attention product. Against 16 (the linear layers' tile), 4 made a 16-lane decode
 # round of the default model 21-24% faster at 160 and 600 keys (CPU time, one thread, int8).
@@ -54,25 +58,32 @@ class TiledPlan:
     """The index tensors of one pass, built once and shared by every layer (and piece).
 
     spans: the pass's SpanViews; group: query heads per KV head; num_slots: slots per KV head in the
-    pool (pool_k, pool_v: [Hkv, num_slots, D]); num_rows: rows of the pass's q (its tokens, maybe
-    padded to whole row tiles).
+    pool (pool_k, pool_v: [Hkv, num_slots, D]), in KV blocks of block_size; num_rows: rows of the
+    pass's q (its tokens, maybe padded to whole row tiles).
     """
 
-    def __init__(self, spans, group: int, num_slots: int, device, num_rows: int | None = None):
+    def __init__(
+        self, spans, group: int, num_slots: int, block_size: int, device, num_rows: int | None = None
+    ):
         self.spans, self.group, self.num_slots, self.device = spans, group, num_slots, device
         self.num_rows = sum(s.length for s in spans) if num_rows is None else num_rows
+        tables = BlockTables(spans, block_size, num_slots)
         self.short = [s for s in spans if s.length * group <= SHORT_ROWS]
         self._short: dict[int, _ShortBatch] = {}
+        if self.short:  # [short spans, blocks * KEY_BLOCK] slots of their keys (padded: finite, masked)
+            indices = [i for i, s in enumerate(spans) if s.length * group <= SHORT_ROWS]
+            blocks = max(num_blocks(s.end) for s in self.short)
+            self.short_slots = tables.key_slots(indices, blocks * KEY_BLOCK)
         # Each long span with its mask bias [tiles, blocks, ROW_TILE, KEY_BLOCK], key slots and the
         # first tile that sees each key block.
         self.long = [
             (
                 s,
                 _bias(_row_positions(s, group), num_blocks(s.end)).to(device),
-                _key_slots(s, num_blocks(s.end), device),
+                tables.key_slots([i], num_blocks(s.end) * KEY_BLOCK)[0].to(device),
                 _first_tiles(s, group),
             )
-            for s in spans
+            for i, s in enumerate(spans)
             if s.length * group > SHORT_ROWS
         ]
 
@@ -82,6 +93,7 @@ class TiledPlan:
         if num_kv_heads not in self._short:
             self._short[num_kv_heads] = _ShortBatch(
                 self.short,
+                self.short_slots,
                 self.group,
                 num_kv_heads,
                 self.num_slots,
@@ -94,13 +106,14 @@ class TiledPlan:
 class _ShortBatch:
     """Short spans' tiles for one KV-head count: entry e = (span, KV head, tile)."""
 
-    def __init__(self, spans, group: int, num_kv_heads: int, num_slots: int, device, dump_row: int):
+    def __init__(self, spans, slots, group: int, num_kv_heads: int, num_slots: int, device, dump_row: int):
+        # slots: [spans, blocks * KEY_BLOCK] of their keys (TiledPlan.short_slots)
         num_heads = num_kv_heads * group
-        self.num_blocks = max(num_blocks(s.end) for s in spans)
+        self.num_blocks = slots.shape[1] // KEY_BLOCK
         # Built in Python lists and turned into tensors once: a round of many lanes runs no
         # operation per entry.
-        q_rows, out_rows, positions, first_keys, last_keys = [], [], [], [], []
-        for span in spans:
+        q_rows, out_rows, positions, entry_spans, entry_heads = [], [], [], [], []
+        for index, span in enumerate(spans):
             rows = span.length * group
             for head in range(num_kv_heads):
                 for tile in range(num_tiles(rows)):
@@ -109,10 +122,9 @@ class _ShortBatch:
                         q_rows.append((span.offset + r // group) * num_heads + head * group + r % group)
                         out_rows.append(q_rows[-1] if tile * ROW_TILE + i < rows else dump_row)
                         positions.append(span.start + r // group)
-                    # The entry's keys as rows of the pool seen as [Hkv*slots, D] (_key_slots).
-                    first_keys.append(head * num_slots + span.base)
-                    last_keys.append(head * num_slots + span.base + span.end - 1)
-        self.num_entries = len(first_keys)
+                entry_spans += [index] * num_tiles(rows)
+                entry_heads += [head] * num_tiles(rows)
+        self.num_entries = len(entry_spans)
         self.q_index = torch.tensor(q_rows, device=device)  # [E*ROW_TILE] rows of q as [T*Hq, D]
         self.out_index = torch.tensor(out_rows, device=device)  # where they go; padding: the dump row
         # The other way round, where every row of q finds its result (a row no span holds, a pass's
@@ -123,9 +135,9 @@ class _ShortBatch:
                 result_rows[q_row] = entry_row
         self.result_index = torch.tensor(result_rows, device=device)  # [T*Hq]
         self.bias = _bias(torch.tensor(positions), self.num_blocks).to(device)
-        keys = torch.arange(self.num_blocks * KEY_BLOCK) + torch.tensor(first_keys).unsqueeze(1)
-        keys = torch.minimum(keys, torch.tensor(last_keys).unsqueeze(1))
-        self.key_rows = keys.view(-1).to(device)  # [E * nb * KEY_BLOCK]
+        # The entries' keys as rows of the pool seen as [Hkv*slots, D]: [E * nb * KEY_BLOCK]
+        heads = torch.tensor(entry_heads).unsqueeze(1) * num_slots
+        self.key_rows = (slots[torch.tensor(entry_spans)] + heads).view(-1).to(device)
 
 
 def _row_positions(span, group: int) -> torch.Tensor:
@@ -148,12 +160,6 @@ def _bias(positions: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
     keys = torch.arange(num_key_blocks * KEY_BLOCK).view(1, num_key_blocks, 1, KEY_BLOCK)
     hidden = keys > positions.view(-1, 1, ROW_TILE, 1)
     return torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
-
-
-def _key_slots(span, num_key_blocks: int, device) -> torch.Tensor:
-    """Pool slots of a span's keys, padded to whole blocks with its last key (finite, masked)."""
-    keys = torch.arange(num_key_blocks * KEY_BLOCK).clamp(max=span.end - 1)
-    return (span.base + keys).to(device)
 
 
 def tiled_attention(

@@ -8,12 +8,10 @@ be rolled back and latches the engine broken instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Evict, Idle, Keep, Prefill, Release, Restore, Round, Stop, Verify
+from tpserve.ranks.wire import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
 
 
 class VotedDown(Exception):
@@ -26,52 +24,44 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
     `media`: on rank 0, the image features of a Prefill's media runs, in message order.
     Raises VotedDown when the ranks voted no.
     """
+    if isinstance(msg, Bundle):  # a follower's: rank 0 applied all but the last as it sent them
+        *first, last = msg.messages
+        for inner in first:
+            apply_message(engine, channel, inner)
+        return apply_message(engine, channel, last, media)
     if isinstance(msg, Admit):
-        ok = engine.admit(msg.lane, msg.reserve_tokens)
-        refusal = f"lane {msg.lane}: no room for {msg.reserve_tokens} tokens on some rank"
-        _vote(channel, ok, lambda: engine.release(msg.lane), refusal)
+        engine.admit(msg.lane, msg.blocks, msg.num_cached)  # rank 0 chose them: nothing to vote on
         return None
     if isinstance(msg, Prefill):
-        spans = [(s.lane, s.start, s.token_ids) for s in msg.spans]
+        spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]
         if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
             raise VotedDown("prefill refused by some rank")
         if not any(s.media for s in msg.spans):
             return engine.forward(spans)
         return engine.forward(spans, media_rows=[s.media_rows() for s in msg.spans], media=media)
+    if isinstance(msg, Mixed):
+        verify = isinstance(msg.round, Verify)
+        steps = msg.round.spans if verify else msg.round.steps
+        steps = [
+            (s.lane, s.start, s.token_ids, s.blocks)
+            if verify
+            else (s.lane, s.position, (s.token_id,), s.blocks)
+            for s in steps
+        ]
+        (span,) = msg.prefill.spans
+        chunk = (span.lane, span.start, span.token_ids, span.blocks)
+        engine.drop_unkept_drafts(steps)  # the same on every rank, whatever the vote: drafts it did not keep
+        if not channel.vote(engine.check([*steps, chunk]) and not engine.refuses([chunk])):
+            raise VotedDown("a prompt chunk beside a decode round refused by some rank")
+        media_rows = span.media_rows() if span.media else None
+        return engine.mixed(steps, verify, chunk, media_rows, media if span.media else None)
     if isinstance(msg, Round):
-        return engine.decode_round([(s.lane, s.position, (s.token_id,)) for s in msg.steps])
+        return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])
     if isinstance(msg, Verify):
-        return engine.verify([(s.lane, s.start, s.token_ids) for s in msg.spans])
+        return engine.verify([(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans])
     if isinstance(msg, Release):
         engine.release(msg.lane)
-        return None
-    if isinstance(msg, Keep):
-        ok = engine.keep(msg.lane, msg.num_tokens, msg.entry_id)
-        _vote(
-            channel,
-            ok,
-            lambda: engine.evict(msg.entry_id),
-            f"cache entry {msg.entry_id}: keep refused by some rank",
-        )
-        return None
-    if isinstance(msg, Restore):
-        before = engine.lengths([msg.lane])
-        ok = engine.restore(msg.lane, msg.entry_id, msg.num_tokens)
-        refusal = f"cache entry {msg.entry_id}: restore refused by some rank"
-        _vote(channel, ok, lambda: engine.rewind(before), refusal)
-        return None
-    if isinstance(msg, Evict):
-        engine.evict(msg.entry_id)
         return None
     if isinstance(msg, (Idle, Stop)):
         return None
     raise TypeError(f"no rule to apply {type(msg).__name__}")
-
-
-def _vote(channel, ok: bool, undo: Callable[[], None], refusal: str) -> None:
-    """Every rank votes on what it just did; on a no anywhere, the ranks that did it undo it (so
-    nothing changed anywhere) and all raise VotedDown."""
-    if not channel.vote(ok):
-        if ok:
-            undo()
-        raise VotedDown(refusal)

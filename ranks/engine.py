@@ -1,8 +1,12 @@
 """What every rank applies: admissions, prefill passes, decode rounds, releases and cache moves.
 
 Rank 0 and the followers call the same methods with the same arguments in the same order, so
-their bookkeeping (lanes, ranges, cache slots) stays identical. Methods that can fail return False
-and leave nothing changed; the caller votes and, when another rank failed, calls the undo.
+their bookkeeping (lanes, block tables, cache slots) stays identical. KV lives in blocks of the pool
+(ranks/kv_store.py); each lane has a block table that rank 0's lane host fills (server/kv_blocks.py)
+and sends with the passes, so no rank allocates: a rank only checks that a table it is given is
+sound and refuses the call otherwise. A lane may open on the blocks of a cached prefix that other
+lanes hold too (read only); every block it writes is its own (no other lane holds it). Methods
+that can fail return False and leave nothing changed; the caller votes on them.
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Lane:
-    base: int  # first slot of the lane's range in the KV pool
-    capacity: int  # slots reserved
+    blocks: list[int]  # the block table: block ids holding positions 0, 1, ... in order
     length: int = 0  # tokens whose KV is computed (positions 0..length-1)
     drafts_from: int = 0  # after a Verify: where its drafts begin (a later round may drop them); 0: none
 
@@ -40,7 +43,6 @@ class Engine:
         self,
         model: TPModel,
         kv: KVPool,
-        cache_kv: KVPool | None = None,
         *,
         refuse_token: int | None = None,
         device_timeout_s: float = 60.0,
@@ -49,42 +51,84 @@ class Engine:
         self.device_timeout_s = device_timeout_s
         self.refuse_token = refuse_token
         self.kv = kv
-        self.cache_kv = cache_kv
         self.lanes: dict[int, Lane] = {}
-        self.cache_slots: dict[int, tuple[int, int]] = {}  # entry id -> (start, num_tokens)
+        self.refs: dict[int, int] = {}  # block id -> how many lanes' tables hold it
 
     # Admission ---------------------------------------------------------------------------------
-    def admit(self, lane: int, reserve_tokens: int) -> bool:
-        if lane in self.lanes or reserve_tokens <= 0:
-            return False
-        base = self.kv.allocator.allocate(reserve_tokens)
-        if base is None:
-            return False
-        self.lanes[lane] = Lane(base, reserve_tokens)
-        return True
+    def admit(self, lane: int, blocks: tuple[int, ...], num_cached: int = 0) -> None:
+        """Open `lane` on `blocks`, its first `num_cached` positions (whole blocks of a shared cached
+        prefix, which other lanes may hold) already computed; the rest of its blocks its own."""
+        size = self.kv.block_size
+        num_shared = num_cached // size
+        if lane in self.lanes or num_cached % size or num_shared > len(blocks):
+            raise EngineError(
+                f"lane {lane}: cannot open on {len(blocks)} blocks with {num_cached} cached tokens"
+            )
+        if any(not 0 <= block < self.kv.num_blocks for block in blocks[:num_shared]):
+            raise EngineError(f"lane {lane} given a shared KV block outside the pool: {list(blocks)}")
+        self._check_own(lane, blocks[num_shared:])
+        self.lanes[lane] = Lane([], num_cached)
+        self._append(lane, blocks)
 
     def release(self, lane: int) -> None:
         state = self.lanes.pop(lane, None)
         if state is not None:
-            self.kv.allocator.free(state.base)
+            for block in state.blocks:
+                if self.refs[block] == 1:
+                    del self.refs[block]
+                else:
+                    self.refs[block] -= 1
 
-    # Passes ------------------------------------------------------------------------------------
-    def check(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> bool:
-        """Whether forward(spans) would be accepted: open lanes, each span at its lane's length, in
-        its reservation, no lane twice."""
-        seen = set()
-        for lane, start, tokens in spans:
+    def _check_own(self, lane: int, blocks) -> None:
+        """Blocks a lane will write: in the pool, held by no lane, each once."""
+        for block in blocks:
+            if not 0 <= block < self.kv.num_blocks or block in self.refs:
+                raise EngineError(
+                    f"lane {lane} given KV block {block} to write: outside the pool of "
+                    f"{self.kv.num_blocks} or held by {self.refs.get(block)} lane(s)"
+                )
+        if len(set(blocks)) != len(blocks):
+            raise EngineError(f"lane {lane} given a KV block twice: {list(blocks)}")
+
+    def _append(self, lane: int, blocks) -> None:
+        for block in blocks:
+            self.refs[block] = self.refs.get(block, 0) + 1
+        self.lanes[lane].blocks.extend(blocks)
+
+    def _grow(self, spans) -> None:
+        """Append each span's new blocks to its lane's table (spans passed check())."""
+        for lane, _, _, blocks in spans:
+            self._append(lane, blocks)
+
+    @staticmethod
+    def _spans(spans) -> list:
+        """Spans as (lane, start, token ids, new blocks); a span of three has no new blocks."""
+        return [span if len(span) == 4 else (*span, ()) for span in spans]
+
+    def check(self, spans) -> bool:
+        """Whether forward(spans) would be accepted: open lanes, each span at its lane's length, its
+        positions inside the lane's blocks with the span's new ones, sound new blocks, no lane twice,
+        and no write into a block another lane holds. spans: (lane, start, token ids, new blocks)."""
+        seen, given, size = set(), set(), self.kv.block_size
+        for lane, start, tokens, blocks in self._spans(spans):
             state = self.lanes.get(lane)
             if state is None or lane in seen or not tokens or start != state.length:
                 return False
-            if start + len(tokens) > state.capacity:
+            table = state.blocks + list(blocks)
+            if start + len(tokens) > len(table) * size:
                 return False
+            if any(not 0 <= b < self.kv.num_blocks or b in self.refs or b in given for b in blocks):
+                return False
+            written = table[start // size : -(-(start + len(tokens)) // size)]
+            if any(self.refs.get(b, 0) > 1 for b in written):
+                return False
+            given.update(blocks)
             seen.add(lane)
         return True
 
     def refuses(self, spans) -> bool:
         """A fault drill: this rank refuses any prompt holding `refuse_token` (tests of rollback)."""
-        return self.refuse_token is not None and any(self.refuse_token in tokens for _, _, tokens in spans)
+        return self.refuse_token is not None and any(self.refuse_token in span[2] for span in spans)
 
     def forward(
         self,
@@ -94,7 +138,7 @@ class Engine:
         media_rows: list[list[int]] | None = None,
         media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """A prompt pass. spans: (lane, start, token ids) that pass check(). Computes and stores their
+        """A prompt pass. spans: (lane, start, token ids, new blocks) that pass check(). Computes and stores their
         KV, advances the lanes, and returns the next-token logits of each span's last token
         ([num_spans, vocab] float32; with every_row, of every token in order) on rank 0, None elsewhere.
 
@@ -103,39 +147,61 @@ class Engine:
         return self._pass(spans, every_row, media_rows, media)
 
     def decode_round(self, steps: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
-        """One token per lane: (lane, position, (token,)), as forward. A lane a Verify left longer
+        """One token per lane: (lane, position, (token,), new blocks), as forward. A lane a Verify left longer
         than `position` is first cut back to it: the drafts the host did not keep are dropped."""
-        self._drop_unkept_drafts(steps)
+        self.drop_unkept_drafts(steps)
         return self._pass(steps, every_row=False)
 
     def verify(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
-        """A decode round with drafts: (lane, position, (token, *drafts)), with the logits of every
+        """A decode round with drafts: (lane, position, (token, *drafts), new blocks), with the logits of every
         row. The next round keeps the samples the host kept and drops the rest of the drafts."""
-        self._drop_unkept_drafts(spans)
+        self.drop_unkept_drafts(spans)
         logits = self._pass(spans, every_row=True)
-        for lane, start, _ in spans:
+        for lane, start, *_ in spans:
             self.lanes[lane].drafts_from = start + 1  # the fed token stays; its drafts may go
         return logits
 
-    def _drop_unkept_drafts(self, spans) -> None:
-        # Only the drafts a Verify fed may be dropped: a span anywhere else fails check().
-        for lane, start, _ in spans:
+    def mixed(self, steps, verify: bool, chunk, media_rows: list[int] | None = None, media=None):
+        """A decode round (a Verify when `verify`) and one prompt chunk (lane, start, token ids, new
+        blocks) in one pass, so decoding streams keep their pace while a long prompt fills. Logits:
+        the round's rows as decode_round's or verify's, then the chunk's last token's. Each row is
+        the same as in separate passes: every product and attention row is batch-invariant.
+        media_rows: the chunk's offsets embedded as image features (media: those features)."""
+        self.drop_unkept_drafts(steps)
+        spans = [*steps, chunk]
+        rows = None if media_rows is None else [[]] * len(steps) + [media_rows]
+        logits = self._pass(spans, [verify] * len(steps) + [False], rows, media)
+        if verify:
+            for lane, start, *_ in steps:
+                self.lanes[lane].drafts_from = start + 1
+        return logits
+
+    def drop_unkept_drafts(self, spans) -> None:
+        """Cut lanes a Verify left longer than a span's start back to it (idempotent).
+        Only the drafts a Verify fed may be dropped: a span anywhere else fails check()."""
+        for lane, start, *_ in spans:
             state = self.lanes.get(lane)
             if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
                 state.length = start
 
-    def _pass(self, spans, every_row: bool, media_rows=None, media=None) -> torch.Tensor | None:
+    def _pass(self, spans, every_row, media_rows=None, media=None) -> torch.Tensor | None:
+        """every_row: one flag for the pass or one per span (a span's rows' logits, or its last's)."""
+        spans = self._spans(spans)
+        every_row = every_row if isinstance(every_row, list) else [every_row] * len(spans)
         if not self.check(spans):
-            raise EngineError(f"inconsistent pass {[(lane, start, len(t)) for lane, start, t in spans]}")
+            raise EngineError(
+                f"inconsistent pass {[(lane, start, len(t), b) for lane, start, t, b in spans]}"
+            )
+        self._grow(spans)
         views, token_ids, positions, logit_rows, packed_media = [], [], [], [], []
-        for index, (lane, start, tokens) in enumerate(spans):
+        for index, (lane, start, tokens, _) in enumerate(spans):
             state = self.lanes[lane]
-            views.append(SpanView(len(token_ids), state.base, start, len(tokens)))
+            views.append(SpanView(len(token_ids), start, len(tokens), tuple(state.blocks)))
             if media_rows is not None:
                 packed_media.extend(len(token_ids) + row for row in media_rows[index])
             token_ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
-            if every_row:
+            if every_row[index]:
                 logit_rows.extend(range(len(token_ids) - len(tokens), len(token_ids)))
             else:
                 logit_rows.append(len(token_ids) - 1)
@@ -155,7 +221,7 @@ class Engine:
             )
         if logits is not None:
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
-        for lane, _, tokens in spans:
+        for lane, _, tokens, _ in spans:
             state = self.lanes[lane]
             state.length += len(tokens)
             state.drafts_from = 0
@@ -165,43 +231,3 @@ class Engine:
         peers = ", ".join(f"rank {r}" for r in range(1, self.model.tp_size))
         who = f"a collective with {peers} never finished (lost or hung)" if peers else "the device hung"
         return f"rank 0: the logits of a pass over {len(spans)} span(s) never reached the host: {who}"
-
-    def rewind(self, lengths: dict[int, int]) -> None:
-        """Undo passes: put lanes back to earlier lengths (their later slots are simply ignored)."""
-        for lane, length in lengths.items():
-            if lane in self.lanes:
-                self.lanes[lane].length = length
-
-    def lengths(self, lanes) -> dict[int, int]:
-        return {lane: self.lanes[lane].length for lane in lanes if lane in self.lanes}
-
-    # Prompt-cache states -------------------------------------------------------------------------
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        state = self.lanes.get(lane)
-        if (
-            self.cache_kv is None
-            or state is None
-            or entry_id in self.cache_slots
-            or num_tokens > state.length
-        ):
-            return False
-        start = self.cache_kv.allocator.allocate(num_tokens)
-        if start is None:
-            return False
-        self.cache_kv.copy(self.kv, state.base, start, num_tokens)
-        self.cache_slots[entry_id] = (start, num_tokens)
-        return True
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        state = self.lanes.get(lane)
-        slot = self.cache_slots.get(entry_id)
-        if state is None or slot is None or state.length != 0 or num_tokens > min(slot[1], state.capacity):
-            return False
-        self.kv.copy(self.cache_kv, slot[0], state.base, num_tokens)
-        state.length = num_tokens
-        return True
-
-    def evict(self, entry_id: int) -> None:
-        slot = self.cache_slots.pop(entry_id, None)
-        if slot is not None:
-            self.cache_kv.allocator.free(slot[0])

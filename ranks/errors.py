@@ -26,3 +26,8 @@ class BackendBroken(RuntimeError):
     """A decode round failed, a rank was lost or a collective timed out: nothing more can run.
 
     Raised by rank 0's Leader and caught by the lane host; the ranks may disagree, so the pair stops."""
+
+
+class ChunkRefused(RuntimeError):
+    """Some rank refused a prompt chunk that rode with a decode round: neither ran anywhere. The lane
+    host ends that prompt's request alone and runs the round again without it."""

@@ -16,15 +16,14 @@ from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.errors import BackendBroken
+from tpserve.ranks.errors import BackendBroken, ChunkRefused
 from tpserve.ranks.wire import (
     Admit,
-    Evict,
+    Bundle,
     Idle,
-    Keep,
+    Mixed,
     Prefill,
     Release,
-    Restore,
     Round,
     Span,
     Step,
@@ -68,13 +67,18 @@ class Leader:
         self.engine = engine
         self.channel = channel
         self.num_lanes = num_lanes
-        self.room = engine.kv.num_slots
+        self.num_blocks = engine.kv.num_blocks
+        self.block_size = engine.kv.block_size
+        self.room = self.num_blocks * self.block_size
         self.context_size = context_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batches_prompts = batches_prompts
         self.verifies_drafts = True
         self.broken: str | None = None
         self._idle = False
+        # Lanes opened and closed since the last message: applied here at once, and sent to the
+        # followers inside the next pass's message (a Bundle), so a lane costs no message of its own.
+        self._unsent: list[Admit | Release] = []
         self._features: dict[int, list[tuple[int, float]]] = {}
         self._draft_features: dict[int, list[list[tuple[int, float]]]] = {}  # per row of a Verify
         # The log probabilities of the last sampling pass's tokens, by (lane, position), for the
@@ -83,11 +87,8 @@ class Leader:
         self._record_features = record_features  # top logits per step, for the recorder only
 
     # The Backend protocol ---------------------------------------------------------------------
-    def free_room(self) -> int:
-        return self.room - self.engine.kv.allocator.used
-
-    def open(self, lane: int, reserve_tokens: int) -> bool:
-        return self._voted(Admit(lane, reserve_tokens))
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        self._apply_here(Admit(lane, blocks, num_cached))
 
     def prefill(self, item) -> int | None:
         tokens = self.prefill_many([item])
@@ -96,24 +97,43 @@ class Leader:
         return tokens[0] if item.last else None
 
     def prefill_many(self, items) -> list[int] | None:
-        spans, features = [], []
-        for item in items:
-            runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
-            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs))
-            features += rows
-        msg = Prefill(tuple(spans))
+        msg, media = self._prefill_message(items)
         try:
-            logits = self._run(msg, torch.cat(features) if features else None)
+            logits = self._run(msg, media)
         except VotedDown:
             return None
         return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
 
-    def decode_drafts(self, items) -> list[list[int]]:
-        msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft)) for i in items))
+    @staticmethod
+    def _prefill_message(items) -> tuple[Prefill, torch.Tensor | None]:
+        spans, features = [], []
+        for item in items:
+            runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
+            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks))
+            features += rows
+        return Prefill(tuple(spans)), torch.cat(features) if features else None
+
+    def _with_chunk(self, round_msg, chunk):
+        """Run a Round or Verify, with `chunk` (a PrefillItem or None) in the same pass. Returns the
+        logits of the round's rows, then the chunk's last row when the chunk ends its prompt."""
+        if chunk is None:
+            return self._run(round_msg)
+        prefill, media = self._prefill_message([chunk])
+        try:
+            logits = self._run(Mixed(round_msg, prefill), media)
+        except VotedDown as error:
+            raise ChunkRefused(f"lane {chunk.lane}: prompt chunk refused") from error
+        return logits if chunk.last else logits[:-1]
+
+    def decode_drafts(self, items, chunk=None) -> list[list[int]]:
+        msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft), (), i.blocks) for i in items))
         rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
-        logits = self._run(msg)
         # A constrained stream brings no draft (server/drafts.py), so its one row takes its mask.
         masks = [item.allowed if position == item.position + 1 else None for item, position in rows]
+        if chunk is not None and chunk.last:
+            rows.append((chunk, chunk.start + len(chunk.token_ids)))
+            masks.append(chunk.allowed)
+        logits = self._with_chunk(msg, chunk)
         tokens = sample(
             logits, [item.sampling for item, _ in rows], [position for _, position in rows], masks
         )
@@ -127,26 +147,24 @@ class Leader:
             if features is not None:
                 self._draft_features[item.lane] = features[at : at + 1 + len(item.draft)]
             at += 1 + len(item.draft)
+        if at < len(tokens):  # the chunk's first sampled token
+            out.append(tokens[at:])
+            if features is not None:
+                self._features[chunk.lane] = features[at]
         return out
 
-    def decode(self, items) -> list[int]:
-        logits = self._run(Round(tuple(Step(i.lane, i.position, i.token_id) for i in items)))
-        return self._sample(logits, items, [i.position + 1 for i in items])
+    def decode(self, items, chunk=None) -> list[int]:
+        msg = Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items))
+        logits = self._with_chunk(msg, chunk)
+        positions = [i.position + 1 for i in items]
+        if chunk is not None and chunk.last:
+            items, positions = [*items, chunk], [*positions, chunk.start + len(chunk.token_ids)]
+        return self._sample(logits, items, positions)
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)
         self._draft_features.pop(lane, None)
-        self._run(Release(lane))
-
-    # Prompt-cache storage: states kept in every rank's cache pool, under ids the cache gives.
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        return self._voted(Keep(lane, num_tokens, entry_id))
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        return self._voted(Restore(lane, entry_id, num_tokens))
-
-    def evict(self, entry_id: int) -> None:
-        self._run(Evict(entry_id))
+        self._apply_here(Release(lane))
 
     def top_logits(self, lane: int) -> list[tuple[int, float]]:
         return self._features.get(lane, [])
@@ -158,6 +176,8 @@ class Leader:
     def idle(self) -> None:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
         if not self._idle and self.broken is None:
+            if self._unsent:  # the followers close the lanes rank 0 closed before they wait
+                self._run(None)
             self._run(Idle())
             self._idle = True
 
@@ -171,19 +191,24 @@ class Leader:
         if self.broken is None:
             self._run(Stop())
 
-    def _voted(self, msg) -> bool:
-        """Send and apply a message every rank votes on; False (nothing changed anywhere) on a no."""
-        try:
-            self._run(msg)
-            return True
-        except VotedDown:
-            return False
+    def _apply_here(self, msg: Admit | Release) -> None:
+        """Apply an Admit or Release on rank 0 now; the followers get it with the next message."""
+        if self.broken is not None:
+            raise BackendBroken(self.broken)
+        apply_message(self.engine, self.channel, msg)  # raises EngineError on an unsound table
+        self._unsent.append(msg)
 
     def _run(self, msg, media=None):
+        """Send `msg` (with the lanes opened and closed since the last message; None: those alone)
+        and apply it here. Any failure but a vote's no latches the leader broken."""
         if self.broken is not None:
             raise BackendBroken(self.broken)
         try:
-            self.channel.send(msg)
+            unsent, self._unsent = self._unsent, []
+            if msg is None:  # only what rank 0 already applied
+                self.channel.send(Bundle(tuple(unsent)))
+                return None
+            self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
             self._idle = False
             return apply_message(self.engine, self.channel, msg, media)
         except VotedDown:

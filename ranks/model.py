@@ -84,25 +84,30 @@ class PieceLayer:
 
 
 class PassPlan:
-    """What every layer of one pass shares, built once: the KV slots its tokens write, the rotary
-    tables of its positions and what the attention kernel reads (spans, or tiles' index tensors).
+    """What every layer of one pass shares, built once: the KV slots its tokens write (through their
+    spans' block tables, in blocks of block_size slots), the rotary tables of its positions and what
+    the attention kernel reads (its plan: kernels/attention_kernels.py).
 
     In batch-invariant mode with float weights the pass's rows are padded once to whole row tiles
     (kernels/linear.py), so every layer's products run on them as they are; the padding rows are never
     written to the KV pool nor read back as logits. Packed (int8) products need no tiles: no padding.
     """
 
-    def __init__(self, model: TPModel, spans: list[SpanView], positions: torch.Tensor, num_slots: int):
+    def __init__(
+        self, model: TPModel, spans: list[SpanView], positions: torch.Tensor, num_slots: int, block_size: int
+    ):
         tile = model.pad_rows
         self.spans = spans
         self.num_tokens = positions.shape[0]
         self.num_rows = -(-self.num_tokens // tile) * tile if tile else self.num_tokens
         self.padding = self.num_rows - self.num_tokens
-        self.slots = kv_slots(spans, model.device)
+        self.slots = kv_slots(spans, block_size, model.device)
         padded = F.pad(positions, (0, self.padding)) if self.padding else positions
         self.rotary = model.rotary.tables(padded, model.dtype)
         group = model.config.num_queries_per_kv
-        self.attention = model.attention.plan(spans, group, num_slots, model.device, self.num_rows)
+        self.attention = model.attention.plan(
+            spans, group, num_slots, block_size, model.device, self.num_rows
+        )
 
 
 class TPModel:
@@ -264,7 +269,7 @@ class TPModel:
         token's; media: those features [M, hidden] on rank 0 (None elsewhere). Returns float32 logits
         [len(logit_rows), vocab] on rank 0, None elsewhere."""
         cfg, replicated = self.config, self.replicated
-        plan = PassPlan(self, spans, positions, kv.num_slots)
+        plan = PassPlan(self, spans, positions, kv.num_slots, kv.block_size)
         if plan.padding:  # padding rows read token 0; their results are dropped
             token_ids = F.pad(token_ids, (0, plan.padding))
         h = self._embed(token_ids, media_rows, media)  # [rows, hidden]

@@ -5,13 +5,15 @@ same way wherever the row sits and whatever the other rows hold (kernels/linear.
 kernels/tiled_attention.py). That is true of the BLASes we know, but it is a fact about a machine,
 not about the code, so before serving every rank checks it with its own weights and attention
 shapes: rows alone, in a small batch, in several tiles, at other tile positions; decode steps,
-Verifies and chunks across key-block edges against the whole prefill; the norms. The first row that
+Verifies and chunks across key-block edges, read through a shuffled block table, against the whole
+prefill over contiguous keys; the norms. The first row that
 differs is a ProbeFailure naming the product's shape and how to serve without exactness.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView
 from tpserve.kernels.linear import linear
@@ -31,6 +33,7 @@ PROBE_SPANS = (
     (_B, 33),
     (PROBE_KEYS - 188, 188),
 )
+PROBE_BLOCK = 16  # tokens per KV block of the shuffled pool the spans read through their tables
 OFF_SWITCH = "serve without exactness with batch_invariant: false (flag --batch-invariant false)"
 
 
@@ -92,18 +95,25 @@ def _check_attention(
         torch.randn(num_kv_heads, PROBE_KEYS, head_dim, generator=gen).to(device, kv_type) for _ in range(2)
     )
 
-    def attend(queries, spans):
-        plan = make_plan(spans, group, PROBE_KEYS, q.device, queries.shape[0])
-        return attention(queries, k, v, plan, head_dim**-0.5).view(queries.shape)
+    def attend(queries, spans, pool=(k, v), block_size=1):
+        plan = make_plan(spans, group, pool[0].shape[1], block_size, q.device, queries.shape[0])
+        return attention(queries, *pool, plan, head_dim**-0.5).view(queries.shape)
 
-    whole = attend(q, [SpanView(0, 0, 0, PROBE_KEYS)])
+    whole = attend(q, [SpanView(0, 0, PROBE_KEYS, tuple(range(PROBE_KEYS)))])
+    # The rest read the same keys through a shuffled block table: the pool's blocks reordered
+    # (padded to whole blocks), the table naming each position's new place.
+    num_blocks = -(-PROBE_KEYS // PROBE_BLOCK)
+    order = torch.randperm(num_blocks, generator=gen)
+    slots = (order.unsqueeze(1) * PROBE_BLOCK + torch.arange(PROBE_BLOCK)).view(-1).to(device)
+    shuffled = [F.pad(x, (0, 0, 0, num_blocks * PROBE_BLOCK - PROBE_KEYS))[:, slots] for x in (k, v)]
+    table = tuple(torch.argsort(order).tolist())
     together, offset = [], 0
     for start, length in PROBE_SPANS:
-        together.append(SpanView(offset, 0, start, length))
+        together.append(SpanView(offset, start, length, table))
         offset += length
-    rounds = attend(torch.cat([q[s : s + n] for s, n in PROBE_SPANS]), together)
+    rounds = attend(torch.cat([q[s : s + n] for s, n in PROBE_SPANS]), together, shuffled, PROBE_BLOCK)
     for span, (start, length) in zip(together, PROBE_SPANS):
-        alone = attend(q[start : start + length], [SpanView(0, 0, start, length)])
+        alone = attend(q[start : start + length], [SpanView(0, start, length, table)], shuffled, PROBE_BLOCK)
         for label, rows in (
             ("alone", alone),
             ("beside other lanes", rounds[span.offset : span.offset + length]),

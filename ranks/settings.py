@@ -35,7 +35,10 @@ class EngineSettings:
     # Bytes of KV memory each rank may use, one figure per rank (tests give the ranks different
     # budgets); empty: a share of the memory the rank finds free at start-up.
     kv_budget_bytes: tuple[int, ...] = ()
-    cache_budget_bytes: int = 64 << 20  # the prompt cache's KV bytes on each rank; 0: no cache
+    # Full KV blocks shared by every prompt that starts the same way (server/kv_blocks.py).
+    prefix_caching: bool = True
+    # Tokens per KV block: the unit of room, admission and preemption (server/kv_blocks.py).
+    kv_block_size: int = 16
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
     # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.

@@ -50,11 +50,10 @@ KV_SHARE_OF_FREE_MEMORY = 0.5  # of what the rank finds free, after its weights 
 
 @dataclass(frozen=True)
 class KVBudget:
-    """What the pair's KV can hold, learned at start-up (the smallest rank's figures): room (the
-    tokens of live streams) and the prompt cache's tokens."""
+    """What the pair's KV can hold, learned at start-up (the smallest rank's figures): room, the
+    tokens of the KV pool's blocks (live streams and the cached prefixes they may share)."""
 
     kv_tokens: int
-    cache_tokens: int
     kv_bytes_per_token: int  # this rank's
 
 
@@ -84,17 +83,17 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
         budget = int(free_memory_bytes(device) * KV_SHARE_OF_FREE_MEMORY)
     else:
         budget = budgets[rank] if has_budget else 0
-    wanted = settings.num_lanes * settings.context_size
+    block = settings.kv_block_size
+    wanted = settings.num_lanes * -(-settings.context_size // block) * block  # whole blocks per lane
     figures = torch.tensor(
         [
-            min(wanted, budget // bytes_per_token),
-            settings.cache_budget_bytes // bytes_per_token,
+            min(wanted, budget // bytes_per_token) // block * block,
             int(has_budget),
         ],
         dtype=torch.int64,
     )
     dist.all_reduce(figures, op=dist.ReduceOp.MIN, group=group)
-    kv_tokens, cache_tokens, every_rank_has_budget = figures.tolist()
+    kv_tokens, every_rank_has_budget = figures.tolist()
     if not every_rank_has_budget:
         raise StartupError(
             f"rank {rank}: kv_budget_bytes must give one figure per rank, and some rank has none "
@@ -105,7 +104,7 @@ def settle_room(settings: EngineSettings, rank: int, bytes_per_token: int, devic
             f"rank {rank}: room for only {kv_tokens} KV tokens: the smallest rank's KV budget holds "
             f"none (this rank's: {budget} bytes at {bytes_per_token} bytes per token)"
         )
-    return KVBudget(kv_tokens, cache_tokens, bytes_per_token)
+    return KVBudget(kv_tokens, bytes_per_token)
 
 
 def check_quantize(settings: EngineSettings, device: torch.device) -> None:
@@ -218,12 +217,12 @@ def start_rank(
     per_token = kv_bytes_per_token(config.num_layers, model.kv_heads_per_piece(), config.head_dim, kv_type)
     kv_budget = settle_room(settings, rank, per_token, device, control)
     log.info(
-        "rank %d: room %d KV tokens (%d bytes each here, in %s), cache %d tokens",
+        "rank %d: room %d KV tokens in blocks of %d (%d bytes each here, in %s)",
         rank,
         kv_budget.kv_tokens,
+        settings.kv_block_size,
         per_token,
         str(kv_type).removeprefix("torch."),
-        kv_budget.cache_tokens,
     )
     engine = _build_engine(settings, model, kv_budget, kv_type, rank, device)
     channel = Channel(
@@ -332,19 +331,21 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
 def _build_engine(
     settings: EngineSettings, model, kv_budget: KVBudget, kv_type: torch.dtype, rank: int, device
 ) -> Engine:
-    """The KV store sized by room (and the prompt cache's pool by its tokens), and the engine."""
+    """The KV store sized by room, in blocks, and the engine."""
     config, kv_heads = model.config, model.kv_heads_per_piece()
-    kv = KVPool(config.num_layers, kv_budget.kv_tokens, kv_heads, config.head_dim, kv_type, device)
-    cache_kv = (
-        KVPool(config.num_layers, kv_budget.cache_tokens, kv_heads, config.head_dim, kv_type, device)
-        if kv_budget.cache_tokens
-        else None
+    kv = KVPool(
+        config.num_layers,
+        kv_budget.kv_tokens,
+        kv_heads,
+        config.head_dim,
+        kv_type,
+        device,
+        block_size=settings.kv_block_size,
     )
     drill = settings.refuse_token_on_rank
     return Engine(
         model,
         kv,
-        cache_kv,
         refuse_token=drill[1] if drill and drill[0] == rank else None,
         device_timeout_s=settings.collective_timeout_s,
     )

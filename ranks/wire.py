@@ -23,14 +23,13 @@ __all__ = [
     "MAX_PAYLOAD_SIZE",
     "WIRE_VERSION",
     "Admit",
-    "Evict",
+    "Bundle",
     "Head",
     "Idle",
-    "Keep",
     "Message",
+    "Mixed",
     "Prefill",
     "Release",
-    "Restore",
     "Round",
     "Span",
     "Step",
@@ -42,12 +41,12 @@ __all__ = [
     "read_head",
 ]
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
-HEAD_SIZE = 64
+HEAD_SIZE = 128
 _HEAD_FIELDS = 4  # magic|version, kind, seq, payload size
-INLINE_SIZE = HEAD_SIZE - _HEAD_FIELDS  # a decode round over up to 20 lanes needs no overflow
+INLINE_SIZE = HEAD_SIZE - _HEAD_FIELDS  # a decode round over up to 31 lanes needs no overflow
 # Bounds what a corrupt head can make a follower allocate (128 MiB of int64s).
 MAX_PAYLOAD_SIZE = 1 << 24
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -63,11 +62,17 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class Admit:
-    """Open `lane` with a KV reservation of `reserve_tokens` tokens (the ranks vote after)."""
+    """Open `lane` with `blocks` as its block table, its first `num_cached` positions a shared cached
+    prefix already in those blocks (rank 0's lane host chose them: every rank's tables are the same by
+    construction, so nothing is voted)."""
 
     KIND: ClassVar[int] = 1
     lane: int
-    reserve_tokens: int
+    blocks: tuple[int, ...] = ()
+    num_cached: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(self.blocks))
 
 
 @dataclass(frozen=True)
@@ -75,17 +80,20 @@ class Span:
     """Prompt tokens for positions start..start+len(token_ids)-1 of `lane`.
 
     `media`: (offset, length) runs of the span's tokens whose embeddings are image features (rank 0
-    holds the features; every rank zeroes those rows, see kernels/embedding.py).
+    holds the features; every rank zeroes those rows, see kernels/embedding.py). `blocks`: KV blocks
+    appended to the lane's block table before the pass.
     """
 
     lane: int
     start: int
     token_ids: tuple[int, ...]
     media: tuple[tuple[int, int], ...] = ()
+    blocks: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         object.__setattr__(self, "media", tuple((int(o), int(n)) for o, n in self.media))
+        object.__setattr__(self, "blocks", tuple(self.blocks))
 
     def media_rows(self) -> list[int]:
         """The span's own row offsets that carry image features, in order."""
@@ -105,11 +113,15 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Step:
-    """Feed `token_id` at `position` of `lane`."""
+    """Feed `token_id` at `position` of `lane`, `blocks` appended to its block table first."""
 
     lane: int
     position: int
     token_id: int
+    blocks: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(self.blocks))
 
 
 @dataclass(frozen=True)
@@ -138,38 +150,10 @@ class Verify:
 
 @dataclass(frozen=True)
 class Release:
-    """Drop the lane's KV and its reservation."""
+    """Drop the lane and its block table."""
 
     KIND: ClassVar[int] = 4
     lane: int
-
-
-@dataclass(frozen=True)
-class Keep:
-    """Copy the first `num_tokens` of `lane`'s KV into prompt-cache entry `entry_id` (vote after)."""
-
-    KIND: ClassVar[int] = 5
-    lane: int
-    num_tokens: int
-    entry_id: int
-
-
-@dataclass(frozen=True)
-class Restore:
-    """Copy the first `num_tokens` of cache entry `entry_id` into `lane` (vote after)."""
-
-    KIND: ClassVar[int] = 6
-    lane: int
-    entry_id: int
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class Evict:
-    """Free prompt-cache entry `entry_id`."""
-
-    KIND: ClassVar[int] = 7
-    entry_id: int
 
 
 @dataclass(frozen=True)
@@ -186,12 +170,36 @@ class Stop:
     KIND: ClassVar[int] = 9
 
 
-Message = Admit | Prefill | Round | Verify | Release | Keep | Restore | Evict | Idle | Stop
+@dataclass(frozen=True)
+class Mixed:
+    """A decode round (a Round or a Verify) and one prompt chunk (a Prefill of one span) in one
+    forward pass (the ranks vote on the chunk first, as on a Prefill)."""
+
+    KIND: ClassVar[int] = 12
+    round: Round | Verify
+    prefill: Prefill
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Several messages in one broadcast, applied in order: the lanes rank 0 opened and closed since
+    its last message, then the pass that uses them. Opening or closing a lane so costs the wire
+    nothing of its own; rank 0 applied those at once, the followers apply them before the pass."""
+
+    KIND: ClassVar[int] = 11
+    messages: tuple[Admit | Release | Prefill | Round | Verify | Mixed, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "messages", tuple(self.messages))
+
+
+Message = Admit | Prefill | Round | Verify | Release | Idle | Stop | Bundle | Mixed
 _KINDS: dict[int, type] = {
-    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Keep, Restore, Evict, Idle, Stop)
+    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, Bundle, Mixed)
 }
-_STEP_SIZE = len(fields(Step))
-_SPAN_HEAD_SIZE = 4  # lane, start, number of tokens, number of media runs
+_BUNDLED = (Admit, Release, Prefill, Round, Verify, Mixed)
+_STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
+_SPAN_HEAD_SIZE = 5  # lane, start, number of tokens, number of media runs, number of blocks
 
 
 @dataclass(frozen=True)
@@ -260,29 +268,94 @@ def decode(tensor: torch.Tensor) -> Message:
     return _from_payload(_KINDS[head.kind], payload)
 
 
+def _nested(messages, allowed, outer: str) -> list:
+    """Inner messages as [kind, size, payload...] each."""
+    payload = []
+    for inner in messages:
+        if type(inner) not in allowed:
+            raise WireError(f"a {outer} cannot carry {type(inner).__name__}")
+        values = _payload(inner)
+        payload += [inner.KIND, len(values), *values]
+    return payload
+
+
+def _unnested(payload: list[int], allowed, outer: str) -> list:
+    messages, at = [], 0
+    while at < len(payload):
+        if at + 2 > len(payload):
+            raise WireError(f"{outer} message {len(messages)} runs past the payload's {len(payload)} ints")
+        kind, size = payload[at : at + 2]
+        inner = _KINDS.get(kind)
+        if inner not in allowed or size < 0 or at + 2 + size > len(payload):
+            raise WireError(f"{outer} message {len(messages)}: kind {kind} with {size} ints does not fit")
+        messages.append(_from_payload(inner, payload[at + 2 : at + 2 + size]))
+        at += 2 + size
+    return messages
+
+
 def _payload(msg: Message) -> list:
+    if isinstance(msg, Bundle):
+        return _nested(msg.messages, _BUNDLED, "Bundle")
+    if isinstance(msg, Mixed):
+        if len(msg.prefill.spans) != 1:
+            raise WireError(f"a Mixed pass takes one prompt chunk, got {len(msg.prefill.spans)}")
+        return _nested((msg.round, msg.prefill), (Round, Verify, Prefill), "Mixed")
     if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
         for span in msg.spans:
-            payload += [span.lane, span.start, len(span.token_ids), len(span.media), *span.token_ids]
-            payload += [value for run in span.media for value in run]
+            payload += [span.lane, span.start, len(span.token_ids), len(span.media), len(span.blocks)]
+            payload += [*span.token_ids, *(value for run in span.media for value in run), *span.blocks]
         return payload
     if isinstance(msg, Round):
-        return [value for step in msg.steps for value in (step.lane, step.position, step.token_id)]
+        payload = []
+        for step in msg.steps:
+            payload += [step.lane, step.position, step.token_id, len(step.blocks), *step.blocks]
+        return payload
+    if isinstance(msg, Admit):
+        return [msg.lane, msg.num_cached, *msg.blocks]
     return [getattr(msg, field.name) for field in fields(msg)]
 
 
 def _from_payload(cls: type, payload: list[int]) -> Message:
+    if cls is Bundle:
+        return Bundle(tuple(_unnested(payload, _BUNDLED, "Bundle")))
+    if cls is Mixed:
+        parts = _unnested(payload, (Round, Verify, Prefill), "Mixed")
+        if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or len(parts[1].spans) != 1:
+            raise WireError(
+                f"a Mixed pass is a round and a one-span Prefill, got {[type(p).__name__ for p in parts]}"
+            )
+        return Mixed(*parts)
     if cls in (Prefill, Verify):
         return cls(_spans(payload))
     if cls is Round:
-        if len(payload) % _STEP_SIZE:
-            raise WireError(f"a Round payload holds {_STEP_SIZE} ints per step, got {len(payload)} ints")
-        return Round(tuple(Step(*payload[i : i + _STEP_SIZE]) for i in range(0, len(payload), _STEP_SIZE)))
+        return Round(_steps(payload))
+    if cls is Admit:
+        if len(payload) < 2:
+            raise WireError(
+                f"an Admit payload starts with its lane and cached length, got {len(payload)} ints"
+            )
+        return Admit(payload[0], tuple(payload[2:]), payload[1])
     num_fields = len(fields(cls))
     if len(payload) != num_fields:
         raise WireError(f"a {cls.__name__} payload holds {num_fields} ints, got {len(payload)}")
     return cls(*payload)
+
+
+def _steps(payload: list[int]) -> tuple[Step, ...]:
+    steps, at = [], 0
+    while at < len(payload):
+        if at + _STEP_HEAD_SIZE > len(payload):
+            raise WireError(f"Round step {len(steps)} runs past the payload's {len(payload)} ints")
+        lane, position, token_id, num_blocks = payload[at : at + _STEP_HEAD_SIZE]
+        at += _STEP_HEAD_SIZE
+        if num_blocks < 0 or at + num_blocks > len(payload):
+            raise WireError(
+                f"Round step {len(steps)} claims {num_blocks} blocks; the payload has {len(payload) - at} ints left"
+            )
+        steps.append(Step(lane, position, token_id, tuple(payload[at : at + num_blocks])))
+        at += num_blocks
+    return tuple(steps)
 
 
 def _spans(payload: list[int]) -> tuple[Span, ...]:
@@ -297,23 +370,26 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
             raise WireError(
                 f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints"
             )
-        lane, start, num_tokens, num_media = payload[at : at + _SPAN_HEAD_SIZE]
+        lane, start, num_tokens, num_media, num_blocks = payload[at : at + _SPAN_HEAD_SIZE]
         at += _SPAN_HEAD_SIZE
-        if num_tokens < 0 or num_media < 0 or at + num_tokens + 2 * num_media > len(payload):
+        size = num_tokens + 2 * num_media + num_blocks
+        if min(num_tokens, num_media, num_blocks) < 0 or at + size > len(payload):
             raise WireError(
-                f"Prefill span {index} claims {num_tokens} tokens and {num_media} media runs; "
-                f"the payload has {len(payload) - at} ints left"
+                f"Prefill span {index} claims {num_tokens} tokens, {num_media} media runs and "
+                f"{num_blocks} blocks; the payload has {len(payload) - at} ints left"
             )
         tokens = tuple(payload[at : at + num_tokens])
         at += num_tokens
         media = tuple((payload[at + 2 * i], payload[at + 2 * i + 1]) for i in range(num_media))
         at += 2 * num_media
+        blocks = tuple(payload[at : at + num_blocks])
+        at += num_blocks
         for offset, length in media:
             if offset < 0 or length <= 0 or offset + length > num_tokens:
                 raise WireError(
                     f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens"
                 )
-        spans.append(Span(lane, start, tokens, media))
+        spans.append(Span(lane, start, tokens, media, blocks))
     if at != len(payload):
         raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")
     return tuple(spans)

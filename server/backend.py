@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.errors import BackendBroken
+from tpserve.ranks.errors import BackendBroken, ChunkRefused
 from tpserve.server.requests import PromptImage
 
 __all__ = [
     "Backend",
     "BackendBroken",
+    "ChunkRefused",
     "PrefillItem",
     "DecodeItem",
     "SamplingParams",
@@ -46,7 +47,8 @@ def attempt(operation: Callable[..., T], *args) -> tuple[T | None, Exception | N
 class PrefillItem:
     """Compute the KV of `token_ids` at positions start..start+len-1 of `lane`.
 
-    When `last` is set this chunk ends the prompt and the backend samples the stream's next token
+    The lane's block table, with `blocks` appended, covers every position the chunk writes; a pass
+    that fails or is refused appends nothing. When `last` is set this chunk ends the prompt and the backend samples the stream's next token
     at position start+len (keyed by `sampling`). `images`: the whole prompt's images; the backend
     embeds the features of those that fall in this chunk at their positions.
     """
@@ -57,6 +59,7 @@ class PrefillItem:
     last: bool
     sampling: SamplingParams
     images: tuple[PromptImage, ...] = ()
+    blocks: tuple[int, ...] = ()  # KV blocks appended to the lane's block table before this pass
     # With `last`: the grammar mask of the token sampled (kernels/sampling.py's `allowed`), or None.
     allowed: object = None
 
@@ -74,6 +77,7 @@ class DecodeItem:
     token_id: int
     sampling: SamplingParams
     draft: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()  # KV blocks appended to the lane's block table before this round
     # The grammar mask of the token sampled after token_id (kernels/sampling.py's `allowed`), or
     # None; a constrained stream brings no draft.
     allowed: object = None
@@ -86,17 +90,19 @@ class Backend(Protocol):
     one that lacks any, once, where it is taken."""
 
     num_lanes: int
-    room: int  # KV tokens the ranks can hold in all (the smallest rank's figure)
+    num_blocks: int  # KV blocks the ranks hold (the smallest rank's figure)
+    block_size: int  # tokens per KV block
+    room: int  # KV tokens the ranks can hold in all: num_blocks * block_size
     context_size: int  # most tokens (prompt + reply) one stream may reach
     batches_prompts: bool  # prefill_many is worth calling
     verifies_drafts: bool  # decode_drafts checks draft tokens (draft tokens are worth making)
     max_prefill_tokens: int  # most prompt tokens one pass takes (a longer prompt goes in chunks)
 
-    def free_room(self) -> int:
-        """KV tokens not reserved by any open lane."""
-
-    def open(self, lane: int, reserve_tokens: int) -> bool:
-        """Reserve KV for `reserve_tokens` tokens on `lane`. False (nothing held) when they do not fit."""
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        """Open `lane` with `blocks` as its block table (more come with its passes). Its first
+        `num_cached` positions (whole blocks) are a shared cached prefix: those blocks already hold
+        their KV, other lanes may hold them too, and no pass writes into them. The lane host books
+        the blocks (server/kv_blocks.py): it never hands out for writing a block another lane holds."""
 
     def prefill(self, item: PrefillItem) -> int | None:
         """One prompt chunk on one lane; the sampled token when item.last, else None.
@@ -111,39 +117,33 @@ class Backend(Protocol):
         lanes prefilled (the failing one included); the host then runs each alone.
         """
 
-    def decode(self, items: list[DecodeItem]) -> list[int]:
+    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
         """One round over the given live lanes; one sampled token per item, in order.
 
-        Raises BackendBroken when the round failed: the engine cannot go on.
+        With `chunk`, that prompt chunk (of a lane not in the round) goes in the same forward pass,
+        so the decoding streams keep their pace while a long prompt fills; when the chunk ends its
+        prompt, the token sampled after it follows the items' tokens. Raises ChunkRefused when some
+        rank refused the chunk (then neither the chunk nor the round ran), BackendBroken when the
+        round failed: the engine cannot go on.
         """
 
-    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
         """A decode round whose items carry draft tokens (called only when verifies_drafts).
 
         Per item, 1 + len(draft) sampled tokens, the i-th sampled after feeding the token and its
         first i drafts. The host keeps the samples up to the first that differs from the next draft;
         the lane's later positions are rewritten by the next round (which starts where the kept
-        tokens end). Raises BackendBroken as decode does.
+        tokens end). `chunk` as for decode (its token, when sampled, comes last, a list of one).
+        Raises ChunkRefused and BackendBroken as decode does.
         """
 
     def close(self, lane: int) -> None:
-        """Drop the lane's KV and its reservation."""
+        """Drop the lane and its block table (the host frees the blocks in its book)."""
 
     def idle(self) -> None:
         """Called once when the host runs out of work, before it waits. Rank 0's leader tells the
         followers to wait off any collective timeout (see ranks/channel.py); a backend with no
         followers does nothing."""
-
-    # Prompt-cache storage, used when the host is given a PromptCache (ids come from the cache).
-    # False leaves nothing changed anywhere.
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        """Save the lane's first num_tokens of KV as the entry."""
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        """An open, empty lane takes the entry's first num_tokens as its prefix."""
-
-    def evict(self, entry_id: int) -> None:
-        """Free the entry (an id never kept is ignored)."""
 
     # Per-step features for `--record`: empty where the backend keeps none.
     def top_logits(self, lane: int) -> list[tuple[int, float]]:

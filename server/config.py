@@ -48,7 +48,8 @@ class ServeConfig:
     lanes: int = _ENGINE.num_lanes
     context: int = _ENGINE.context_size
     kv_budget_bytes: tuple[int, ...] = _ENGINE.kv_budget_bytes
-    cache_budget_bytes: int = _ENGINE.cache_budget_bytes
+    prefix_caching: bool = _ENGINE.prefix_caching
+    kv_block_size: int = _ENGINE.kv_block_size
     max_prefill_tokens: int = _ENGINE.max_prefill_tokens
     batch_prefill: bool = _ENGINE.batch_prefill
     batch_invariant: bool | None = _ENGINE.batch_invariant  # None: auto
@@ -109,6 +110,7 @@ _POSITIVE = {
     "lanes",
     "context",
     "max_prefill_tokens",
+    "kv_block_size",
     "queue_size",
     "default_max_tokens",
     "init_timeout_s",

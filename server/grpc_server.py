@@ -60,7 +60,7 @@ class GrpcServer:
         self.metrics_port = metrics_port
         if submitter is None:
             if metrics is None:
-                metrics = ServingMetrics(lane_host.stats, lane_host.prompt_cache)
+                metrics = ServingMetrics(lane_host.stats, lane_host.block_stats)
             submitter = Submitter(lane_host, tokenizer, info, metrics)
         self.metrics = submitter.metrics
         self._submitter = submitter

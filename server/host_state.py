@@ -103,13 +103,13 @@ class HostState:
             num_taken, extra = choose(self._queue.peek_many(num_jobs))
             return [self._queue.pop() for _ in range(num_taken)], extra
 
-    def requeue_yielded(self, job: Job) -> bool:
-        """A background job that gave up its lane goes first in the background line. False when it
+    def requeue(self, job: Job) -> bool:
+        """A job that gave up its lane (yielded or preempted) goes first in its line. False when it
         was cancelled meanwhile (it is not queued)."""
         with self._cond:
             if job.cancel_requested:
                 return False
-            self._queue.push_front_background(job)
+            self._queue.push_front(job, background=job.background)
             return True
 
     # ---- the scheduling thread's life ----

@@ -1,8 +1,8 @@
 """The lane host's queue of waiting jobs: foreground before background, each in arrival order.
 
-Bounded: a push past `max_size` is refused at once with QueueFull. A background job that yielded
-its lane goes back to the front of the background line and is never refused, since it was already
-accepted. Not thread-safe on its own: the lane host calls it under its lock.
+Bounded: a push past `max_size` is refused at once with QueueFull. A job that gave up its lane (a
+background job yielding to the foreground, or a stream preempted for KV blocks) goes back to the front
+of its line and is never refused, since it was already accepted. Not thread-safe on its own: the lane host calls it under its lock.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ class JobQueue(Generic[J]):
             raise QueueFull(f"the queue is full ({len(self)} requests waiting)")
         (self._background if background else self._foreground).append(job)
 
-    def push_front_background(self, job: J) -> None:
-        """Return a yielded background job ahead of every other background job."""
-        self._background.appendleft(job)
+    def push_front(self, job: J, *, background: bool) -> None:
+        """Return a job that gave up its lane (yielded or preempted) ahead of every other job of its
+        line; never refused, since it was already accepted."""
+        (self._background if background else self._foreground).appendleft(job)
 
     def peek(self) -> J | None:
         """The job that runs next."""

@@ -1,8 +1,9 @@
 """Admission: getting waiting jobs from the queue into lanes, up to each one's first sampled token.
 
-Three steps per job, as in the design: take it off the queue, set it up (lane and KV reservation,
-then a prompt-cache lookup and restore), launch it (its own prefill, chunks of a long prompt between
-decode rounds, or one prefill_many with other jobs). A refusal or failure ends that job alone and
+Three steps per job, as in the design: take it off the queue when its first pass's KV blocks are
+free, set it up (a lane, with the shared blocks of its prompt's cached prefix: kv_blocks.py), launch
+it (its own prefill, chunks of a long prompt between decode rounds, or one prefill_many with other
+jobs). A refusal or failure ends that job alone and
 frees what it held; only BackendBroken goes further (the host latches broken).
 
 Admission decides and runs the passes; it never touches the host's lock, queue or streams. Each call
@@ -15,11 +16,10 @@ the yielded job goes back to the front of the background line and later re-prefi
 the tokens it already produced, so position-keyed sampling continues exactly where it left off.
 
 A step prefills at most `max_prefill_tokens` prompt tokens of whole prompts (its first pass always
-goes), so a burst delays the live streams' next decode round by about one pass. With a prompt cache
-(lane_cache.py), setup restores a job's cached prefix and its prompt is kept once prefilled. Whether
-a prompt needs chunks, and how much of the budget it takes, is judged at take time by what the
-cache would restore, so a mostly cached prompt can join a joint pass; one whose restore then fails
-launches alone.
+goes), so a burst delays the live streams' next decode round by about one pass. Whether a prompt
+needs chunks, and how much of the budget it takes, is judged at take time by the prefix its shared
+blocks would supply, so a mostly cached prompt can join a joint pass. Every full block a pass
+computes becomes shareable at once, so the chunks of one long prompt serve the next that starts so.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tpserve.server.backend import Backend, BackendBroken, PrefillItem, attempt
-from tpserve.server.lane_cache import keep_prompt, restore_prefix
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
-from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import CANCELLED, ERROR
 
 log = logging.getLogger(__name__)
@@ -64,7 +62,15 @@ class Chunking:
     job: Job
 
 
-Outcome = FirstToken | Ended | Chunking
+@dataclass(frozen=True)
+class BlockWait:
+    """The job's next pass needs KV blocks that are not free: the chunking job waits a step; any
+    other goes back to the front of its line (its lane closed) and is taken again when they are."""
+
+    job: Job
+
+
+Outcome = FirstToken | Ended | Chunking | BlockWait
 
 
 class Admission:
@@ -74,15 +80,14 @@ class Admission:
         lanes: LaneTable,
         *,
         batch_prefill: bool,
-        prompt_cache: PromptCache | None = None,
     ):
         self._backend = backend
         self._lanes = lanes
-        self._cache = prompt_cache
         self._max_prefill_tokens = backend.max_prefill_tokens
         batches = batch_prefill and backend.batches_prompts
         # Halved whenever the backend refuses a pass (returns None): it said it cannot take that many.
-        self.max_joint_prompts = MAX_JOINT_PROMPTS if batches else 1
+        self._joint_prompts_cap = MAX_JOINT_PROMPTS if batches else 1
+        self.max_joint_prompts = self._joint_prompts_cap
         self.max_iterations = 2 * lanes.num_lanes + 16  # bounds one step's admission however many jobs fail
 
     def _needs_chunks(self, job: Job) -> bool:
@@ -90,34 +95,47 @@ class Admission:
         return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
 
     def _expected_new_tokens(self, job: Job) -> int:
-        """Before setup: the prompt tokens left past the prefix the prompt cache would restore now.
-
-        A forecast only (setup's restore may still fail); `launch` copes when it was wrong.
-        """
-        hit = 0 if self._cache is None else self._cache.cached_length(job.cache_ids)
-        return len(job.feed_ids) - hit
+        """Before setup: the prompt tokens left past the prefix shared blocks would supply now."""
+        return len(job.feed_ids) - self._lanes.cached_prefix(job)[0]
 
     def _expects_chunks(self, job: Job) -> bool:
         """Before setup: `_needs_chunks`, counting the prefix the prompt cache would restore now."""
         return self._expected_new_tokens(job) > self._max_prefill_tokens
 
     def can_take(self, num_free: int, budget: int | None) -> bool:
-        """Whether a take is worth asking the backend's free room for (the queue holds a job)."""
+        """Whether a take is worth asking the book's free blocks for (the queue holds a job)."""
         return num_free > 0 and (budget is None or budget > 0)
 
+    def first_pass_blocks(self, job: Job) -> int:
+        """Before setup: the free blocks the job's lane takes for its first pass (the unreferenced
+        shared blocks of its cached prefix, then one pass's worth of its prompt); later blocks come
+        as it grows."""
+        hit, num_idle = self._lanes.cached_prefix(job)
+        new_tokens = len(job.feed_ids) - hit
+        # A prompt that goes in one pass counts the position its first decode round writes too.
+        end = (
+            len(job.feed_ids) + 1
+            if new_tokens <= self._max_prefill_tokens
+            else hit + self._max_prefill_tokens
+        )
+        blocks = self._lanes.blocks
+        return blocks.blocks_for(end) - hit // blocks.block_size + num_idle
+
     def num_to_take(
-        self, head: Sequence[Job], free_room: int, budget: int | None, chunking: Job | None
+        self, head: Sequence[Job], free_blocks: int, budget: int | None, chunking: Job | None
     ) -> tuple[int, int]:
         """How many of the queue's head jobs to take: one, or several for one joint pass, only what
-        fits in `head` (as many as lanes are free), `free_room` and `budget` (prompt tokens this step
-        may still prefill; None: the step's first pass, which takes at least one job and at most
-        one pass's worth). Returns that number and the budget left after them (a long prompt's
-        chunks are not counted: they go one a step). No long prompt is taken while `chunking`."""
+        fits in `head` (as many as lanes are free), `free_blocks` (each job's first pass) and `budget`
+        (prompt tokens this step may still prefill; None: the step's first pass, which takes at
+        least one job and at most one pass's worth). Returns that number and the budget left after
+        them (a long prompt's chunks are not counted: they go one a step). No long prompt is taken
+        while `chunking`. A job whose blocks are not free waits, and so do the jobs behind it."""
         num_tokens = 0
         limit = self._max_prefill_tokens if budget is None else budget
         num_taken = 0
         for job in head:
-            if job.reserve > free_room:
+            needed = self.first_pass_blocks(job)
+            if needed > free_blocks:
                 break
             new_tokens = self._expected_new_tokens(job)
             long = new_tokens > self._max_prefill_tokens
@@ -128,7 +146,7 @@ class Admission:
                 break
             num_tokens += new_tokens
             num_taken += 1
-            free_room -= job.reserve
+            free_blocks -= needed
             if long:
                 break
         return num_taken, limit - num_tokens
@@ -171,21 +189,19 @@ class Admission:
         return outcomes
 
     def _setup(self, job: Job) -> Ended | None:
-        """Lane and reservation. None when the job is ready, else how it ended (cancelled or refused)."""
+        """Lane, shared prefix and first blocks. None when the job is ready, else how it ended."""
         if job.cancel_requested:
             return Ended(job, CANCELLED)
-        opened, error = attempt(self._lanes.open, job)
-        if error is not None:
-            return Ended(job, ERROR, f"could not reserve {job.reserve} tokens of KV room: {error}")
-        if not opened:
-            return Ended(job, ERROR, f"the engine refused to reserve {job.reserve} tokens of KV room")
-        job.cached_tokens = restore_prefix(self._cache, self._backend, job)
-        job.num_prefilled = job.cached_tokens
+        # The shared prefix's blocks now; the rest of the first pass's come with its prefill.
+        self._lanes.open(job, 0)
         return None
 
     def _prefill_together(self, jobs: list[Job]) -> list[Outcome] | None:
-        """One prefill_many over `jobs`. None when the backend refused or failed (none prefilled)."""
+        """One prefill_many over `jobs`. None when the backend refused or failed (none prefilled), or
+        when their blocks are not all free."""
         items = [self._whole_prompt(job) for job in jobs]
+        if None in items:
+            return None
         tokens, error = attempt(self._backend.prefill_many, items)
         if error is not None:
             log.warning(
@@ -193,6 +209,7 @@ class Admission:
             )
             return None
         if tokens is None:
+            # It may not take that many at once: fewer next time, then more again after a success.
             self.max_joint_prompts = max(2, len(jobs) // 2)
             log.info(
                 "the engine refused a joint prompt pass over %d streams; prefilling each alone", len(jobs)
@@ -200,10 +217,13 @@ class Admission:
             return None
         if len(tokens) != len(jobs):
             raise BackendBroken(f"prefill_many returned {len(tokens)} tokens for {len(jobs)} prompts")
+        if len(jobs) >= self.max_joint_prompts:
+            self.max_joint_prompts = min(self._joint_prompts_cap, 2 * self.max_joint_prompts)
         outcomes: list[Outcome] = []
         for job, token in zip(jobs, tokens):
+            self._lanes.sent(job)
             job.num_prefilled = len(job.feed_ids)
-            keep_prompt(self._cache, self._backend, job)
+            self._lanes.keep_computed(job, job.num_prefilled)
             outcomes.append(FirstToken(job, token))
         return outcomes
 
@@ -212,30 +232,48 @@ class Admission:
 
         Safe: no pass exceeds max_prefill_tokens, only one job is ever chunking, and the job has its
         first token before a decode round sees its lane. The price (this step's decode round waits)
-        is paid only after a failed restore; requeueing it would need a foreground front place.
+        is paid only after a failed restore.
         """
         while True:
             outcome = self._prefill(job, self._next_chunk(job))
-            if outcome is not None:  # the last chunk's first token, or a failed chunk's end
+            if outcome is not None:  # the last chunk's first token, a failed chunk's end, a wait
                 return outcome
 
     def prefill_chunk(self, job: Job) -> list[Outcome]:
-        """The next chunk of `job`'s long prompt. No outcome while more chunks are to come."""
+        """The next chunk of `job`'s long prompt. No outcome while more chunks are to come, or while
+        the chunk's blocks are not free (it waits for them: BlockWait)."""
         if job.cancel_requested:
             return [Ended(job, CANCELLED)]
-        outcome = self._prefill(job, self._next_chunk(job))
+        item = self._next_chunk(job)
+        if item is None:
+            return [BlockWait(job)]
+        outcome = self._prefill(job, item)
         return [] if outcome is None else [outcome]
 
-    def _next_chunk(self, job: Job) -> PrefillItem:
+    def _next_chunk(self, job: Job) -> PrefillItem | None:
+        """None when the chunk's blocks are not free."""
         feed = job.feed_ids
         start = job.num_prefilled
         chunk = feed[start : start + self._max_prefill_tokens]
+        if not self._lanes.cover(job, start + len(chunk)):
+            return None
         last = start + len(chunk) == len(feed)
-        allowed = job.allowed_tokens() if last else None
-        return PrefillItem(job.lane, start, chunk, last, job.request.sampling, job.request.images, allowed)
+        return PrefillItem(
+            job.lane,
+            start,
+            chunk,
+            last,
+            job.request.sampling,
+            job.request.images,
+            self._lanes.new_blocks(job),
+            job.allowed_tokens() if last else None,
+        )
 
-    def _whole_prompt(self, job: Job) -> PrefillItem:
+    def _whole_prompt(self, job: Job) -> PrefillItem | None:
+        """None when the prompt's blocks are not free."""
         start = job.cached_tokens
+        if not self._lanes.cover(job, len(job.feed_ids)):
+            return None
         return PrefillItem(
             job.lane,
             start,
@@ -243,20 +281,38 @@ class Admission:
             True,
             job.request.sampling,
             job.request.images,
+            self._lanes.new_blocks(job),
             job.allowed_tokens(),
         )
 
-    def _prefill(self, job: Job, item: PrefillItem) -> Outcome | None:
-        """One pass; None after a chunk that is not the prompt's last."""
+    def _prefill(self, job: Job, item: PrefillItem | None) -> Outcome | None:
+        """One pass; None after a chunk that is not the prompt's last. BlockWait when `item` is None
+        (its blocks are not free)."""
+        if item is None:
+            return BlockWait(job)
         token, error = attempt(self._backend.prefill, item)
         if error is not None:
             return Ended(job, ERROR, f"prefill failed: {error}")
+        return self.prefilled(job, item, token)
+
+    def chunk_beside_round(self, job: Job) -> PrefillItem | BlockWait | Ended:
+        """The chunking job's next chunk, to ride with this step's decode round (the scheduler runs
+        it, then reports with `prefilled`); BlockWait while its blocks are not free."""
+        if job.cancel_requested:
+            return Ended(job, CANCELLED)
+        item = self._next_chunk(job)
+        return BlockWait(job) if item is None else item
+
+    def prefilled(self, job: Job, item: PrefillItem, token: int | None) -> Outcome | None:
+        """A pass over `item` went through (`token`: what it sampled after the prompt's last chunk).
+        None after a chunk that is not the prompt's last."""
+        self._lanes.sent(job)
         job.num_prefilled = item.start + len(item.token_ids)
+        self._lanes.keep_computed(job, job.num_prefilled)
         if not item.last:
             return None
         if token is None:
             return Ended(job, ERROR, "the engine sampled no token after the prompt")
-        keep_prompt(self._cache, self._backend, job)
         return FirstToken(job, token)
 
     def yielding_stream(self, waiting: Sequence[Job], chunking: Job | None) -> Job | None:
@@ -273,15 +329,16 @@ class Admission:
         if chunking is not None and self._expects_chunks(waiting[0]):
             return None  # the head waits for the chunked prefill in progress, not for a lane
         num_free = self._lanes.num_free
-        free_room = self._backend.free_room()
+        free_blocks = self._lanes.blocks.num_free
         spare_lanes = num_free + len(background)
-        spare_room = free_room + sum(job.reserve for job in background)
-        num_wanted = wanted_room = 0
+        spare_blocks = free_blocks + sum(len(job.blocks) for job in background)
+        num_wanted = wanted_blocks = 0
         for job in waiting:
-            if num_wanted == spare_lanes or wanted_room + job.reserve > spare_room:
+            needed = self.first_pass_blocks(job)
+            if num_wanted == spare_lanes or wanted_blocks + needed > spare_blocks:
                 break
             num_wanted += 1
-            wanted_room += job.reserve
-        if num_wanted == 0 or (num_free >= num_wanted and free_room >= wanted_room):
+            wanted_blocks += needed
+        if num_wanted == 0 or (num_free >= num_wanted and free_blocks >= wanted_blocks):
             return None
         return max(background, key=lambda job: job.admitted_seq)

@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 from tpserve.server.backend import Backend, check_backend
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
+from tpserve.server.kv_blocks import BlockStats
 from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_scheduler import Scheduler
 from tpserve.server.lane_stream import Stream
 from tpserve.server.lane_table import LaneTable
-from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import ERROR, GenerationRequest, HostStats, TokenLogprob
 from tpserve.server.scheduler_thread import SchedulerThread
 
@@ -46,7 +46,7 @@ class LaneHost:
         clock: Callable[[], float] = time.monotonic,
         batch_prefill: bool = True,
         on_broken: Callable[[str], None] | None = None,
-        prompt_cache: PromptCache | None = None,
+        prefix_caching: bool = False,
         max_draft_tokens: int = 0,
         draft_rows: int = 16,
         logprobs: Callable[[int, int], TokenLogprob | None] | None = None,
@@ -64,9 +64,8 @@ class LaneHost:
         self._room = backend.room
         self._context_size = backend.context_size
         self._state = HostState(queue_size, clock)
-        self._lanes = LaneTable(backend)
-        admission = Admission(backend, self._lanes, batch_prefill=batch_prefill, prompt_cache=prompt_cache)
-        self.prompt_cache = prompt_cache
+        self._lanes = LaneTable(backend, prefix_caching=prefix_caching)
+        admission = Admission(backend, self._lanes, batch_prefill=batch_prefill)
         # Draft tokens (server/drafts.py) when asked for and the backend can check them.
         speculates = max_draft_tokens > 0 and backend.verifies_drafts
         if max_draft_tokens > 0 and not speculates:
@@ -99,7 +98,7 @@ class LaneHost:
             submitted_at=self._clock(),
             cancel=self._state.cancel,
         )
-        never_fits = reserve > self._room
+        never_fits = self._lanes.blocks.blocks_for(reserve) > self._lanes.blocks.num_blocks
         self._state.add(job, queued=not never_fits)
         if never_fits:
             self._state.finish(
@@ -117,7 +116,12 @@ class LaneHost:
             room=self._room,
             draft_tokens=self.drafter.num_drafted if self.drafter else 0,
             draft_tokens_accepted=self.drafter.num_accepted if self.drafter else 0,
+            preempted=self._scheduler.num_preempted,
         )
+
+    def block_stats(self) -> BlockStats:
+        """The KV blocks and the prefix cache in them (read by metrics at scrape time)."""
+        return self._lanes.blocks.stats()
 
     def step(self) -> bool:
         """One scheduling iteration (lane_scheduler.py). False when there was nothing it could do."""

@@ -40,15 +40,19 @@ class Job:
     ):
         self.request = request
         self._cache_prompt = request.cache_ids()
-        self.reserve = reserve  # KV tokens its lane holds: prompt + max_tokens, capped by the context
+        self.reserve = reserve  # the most KV tokens its lane can reach: prompt + max_tokens, capped
         self.stream = Stream(lambda: cancel(self))
         self.text = TextStream(detokenize, request.stop, context_ids=request.prompt_ids)
         self.produced: list[int] = []  # every sampled token, sent or held back
         self.logprobs: list[TokenLogprob | None] = []  # per produced token, when the request asks
         self._num_tokens_sent = 0
         self.lane: int | None = None
+        self.blocks: list[int] = []  # its lane's block table in the host's book (lane_table.py)
+        self.num_blocks_sent = 0  # how many of them the backend's table holds (the rest go with a pass)
+        self.num_blocks_kept = 0  # how many of them the book made findable for prefix sharing
+        self.block_keys: list[bytes] = []  # the keys of cache_ids' first full blocks (kv_blocks.py)
         self.admitted_seq = 0  # when it last got a lane (the newest background stream yields first)
-        self.cached_tokens = 0  # prompt tokens a cache restore supplied (none until the prompt cache)
+        self.cached_tokens = 0  # prompt tokens shared blocks supplied (prefix caching)
         self.num_prefilled = 0  # tokens of feed_ids already in the lane (chunked prefill progress)
         self.prefilled_sent = False
         self.cancel_requested = False

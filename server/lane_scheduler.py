@@ -15,10 +15,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tpserve.server.backend import Backend, BackendBroken, DecodeItem, attempt
+from tpserve.server.backend import Backend, BackendBroken, ChunkRefused, DecodeItem, PrefillItem, attempt
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
-from tpserve.server.lane_admit import Admission, Chunking, Ended, FirstToken, Outcome
+from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED, ERROR, Prefilled, TokenLogprob
@@ -51,6 +51,7 @@ class Scheduler:
         self._on_broken = on_broken
         self._step_lock = threading.Lock()
         self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
+        self.num_preempted = 0  # streams that gave up their lane for want of KV blocks (read by stats)
 
     def step(self) -> bool:
         """One scheduling iteration. False when there was nothing it could do."""
@@ -63,7 +64,6 @@ class Scheduler:
                 changed = self._end_cancelled()
                 if not self._state.stopping:
                     changed = self._admit() or changed
-                changed = self._prefill_chunk() or changed
                 return self._decode_round() or changed
             except BackendBroken as error:
                 self.latch_broken(str(error))
@@ -101,20 +101,52 @@ class Scheduler:
         num_free = self.lanes.num_free
         if not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
             return [], budget
-        free_room = self._backend.free_room()
+        free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
         return self._state.pop_chosen(
             min(self._admission.max_joint_prompts, num_free),
-            lambda head: self._admission.num_to_take(head, free_room, budget, self._chunking),
+            lambda head: self._admission.num_to_take(head, free_blocks, budget, self._chunking),
         )
 
-    def _yield_lane(self, job: Job) -> None:
-        """A background stream gives up its lane and goes back to the front of the background line."""
+    def _blocks_wanted(self) -> int:
+        """Blocks the streams holding lanes want by the end of this step (each decoding stream's next
+        position, the chunking job's next chunk): admission leaves them free, so taking a job never
+        makes a live stream wait or be preempted at once."""
+        wanted = sum(
+            self.lanes.blocks_missing(job, job.next_position + 1)
+            for job in self.lanes.jobs()
+            if job is not self._chunking and job.produced
+        )
+        if self._chunking is not None:
+            job = self._chunking
+            end = min(len(job.feed_ids), job.num_prefilled + self._backend.max_prefill_tokens)
+            wanted += self.lanes.blocks_missing(job, end)
+        return wanted
+
+    def _give_up_lane(self, job: Job) -> None:
+        """The job's lane closes (its blocks freed) and it goes back to the front of its line, to
+        re-prefill its prompt and every token it produced when taken again: position-keyed sampling
+        then continues exactly where it left off."""
         if job is self._chunking:
             self._chunking = None
         self.lanes.close(job)
-        if not self._state.requeue_yielded(job):
+        if not self._state.requeue(job):
             self._end(job, CANCELLED)
+
+    def _yield_lane(self, job: Job) -> None:
+        """A background stream gives up its lane and goes back to the front of the background line."""
+        self._give_up_lane(job)
         log.debug("background stream yielded its lane after %d tokens", len(job.produced))
+
+    def _preempt(self, job: Job) -> None:
+        """The stream gives up its lane for want of KV blocks; it is recomputed when taken again."""
+        self._give_up_lane(job)
+        self.num_preempted += 1
+        log.info("a stream was preempted for KV blocks after %d tokens", len(job.produced))
+
+    @staticmethod
+    def _newest(jobs: list[Job]) -> Job:
+        """The stream preempted first: background before foreground, then the last admitted."""
+        return max(jobs, key=lambda job: (job.background, job.admitted_seq))
 
     def _prefill_chunk(self) -> bool:
         """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
@@ -135,13 +167,20 @@ class Scheduler:
                     self._first_token(job, token)
                 case Ended(job, reason, error):
                     self._end(job, reason, error)
+                case BlockWait(job):
+                    if job is not self._chunking:  # the chunking job waits a step for its blocks
+                        self._give_up_lane(job)
 
     def _decode_round(self) -> bool:
+        """One decode round over every live stream, the long prompt's next chunk in the same pass
+        (alone when no stream decodes). True when anything ran."""
         self._end_cancelled()
-        live = [job for job in self.lanes.jobs() if job is not self._chunking]
+        live = self._cover_live()
         if not live:
-            return False
+            return self._prefill_chunk()
+        chunk = self._next_chunk()
         drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
+        drafts = [self._covered_draft(job, draft) for job, draft in zip(live, drafts)]
         items = [
             DecodeItem(
                 job.lane,
@@ -149,27 +188,79 @@ class Scheduler:
                 job.produced[-1],
                 job.request.sampling,
                 draft,
+                self.lanes.new_blocks(job),
                 job.allowed_tokens(),
             )
             for job, draft in zip(live, drafts)
         ]
-        if any(drafts):
-            samples, error = attempt(self._backend.decode_drafts, items)
-        else:
-            tokens, error = attempt(self._backend.decode, items)
-            samples = [[token] for token in tokens] if error is None else None
+        samples, error = self._run_round(items, drafts, chunk)
+        if isinstance(error, ChunkRefused):  # nothing ran: the prompt fails alone, the round goes again
+            self._end(self._chunking, ERROR, f"prefill failed: {error}")
+            chunk = None
+            samples, error = self._run_round(items, drafts, None)
         if error is not None:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
+        chunk_token = None
+        if chunk is not None and chunk.last:
+            chunk_token = samples.pop()[0] if samples and len(samples) == len(items) + 1 else None
         if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
             raise BackendBroken(
                 f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
             )
+        for job in live:
+            self.lanes.sent(job)
         for job, draft, tokens in zip(live, drafts, samples):
             for token in self._drafter.kept(job, draft, tokens) if draft else tokens:
                 self._take_token(job, token)
                 if job.lane is None:  # the reply ended: later tokens are not part of it
                     break
+        if chunk is not None:
+            outcome = self._admission.prefilled(self._chunking, chunk, chunk_token)
+            self._apply([] if outcome is None else [outcome])
         return True
+
+    def _run_round(self, items: list[DecodeItem], drafts, chunk: PrefillItem | None):
+        """(samples per item, and the chunk's [token] last when it ended its prompt; the error)."""
+        if any(drafts):
+            return attempt(self._backend.decode_drafts, items, chunk)
+        tokens, error = attempt(self._backend.decode, items, chunk)
+        return (None if error is not None else [[token] for token in tokens]), error
+
+    def _next_chunk(self) -> PrefillItem | None:
+        """The chunking job's next chunk for this round; None when there is none or it waits."""
+        if self._chunking is None:
+            return None
+        got = self._admission.chunk_beside_round(self._chunking)
+        if isinstance(got, PrefillItem):
+            return got
+        self._apply([got])
+        return None
+
+    def _cover_live(self) -> list[Job]:
+        """The streams this round decodes, each with a block for the position it writes. When too few
+        blocks are free, streams are preempted, the newest first (background before foreground),
+        until the rest fit: a stream that needs a block never fails, it waits in the queue."""
+        live = [job for job in self.lanes.jobs() if job is not self._chunking]
+        holders = [*live, *([self._chunking] if self._chunking is not None else [])]
+        while True:
+            wanted = sum(self.lanes.blocks_missing(job, job.next_position + 1) for job in live)
+            if self.lanes.blocks.can_allocate(wanted) or not holders:
+                break
+            victim = self._newest(holders)
+            holders.remove(victim)
+            if victim in live:
+                live.remove(victim)
+            self._preempt(victim)
+        for job in live:
+            self.lanes.cover(job, job.next_position + 1)
+        return live
+
+    def _covered_draft(self, job: Job, draft: tuple[int, ...]) -> tuple[int, ...]:
+        """The draft cut to the blocks the job holds or can have now: drafts never preempt."""
+        end = job.next_position + 1 + len(draft)
+        if draft and not self.lanes.cover(job, end):
+            return draft[: self.lanes.covered(job) - job.next_position - 1]
+        return draft
 
     def _first_token(self, job: Job, token: int) -> None:
         if not job.prefilled_sent:

@@ -1,7 +1,12 @@
-"""Which lane holds which job, and the room their reservations take: the scheduler thread's book.
+"""Which lane holds which job, and which KV blocks each holds: the scheduler thread's book.
 
-Opening and closing lanes go through here so the book and the backend never disagree. A close that
-fails leaves the engine in an unknown state, so it is reported as BackendBroken.
+Opening, growing and closing lanes go through here so the book and the backend never disagree. A
+lane opens with the cached blocks of its prompt's longest shared prefix (kv_blocks.py) and blocks for
+its first pass; later blocks are booked when they are allocated (`cover`) and reach the backend with
+the next pass over the lane (`new_blocks`, then `sent` once the pass went through); a pass that
+fails or is refused sends them again with the next. Once a block's KV is computed it is made
+findable for later prompts (`keep_computed`). A close that fails leaves the engine in an unknown
+state, so it is reported as BackendBroken.
 """
 
 from __future__ import annotations
@@ -9,16 +14,17 @@ from __future__ import annotations
 import itertools
 
 from tpserve.server.backend import Backend, BackendBroken, attempt
+from tpserve.server.kv_blocks import KVBlocks, extend_keys
 from tpserve.server.lane_job import Job
 
 
 class LaneTable:
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, *, prefix_caching: bool = False):
         self._backend = backend
         self.num_lanes = backend.num_lanes
+        self.blocks = KVBlocks(backend.num_blocks, backend.block_size, prefix_caching=prefix_caching)
         self._free = list(range(self.num_lanes))
         self._jobs: dict[int, Job] = {}
-        self.room_used = 0  # KV tokens reserved by open lanes (read by stats from any thread)
         self._admissions = itertools.count(1)
 
     @property
@@ -29,24 +35,90 @@ class LaneTable:
     def num_busy(self) -> int:
         return len(self._jobs)
 
+    @property
+    def room_used(self) -> int:
+        """KV tokens the open lanes' blocks hold (read by stats from any thread)."""
+        return self.blocks.num_used * self.blocks.block_size
+
     def jobs(self) -> list[Job]:
         """Every job holding a lane, in lane order."""
         return [self._jobs[lane] for lane in sorted(self._jobs)]
 
-    def open(self, job: Job) -> bool:
-        """Give `job` the lowest free lane with its reservation. False when the backend refuses."""
+    def _keys(self, job: Job, num_blocks: int) -> list[bytes]:
+        """The keys of the job's first `num_blocks` full blocks (of its cache_ids)."""
+        extend_keys(job.block_keys, job.cache_ids, num_blocks, self.blocks.block_size)
+        return job.block_keys[:num_blocks]
+
+    def _shareable(self, job: Job) -> list[bytes]:
+        # A prompt shares whole blocks, and always computes at least its last token (whose logits
+        # sample the next one).
+        return self._keys(job, (len(job.feed_ids) - 1) // self.blocks.block_size)
+
+    def cached_prefix(self, job: Job) -> tuple[int, int]:
+        """Before open: the prompt tokens shared blocks would supply now, and how many of those
+        blocks are unreferenced (taking them costs as many free blocks). Changes nothing."""
+        num_found, num_idle = self.blocks.find(self._shareable(job))
+        return num_found * self.blocks.block_size, num_idle
+
+    def open(self, job: Job, num_tokens: int) -> None:
+        """Give `job` the lowest free lane with the shared blocks of its prompt's cached prefix and
+        blocks for the rest of its first `num_tokens` positions (which the caller made sure are free:
+        Admission.first_pass_blocks). Sets the job's cached_tokens."""
         if not self._free:
             raise RuntimeError("no free lane to open")
         lane = min(self._free)
-        if not self._backend.open(lane, job.reserve):
-            return False
+        shared = self.blocks.share(self._shareable(job))
+        num_cached = len(shared) * self.blocks.block_size
+        blocks = shared + self.blocks.allocate(
+            self.blocks.blocks_for(max(num_tokens, num_cached)) - len(shared)
+        )
+        _, error = attempt(self._backend.open, lane, blocks, num_cached)
+        if error is not None:
+            self.blocks.free(blocks)
+            raise BackendBroken(f"opening lane {lane} failed: {error!r}") from error
         self._free.remove(lane)
         self._jobs[lane] = job
         job.lane = lane
-        job.num_prefilled = 0
+        job.blocks, job.num_blocks_sent, job.num_blocks_kept = list(blocks), len(blocks), len(shared)
+        job.cached_tokens = job.num_prefilled = num_cached
         job.admitted_seq = next(self._admissions)
-        self.room_used += job.reserve
+
+    def keep_computed(self, job: Job, num_computed: int) -> None:
+        """The job's KV is computed for positions below `num_computed`: its full blocks there become
+        findable by later prompts that start the same way."""
+        num_full = min(num_computed // self.blocks.block_size, len(job.blocks))
+        if num_full > job.num_blocks_kept:
+            keys = self._keys(job, num_full)
+            start = job.num_blocks_kept
+            self.blocks.register(job.blocks[start:num_full], keys[start:num_full])
+            job.num_blocks_kept = num_full
+
+    def blocks_missing(self, job: Job, end: int) -> int:
+        """Blocks `job` still needs for its positions below `end`."""
+        return max(0, self.blocks.blocks_for(end) - len(job.blocks))
+
+    def cover(self, job: Job, end: int) -> bool:
+        """Book blocks so the job's table covers its positions below `end`; False (nothing booked)
+        when too few are free."""
+        missing = self.blocks_missing(job, end)
+        if not self.blocks.can_allocate(missing):
+            return False
+        job.blocks += self.blocks.allocate(missing)
         return True
+
+    def covered(self, job: Job) -> int:
+        """Positions the job's booked blocks hold."""
+        return len(job.blocks) * self.blocks.block_size
+
+    @staticmethod
+    def new_blocks(job: Job) -> tuple[int, ...]:
+        """The job's booked blocks the backend's table does not hold yet (they go with its next pass)."""
+        return tuple(job.blocks[job.num_blocks_sent :])
+
+    @staticmethod
+    def sent(job: Job) -> None:
+        """A pass over the job's lane went through: the backend's table holds every booked block."""
+        job.num_blocks_sent = len(job.blocks)
 
     def close(self, job: Job) -> None:
         lane = job.lane
@@ -55,7 +127,8 @@ class LaneTable:
         del self._jobs[lane]
         self._free.append(lane)
         job.lane = None
-        self.room_used -= job.reserve
+        self.blocks.free(job.blocks)
+        job.blocks, job.num_blocks_sent, job.num_blocks_kept = [], 0, 0
         _, error = attempt(self._backend.close, lane)
         if error is not None:
             raise BackendBroken(f"closing lane {lane} failed: {error!r}") from error
@@ -64,6 +137,7 @@ class LaneTable:
         """Drop the book without calling a broken backend (the process is about to exit)."""
         for job in self._jobs.values():
             job.lane = None
+            job.blocks, job.num_blocks_sent, job.num_blocks_kept = [], 0, 0
         self._jobs.clear()
         self._free = list(range(self.num_lanes))
-        self.room_used = 0
+        self.blocks.reset()

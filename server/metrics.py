@@ -3,9 +3,8 @@
 Everything lives in this object's own CollectorRegistry (never prometheus_client's global one), so
 several servers (or tests) in one process keep separate counts. The lane host's gauges (queue depth,
 lanes busy, room used) and counters (draft tokens checked and accepted) are read from
-`LaneHost.stats()` at scrape time, never pushed; so are the prompt cache's counters and gauges
-(lookups, hit tokens, keeps, evictions, held bytes, entries) from `PromptCache.stats()`, when the
-server has a cache.
+`LaneHost.stats()` at scrape time, never pushed; so are the KV blocks' and prompt cache's counters
+and gauges (lookups, hit tokens, evictions, cached and used blocks) from `LaneHost.block_stats()`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tpserve.server.prompt_cache import PromptCache
+from tpserve.server.kv_blocks import BlockStats
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -30,44 +29,28 @@ HOST_COUNTERS = (
         "Draft tokens the model agreed with (each saved a decode round)",
         "draft_tokens_accepted",
     ),
+    ("tpserve_preemptions", "Streams that gave up their lane for want of KV blocks", "preempted"),
 )
 HOST_GAUGES = (
     ("tpserve_queue_depth", "Requests waiting for a lane", "queued"),
     ("tpserve_lanes_busy", "Lanes running a stream", "lanes_busy"),
     ("tpserve_lanes", "Lanes in all", "num_lanes"),
-    ("tpserve_room_used_tokens", "KV tokens reserved by open lanes", "room_used"),
+    ("tpserve_room_used_tokens", "KV tokens the open lanes' blocks hold", "room_used"),
     ("tpserve_room_tokens", "KV tokens the ranks can hold in all", "room"),
 )
 CACHE_COUNTERS = (
-    ("tpserve_prompt_cache_hit_tokens", "Prompt tokens the cache's hits offered", "hit_tokens"),
-    ("tpserve_prompt_cache_keeps", "Prompt states kept", "keeps"),
-    (
-        "tpserve_prompt_cache_keeps_refused",
-        "Keeps refused: the rest of the budget was borrowed or pending",
-        "keeps_refused",
-    ),
-    ("tpserve_prompt_cache_evictions", "Kept states evicted to make room", "evictions"),
-    (
-        "tpserve_prompt_cache_restore_failures",
-        "Restores that failed (the prompt was prefilled in full)",
-        "restore_failures",
-    ),
+    ("tpserve_prompt_cache_hit_tokens", "Prompt tokens shared cached blocks supplied", "hit_tokens"),
+    ("tpserve_prompt_cache_evictions", "Cached blocks reused for other KV", "evictions"),
 )
 CACHE_GAUGES = (
-    (
-        "tpserve_prompt_cache_held_bytes",
-        "KV bytes charged to kept states, at rank 0's bytes per token",
-        "held_bytes",
-    ),
-    ("tpserve_prompt_cache_budget_bytes", "The prompt cache's byte budget", "budget_bytes"),
-    ("tpserve_prompt_cache_entries", "Kept states a lookup can find", "num_entries"),
-    (
-        "tpserve_prompt_cache_dead_entries",
-        "Removed states still borrowed (freed at their last release)",
-        "num_dead",
-    ),
-    ("tpserve_prompt_cache_pending_entries", "States being kept right now", "num_pending"),
+    ("tpserve_prompt_cache_blocks", "KV blocks holding a prefix a later prompt may share", "num_cached"),
+    ("tpserve_kv_blocks_used", "KV blocks the streams hold", "num_used"),
+    ("tpserve_kv_blocks", "KV blocks in all", "num_blocks"),
+    ("tpserve_kv_block_size", "Tokens per KV block", "block_size"),
 )
+
+
+# What the collectors read at scrape time: (series, help, the stats field), counters then gauges.
 
 
 def _families(stats, counters, gauges):
@@ -92,24 +75,24 @@ class _LaneHostCollector:
         yield from _families(self._read_stats(), HOST_COUNTERS, HOST_GAUGES)
 
 
-class _PromptCacheCollector:
-    """Reads the prompt cache's counters and gauges when Prometheus scrapes (one consistent snapshot)."""
+class _BlocksCollector:
+    """Reads the KV blocks' counters and gauges when Prometheus scrapes (one consistent snapshot)."""
 
-    def __init__(self, prompt_cache: PromptCache):
-        self._cache = prompt_cache
+    def __init__(self, read_blocks: Callable[[], BlockStats]):
+        self._read_blocks = read_blocks
 
     def describe(self):
         return []  # as for the lane host: no early collect() at registration
 
     def collect(self):
-        stats = self._cache.stats()
+        stats = self._read_blocks()
         lookups = CounterMetricFamily(
             "tpserve_prompt_cache_lookups",
-            "Prompt-cache lookups by result: hit (a kept prefix was borrowed) or miss",
+            "Prompt-cache lookups by result: hit (shared at least one cached block) or miss",
             labels=["result"],
         )
         lookups.add_metric(["hit"], stats.hits)
-        lookups.add_metric(["miss"], stats.misses)
+        lookups.add_metric(["miss"], stats.lookups - stats.hits)
         yield lookups
         yield from _families(stats, CACHE_COUNTERS, CACHE_GAUGES)
 
@@ -117,7 +100,11 @@ class _PromptCacheCollector:
 class ServingMetrics:
     """The counters and histograms the servicer updates, plus an HTTP endpoint serving them."""
 
-    def __init__(self, read_stats: Callable[[], Any] | None = None, prompt_cache: PromptCache | None = None):
+    def __init__(
+        self,
+        read_stats: Callable[[], Any] | None = None,
+        read_blocks: Callable[[], BlockStats] | None = None,
+    ):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tpserve_requests",
@@ -154,8 +141,8 @@ class ServingMetrics:
         )
         if read_stats is not None:
             self.registry.register(_LaneHostCollector(read_stats))
-        if prompt_cache is not None:
-            self.registry.register(_PromptCacheCollector(prompt_cache))
+        if read_blocks is not None:
+            self.registry.register(_BlocksCollector(read_blocks))
         self._http_server = None
         self._http_thread = None
 

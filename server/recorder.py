@@ -3,8 +3,8 @@
 A stream is one open..close of a lane; its file is `stream-NNNN.jsonl`, numbered in open order (a
 background stream that yields and resumes gets a second file). One JSON object per line:
 
-    {"step": "open", "reserve": 40}
-    {"step": "restore", "num_tokens": 32}                              a prompt-cache prefix
+    {"step": "open"}
+    {"step": "cached", "num_tokens": 32}                               shared blocks of a cached prefix
     {"step": "prefill", "start": 0, "token_ids": [...]}                  a chunk that samples nothing
     {"step": "prefill", "start": 64, "token_ids": [...], "position": 70, "fed": 9, "sampled": 12, "features": [...]}
     {"step": "decode", "position": 71, "fed": 12, "sampled": 30, "features": [...]}
@@ -50,23 +50,24 @@ class RecordingBackend:
 
     # The inner backend's figures and flags, read through (they are the inner's to change).
     num_lanes = _inner_figure("num_lanes")
+    num_blocks = _inner_figure("num_blocks")
+    block_size = _inner_figure("block_size")
     room = _inner_figure("room")
     context_size = _inner_figure("context_size")
     batches_prompts = _inner_figure("batches_prompts")
     verifies_drafts = _inner_figure("verifies_drafts")
     max_prefill_tokens = _inner_figure("max_prefill_tokens")
 
-    def free_room(self) -> int:
-        return self._inner.free_room()
-
-    def open(self, lane: int, reserve_tokens: int) -> bool:
-        if not self._inner.open(lane, reserve_tokens):
-            return False
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        # Block ids are left out: they depend on what ran beside the stream, and a batched run's
+        # files must read as a solo run's. A cached prefix is written: the prefill starts after it.
+        self._inner.open(lane, blocks, num_cached)
         self._num_streams += 1
         path = self._out_dir / f"stream-{self._num_streams:04d}.jsonl"
         self._files[lane] = path.open("w", encoding="utf-8")
-        self._write(lane, {"step": "open", "reserve": reserve_tokens})
-        return True
+        self._write(lane, {"step": "open"})
+        if num_cached:
+            self._write(lane, {"step": "cached", "num_tokens": num_cached})
 
     def prefill(self, item: PrefillItem) -> int | None:
         token = self._inner.prefill(item)
@@ -80,17 +81,19 @@ class RecordingBackend:
                 self._write_prefill(item, token)
         return tokens
 
-    def decode(self, items: list[DecodeItem]) -> list[int]:
-        tokens = self._inner.decode(items)
+    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
+        tokens = self._inner.decode(items, chunk)
         for item, token in zip(items, tokens):
             step = {"step": "decode", "position": item.position, "fed": item.token_id, "sampled": token}
             self._write(item.lane, self._with_features(item.lane, step))
+        self._write_chunk(chunk, tokens[len(items) :])
         return tokens
 
-    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
         """A Verify, written as the decode steps of the samples the stream keeps (count_kept): the
         very lines plain decoding writes, so a run with drafts records what one without does."""
-        samples = self._inner.decode_drafts(items)
+        samples = self._inner.decode_drafts(items, chunk)
+        self._write_chunk(chunk, [token for tokens in samples[len(items) :] for token in tokens])
         for item, tokens in zip(items, samples):
             features = self._inner.draft_top_logits(item.lane)
             fed = (item.token_id, *item.draft)
@@ -109,20 +112,6 @@ class RecordingBackend:
             if file is not None:
                 file.close()
 
-    # Prompt-cache storage, forwarded; a restore is recorded, since the prompt's prefill then
-    # starts at the restored length.
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        return self._inner.keep(lane, num_tokens, entry_id)
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        restored = self._inner.restore(lane, entry_id, num_tokens)
-        if restored:
-            self._write(lane, {"step": "restore", "num_tokens": num_tokens})
-        return restored
-
-    def evict(self, entry_id: int) -> None:
-        self._inner.evict(entry_id)
-
     def idle(self) -> None:
         self._inner.idle()
 
@@ -131,6 +120,11 @@ class RecordingBackend:
 
     def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
         return self._inner.draft_top_logits(lane)
+
+    def _write_chunk(self, chunk: PrefillItem | None, tokens: list[int]) -> None:
+        """A prompt chunk that rode with a decode round, written as after its own prefill."""
+        if chunk is not None:
+            self._write_prefill(chunk, tokens[0] if tokens else None)
 
     def _write_prefill(self, item: PrefillItem, token: int | None) -> None:
         step: dict = {"step": "prefill", "start": item.start, "token_ids": list(item.token_ids)}

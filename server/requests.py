@@ -135,11 +135,12 @@ class HostStats:
 
     queued: int  # requests waiting for a lane
     lanes_busy: int  # lanes holding a stream (prefilling or decoding)
-    room_used: int  # KV tokens reserved by open lanes
+    room_used: int  # KV tokens the open lanes' blocks hold
     num_lanes: int
     room: int  # KV tokens the ranks can hold in all
     draft_tokens: int = 0  # draft tokens decode rounds checked, since start
     draft_tokens_accepted: int = 0  # of those, the ones the model agreed with (kept in replies)
+    preempted: int = 0  # streams that gave up their lane for want of KV blocks, since start
 
 
 class QueueFull(Exception):

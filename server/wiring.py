@@ -16,7 +16,6 @@ from tpserve.ranks.local_ranks import local_rank0
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime
 from tpserve.server.lane_host import LaneHost
-from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.recorder import RecordingBackend
 from tpserve.server.tokenizer import Tokenizer
 
@@ -40,10 +39,6 @@ def build_lane_host(
         record_features=bool(record_dir),
     )
     backend = RecordingBackend(leader, record_dir) if record_dir else leader
-    cache = None
-    if runtime.kv_budget.cache_tokens:
-        per_token = runtime.kv_budget.kv_bytes_per_token
-        cache = PromptCache(runtime.kv_budget.cache_tokens * per_token, per_token, free_state=leader.evict)
     host = LaneHost(
         backend,
         detokenize=tokenizer.decode,
@@ -51,7 +46,7 @@ def build_lane_host(
         queue_size=queue_size,
         batch_prefill=settings.batch_prefill,
         on_broken=on_broken,
-        prompt_cache=cache,
+        prefix_caching=settings.prefix_caching,
         # Drafts ride in the rows batch-invariant products are padded to anyway; without that
         # padding they would cost rows of their own.
         max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,

@@ -7,9 +7,14 @@ sampled (non-greedy) request mixes in noise keyed by (seed, position) only, as t
 So a request's reply never depends on its lane, its neighbours, or whether its prompt went alone or
 in a joint pass; `solo_reply` (a fresh fake and host running the request alone) is the oracle.
 
+KV is modelled in blocks as the engine holds it: each lane has a block table, every fed token is
+written into its block's slot and the sampler reads the lane's history back through the table, so a
+block handed to two lanes, reused while held, or missing from a table changes the reply or is
+refused as misuse, as the engine refuses it.
+
 Failures a test can ask for: prompts whose first token is poisoned (prefill and prefill_many raise,
 or refuse), a joint pass that raises at its first, middle or last participant, a first sampled token
-outside the vocabulary, refused opens, and a decode round that breaks the engine.
+outside the vocabulary, and a decode round that breaks the engine.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.server.backend import BackendBroken, DecodeItem, PrefillItem
+from tpserve.server.backend import BackendBroken, ChunkRefused, DecodeItem, PrefillItem
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.requests import Finished, GenerationRequest, Prefilled, TokenDelta
@@ -57,10 +62,9 @@ class FakeFailure(RuntimeError):
 
 @dataclass
 class _Lane:
-    reserve: int
-    history: list[int] = field(default_factory=list)  # the token at each position fed so far
-    state: int = 0  # rolling hash of history
-    pending: int | None = None  # the last sampled token, fed next at position len(history)
+    table: list[int]  # block ids holding positions 0, 1, ... in order
+    length: int = 0  # positions fed so far (their tokens live in the table's blocks)
+    pending: int | None = None  # the last sampled token, fed next at position `length`
     num_samples: int = 0
     features: list[tuple[int, float]] = field(default_factory=list)
     draft_features: list[list[tuple[int, float]]] = field(default_factory=list)  # per row of a Verify
@@ -72,6 +76,7 @@ class FakeBackend:
         *,
         num_lanes: int = 4,
         room: int = 4096,
+        block_size: int = 8,
         context_size: int = 256,
         max_prefill_tokens: int = 64,
         batched: bool = False,
@@ -81,7 +86,9 @@ class FakeBackend:
         verifies_drafts: bool = True,
     ):
         self.num_lanes = num_lanes
-        self.room = room
+        self.block_size = block_size
+        self.num_blocks = room // block_size
+        self.room = self.num_blocks * block_size
         self.context_size = context_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batches_prompts = batched
@@ -94,10 +101,11 @@ class FakeBackend:
         self.refuse_poisoned_passes = False  # prefill_many returns None for them instead of raising
         self.raise_in_pass_at: str | None = None  # "first" | "middle" | "last" participant raises
         self.bad_first_token_prompts: set[int] = set()  # their first sample is BAD_TOKEN
-        self.refused_opens: set[int] = set()  # open calls (numbered from 0) that return False
         self.break_after_decodes: int | None = None  # decode raises BackendBroken after this many
         # What happened.
         self.lanes: dict[int, _Lane] = {}
+        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> the token written there
+        self.refs: dict[int, int] = {}  # block -> how many lanes' tables hold it
         self.num_opens = 0
         self.num_prefills = 0
         self.num_decodes = 0
@@ -112,29 +120,28 @@ class FakeBackend:
         self.broken = False
         self.num_calls_after_broken = 0
         self.misuse: list[str] = []
-        # Prompt-cache storage: entry id -> the history kept.
-        self.states: dict[int, tuple[int, ...]] = {}
-        self.fail_restores = False  # restore returns False (a test asks for it)
-        self.num_restores = 0
 
     # ---- the Backend protocol ----
 
-    def free_room(self) -> int:
-        self._call()
-        return self._free_room()
-
-    def open(self, lane: int, reserve_tokens: int) -> bool:
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+        """The first num_cached positions are shared blocks of a cached prefix: read back through
+        the table like any others, so sharing the wrong blocks changes the reply."""
         self._call()
         if not 0 <= lane < self.num_lanes or lane in self.lanes:
             self._misuse(f"open of lane {lane}, which is out of range or already open")
-        if reserve_tokens < 1:
-            self._misuse(f"open of lane {lane} reserving {reserve_tokens} tokens")
-        number = self.num_opens
+        num_shared, partial = divmod(num_cached, self.block_size)
+        if partial or num_shared > len(blocks):
+            self._misuse(f"open of lane {lane} with {num_cached} cached tokens on {len(blocks)} blocks")
         self.num_opens += 1
-        if number in self.refused_opens or reserve_tokens > self._free_room():
-            return False
-        self.lanes[lane] = _Lane(reserve_tokens)
-        return True
+        self.lanes[lane] = _Lane([], num_cached)
+        for block in blocks[:num_shared]:
+            if not 0 <= block < self.num_blocks or any(
+                (block, offset) not in self.slots for offset in range(self.block_size)
+            ):
+                self._misuse(f"lane {lane} shares block {block}, which holds no whole prefix")
+            self.refs[block] = self.refs.get(block, 0) + 1
+            self.lanes[lane].table.append(block)
+        self._extend(lane, blocks[num_shared:])
 
     def prefill(self, item: PrefillItem) -> int | None:
         self._call()
@@ -144,6 +151,7 @@ class FakeBackend:
         if self._first_token_of(lane, item) in self.poisoned_prompts:
             self._reset(lane)
             raise FakeFailure(f"the engine refused the prompt on lane {item.lane}")
+        self._extend(item.lane, item.blocks)
         self._feed(lane, item.token_ids)
         return self._sample(lane, item.sampling) if item.last else None
 
@@ -167,25 +175,28 @@ class FakeBackend:
             self.refused_passes.append(len(items))
             return None
         raise_at = {"first": 0, "middle": len(items) // 2, "last": len(items) - 1}.get(self.raise_in_pass_at)
-        fed: list[tuple[_Lane, int]] = []
+        fed: list[tuple[_Lane, int, PrefillItem]] = []
         try:
             for index, (item, lane) in enumerate(zip(items, lanes)):
-                fed.append((lane, len(lane.history)))
+                fed.append((lane, lane.length, item))
+                self._extend(item.lane, item.blocks)
                 self._feed(lane, item.token_ids)
                 if index == raise_at or index in poisoned:
                     raise FakeFailure(f"the joint prompt pass failed at participant {index}")
         except FakeFailure:
-            # The failing participant included, none may keep what this pass fed (a restored
-            # prompt-cache prefix from before the pass stays).
-            for lane, length in fed:
+            # The failing participant included, none may keep what this pass fed, nor the blocks
+            # it brought (a restored prompt-cache prefix from before the pass stays).
+            for lane, length, item in fed:
                 self._rewind(lane, length)
+                self._unextend(item.lane, item.blocks)
             self.failed_passes.append(len(items))
             raise
         self.joint_passes.append(len(items))
         return [self._sample(lane, item.sampling) for item, lane in zip(items, lanes)]
 
-    def decode(self, items: list[DecodeItem]) -> list[int]:
+    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
         self._call()
+        chunk_lane = self._check_chunk(items, chunk)
         if self.break_after_decodes is not None and self.num_decodes >= self.break_after_decodes:
             self.broken = True
             raise BackendBroken("fake: the decode round failed (a rank was lost)")
@@ -197,35 +208,54 @@ class FakeBackend:
         tokens = []
         for item in items:
             lane = self._open_lane(item.lane)
-            if item.position != len(lane.history) or item.token_id != lane.pending:
+            if item.position != lane.length or item.token_id != lane.pending:
                 self._misuse(
                     f"lane {item.lane} fed token {item.token_id} at position {item.position}; "
-                    f"expected token {lane.pending} at position {len(lane.history)}"
+                    f"expected token {lane.pending} at position {lane.length}"
                 )
-            if item.position >= lane.reserve:
-                self._misuse(
-                    f"lane {item.lane} wrote position {item.position} past its reserve {lane.reserve}"
-                )
+            self._extend(item.lane, item.blocks)
             self._feed(lane, (item.token_id,))
             tokens.append(self._sample(lane, item.sampling))
-        return tokens
+        chunk_token = self._feed_chunk(chunk_lane, chunk)
+        return tokens if chunk_token is None else [*tokens, chunk_token]
 
-    def decode_drafts(self, items: list[DecodeItem]) -> list[list[int]]:
+    def _check_chunk(self, items: list[DecodeItem], chunk: PrefillItem | None) -> _Lane | None:
+        """A chunk beside a round: checked as a prefill is, and refused (nothing of the round
+        runs) when poisoned, as the engine's vote refuses it."""
+        if chunk is None:
+            return None
+        if chunk.lane in {item.lane for item in items}:
+            self._misuse(f"a chunk on lane {chunk.lane}, which the round decodes")
+        lane = self._check_prefill(chunk, max_tokens=self.max_prefill_tokens)
+        if self._first_token_of(lane, chunk) in self.poisoned_prompts:
+            raise ChunkRefused(f"lane {chunk.lane}: the engine refused the prompt chunk")
+        return lane
+
+    def _feed_chunk(self, lane: _Lane | None, chunk: PrefillItem | None) -> int | None:
+        if chunk is None:
+            return None
+        self.num_prefills += 1
+        self.timeline.append(("prefill", len(chunk.token_ids)))
+        self._extend(chunk.lane, chunk.blocks)
+        self._feed(lane, chunk.token_ids)
+        return self._sample(lane, chunk.sampling) if chunk.last else None
+
+    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
         """A decode round whose items carry drafts: a token sampled after each fed token. The lane
         then keeps what the host keeps (up to the first sample that differs from the next draft), so
         the next round finds it where the engine's cut would leave it."""
         self._call()
         if not self.verifies_drafts:
             self._misuse("decode_drafts on a backend that does not verify drafts")
+        chunk_lane = self._check_chunk(items, chunk)
         self.num_verifies += 1
         self.timeline.append(("verify", sum(1 + len(item.draft) for item in items)))
         out = []
         for item in items:
             lane = self._open_lane(item.lane)
-            if item.position != len(lane.history) or item.token_id != lane.pending:
+            if item.position != lane.length or item.token_id != lane.pending:
                 self._misuse(f"lane {item.lane} verified at position {item.position}, token {item.token_id}")
-            if item.position + len(item.draft) >= lane.reserve:
-                self._misuse(f"lane {item.lane} drafts run past its reserve {lane.reserve}")
+            self._extend(item.lane, item.blocks)
             samples, lane.draft_features = [], []
             for token in (item.token_id, *item.draft):
                 self._feed(lane, (token,))
@@ -238,36 +268,17 @@ class FakeBackend:
             self._rewind(lane, item.position + num_kept)
             lane.pending, lane.num_samples = samples[num_kept - 1], num_samples
             out.append(samples)
-        return out
+        chunk_token = self._feed_chunk(chunk_lane, chunk)
+        return out if chunk_token is None else [*out, [chunk_token]]
 
     def close(self, lane: int) -> None:
         self._call()
         if lane not in self.lanes:
             self._misuse(f"close of lane {lane}, which is not open")
-        del self.lanes[lane]
-
-    def keep(self, lane: int, num_tokens: int, entry_id: int) -> bool:
-        self._call()
-        state = self._open_lane(lane)
-        if entry_id in self.states or not 0 < num_tokens <= len(state.history):
-            self._misuse(f"keep of {num_tokens} tokens of lane {lane} as entry {entry_id}")
-        self.states[entry_id] = tuple(state.history[:num_tokens])
-        return True
-
-    def restore(self, lane: int, entry_id: int, num_tokens: int) -> bool:
-        self._call()
-        state = self._open_lane(lane)
-        if state.history or entry_id not in self.states or num_tokens > len(self.states[entry_id]):
-            self._misuse(f"restore of entry {entry_id} ({num_tokens} tokens) into lane {lane}")
-        if self.fail_restores:
-            return False
-        self.num_restores += 1
-        self._feed(state, self.states[entry_id][:num_tokens])
-        return True
-
-    def evict(self, entry_id: int) -> None:
-        self._call()
-        self.states.pop(entry_id, None)
+        for block in self.lanes.pop(lane).table:
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                del self.refs[block]
 
     def idle(self) -> None:
         self._call()
@@ -287,13 +298,14 @@ class FakeBackend:
         """Everything the host held is returned and it never broke the contract."""
         assert self.misuse == [], self.misuse
         assert self.lanes == {}, f"lanes still open: {sorted(self.lanes)}"
-        assert self._free_room() == self.room
+        assert self.refs == {}, f"blocks still held: {sorted(self.refs)}"
 
     def solo_reply(self, request: GenerationRequest) -> Reply:
         """The reply `request` gets alone on a fresh fake of the same shape: the oracle."""
         backend = FakeBackend(
             num_lanes=self.num_lanes,
             room=self.room,
+            block_size=self.block_size,
             context_size=self.context_size,
             max_prefill_tokens=self.max_prefill_tokens,
             repeat_period=self.repeat_period,
@@ -305,9 +317,6 @@ class FakeBackend:
         return reply
 
     # ---- internals ----
-
-    def _free_room(self) -> int:
-        return self.room - sum(lane.reserve for lane in self.lanes.values())
 
     def _call(self) -> None:
         if self.broken:
@@ -326,47 +335,71 @@ class FakeBackend:
         lane = self._open_lane(item.lane)
         if not item.token_ids or len(item.token_ids) > max_tokens:
             self._misuse(f"prefill of {len(item.token_ids)} tokens (at most {max_tokens} per pass)")
-        if item.start != len(lane.history):
-            self._misuse(f"prefill on lane {item.lane} starts at {item.start}; it holds {len(lane.history)}")
-        if item.start + len(item.token_ids) > lane.reserve:
-            self._misuse(f"prefill on lane {item.lane} goes past its reserve of {lane.reserve}")
+        if item.start != lane.length:
+            self._misuse(f"prefill on lane {item.lane} starts at {item.start}; it holds {lane.length}")
         return lane
 
-    @staticmethod
-    def _first_token_of(lane: _Lane, item: PrefillItem) -> int:
-        return lane.history[0] if lane.history else item.token_ids[0]
+    def _extend(self, lane: int, blocks: Sequence[int]) -> None:
+        """Append blocks to the lane's table: refused, as the engine refuses, when a block is out of
+        the pool or another table holds it."""
+        for block in blocks:
+            if not 0 <= block < self.num_blocks or block in self.refs:
+                self._misuse(f"lane {lane} given block {block} to write, out of the pool or held")
+            self.refs[block] = 1
+            self.lanes[lane].table.append(block)
+
+    def _unextend(self, lane: int, blocks: Sequence[int]) -> None:
+        table = self.lanes[lane].table
+        for block in reversed(blocks):
+            if table and table[-1] == block:
+                table.pop()
+                del self.refs[block]
+
+    def _history(self, lane: _Lane) -> list[int]:
+        """The tokens at the lane's positions, read back through its block table."""
+        size = self.block_size
+        return [self.slots[(lane.table[p // size], p % size)] for p in range(lane.length)]
+
+    def _first_token_of(self, lane: _Lane, item: PrefillItem) -> int:
+        return self._history(lane)[0] if lane.length else item.token_ids[0]
 
     @staticmethod
     def _reset(lane: _Lane) -> None:
-        lane.history.clear()
-        lane.state = 0
+        lane.length = 0
         lane.pending = None
         lane.num_samples = 0
         lane.features = []
 
     @classmethod
     def _rewind(cls, lane: _Lane, length: int) -> None:
-        kept = lane.history[:length]
         cls._reset(lane)
-        cls._feed(lane, kept)
+        lane.length = length
 
-    @staticmethod
-    def _feed(lane: _Lane, token_ids: Sequence[int]) -> None:
+    def _feed(self, lane: _Lane, token_ids: Sequence[int]) -> None:
         for token in token_ids:
-            lane.state = _mix(lane.state ^ ((len(lane.history) << 32) | (token & 0xFFFFFFFF)))
-            lane.history.append(token)
+            position = lane.length
+            if position // self.block_size >= len(lane.table):
+                self._misuse(f"a lane wrote position {position} past its blocks ({len(lane.table)} blocks)")
+            block = lane.table[position // self.block_size]
+            if self.refs[block] > 1:
+                self._misuse(f"a lane wrote position {position} into block {block}, which another lane holds")
+            self.slots[(block, position % self.block_size)] = token
+            lane.length += 1
 
     def _sample(self, lane: _Lane, sampling: SamplingParams) -> int:
-        position = len(lane.history)  # where the sampled token will go
-        value = lane.state
+        position = lane.length  # where the sampled token will go
+        history = self._history(lane)
+        value = 0  # a rolling hash of every (position, token) the lane holds
+        for at, token in enumerate(history):
+            value = _mix(value ^ ((at << 32) | (token & 0xFFFFFFFF)))
         breaks = self.break_period and position % self.break_period == 0
-        if self.repeat_period and len(lane.history) >= self.repeat_period and not breaks:
+        if self.repeat_period and len(history) >= self.repeat_period and not breaks:
             # A model that repeats itself: what prompt lookup guesses (sampled rows still draw).
-            value = lane.history[-self.repeat_period] + VOCAB_SIZE * (value >> 32)
+            value = history[-self.repeat_period] + VOCAB_SIZE * (value >> 32)
         if not sampling.greedy:
             value = _mix(value ^ _mix((sampling.seed << 24) ^ position))
         token = value % VOCAB_SIZE
-        if lane.num_samples == 0 and lane.history[0] in self.bad_first_token_prompts:
+        if lane.num_samples == 0 and history[0] in self.bad_first_token_prompts:
             token = BAD_TOKEN
         lane.features = [
             ((value >> (8 * i)) % VOCAB_SIZE, ((value >> (8 * i + 4)) % 1000) / 100) for i in range(3)

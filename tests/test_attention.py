@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpserve.kernels.attention import SpanView, span_attention
-from tpserve.kernels.attention_kernels import NATIVE, TILED
+from tpserve.kernels.attention import SpanView
+from tpserve.kernels.attention_kernels import NATIVE, SPANS, TILED
 from tpserve.kernels.native_attention import attention_paths, native_unavailable, use_attention_path
 from tpserve.kernels.tiled_attention import KEY_BLOCK
 
@@ -49,23 +49,28 @@ def make_qkv(num_keys: int, dtype, seed: int = 0, num_kv_heads: int = 2, head_di
     return q, k, v  # keys head-major, as in the pool
 
 
-def attend(q, pool_k, pool_v, spans):
+def attend(q, pool_k, pool_v, spans, block_size=1):
     kernel = _KERNEL[0]
     if kernel is NATIVE and q.dtype != torch.float32:
         pytest.skip("the C kernel computes float32 only")
-    plan = kernel.plan(spans, GROUP, pool_k.shape[1], "cpu", q.shape[0])
+    plan = kernel.plan(spans, GROUP, pool_k.shape[1], block_size, "cpu", q.shape[0])
     return kernel.attend(q, pool_k, pool_v, plan, SCALE).view(q.shape)
 
 
+def in_range(offset: int, base: int, start: int, length: int) -> SpanView:
+    """A span whose positions 0..end-1 lie in slots base.. (a table of one-slot blocks)."""
+    return SpanView(offset, start, length, tuple(range(base, base + start + length)))
+
+
 def whole_prefill(q, k, v):
-    return attend(q, k, v, [SpanView(0, 0, 0, q.shape[0])])
+    return attend(q, k, v, [in_range(0, 0, 0, q.shape[0])])
 
 
 def rows_of(q, k, v, start, num_rows):
     """The rows start..start+num_rows-1 computed as one span over keys 0..end-1 only."""
     end = start + num_rows
     return attend(
-        q[start:end], k[:, :end].contiguous(), v[:, :end].contiguous(), [SpanView(0, 0, start, num_rows)]
+        q[start:end], k[:, :end].contiguous(), v[:, :end].contiguous(), [in_range(0, 0, start, num_rows)]
     )
 
 
@@ -125,13 +130,13 @@ def test_a_round_of_lanes_and_verifies_equals_each_lane_alone(dtype, num_kv_head
     pool_v = torch.cat([v] * len(parts), dim=1)
     spans, offset = [], 0
     for lane, (start, n) in enumerate(parts):
-        spans.append(SpanView(offset, lane * NUM_KEYS, start, n))
+        spans.append(in_range(offset, lane * NUM_KEYS, start, n))
         offset += n
     queries = torch.cat([q[start : start + n] for start, n in parts])
     together = attend(queries, pool_k, pool_v, spans)
     for span in spans:
         rows = slice(span.offset, span.offset + span.length)
-        alone = attend(queries[rows], pool_k, pool_v, [SpanView(0, span.base, span.start, span.length)])
+        alone = attend(queries[rows], pool_k, pool_v, [SpanView(0, span.start, span.length, span.blocks)])
         assert torch.equal(together[rows], alone)
         assert torch.equal(together[rows], whole[span.start : span.end])
 
@@ -142,7 +147,7 @@ def test_masked_keys_never_leak_whatever_the_pool_holds():
     clean = rows_of(q, k, v, 290, 10)
     noisy_k = torch.cat([k, torch.full((2, 100, 64), 1e30)], dim=1)
     noisy_v = torch.cat([v, torch.full((2, 100, 64), float("nan"))], dim=1)
-    out = attend(q[290:300], noisy_k, noisy_v, [SpanView(0, 0, 290, 10)])
+    out = attend(q[290:300], noisy_k, noisy_v, [in_range(0, 0, 290, 10)])
     assert torch.equal(out, clean)
 
 
@@ -150,9 +155,9 @@ def test_the_fused_kernel_reads_each_span_from_its_own_lane():
     q, k, v = make_qkv(300, torch.float32)
     pool_k = torch.cat([k, torch.randn(2, 100, 64), k], dim=1)
     pool_v = torch.cat([v, torch.randn(2, 100, 64), v], dim=1)
-    spans = [SpanView(0, 0, 290, 10), SpanView(10, 400, 290, 10)]
+    spans = [in_range(0, 0, 290, 10), in_range(10, 400, 290, 10)]
     queries = torch.cat([q[290:300], q[290:300]])
-    out = span_attention(queries, pool_k, pool_v, spans, SCALE)
+    out = SPANS.attend(queries, pool_k, pool_v, SPANS.plan(spans, GROUP, 700, 1, "cpu", 20), SCALE)
     torch.testing.assert_close(out[:10], out[10:])
     tiled = attend(queries, pool_k, pool_v, spans).reshape(20, -1)
     torch.testing.assert_close(tiled, out, rtol=1e-5, atol=1e-5)
@@ -174,13 +179,13 @@ def test_the_c_kernels_vector_paths_give_its_plain_paths_bits(kernel, path, head
     pool_k = 3 * torch.randn(num_kv_heads, slots, head_dim, generator=gen)
     pool_v = torch.randn(num_kv_heads, slots, head_dim, generator=gen)
     spans = [
-        SpanView(0, 0, 0, 37),
-        SpanView(37, 100, 260, 1),
-        SpanView(38, 380, 15, 1),
-        SpanView(39, 200, 16, 5),
+        in_range(0, 0, 0, 37),
+        in_range(37, 100, 260, 1),
+        in_range(38, 380, 15, 1),
+        in_range(39, 200, 16, 5),
     ]
     q = torch.randn(44, num_kv_heads * group, head_dim, generator=gen)
-    plan = NATIVE.plan(spans, group, slots, "cpu", q.shape[0])
+    plan = NATIVE.plan(spans, group, slots, 1, "cpu", q.shape[0])
     try:
         use_attention_path(path)
         vectors = NATIVE.attend(q, pool_k, pool_v, plan, SCALE)
@@ -203,9 +208,9 @@ def test_a_float16_pool_gives_the_bits_of_a_float32_pool_holding_its_values(kern
     if path not in attention_paths():
         pytest.skip(f"this CPU runs the C kernel's {attention_paths()} paths, not {path}")
     q, k, v = make_qkv(300, torch.float32, seed=5, head_dim=head_dim)
-    spans = [SpanView(0, 0, 0, 40), SpanView(40, 0, 299, 1)]
+    spans = [in_range(0, 0, 0, 40), in_range(40, 0, 299, 1)]
     rows = torch.cat([q[:40], q[299:300]])
-    plan = NATIVE.plan(spans, GROUP, k.shape[1], "cpu", rows.shape[0])
+    plan = NATIVE.plan(spans, GROUP, k.shape[1], 1, "cpu", rows.shape[0])
     try:
         use_attention_path(path)
         half = NATIVE.attend(rows, k.half(), v.half(), plan, SCALE)
@@ -233,8 +238,8 @@ def test_the_fused_call_rounds_its_stores_into_a_float16_pool_as_torch_does():
         for dtype in (torch.float16,) * 2 + (torch.float32,) * 2
     ]
     slots = torch.arange(3, 3 + num_tokens)
-    spans = [SpanView(0, 3, 0, num_tokens)]  # slots 3.. hold positions 0..4
-    plan = NATIVE.plan(spans, GROUP, 16, "cpu", num_tokens)
+    spans = [in_range(0, 3, 0, num_tokens)]  # slots 3.. hold positions 0..4
+    plan = NATIVE.plan(spans, GROUP, 16, 1, "cpu", num_tokens)
     NATIVE.rotate_store_attend(qkv, num_q, None, (cos, sin), slots, pools[0], pools[1], plan, SCALE)
     NATIVE.rotate_store_attend(qkv, num_q, None, (cos, sin), slots, pools[2], pools[3], plan, SCALE)
     assert all(bool((pool[:, 3:8] != 0).all()) for pool in pools)  # every stored row written

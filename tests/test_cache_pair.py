@@ -1,9 +1,10 @@
-"""The prompt cache on the real engine, two ranks through the lane host (`local_engine`, tiny model).
+"""Prefix sharing by KV blocks on the real engine, two ranks through the lane host (`local_engine`, tiny
+model).
 
-The oracle is each request's cold reply: the same request run alone on a pair with no prompt cache.
-A reply that restored a cached prefix must equal it token for token (greedy and sampled), and so must
-the top logits of every sampled step (both pairs record): attention and every product are
-batch-invariant, so the restored KV rows are the bits a cold prefill computes.
+The oracle is each request's cold reply: the same request run alone on a pair without prefix caching.
+A reply whose table starts with another prompt's cached blocks must equal it token for token (greedy
+and sampled), and so must the top logits of every sampled step (both pairs record): attention and
+every product are batch-invariant, so the shared KV rows are the bits a cold prefill computes.
 The default model's chat turns are in test_cache_pair_default.py.
 """
 
@@ -32,34 +33,33 @@ from tiny_models import write_tiny_model
 from bench.prompt_cache import run_prompt_cache
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.grpc_server import GrpcServer
+from tpserve.server.kv_blocks import BlockStats
 from tpserve.server.lane_stream import Stream
-from tpserve.server.prompt_cache import PromptCache
 from tpserve.server.requests import Finished, GenerationRequest, TokenDelta
 from tpserve.server.servicer import ServingInfo
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.wiring import LocalEngine, local_engine
 
 EVENT_TIMEOUT_S = 30.0
-CACHE_TOKENS = 2000  # the roomy pair's cache: everything these tests keep fits
-SMALL_CACHE_TOKENS = 150  # one ~100-token prompt at a time: every new keep evicts the last
+ROOMY_TOKENS = 2048  # the roomy pair's pool: every prefix these tests compute stays cached
+SMALL_TOKENS = 128  # eight blocks, not two prompts: new prompts evict the cached ones
 
-# Two long shared prefixes (a system block, a chat history) and short tails that differ. The tails are
-# under the cache's min_tokens (16), so their prompts are not worth keeping beside the prefix's entry.
+# Two long shared prefixes (a system block, a chat history) and short tails that differ.
 HISTORY_A = tuple(3 + (11 * i + 5) % 290 for i in range(80))
 HISTORY_B = tuple(3 + (13 * i + 7) % 290 for i in range(72))
-SEED_A = request(HISTORY_A + (40, 41, 42), 6, GREEDY)  # its prompt is kept: the entry later ones hit
+SEED_A = request(HISTORY_A + (40, 41, 42), 6, GREEDY)  # its blocks stay cached: later ones share them
 SEED_B = request(HISTORY_B + (50, 51), 6, sampled(7))
 WARM_A = (
     request(HISTORY_A + (9, 8, 7, 6), 20, GREEDY),
     request(HISTORY_A + (9, 8, 7, 6), 20, sampled(11)),  # the same prompt sampled: off the greedy path
 )
-TOGETHER = (  # set up together: each restores its own history's entry
+TOGETHER = (  # set up together: each shares its own history's blocks
     request(HISTORY_A + (60, 61, 62), 12, GREEDY),
     request(HISTORY_B + (63, 64), 12, sampled(12)),
     request(HISTORY_A + (65,), 12, sampled(13)),
     request(HISTORY_B + (66, 67, 68, 69), 12, GREEDY),
 )
-# The small cache: A's keep, B's keep evicts it, A misses and is kept again (evicting B), then hits.
+# The small pool: B's blocks evict A's, A's again evict B's, and so on.
 SMALL_BUDGET_RUN = (
     SEED_A,
     SEED_B,
@@ -74,12 +74,14 @@ FIRST_QUESTION = "hello world, the quick brown fox jumps over the lazy dog"
 SECOND_QUESTION = "tensor parallel serving, hello"
 
 
-def cache_settings(model_dir: str, cache_tokens: int) -> EngineSettings:
-    """The tiny pair of test_engine_pair with a prompt cache, and prompt passes that take whole prompts."""
+def cache_settings(model_dir: str, room_tokens: int, prefix_caching: bool = True) -> EngineSettings:
+    """The tiny pair of test_engine_pair with prefix caching, and prompt passes that take whole prompts."""
+    budget = room_tokens * RANK0_BYTES_PER_TOKEN
     return pair_settings(
         model_dir,
         max_prefill_tokens=128,
-        cache_budget_bytes=cache_tokens * RANK0_BYTES_PER_TOKEN,
+        kv_budget_bytes=(budget, budget),
+        prefix_caching=prefix_caching,
         refuse_token_on_rank=None,
     )
 
@@ -116,8 +118,8 @@ class Pair:
     record_dir: Path
 
     @property
-    def cache(self) -> PromptCache | None:
-        return self.engine.host.prompt_cache
+    def cache(self) -> BlockStats:
+        return self.engine.host.block_stats()
 
     def serve_alone(self, requests: Sequence[GenerationRequest]) -> list[tuple[Outcome, int]]:
         return self._outcomes([read_served(self.engine.host.submit(r)) for r in requests])
@@ -160,18 +162,12 @@ def read_served(stream: Stream) -> tuple[Reply, int]:
 
 
 def assert_books_balance(pair: Pair) -> None:
-    """Every lane and all room free; the cache pool holds exactly the entries the cache counts."""
+    """Every lane and every block free (cached prefixes stay, held by no stream), on every rank's books."""
     assert_nothing_held(pair.engine.host)
-    engine, cache = pair.engine.runtime.engine, pair.cache
-    assert engine.lanes == {} and engine.kv.allocator.used == 0
-    stats = cache.stats()
-    assert (stats.num_dead, stats.num_pending) == (0, 0), stats
-    assert len(engine.cache_slots) == cache.stats().num_live_states == stats.num_entries
-    assert engine.cache_kv.allocator.used == sum(n for _, n in engine.cache_slots.values())
-    assert (
-        stats.held_bytes == engine.cache_kv.allocator.used * pair.engine.runtime.kv_budget.kv_bytes_per_token
-    )
-    assert stats.held_bytes <= stats.budget_bytes
+    engine = pair.engine.runtime.engine
+    assert engine.lanes == {} and engine.refs == {}
+    stats = pair.cache
+    assert stats.num_used == 0 and stats.num_cached <= stats.num_blocks
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
@@ -189,9 +185,10 @@ def tokenizer(model_dir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def cold(model_dir, tokenizer, tmp_path_factory) -> dict[GenerationRequest, Outcome]:
-    """Every request of these tests run alone on a pair with no prompt cache: the oracle."""
-    with started_pair(cache_settings(model_dir, 0), tmp_path_factory.mktemp("cold")) as pair:
-        assert pair.cache is None
+    """Every request of these tests run alone on a pair without prefix caching: the oracle."""
+    with started_pair(
+        cache_settings(model_dir, ROOMY_TOKENS, False), tmp_path_factory.mktemp("cold")
+    ) as pair:
         requests = [SEED_A, SEED_B, *WARM_A, *TOGETHER, *SMALL_BUDGET_RUN]
         outcomes = {r: outcome for r, (outcome, _) in zip(requests, pair.serve_alone(requests))}
         first = chat_turn(tokenizer, None)
@@ -205,42 +202,41 @@ def cold(model_dir, tokenizer, tmp_path_factory) -> dict[GenerationRequest, Outc
 
 
 class TestRoomyCache:
-    """One pair whose cache holds everything these tests keep; entries outlive each test."""
+    """One pair whose pool holds everything these tests compute; cached blocks outlive each test."""
 
     @pytest.fixture(scope="class")
     @classmethod
     def pair(cls, model_dir, cold, tmp_path_factory):
-        settings = cache_settings(model_dir, CACHE_TOKENS)
+        settings = cache_settings(model_dir, ROOMY_TOKENS)
         with started_pair(settings, tmp_path_factory.mktemp("roomy")) as pair:
-            assert pair.cache.stats().budget_bytes == CACHE_TOKENS * RANK0_BYTES_PER_TOKEN
             yield pair
 
-    def test_a_shared_prefix_is_restored_and_replies_equal_the_cold_ones(self, pair, cold):
+    def test_a_shared_prefix_is_shared_and_replies_equal_the_cold_ones(self, pair, cold):
         ((seed, seed_cached),) = pair.serve_alone([SEED_A])
-        assert seed_cached == 0, "nothing was kept before the first prompt"
+        assert seed_cached == 0, "nothing was cached before the first prompt"
         assert seed == cold[SEED_A]
         served = pair.serve_alone(WARM_A)
         for req, (outcome, cached) in zip(WARM_A, served):
-            # The shared history at least; the rest of the prompt was prefilled on top of it.
-            assert len(HISTORY_A) <= cached < len(req.prompt_ids)
+            # The shared history's whole blocks; the rest of the prompt was prefilled on top of them.
+            assert len(HISTORY_A) // 16 * 16 <= cached < len(req.prompt_ids)
             assert outcome == cold[req]
         greedy, sampled_ = (outcome.reply.token_ids for outcome, _ in served)
         assert greedy != sampled_  # sampling really left the greedy path
-        assert pair.cache.stats().hits >= 2
+        assert pair.cache.hits >= 2
         assert_books_balance(pair)
 
-    def test_jobs_set_up_together_each_restore_their_own_prefix(self, pair, cold):
-        pair.serve_alone([SEED_A, SEED_B])  # both histories are kept (or already were)
-        hits_before = pair.cache.stats().hits
+    def test_jobs_set_up_together_each_share_their_own_prefix(self, pair, cold):
+        pair.serve_alone([SEED_A, SEED_B])  # both histories are cached (or already were)
+        hits_before = pair.cache.hits
         with watch_joint_passes(pair.engine.leader) as joint:
             served = pair.serve_together(TOGETHER)
         print(f"joint prompt passes (prompts in each): {joint.accepted}")
         assert joint.accepted and max(joint.accepted) >= 2
         for req, (outcome, cached) in zip(TOGETHER, served):
             history = HISTORY_A if req.prompt_ids[: len(HISTORY_A)] == HISTORY_A else HISTORY_B
-            assert len(history) <= cached < len(req.prompt_ids)
+            assert len(history) // 16 * 16 <= cached < len(req.prompt_ids)
             assert outcome == cold[req]
-        assert pair.cache.stats().hits == hits_before + len(TOGETHER)
+        assert pair.cache.hits == hits_before + len(TOGETHER)
         assert_books_balance(pair)
 
     def test_a_chat_second_turn_reuses_the_first_turn(self, pair, cold, tokenizer):
@@ -250,51 +246,43 @@ class TestRoomyCache:
         assert first_outcome == cold[first]
         second = chat_turn(tokenizer, first_outcome.reply.token_ids)
         ((second_outcome, cached),) = pair.serve_alone([second])
-        # The second turn starts with the first turn's whole prompt, kept after its prefill (the
-        # reply's first token may merge with the turn's last one, hence the one-token slack).
+        # The second turn starts with the first turn's whole prompt, whose blocks (and its reply's)
+        # stayed cached (the reply's first token may merge with the turn's last one).
         shared = next(
             (i for i, (a, b) in enumerate(zip(first.prompt_ids, second.prompt_ids)) if a != b),
             len(first.prompt_ids),
         )
         assert shared >= len(first.prompt_ids) - 1
-        assert cached >= shared
+        assert cached >= shared // 16 * 16
         assert second_outcome == cold[second]
         assert_books_balance(pair)
 
 
 class TestSmallCache:
-    """A cache that holds one prompt at a time: keeps evict, misses follow, replies stay exact."""
+    """A pool that holds about two prompts: cached blocks are evicted, misses follow, replies stay exact."""
 
     @pytest.fixture(scope="class")
     @classmethod
     def pair(cls, model_dir, cold, tmp_path_factory):
-        settings = cache_settings(model_dir, SMALL_CACHE_TOKENS)
+        settings = cache_settings(model_dir, SMALL_TOKENS)
         with started_pair(settings, tmp_path_factory.mktemp("small")) as pair:
             yield pair
 
-    def test_eviction_keeps_the_budget_and_the_replies_exact(self, pair, cold):
+    def test_eviction_leaves_the_replies_exact(self, pair, cold):
         served = pair.serve_alone(SMALL_BUDGET_RUN)
         assert [outcome for outcome, _ in served] == [cold[r] for r in SMALL_BUDGET_RUN]
-        cached = [num for _, num in served]
-        # B's keep evicted A, so A's second prompt missed; its keep evicted B, so did B's; then B hit.
-        assert cached[:4] == [0, 0, 0, 0]
-        assert len(HISTORY_B) <= cached[4] < len(SMALL_BUDGET_RUN[4].prompt_ids)
-        stats = pair.cache.stats()
-        assert stats.evictions >= 3 and stats.num_entries == 1
+        assert pair.cache.evictions >= 1 and pair.cache.hits >= 1
         assert_books_balance(pair)
 
     def test_evicting_under_jobs_set_up_together_leaves_every_reply_exact(self, pair, cold):
-        pair.serve_alone(SMALL_BUDGET_RUN[:2])  # B's entry is the one held, whatever ran before
-        evictions = pair.cache.stats().evictions
+        pair.serve_alone(SMALL_BUDGET_RUN[:2])
+        evictions = pair.cache.evictions
         served = pair.serve_together(TOGETHER)
         assert [outcome for outcome, _ in served] == [cold[r] for r in TOGETHER]
-        assert sum(cached > 0 for _, cached in served) >= 1  # B's entry survived until they set up
-        # Each keep of the four evicts the one entry the small cache holds.
-        assert pair.cache.stats().evictions - evictions >= 4
+        assert pair.cache.evictions > evictions
         assert_books_balance(pair)
 
-    def test_metrics_read_the_cache_at_scrape_time(self, pair, tokenizer):
-        # B's keep evicts A's and B's history then hits, whatever ran before.
+    def test_metrics_read_the_blocks_at_scrape_time(self, pair, tokenizer):
         pair.serve_alone(SMALL_BUDGET_RUN[:2] + SMALL_BUDGET_RUN[4:])
         info = ServingInfo("tiny", tp_size=2, num_lanes=8, context_size=256, room=pair.engine.leader.room)
         page = GrpcServer(pair.engine.host, tokenizer, info).metrics.render().decode()  # never started
@@ -303,26 +291,25 @@ class TestSmallCache:
             for line in page.splitlines()
             if line and not line.startswith("#")
         }
-        stats = pair.cache.stats()
-        assert stats.evictions >= 1 and stats.hits >= 1 and stats.misses >= 1
+        stats = pair.cache
+        assert stats.evictions >= 1 and stats.hits >= 1 and stats.lookups > stats.hits
         assert values['tpserve_prompt_cache_lookups_total{result="hit"}'] == stats.hits
-        assert values['tpserve_prompt_cache_lookups_total{result="miss"}'] == stats.misses
+        assert values['tpserve_prompt_cache_lookups_total{result="miss"}'] == stats.lookups - stats.hits
         assert values["tpserve_prompt_cache_hit_tokens_total"] == stats.hit_tokens
         assert values["tpserve_prompt_cache_evictions_total"] == stats.evictions
-        assert values["tpserve_prompt_cache_keeps_total"] == stats.keeps
-        assert values["tpserve_prompt_cache_held_bytes"] == stats.held_bytes > 0
-        assert values["tpserve_prompt_cache_budget_bytes"] == SMALL_CACHE_TOKENS * RANK0_BYTES_PER_TOKEN
-        assert values["tpserve_prompt_cache_entries"] == stats.num_entries == 1
+        assert values["tpserve_prompt_cache_blocks"] == stats.num_cached > 0
+        assert values["tpserve_kv_blocks_used"] == 0
+        assert values["tpserve_kv_blocks"] * values["tpserve_kv_block_size"] == SMALL_TOKENS
 
 
-def test_the_benchmark_restores_the_history_and_finds_the_replies_identical(model_dir):
+def test_the_benchmark_shares_the_history_and_finds_the_replies_identical(model_dir):
     # bench/prompt_cache.py end to end on the tiny model: speed is not asserted (a shared machine).
-    report = run_prompt_cache(model_dir, history_tokens=100, max_tokens=6, num_rounds=2, cache_bytes=1 << 20)
+    report = run_prompt_cache(model_dir, history_tokens=100, max_tokens=6, num_rounds=2)
     off, on = report["modes"]
-    assert (off["cache_budget_bytes"], on["cache_budget_bytes"]) == (0, 1 << 20)
+    assert (off["prefix_caching"], on["prefix_caching"]) == (False, True)
     assert report["replies_identical"] is True and report["differing_rounds"] == []
     for cold_round, warm_round in zip(off["rounds"], on["rounds"]):
         assert cold_round["second_cached_tokens"] == 0
-        assert warm_round["second_cached_tokens"] >= warm_round["first_prompt_tokens"] - 1
+        assert warm_round["second_cached_tokens"] >= (warm_round["first_prompt_tokens"] - 1) // 16 * 16
         assert len(warm_round["second_reply"]) == 6
     assert on["cache_hits"] == 2 and report["second_first_token_ratio"] > 0

@@ -1,6 +1,7 @@
-"""The prompt cache on the shipped default model (SmolLM2-135M-Instruct), two ranks, no gRPC: a chat's
-second turn restores the first turn's prompt (a history of several hundred tokens) and its replies,
-greedy and sampled, equal those of a pair with no cache token for token and logit for logit.
+"""Prefix sharing on the shipped default model (SmolLM2-135M-Instruct), two ranks, no gRPC: a chat's
+second turn shares the first turn's cached blocks (a history of several hundred tokens) and its
+replies, greedy and sampled, equal those of a pair without prefix caching token for token and logit
+for logit.
 
 The helpers are those of test_cache_pair.py (tiny model).
 """
@@ -20,7 +21,6 @@ from tpserve.server.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
-CACHE_BUDGET_BYTES = 64 << 20  # the config's default: some two thousand float32 tokens of this model
 SYSTEM = "You are a careful assistant. Answer in plain words, briefly, and say when you are unsure."
 TOPICS = ("rivers", "bridges", "libraries", "volcanoes", "gardens", "trains", "comets", "bees")
 SECOND_QUESTION = "Thank you. Which of those would you visit first, and why?"
@@ -47,13 +47,13 @@ def chat_turn(tokenizer: Tokenizer, first_reply: tuple[int, ...] | None) -> Gene
     return request(tokenizer.encode_chat(messages), 20, GREEDY)
 
 
-def settings_for(model_dir: str, cache_budget_bytes: int) -> EngineSettings:
+def settings_for(model_dir: str, prefix_caching: bool) -> EngineSettings:
     return EngineSettings(
         model_dir=model_dir,
         device="cpu",  # the CPU, also on a GPU host (tests/conftest.py: gpu tests are marked)
         num_lanes=2,
         context_size=1024,
-        cache_budget_bytes=cache_budget_bytes,
+        prefix_caching=prefix_caching,
         threads_per_rank=1,
         init_timeout_s=60.0,
         collective_timeout_s=120.0,
@@ -78,12 +78,12 @@ class Chat:
 def chat(default_model, tmp_path_factory) -> Iterator[Chat]:
     tokenizer = Tokenizer.from_model_dir(default_model)
     first = chat_turn(tokenizer, None)
-    with started_pair(settings_for(default_model, 0), tmp_path_factory.mktemp("cold")) as cold_pair:
+    with started_pair(settings_for(default_model, False), tmp_path_factory.mktemp("cold")) as cold_pair:
         ((cold_first, _),) = cold_pair.serve_alone([first])
         cold_turns = second_turns(tokenizer, cold_first.reply.token_ids)
         cold = {r: outcome for r, (outcome, _) in zip(cold_turns, cold_pair.serve_alone(cold_turns))}
     cold[first] = cold_first
-    settings = settings_for(default_model, CACHE_BUDGET_BYTES)
+    settings = settings_for(default_model, True)
     with started_pair(settings, tmp_path_factory.mktemp("warm")) as pair:
         ((warm_first, first_cached),) = pair.serve_alone([first])
         assert first_cached == 0
@@ -98,9 +98,9 @@ def chat(default_model, tmp_path_factory) -> Iterator[Chat]:
         yield Chat(first, turns, cold, served, pair)
 
 
-def test_a_chat_second_turn_restores_its_history_and_replies_as_cold(chat):
+def test_a_chat_second_turn_shares_its_history_and_replies_as_cold(chat):
     for turn, (outcome, cached) in zip(chat.turns, chat.served):
-        assert 300 <= len(chat.first.prompt_ids) - 1 <= cached < len(turn.prompt_ids)
+        assert 300 <= (len(chat.first.prompt_ids) - 1) // 16 * 16 <= cached < len(turn.prompt_ids)
         assert outcome.reply == chat.cold[turn].reply
     greedy, sampled_ = (outcome.reply.token_ids for outcome, _ in chat.served)
     assert greedy != sampled_  # sampling really left the greedy path

@@ -16,16 +16,14 @@ from tpserve.ranks.channel import Channel, ChannelBroken, LeaderLost
 from tpserve.ranks.model_group import exercise
 from tpserve.ranks.wire import (
     Admit,
-    Evict,
     Idle,
-    Keep,
     Prefill,
     Release,
-    Restore,
     Round,
     Span,
     Step,
     Stop,
+    Verify,
 )
 
 PG_TIMEOUT_S = 3.0
@@ -53,18 +51,17 @@ def _channel(ctx) -> Channel:
 def _every_kind() -> list:
     long_prefill = Prefill(tuple(Span(lane, 3 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
     return [
-        Admit(lane=0, reserve_tokens=4096),
+        Admit(lane=0, blocks=tuple(range(40))),
         Prefill((Span(lane=0, start=0, token_ids=(1, 2, 3)),)),
         Round((Step(lane=0, position=3, token_id=42),)),
         Idle(),
-        Admit(lane=1, reserve_tokens=128),
+        Admit(lane=1, blocks=(41, 42)),
         long_prefill,
         Round(tuple(Step(lane, 100 + lane, lane * 7) for lane in range(30))),
-        Keep(lane=0, num_tokens=3, entry_id=5),
+        Verify((Span(lane=1, start=5, token_ids=(4, 5, 6), blocks=(43,)),)),
         Idle(),
         Idle(),
-        Restore(lane=1, entry_id=5, num_tokens=3),
-        Evict(entry_id=5),
+        Round((Step(lane=1, position=6, token_id=9, blocks=(44,)),)),
         Release(lane=0),
         Idle(),
         Stop(),
@@ -97,9 +94,9 @@ def _vote(ctx):
     results = []
     for lane, oks in enumerate(VOTES):
         if ctx.rank == 0:
-            channel.send(Admit(lane, 16))
+            channel.send(Admit(lane, (16,)))
         else:
-            assert channel.receive() == Admit(lane, 16)
+            assert channel.receive() == Admit(lane, (16,))
         results.append(channel.vote(oks[ctx.rank]))
     return results
 
@@ -227,7 +224,7 @@ def _wire_beside_a_models_group(ctx):
         else:
             received.append(channel.receive())
         if not isinstance(msg, (Idle, Stop)):  # as in the engine: no collective while idle
-            votes.append(channel.vote(ctx.rank == 0 or not isinstance(msg, Keep)))
+            votes.append(channel.vote(ctx.rank == 0 or not isinstance(msg, Verify)))
             exercise(model, ctx.rank, ctx.world_size, torch.device("cpu"), PG_TIMEOUT_S)
     return received, votes
 
@@ -236,7 +233,7 @@ def test_the_wire_runs_on_a_gloo_subgroup_beside_the_models_own_group(pool):
     (_, votes0), (received, votes1) = pool.run(_wire_beside_a_models_group, timeout_s=60)
     assert received == _every_kind()
     kinds = [msg for msg in _every_kind() if not isinstance(msg, (Idle, Stop))]
-    assert votes0 == votes1 == [not isinstance(msg, Keep) for msg in kinds]
+    assert votes0 == votes1 == [not isinstance(msg, Verify) for msg in kinds]
 
 
 def _skip_a_vote(ctx, skipper: int):
@@ -251,17 +248,17 @@ def _skip_a_vote(ctx, skipper: int):
         leader_dead_after_s=LEADER_DEAD_AFTER_S,
     )
     if ctx.rank == 0:
-        channel.send(Admit(0, 16))
+        channel.send(Admit(0, (16,)))
     else:
         channel.receive()
     channel.vote(True)
     started = time.monotonic()
     try:
         if ctx.rank == 0:
-            channel.send(Admit(1, 16))
+            channel.send(Admit(1, (16,)))
             if skipper != 0:
                 channel.vote(True)
-            channel.send(Admit(2, 16))
+            channel.send(Admit(2, (16,)))
         else:
             channel.receive()
             if skipper != 1:

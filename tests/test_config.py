@@ -13,16 +13,16 @@ def test_engine_tests_run_with_the_daemons_defaults():
     # `tpserve serve` with no flags and no YAML gives the ranks.
     served = load_config(None, {}, environ={}).engine_settings("model")
     assert served == EngineSettings(model_dir="model") == ServeConfig().engine_settings("model")
-    assert (served.cache_budget_bytes, served.draft_tokens, served.init_timeout_s) == (64 << 20, None, 120.0)
+    assert (served.prefix_caching, served.draft_tokens, served.init_timeout_s) == (True, None, 120.0)
 
 
 def test_every_engine_setting_is_a_config_key_and_reaches_the_engine_under_its_name():
     drills_set_in_code = {"model_dir", "shape_dependent_on_rank"}
     engine_names = {f.name for f in fields(EngineSettings)} - drills_set_in_code
     assert {ENGINE_NAMES.get(key, key) for key in ENGINE_KEYS} == engine_names
-    flags = {"tp": "1", "lanes": "3", "context": "512", "cache_budget_bytes": "0", "init_timeout_s": "9"}
+    flags = {"tp": "1", "lanes": "3", "context": "512", "prefix_caching": "false", "init_timeout_s": "9"}
     settings = load_config(None, flags, environ={}).engine_settings("model")
     assert (settings.tp_size, settings.num_lanes, settings.context_size) == (1, 3, 512)
-    assert (settings.cache_budget_bytes, settings.init_timeout_s) == (0, 9.0)
+    assert (settings.prefix_caching, settings.init_timeout_s) == (False, 9.0)
     drill = load_config(None, {"refuse_token_on_rank": "1,300"}, environ={}).engine_settings("model")
     assert drill.refuse_token_on_rank == (1, 300)

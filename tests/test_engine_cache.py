@@ -1,23 +1,26 @@
-"""Prompt-cache storage in the engine: a restored prefix continues exactly as a cold prefill."""
+"""Shared KV blocks in the engine: a lane opened on another lane's cached prefix blocks continues
+exactly as a cold prefill, and the engine refuses writes into blocks another lane holds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from engine_lanes import open_lane
 from multiproc import RankPool
 from tiny_models import write_tiny_model
 
 from tpserve.kernels.collectives import GroupCollectives
-from tpserve.ranks.engine import Engine
+from tpserve.ranks.engine import Engine, EngineError
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
 
 HISTORY = tuple((11 * i + 5) % 300 for i in range(70))
 TURN = (17, 4, 99, 23, 8)
+BLOCK_SIZE = 16
 
 
-def cached_and_cold(model_dir: str, tp_rank: int, tp_size: int):
+def shared_and_cold(model_dir: str, tp_rank: int, tp_size: int):
     model = load_rank_model(
         model_dir,
         tp_rank=tp_rank,
@@ -28,31 +31,31 @@ def cached_and_cold(model_dir: str, tp_rank: int, tp_size: int):
         row_tile=16,
     )
     heads, dim, layers = model.kv_heads_per_piece(), model.config.head_dim, model.config.num_layers
-    engine = Engine(
-        model, KVPool(layers, 512, heads, dim, torch.float32), KVPool(layers, 128, heads, dim, torch.float32)
-    )
-    # Turn one: prefill the history, keep its first 64 tokens, drop the lane.
-    assert engine.admit(0, 100)
+    engine = Engine(model, KVPool(layers, 512, heads, dim, torch.float32, block_size=BLOCK_SIZE))
+    # Turn one computes the history; its first 4 blocks (64 tokens) stay held by lane 0.
+    first = open_lane(engine, 0, 100)
     engine.forward([(0, 0, HISTORY)])
-    assert engine.keep(0, 64, entry_id=7)
-    assert not engine.keep(0, 64, entry_id=7), "an entry id is kept once"
-    engine.release(0)
-    # Turn two, warm: restore 64 tokens, prefill the rest of history + the new turn.
-    assert engine.admit(1, 100)
-    assert engine.restore(1, 7, 64)
+    # Turn two, warm: lane 1 opens on those 4 blocks and one of its own, prefills the rest.
+    own = tuple(b for b in range(engine.kv.num_blocks) if b not in engine.refs)[:2]
+    engine.admit(1, first[:4] + own, num_cached=64)
+    with pytest.raises(EngineError, match="cannot open"):
+        engine.admit(2, first[:4], num_cached=70)  # a cached prefix is whole blocks
+    refused = engine.check([(1, 60, (1,))])  # a write into a shared block
     warm = engine.forward([(1, 64, HISTORY[64:] + TURN)])
+    engine.release(0)
+    assert all(engine.refs[b] == 1 for b in first[:4]), "lane 1 still holds the shared blocks"
     # Turn two, cold, on another lane.
-    assert engine.admit(2, 100)
+    open_lane(engine, 2, 100)
     cold = engine.forward([(2, 0, HISTORY + TURN)])
-    engine.evict(7)
-    assert not engine.restore(3, 7, 64), "an evicted entry cannot be restored"
-    assert engine.cache_kv.allocator.used == 0
-    return (warm, cold) if tp_rank == 0 else None
+    engine.release(1)
+    engine.release(2)
+    assert engine.refs == {}
+    return (warm, cold, refused) if tp_rank == 0 else None
 
 
 def _pair(ctx, model_dir):
     torch.set_num_threads(1)
-    return cached_and_cold(model_dir, ctx.rank, 2)
+    return shared_and_cold(model_dir, ctx.rank, 2)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +63,15 @@ def model_dir(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama"))
 
 
-def test_restored_prefix_equals_cold_prefill_tp1(model_dir):
+def test_a_shared_prefix_equals_a_cold_prefill_tp1(model_dir):
     torch.set_num_threads(1)
-    warm, cold = cached_and_cold(model_dir, 0, 1)
+    warm, cold, refused = shared_and_cold(model_dir, 0, 1)
     torch.testing.assert_close(warm, cold, rtol=0, atol=0)
+    assert not refused
 
 
-def test_restored_prefix_equals_cold_prefill_tp2(model_dir):
+def test_a_shared_prefix_equals_a_cold_prefill_tp2(model_dir):
     with RankPool(2) as pool:
-        warm, cold = pool.run(_pair, model_dir, timeout_s=120)[0]
+        warm, cold, refused = pool.run(_pair, model_dir, timeout_s=120)[0]
     torch.testing.assert_close(warm, cold, rtol=0, atol=0)
+    assert not refused

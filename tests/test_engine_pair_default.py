@@ -62,7 +62,7 @@ def settings_for(model_dir: str, dtype: str) -> EngineSettings:
         threads_per_rank=1,
         init_timeout_s=60.0,
         collective_timeout_s=60.0,
-        cache_budget_bytes=0,  # replies are compared with their solo runs: no cache between the runs
+        prefix_caching=False,  # replies are compared with their solo runs: no cache between the runs
     )
 
 

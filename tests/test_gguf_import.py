@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from engine_lanes import open_lane
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -504,7 +505,7 @@ def _logits(model_dir: Path, quantize: str) -> torch.Tensor:
     )
     kv = KVPool(model.config.num_layers, 64, model.kv_heads_per_piece(), model.config.head_dim, torch.float32)
     engine = Engine(model, kv)
-    assert engine.admit(0, 40)
+    open_lane(engine, 0, 40)
     prompt = engine.forward([(0, 0, tuple(range(3, 23)))])
     return torch.cat([prompt, engine.forward([(0, 20, (7,))])])
 

@@ -72,10 +72,10 @@ class SlowBackend(FakeBackend):
         self.gate = threading.Event()
         self.gate.set()
 
-    def decode(self, items):
+    def decode(self, items, chunk=None):
         self.gate.wait(WAIT_S)  # bounded, so a test that forgets to open it fails instead of hanging
         time.sleep(self.decode_delay_s)
-        return super().decode(items)
+        return super().decode(items, chunk)
 
 
 def broken_backend() -> FakeBackend:
@@ -123,7 +123,7 @@ def serving(
         vision=vision,
         **limits,
     )
-    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache), vision_input)
+    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.block_stats), vision_input)
     server = GrpcServer(
         host,
         tokenizer,

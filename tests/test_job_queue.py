@@ -36,7 +36,7 @@ def test_a_yielded_background_job_goes_first_among_background_and_is_never_refus
     queue = JobQueue(max_size=2)
     queue.push("b1", background=True)
     queue.push("f1", background=False)
-    queue.push_front_background("yielded")
+    queue.push_front("yielded", background=True)
     assert len(queue) == 3
     assert take_all(queue) == ["f1", "yielded", "b1"]
 

@@ -18,9 +18,8 @@ def make_job(backend, first):
     )
 
 
-def test_a_refusal_and_a_failed_prefill_are_returned_and_the_other_jobs_still_get_their_tokens():
+def test_a_failed_prefill_is_returned_and_the_other_jobs_still_get_their_tokens():
     backend = FakeBackend(batched=True)
-    backend.refused_opens = {1}  # the second job's lane
     backend.poisoned_prompts = {9}  # the third job's prefill fails (alone and in the joint pass)
     lanes = LaneTable(backend)
     admission = Admission(backend, lanes, batch_prefill=True)
@@ -29,13 +28,13 @@ def test_a_refusal_and_a_failed_prefill_are_returned_and_the_other_jobs_still_ge
     outcomes = admission.launch(jobs, chunking=None)
 
     assert [(type(outcome), outcome.job) for outcome in outcomes] == [
-        (Ended, jobs[1]),  # refused at setup, before any pass
         (FirstToken, jobs[0]),  # the joint pass failed: each prefilled alone, in order
+        (FirstToken, jobs[1]),
         (Ended, jobs[2]),
         (FirstToken, jobs[3]),
     ]
-    assert "refused to reserve" in outcomes[0].error and "prefill failed" in outcomes[2].error
-    assert backend.failed_passes == [3]
+    assert "prefill failed" in outcomes[2].error
+    assert backend.failed_passes == [4]
     assert all(job.stream.next_events(timeout=0) == [] for job in jobs), "the host sends, not Admission"
     # The failed job still holds its lane: closing it is the host's part of applying its end.
-    assert [job.lane for job in jobs] == [0, None, 1, 2]
+    assert [job.lane for job in jobs] == [0, 1, 2, 3]

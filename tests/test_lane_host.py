@@ -232,18 +232,16 @@ def test_background_stream_yields_room_a_foreground_request_needs():
     backend.assert_clean()
 
 
-def test_a_failed_prefill_or_refused_open_fails_that_request_alone():
+def test_a_failed_prefill_fails_that_request_alone():
     backend = FakeBackend(num_lanes=2)
     backend.poisoned_prompts = {6}
-    backend.refused_opens = {2}
     host = make_host(backend)
     requests = [long_request(1, 8), long_request(6, 8), long_request(3, 8), long_request(4, 8, seed=1)]
     replies = run_all(host, [host.submit(r) for r in requests])
     assert replies[1].reason == "error" and "prefill failed" in replies[1].finished.error
     assert replies[1].num_prefilled_events == 0
-    assert replies[2].reason == "error" and "refused to reserve 11 tokens" in replies[2].finished.error
-    assert replies[0] == backend.solo_reply(requests[0])
-    assert replies[3] == backend.solo_reply(requests[3])
+    for index in (0, 2, 3):
+        assert replies[index] == backend.solo_reply(requests[index])
     assert not host.broken
     backend.assert_clean()
 
@@ -329,17 +327,13 @@ def test_events_arrive_in_order_with_usage_timed_by_the_clock():
 
 
 def test_stats_report_queue_lanes_and_room():
-    backend = FakeBackend(num_lanes=1, room=100)
+    backend = FakeBackend(num_lanes=1, room=100, block_size=4)
     host = make_host(backend)
     streams = [host.submit(long_request(1, 10)), host.submit(long_request(2, 10))]
-    host.step()
+    host.step()  # the 3-token prompt, then a decode round at position 3: one block of 4 tokens
     stats = host.stats()
-    assert (stats.queued, stats.lanes_busy, stats.room_used, stats.num_lanes, stats.room) == (
-        1,
-        1,
-        13,
-        1,
-        100,
-    )
+    assert (stats.queued, stats.lanes_busy, stats.room_used, stats.num_lanes, stats.room) == (1, 1, 4, 1, 100)
+    host.step()  # position 4: a second block
+    assert host.stats().room_used == 8
     run_all(host, streams)
     assert host.stats().room_used == 0 and host.stats().lanes_busy == 0

@@ -1,101 +1,98 @@
-"""The lane host with a prompt cache, on the fake backend whose every token depends on the whole
-history: a restored prefix that was wrong in any token would change the reply."""
+"""Prefix sharing by KV blocks on the fake backend, whose every token depends on the history it
+reads back through each lane's block table: a shared block that held anything but the prompt's own
+prefix, or a write into a block another lane holds, would change a reply or be refused."""
 
 from __future__ import annotations
 
 from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, run_all
 
 from tpserve.server.lane_host import LaneHost
-from tpserve.server.prompt_cache import PromptCache
 
-BYTES_PER_TOKEN = 10
-
-SYSTEM = tuple(1 + (7 * i) % 39 for i in range(80))  # an 80-token shared prefix
+SYSTEM = tuple(1 + (7 * i) % 39 for i in range(80))  # an 80-token shared prefix: 10 blocks of 8
 
 
-def make_host(backend: FakeBackend, budget_tokens: int = 1000) -> tuple[LaneHost, PromptCache]:
-    cache = PromptCache(budget_tokens * BYTES_PER_TOKEN, BYTES_PER_TOKEN, free_state=backend.evict)
-    host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS, prompt_cache=cache)
-    return host, cache
+def make_host(backend: FakeBackend, **kwargs) -> LaneHost:
+    return LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS, prefix_caching=True, **kwargs)
 
 
-def cached_tokens(host: LaneHost, request) -> tuple[int, tuple[int, ...]]:
-    stream = host.submit(request)
-    (reply,) = run_all(host, [stream])
-    assert reply.error is None, reply.error
-    return reply.finished.usage.cached_tokens, reply.token_ids
+def chat(turn: int, max_tokens: int = 6, **kwargs):
+    return make_request(SYSTEM + (1 + turn % 38, 2 + turn % 37, 3), max_tokens, ignore_eos=True, **kwargs)
 
 
-def assert_books_balance(backend: FakeBackend, cache: PromptCache) -> None:
-    # Every state the cache still counts lives in the backend, and no other.
-    assert len(backend.states) == cache.stats().num_live_states
-    assert cache.stats().held_bytes <= cache.stats().budget_bytes
-
-
-def test_a_shared_prefix_is_restored_and_the_reply_equals_the_cold_one():
+def test_a_shared_prefix_is_shared_and_the_reply_equals_the_cold_one():
     backend = FakeBackend(room=4096)
-    host, cache = make_host(backend)
-    first = make_request(SYSTEM + (1, 2, 3), max_tokens=6)
-    second = make_request(SYSTEM + (7, 8, 9, 10), max_tokens=6)
-    assert cached_tokens(host, first)[0] == 0
-    cached, tokens = cached_tokens(host, second)
-    assert cached >= 64  # the shared prefix, block-aligned
-    assert backend.num_restores == 1
-    assert tokens == backend.solo_reply(second).token_ids
-    backend_clean_lanes(backend)
-    assert_books_balance(backend, cache)
+    host = make_host(backend)
+    first, second = chat(1), chat(2)
+    (reply,) = run_all(host, [host.submit(first)])
+    assert reply.finished.usage.cached_tokens == 0
+    (reply,) = run_all(host, [host.submit(second)])
+    assert reply.finished.usage.cached_tokens == 80  # ten whole blocks of the system prompt
+    assert reply == backend.solo_reply(second)
+    assert host.block_stats().hits == 1 and host.block_stats().hit_tokens == 80
+    backend.assert_clean()
 
 
-def backend_clean_lanes(backend: FakeBackend) -> None:
-    assert backend.misuse == [] and backend.lanes == {}
-
-
-def test_a_failed_restore_falls_back_to_a_full_prefill_and_forgets_the_entry():
-    backend = FakeBackend(room=4096)
-    host, cache = make_host(backend)
-    cached_tokens(host, make_request(SYSTEM + (1,), max_tokens=3))
-    backend.fail_restores = True
-    request = make_request(SYSTEM + (2,), max_tokens=5)
-    cached, tokens = cached_tokens(host, request)
-    assert cached == 0
-    assert tokens == backend.solo_reply(request).token_ids
-    assert cache.stats().restore_failures == 1
-    assert_books_balance(backend, cache)
-
-
-def test_a_keep_with_no_budget_left_fails_cleanly_and_the_request_still_runs():
-    backend = FakeBackend(room=4096)
-    host, cache = make_host(backend, budget_tokens=20)  # too small for any 80-token state
-    request = make_request(SYSTEM + (3,), max_tokens=4)
-    cached, tokens = cached_tokens(host, request)
-    assert cached == 0 and tokens == backend.solo_reply(request).token_ids
-    assert cache.stats().num_entries == 0 and backend.states == {}
-
-
-def test_jobs_prefilled_together_each_restore_their_own_prefix():
-    backend = FakeBackend(room=4096, batched=True, max_prefill_tokens=128)
-    host, cache = make_host(backend)
-    cached_tokens(host, make_request(SYSTEM + (1,), max_tokens=2))
-    requests = [make_request(SYSTEM + (9, i), max_tokens=5) for i in range(4)]
-    replies = run_all(host, [host.submit(r) for r in requests])
-    assert backend.joint_passes, "the four prompts went in one joint pass"
-    for request, reply in zip(requests, replies):
-        assert reply.error is None, reply.error
-        assert reply.finished.usage.cached_tokens >= 64
-        assert reply.token_ids == backend.solo_reply(request).token_ids
-    assert_books_balance(backend, cache)
-
-
-def test_a_resumed_background_stream_restores_its_own_prompt():
-    backend = FakeBackend(num_lanes=1, room=4096)
-    host, cache = make_host(backend)
-    background = make_request(SYSTEM + (5,), max_tokens=12, background=True)
-    stream = host.submit(background)
-    for _ in range(3):  # admitted, prefilled, decoding: it holds the only lane
+def test_sixteen_chats_with_one_system_prompt_hold_one_copy_of_it():
+    backend = FakeBackend(num_lanes=16, room=16 * 128, max_prefill_tokens=64, batched=True)
+    host = make_host(backend)
+    requests = [chat(i, max_tokens=20) for i in range(16)]
+    streams = [host.submit(request) for request in requests]
+    peak = 0
+    while any(stream.finished is None for stream in streams):
         host.step()
-    foreground = make_request((1, 2, 3), max_tokens=3)
-    replies = run_all(host, [stream, host.submit(foreground)])
-    assert [reply.error for reply in replies] == [None, None]
-    assert replies[0].token_ids == backend.solo_reply(background).token_ids
-    assert backend.num_restores >= 1
-    assert_books_balance(backend, cache)
+        peak = max(peak, host.stats().room_used)
+    replies = run_all(host, streams)
+    unshared = 16 * backend.block_size * -(-(len(SYSTEM) + 3 + 20) // backend.block_size)
+    print(f"KV tokens held at the peak: {peak}; without sharing: {unshared}")
+    # The first prompt goes in chunks; the others share each chunk's blocks as soon as it is computed.
+    assert replies[0].finished.usage.cached_tokens == 0
+    assert all(r.finished.usage.cached_tokens >= 64 for r in replies[1:])
+    assert peak <= unshared - 14 * len(SYSTEM), "at most two copies of the system prompt"
+    assert replies == [backend.solo_reply(r) for r in requests]
+    backend.assert_clean()
+
+
+def test_a_block_in_use_is_never_evicted():
+    # Room for about two streams: a stream sharing the system prompt keeps its blocks while others
+    # churn through the rest of the pool.
+    backend = FakeBackend(num_lanes=4, room=240, max_prefill_tokens=128, block_size=8)
+    host = make_host(backend)
+    (reply,) = run_all(host, [host.submit(chat(0))])
+    holder = host.submit(chat(1, max_tokens=60))
+    host.step()
+    others = [make_request([5 + i] * 70, 20, ignore_eos=True) for i in range(6)]
+    replies = run_all(host, [holder, *(host.submit(r) for r in others)])
+    assert replies[0].finished.usage.cached_tokens == 80
+    assert host.block_stats().evictions > 0
+    assert replies == [backend.solo_reply(r) for r in [chat(1, max_tokens=60), *others]]
+    backend.assert_clean()
+
+
+def test_mostly_cached_long_prompts_share_one_joint_pass():
+    backend = FakeBackend(num_lanes=4, room=4096, max_prefill_tokens=32, batched=True)
+    host = make_host(backend)
+    run_all(host, [host.submit(chat(0))])  # 80 tokens: in chunks of 32, then cached
+    requests = [chat(i) for i in range(1, 4)]
+    replies = run_all(host, [host.submit(r) for r in requests])
+    assert backend.joint_passes[-1] == 3, "each only prefills its last 3 tokens"
+    assert replies == [backend.solo_reply(r) for r in requests]
+    backend.assert_clean()
+
+
+def test_a_preempted_stream_shares_its_own_blocks_when_resumed():
+    backend = FakeBackend(num_lanes=2, room=200, context_size=200, block_size=8, max_prefill_tokens=128)
+    host = make_host(backend)
+    long = [make_request([3 + i] * 40, 70, ignore_eos=True, seed=i) for i in range(2)]
+    replies = run_all(host, [host.submit(r) for r in long])
+    assert host.stats().preempted > 0
+    assert host.block_stats().hits > 0, "the preempted stream found its own prefix again"
+    assert replies == [backend.solo_reply(r) for r in long]
+    backend.assert_clean()
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    backend = FakeBackend(room=4096)
+    host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS)
+    replies = run_all(host, [host.submit(chat(1)), host.submit(chat(2))])
+    assert [r.finished.usage.cached_tokens for r in replies] == [0, 0]
+    backend.assert_clean()

@@ -68,7 +68,7 @@ def test_every_variant_runs_a_prefill_and_a_decode_step_on_the_models_device(
     kv = KVPool(config.num_layers, 64, model.kv_heads_per_piece(), config.head_dim, torch.bfloat16, META)
 
     # Two prompts prefilled together (5 and 3 tokens), then one decode step for each.
-    prefill = [SpanView(0, 0, 0, 5), SpanView(5, 32, 0, 3)]
+    prefill = [SpanView(0, 0, 5, tuple(range(5))), SpanView(5, 0, 3, tuple(range(32, 35)))]
     logits = model.forward(
         torch.zeros(8, dtype=torch.int64, device=META),
         torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], device=META),
@@ -76,7 +76,7 @@ def test_every_variant_runs_a_prefill_and_a_decode_step_on_the_models_device(
         kv,
         [4, 7],
     )
-    decode = [SpanView(0, 0, 5, 1), SpanView(1, 32, 3, 1)]
+    decode = [SpanView(0, 5, 1, tuple(range(6))), SpanView(1, 3, 1, tuple(range(32, 36)))]
     step = model.forward(
         torch.zeros(2, dtype=torch.int64, device=META), torch.tensor([5, 3], device=META), decode, kv, [0, 1]
     )

@@ -76,7 +76,7 @@ def test_a_record_holds_positions_tokens_and_features_step_by_step(tmp_path):
     (reply,), _ = run([request], tmp_path / "rec", max_prefill_tokens=2)
     (lines,) = records(tmp_path / "rec")
     steps = [json.loads(line) for line in lines]
-    assert steps[0] == {"step": "open", "reserve": 6}
+    assert steps[0] == {"step": "open"}
     assert steps[1] == {"step": "prefill", "start": 0, "token_ids": [4, 5]}
     last_chunk = steps[2]
     assert (last_chunk["start"], last_chunk["position"], last_chunk["fed"]) == (2, 2, 6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_lanes import open_lane
 from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.attention_kernels import NATIVE, SPANS, TILED
@@ -38,7 +39,7 @@ def test_logits_match_transformers(tmp_path, variant, kernel, pool_dtype):
         KVPool(model.config.num_layers, 128, model.kv_heads_per_piece(), model.config.head_dim, pool_dtype),
     )
     ids = [(7 * i + 3) % model.config.vocab_size for i in range(90)]
-    assert engine.admit(0, 100)
+    open_lane(engine, 0, 100)
     # A prompt in two chunks, then two decode steps: every path that writes and reads the KV.
     ours = [engine.forward([(0, 0, tuple(ids[:50]))]), engine.forward([(0, 50, tuple(ids[50:88]))])]
     ours += [engine.forward([(0, 88, (ids[88],))]), engine.forward([(0, 89, (ids[89],))])]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_lanes import open_lane
 from tiny_models import write_tiny_model
 
 from tpserve.ranks.engine import Engine, EngineError
@@ -36,14 +37,14 @@ def tiny_engine(tmp_path, num_slots: int) -> Engine:
 
 def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_steps(tmp_path):
     engine = tiny_engine(tmp_path, 1024)
-    assert engine.admit(0, 40)
+    open_lane(engine, 0, 40)
     history, step_logits = list(PROMPT), [engine.forward([(0, 0, PROMPT)])[0]]
     for _ in range(NUM_STEPS):
         history.append(int(step_logits[-1].argmax()))
         step_logits.append(engine.forward([(0, len(history) - 1, (history[-1],))])[0])
     differing = []
     for lane, length in enumerate(range(len(PROMPT) + 1, len(history) + 1), start=1):
-        assert engine.admit(lane, 40)
+        open_lane(engine, lane, 40)
         resumed = engine.forward([(lane, 0, tuple(history[:length]))])[0]
         if not torch.equal(resumed, step_logits[length - len(PROMPT)]):
             differing.append(length)
@@ -52,7 +53,7 @@ def test_a_short_prompt_resumed_by_re_prefill_gives_the_logits_of_its_decode_ste
 
 def test_only_the_drafts_a_verify_fed_may_be_cut_back(tmp_path):
     engine = tiny_engine(tmp_path, 256)
-    assert engine.admit(0, 40)
+    open_lane(engine, 0, 40)
     engine.forward([(0, 0, PROMPT)])
     with pytest.raises(EngineError):  # no Verify yet: a stale position is a host bug, not a cut
         engine.decode_round([(0, len(PROMPT) - 1, (7,))])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from engine_lanes import open_lane
 from multiproc import RankPool, world_collectives
 from safetensors.torch import load_file, save_file
 from tiny_models import VARIANTS, write_tiny_model
@@ -60,7 +61,7 @@ def run_streams(
     kv = KVPool(model.config.num_layers, 512, model.kv_heads_per_piece(), model.config.head_dim, pool_dtype)
     engine = Engine(model, kv)
     for lane in range(len(prompts)):
-        assert engine.admit(lane, 100)
+        open_lane(engine, lane, 100)
     logits = engine.forward([(lane, 0, prompt) for lane, prompt in enumerate(prompts)])
     return decode_steps(engine, logits, [len(p) for p in prompts], samplings, tp_rank, tp_size)
 

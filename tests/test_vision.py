@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_lanes import open_lane
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -70,7 +71,7 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
     engine = Engine(model, kv)
     spans, media_rows, media = [], [], []
     for lane, (prompt, image) in enumerate(zip(prompts, images)):
-        assert engine.admit(lane, 200)
+        open_lane(engine, lane, 200)
         spans.append((lane, 0, prompt))
         prompt_images = ()
         if image is not None:

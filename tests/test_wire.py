@@ -12,12 +12,11 @@ from tpserve.ranks.wire import (
     INLINE_SIZE,
     MAX_PAYLOAD_SIZE,
     Admit,
-    Evict,
+    Bundle,
     Idle,
-    Keep,
+    Mixed,
     Prefill,
     Release,
-    Restore,
     Round,
     Span,
     Step,
@@ -44,20 +43,31 @@ def spans(draw):
         length = draw(st.integers(min_value=1, max_value=len(tokens) - offset))
         runs.append((offset, length))
         at = offset + length
-    return Span(draw(counts), draw(counts), tokens, tuple(runs))
+    return Span(draw(counts), draw(counts), tokens, tuple(runs), draw(block_lists))
 
 
-steps = st.builds(Step, lane=counts, position=counts, token_id=int64s)
+block_lists = st.lists(counts, max_size=6).map(tuple)
+steps = st.builds(Step, lane=counts, position=counts, token_id=int64s, blocks=block_lists)
 
-messages = st.one_of(
-    st.builds(Admit, lane=counts, reserve_tokens=counts),
+bundled = st.one_of(
+    st.builds(Admit, lane=counts, blocks=block_lists, num_cached=counts),
     st.builds(Prefill, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Round, steps=st.lists(steps, max_size=64).map(tuple)),
     st.builds(Verify, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Release, lane=counts),
-    st.builds(Keep, lane=counts, num_tokens=counts, entry_id=int64s),
-    st.builds(Restore, lane=counts, entry_id=int64s, num_tokens=counts),
-    st.builds(Evict, entry_id=int64s),
+)
+mixed = st.builds(
+    Mixed,
+    round=st.one_of(
+        st.builds(Round, steps=st.lists(steps, max_size=16).map(tuple)),
+        st.builds(Verify, spans=st.lists(spans(), max_size=8).map(tuple)),
+    ),
+    prefill=st.builds(Prefill, spans=st.tuples(spans())),
+)
+messages = st.one_of(
+    bundled,
+    mixed,
+    st.builds(Bundle, messages=st.lists(bundled, min_size=1, max_size=5).map(tuple)),
     st.just(Idle()),
     st.just(Stop()),
 )
@@ -78,16 +88,16 @@ def test_a_long_packed_prefill_goes_in_the_overflow():
     msg = Prefill(tuple(Span(lane, 17 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
     tensor = encode(msg, seq=9)
     head = read_head(tensor[:HEAD_SIZE])
-    assert head.payload_size == 1 + 16 * (4 + 500)  # lane, start, tokens, media runs
+    assert head.payload_size == 1 + 16 * (5 + 500)  # lane, start, tokens, media runs, blocks
     assert head.overflow_size == head.payload_size - INLINE_SIZE
     assert decode(tensor) == msg
 
 
 def test_a_payload_that_just_fits_inline_has_no_overflow():
-    msg = Round(tuple(Step(lane, 100 + lane, 7) for lane in range(INLINE_SIZE // 3)))
+    msg = Round(tuple(Step(lane, 100 + lane, 7) for lane in range(INLINE_SIZE // 4)))
     assert encode(msg).numel() == HEAD_SIZE
     longer = Round((*msg.steps, Step(99, 1, 2)))
-    assert encode(longer).numel() == HEAD_SIZE + 3 * (len(longer.steps)) - INLINE_SIZE
+    assert encode(longer).numel() == HEAD_SIZE + 4 * (len(longer.steps)) - INLINE_SIZE
     assert decode(encode(longer)) == longer
 
 
@@ -100,15 +110,24 @@ def test_lists_are_accepted_and_frozen_as_tuples():
 @pytest.mark.parametrize(
     "msg, problem",
     [
-        (Admit(0, 1.5), "integer"),
+        (Admit(0, (1.5,)), "integer"),
         (Release("3"), "integer"),
-        (Evict(1 << 63), "int64"),
+        (Release(1 << 63), "int64"),
         (Round((Step(0, 0, -(1 << 64)),)), "int64"),
     ],
 )
 def test_values_that_are_not_int64_are_refused(msg, problem):
     with pytest.raises(WireError, match=problem):
         encode(msg)
+
+
+def test_a_bundle_carries_no_idle_nor_another_bundle():
+    with pytest.raises(WireError, match="cannot carry Idle"):
+        encode(Bundle((Release(0), Idle())))
+    tensor = encode(Bundle((Release(3),))).clone()
+    tensor[4] = Idle.KIND  # the inner message's kind
+    with pytest.raises(WireError, match="kind 8"):
+        decode(tensor)
 
 
 def test_a_non_message_is_refused():
@@ -128,29 +147,33 @@ def _tampered(msg, index, value):
     "tensor, problem",
     [
         (_tampered(Idle(), 0, 12345), "bad magic"),
-        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 4"),
+        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 5"),
         (_tampered(Idle(), 1, 77), "unknown message kind 77"),
         (_tampered(Idle(), 2, -4), "negative sequence"),
         (_tampered(Idle(), 3, MAX_PAYLOAD_SIZE + 1), "payload size"),
         (_tampered(Release(4), 3, 2), "Release payload holds 1 ints, got 2"),
-        (_tampered(Round((Step(1, 2, 3),)), 3, 4), "3 ints per step"),
+        (_tampered(Round((Step(1, 2, 3),)), 3, 3), "step 0 runs past"),
+        (_tampered(Round((Step(1, 2, 3, (4,)),)), 7, 2), "claims 2 blocks"),
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 7, 9), "claims 9 tokens"),
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 4, 2), "runs past"),
         (
-            _tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 5),
-            "claims 2 tokens and 0 media runs; the payload has 0",
+            _tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 6),
+            "claims 2 tokens, 0 media runs and 0 blocks; the payload has 0",
         ),
         (
-            _tampered(Prefill((Span(0, 0, (5, 6), ((0, 1),)),)), 12, 3),
+            _tampered(Prefill((Span(0, 0, (5, 6), ((0, 1),)),)), 13, 3),
             r"media run \(0, 3\) outside its 2 tokens",
         ),
         (_tampered(Prefill(()), 3, 0), "starts with its number of spans"),
         (_tampered(Prefill(()), 4, -1), "-1 spans"),
         (encode(Idle())[: HEAD_SIZE - 1], f"holds {HEAD_SIZE} ints"),
-        (encode(Round(tuple(Step(i, i, i) for i in range(30))))[:-1], "takes .* ints on the wire"),
-        (torch.cat([encode(Idle()), torch.zeros(2, dtype=torch.int64)]), "takes 64 ints on the wire, got 66"),
+        (encode(Round(tuple(Step(i, i, i) for i in range(40))))[:-1], "takes .* ints on the wire"),
+        (
+            torch.cat([encode(Idle()), torch.zeros(2, dtype=torch.int64)]),
+            "takes 128 ints on the wire, got 130",
+        ),
         (encode(Idle()).to(torch.int32), "1-D int64"),
-        (encode(Idle()).reshape(8, 8), "1-D int64"),
+        (encode(Idle()).reshape(16, 8), "1-D int64"),
     ],
 )
 def test_malformed_tensors_raise_a_clear_wire_error(tensor, problem):

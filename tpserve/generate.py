@@ -49,6 +49,16 @@ def single_stream_leader(settings: EngineSettings) -> Iterator[Leader]:
             leader.stop()  # Stop to the followers, unless the engine broke
 
 
+def open_single_lane(leader: Leader, lane: int, num_tokens: int) -> bool:
+    """Open `lane`, a leader's only stream, with blocks for `num_tokens` positions (the pool's first
+    blocks: no other lane holds any). False when the room is too small."""
+    num_blocks = -(-num_tokens // leader.block_size)
+    if num_blocks > leader.num_blocks:
+        return False
+    leader.open(lane, tuple(range(num_blocks)), 0)
+    return True
+
+
 def generate_tokens(
     settings: EngineSettings, jobs: list[tuple[list[int], SamplingParams]], max_tokens: int, eos_ids
 ) -> list[Generation]:
@@ -58,7 +68,7 @@ def generate_tokens(
 
 
 def _one_stream(leader: Leader, prompt_ids, max_tokens, sampling, eos_ids) -> Generation:
-    if not leader.open(LANE, len(prompt_ids) + max_tokens):
+    if not open_single_lane(leader, LANE, len(prompt_ids) + max_tokens):
         raise UserError(f"no room for {len(prompt_ids) + max_tokens} tokens (room {leader.room})")
     chunk = leader.max_prefill_tokens
     token = None
@@ -123,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         num_lanes=1,
         context_size=len(prompt_ids) + args.max_tokens,
         batch_invariant=False if args.no_batch_invariant else None,  # None: the device's default
-        cache_budget_bytes=0,  # one prompt: nothing to keep for a later one
+        prefix_caching=False,  # one prompt: nothing to keep for a later one
     )
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     (result,) = generate_tokens(settings, [(prompt_ids, sampling)], args.max_tokens, tokenizer.eos_ids)

@@ -10,6 +10,11 @@
  * other rows of the pass, how the pass is cut into spans, or which rows share a block: a row has the
  * same bits alone, in a decode round, in a Verify, in a chunk or in a whole prefill.
  *
+ * A span's keys live in KV blocks of block_size consecutive pool slots, named by its block table in
+ * position order; runs_of() merges the blocks that happen to lie side by side into runs, and every
+ * loop reads a run's keys as one contiguous stretch, keys still in order 0..p. A key's score and its
+ * place in each sum are those of the contiguous layout, so the table changes no bit.
+ *
  * Rows are blocked for speed only: BLOCK_TOKENS consecutive tokens of a span under one KV head, with
  * their `group` query heads, make a row block, whose rows the vector paths' values step sums
  * together, sharing each value as it is loaded.
@@ -40,6 +45,44 @@
 #define MAX_HEAD_DIM 512             /* native_attention.py's MAX_HEAD_DIM: a key row on the stack */
 
 enum { PATH_PLAIN = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+
+/* Keys first .. first + count - 1 of a span, in pool slots slot .. slot + count - 1. A span's runs are
+ * in key order and end in a sentinel (first: the span's key count, count: past any key). */
+typedef struct {
+    int64_t first, count, slot;
+} kv_run;
+
+#define SENTINEL_COUNT (INT64_MAX / 4)
+
+/* The runs of a span's num_keys keys, merging consecutive blocks; returns how many (sentinel not
+ * counted). runs holds at least ceil(num_keys / block_size) + 1. */
+static int64_t runs_of(const int64_t *blocks, int64_t block_size, int64_t num_keys, kv_run *runs) {
+    int64_t num_runs = 0;
+    for (int64_t key = 0; key < num_keys; key += block_size) {
+        int64_t slot = blocks[key / block_size] * block_size;
+        int64_t count = num_keys - key < block_size ? num_keys - key : block_size;
+        if (num_runs && runs[num_runs - 1].slot + runs[num_runs - 1].count == slot)
+            runs[num_runs - 1].count += count;
+        else runs[num_runs++] = (kv_run){key, count, slot};
+    }
+    runs[num_runs] = (kv_run){num_keys, SENTINEL_COUNT, 0};
+    return num_runs;
+}
+
+/* The run holding key j (j at most the span's key count: then the sentinel). */
+static inline const kv_run *run_of(const kv_run *runs, int64_t j) {
+    while (runs->first + runs->count <= j) runs++;
+    return runs;
+}
+
+/* Keys j = from .. to - 1 in order, `at` the element index of key j's row in its head (+ offset):
+ * a pointer step per key inside a run, a lookup per run. */
+#define FOR_KEYS(runs, from, to, j, at, offset)                                                          \
+    for (const kv_run *run_ = run_of(runs, from); run_->first < (to); run_++)                             \
+        for (int64_t j = (from) > run_->first ? (from) : run_->first,                                    \
+                     stop_ = (to) < run_->first + run_->count ? (to) : run_->first + run_->count,        \
+                     at = (run_->slot + j - run_->first) * head_dim + (offset);                           \
+             j < stop_; j++, at += head_dim)
 
 /* exp(x) for x <= 0 (a score less its row's maximum), about 2 ulp: Cody-Waite reduction by ln 2
  * and a degree-6 polynomial (Cephes' expf), then 2^n put in the exponent bits. */
@@ -89,15 +132,16 @@ static float softmax_tail(float *restrict row, int j, int n, float m, float *par
  * softmax: a row's n scores become w_j = exp(s_j - max s); returns their total, 16 partial sums by
  * j mod 16 closed by the tree (the maximum is exact whichever order finds it, and a zero's sign
  * there cannot change a w_j). values: out[r] = (sum_j w[r][j] v_j, keys 0 .. n[r] - 1 in order,
- * from zero) / total[r], for rows whose key counts n[] rise. */
+ * from zero) / total[r], for rows whose key counts n[] rise, key j's value found through runs from
+ * v_head (the head's slot 0). scores reads n keys in consecutive slots from `keys` (one run). */
 typedef struct {
     void (*widen)(const _Float16 *from, int64_t n, float *to); /* float16 keys or values to float32 */
     /* keys and v_head are float16 where half (a path with value_chunk reads them so itself, for
      * head_dim a multiple of value_chunk; else they are widened to float32 first) */
     void (*scores)(const float *row, const void *keys, int half, int n, int head_dim, float scale, float *out);
     float (*softmax)(float *row, int n);
-    void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const void *v_head,
-                   int half, int head_dim, float *const *out);
+    void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const kv_run *runs,
+                   const void *v_head, int half, int head_dim, float *const *out);
     int value_chunk; /* floats of a value row values() takes at once; 0: float32 only */
 } path_steps;
 
@@ -125,14 +169,14 @@ static float softmax_plain(float *row, int n) {
 }
 
 static void values_plain(int num_rows, const float *const *w, const int *n, const float *total,
-                         const void *values, int half, int head_dim, float *const *out) {
+                         const kv_run *runs, const void *values, int half, int head_dim, float *const *out) {
     const float *v_head = values; /* half is 0 here: value_chunk 0 */
     (void)half;
     for (int r = 0; r < num_rows; r++) {
         float *o = out[r];
         memset(o, 0, sizeof(float) * head_dim);
-        for (int j = 0; j < n[r]; j++) {
-            const float *v = v_head + (int64_t)j * head_dim;
+        FOR_KEYS(runs, 0, n[r], j, at, 0) {
+            const float *v = v_head + at;
             for (int d = 0; d < head_dim; d++) o[d] = fmaf(w[r][j], v[d], o[d]);
         }
         for (int d = 0; d < head_dim; d++) o[d] /= total[r];
@@ -237,21 +281,19 @@ A512 static float softmax_512(float *row, int n) {
 
 /* values for R rows (a constant at each call, so that acc stays in registers), 64 floats from d0. */
 A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, const float *total,
-                              const void *v_head, const int half, int head_dim, int d0, float *const *out) {
+                              const kv_run *runs, const void *v_head, const int half, int head_dim, int d0,
+                              float *const *out) {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-    int j = 0;
-    for (; j < n[0]; j++) { /* keys every row sees */
-        int64_t v = (int64_t)j * head_dim + d0;
+    FOR_KEYS(runs, 0, n[0], j, v, d0) { /* keys every row sees */
         for (int c = 0; c < 4; c++) {
             __m512 vc = load16(v_head, v + 16 * c, half);
             for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), vc, acc[r][c]);
         }
     }
     for (int r = 1; r < R; r++) /* the later tokens' own keys */
-        for (int jr = j; jr < n[r]; jr++) {
-            int64_t v = (int64_t)jr * head_dim + d0;
+        FOR_KEYS(runs, n[0], n[r], jr, v, d0) {
             for (int c = 0; c < 4; c++)
                 acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][jr]), load16(v_head, v + 16 * c, half), acc[r][c]);
         }
@@ -261,12 +303,12 @@ A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, 
 }
 
 /* R and half constants at each call, so that acc stays in registers and the loads are one kind. */
-#define VALUES_512(R, HALF) values_by_64(R, w + r0, n + r0, total + r0, v_head, HALF, head_dim, d0, out + r0)
+#define VALUES_512(R, HALF) values_by_64(R, w + r0, n + r0, total + r0, runs, v_head, HALF, head_dim, d0, out + r0)
 
 A512 static void values_512(int num_rows, const float *const *w, const int *n, const float *total,
-                            const void *v_head, int half, int head_dim, float *const *out) {
+                            const kv_run *runs, const void *v_head, int half, int head_dim, float *const *out) {
     if (head_dim % 64) { /* half is 0 here (value_chunk) */
-        values_plain(num_rows, w, n, total, v_head, 0, head_dim, out);
+        values_plain(num_rows, w, n, total, runs, v_head, 0, head_dim, out);
         return;
     }
     for (int r0 = 0; r0 < num_rows; r0 += 4) {
@@ -390,21 +432,19 @@ A256 static float softmax_256(float *row, int n) {
 
 /* values for R rows (a constant at each call), 32 floats from d0. */
 A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, const float *total,
-                              const void *v_head, const int half, int head_dim, int d0, float *const *out) {
+                              const kv_run *runs, const void *v_head, const int half, int head_dim, int d0,
+                              float *const *out) {
     __m256 acc[3][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
-    int j = 0;
-    for (; j < n[0]; j++) {
-        int64_t v = (int64_t)j * head_dim + d0;
+    FOR_KEYS(runs, 0, n[0], j, v, d0) {
         for (int c = 0; c < 4; c++) {
             __m256 vc = load8(v_head, v + 8 * c, half);
             for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), vc, acc[r][c]);
         }
     }
     for (int r = 1; r < R; r++)
-        for (int jr = j; jr < n[r]; jr++) {
-            int64_t v = (int64_t)jr * head_dim + d0;
+        FOR_KEYS(runs, n[0], n[r], jr, v, d0) {
             for (int c = 0; c < 4; c++)
                 acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][jr]), load8(v_head, v + 8 * c, half), acc[r][c]);
         }
@@ -413,12 +453,12 @@ A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, 
             _mm256_storeu_ps(out[r] + d0 + 8 * c, _mm256_div_ps(acc[r][c], _mm256_set1_ps(total[r])));
 }
 
-#define VALUES_256(R, HALF) values_by_32(R, w + r0, n + r0, total + r0, v_head, HALF, head_dim, d0, out + r0)
+#define VALUES_256(R, HALF) values_by_32(R, w + r0, n + r0, total + r0, runs, v_head, HALF, head_dim, d0, out + r0)
 
 A256 static void values_256(int num_rows, const float *const *w, const int *n, const float *total,
-                            const void *v_head, int half, int head_dim, float *const *out) {
+                            const kv_run *runs, const void *v_head, int half, int head_dim, float *const *out) {
     if (head_dim % 32) { /* half is 0 here (value_chunk) */
-        values_plain(num_rows, w, n, total, v_head, 0, head_dim, out);
+        values_plain(num_rows, w, n, total, runs, v_head, 0, head_dim, out);
         return;
     }
     for (int r0 = 0; r0 < num_rows; r0 += 3) {
@@ -468,8 +508,21 @@ int tp_attention_path(int path) {
     return chosen_path = path;
 }
 
-/* spans: num_spans x (offset, base, start, length): rows offset.. of q, the lane's first pool slot,
- * the first token's position, its number of tokens.
+/* A row's scores over keys 0 .. n - 1: a scores() call per run (a key's score is its own, whichever
+ * keys share the call). element: bytes of a pool element from k_head. */
+static void scores_of(const path_steps *steps, const float *row, const kv_run *runs, const char *k_head,
+                      size_t element, int half, int n, int head_dim, float scale, float *out) {
+    for (const kv_run *run = runs; run->first < n; run++) {
+        int count = n - run->first < run->count ? (int)(n - run->first) : (int)run->count;
+        steps->scores(row, k_head + run->slot * head_dim * (int64_t)element, half, count, head_dim, scale,
+                      out + run->first);
+    }
+}
+
+/* spans: num_spans x (offset, table, start, length): rows offset.. of q, where the span's block table
+ * begins in blocks, the first token's position, its number of tokens. blocks: the block tables, a
+ * span's keys 0 .. start + length - 1 in blocks[table + p / block_size] at slot p % block_size of it
+ * (pool slots b * block_size ..).
  * q: [T, num_kv_heads * group, head_dim], row stride q_stride floats per token;
  * keys, values: [num_kv_heads, slots, head_dim] (head stride head_stride elements), float32, or
  * float16 where kv_half (read so by a vector path, else each span widened once, exactly, to float32);
@@ -477,7 +530,8 @@ int tp_attention_path(int path) {
  * rows of q before it writes its rows of out). Returns 0, or -1 if out of memory. */
 int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const void *values,
                       int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
-                      const int64_t *spans, int num_spans, float scale, float *out) {
+                      const int64_t *spans, int num_spans, const int64_t *blocks, int64_t block_size,
+                      float scale, float *out) {
     if (chosen_path < 0) tp_attention_path(-1);
     const path_steps *steps = &PATHS[chosen_path];
     int64_t max_keys = 1;
@@ -486,27 +540,36 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
         if (end > max_keys) max_keys = end;
     }
     float *scores = malloc(sizeof(float) * BLOCK_TOKENS * group * max_keys);
-    /* a path that reads float16 itself does; any other gets each span widened to float32 first */
+    kv_run *runs = malloc(sizeof(kv_run) * ((max_keys + block_size - 1) / block_size + 1));
+    /* a path that reads float16 itself does; any other gets each span widened to float32 first,
+     * its keys in order 0.. (one run) */
     int widen = kv_half && !(steps->value_chunk && head_dim % steps->value_chunk == 0);
     int half = kv_half && !widen;
     float *wide = widen ? malloc(sizeof(float) * 2 * max_keys * head_dim) : NULL;
-    if (!scores || (widen && !wide)) {
+    if (!scores || !runs || (widen && !wide)) {
         free(scores);
+        free(runs);
         free(wide);
         return -1;
     }
     int num_heads = num_kv_heads * group;
     size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
     for (int s = 0; s < num_spans; s++) {
-        int64_t offset = spans[4 * s], base = spans[4 * s + 1], start = spans[4 * s + 2];
+        int64_t offset = spans[4 * s], table = spans[4 * s + 1], start = spans[4 * s + 2];
         int64_t length = spans[4 * s + 3];
+        runs_of(blocks + table, block_size, start + length, runs);
+        kv_run whole[2] = {{0, start + length, 0}, {start + length, SENTINEL_COUNT, 0}};
+        const kv_run *key_runs = widen ? whole : runs;
+        size_t key_element = widen ? sizeof(float) : element;
         for (int h = 0; h < num_kv_heads; h++) {
-            int64_t at = h * head_stride + base * head_dim;
+            int64_t at = h * head_stride;
             const void *k_head = (const char *)keys + at * element, *v_head = (const char *)values + at * element;
             if (widen) {
-                int64_t num = (start + length) * head_dim;
-                steps->widen((const _Float16 *)keys + at, num, wide);
-                steps->widen((const _Float16 *)values + at, num, wide + max_keys * head_dim);
+                for (const kv_run *run = runs; run->first < start + length; run++) {
+                    int64_t from = at + run->slot * head_dim, num = run->count * head_dim;
+                    steps->widen((const _Float16 *)keys + from, num, wide + run->first * head_dim);
+                    steps->widen((const _Float16 *)values + from, num, wide + (max_keys + run->first) * head_dim);
+                }
                 k_head = wide;
                 v_head = wide + max_keys * head_dim;
             }
@@ -523,17 +586,18 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
                     int64_t token = offset + t0 + r / group, head = h * group + r % group;
                     float *row_scores = scores + r * max_keys;
                     n[r] = (int)(first + r / group + 1);
-                    steps->scores(q + token * q_stride + head * head_dim, k_head, half, n[r], head_dim, scale,
-                                  row_scores);
+                    scores_of(steps, q + token * q_stride + head * head_dim, key_runs, (const char *)k_head,
+                              key_element, half, n[r], head_dim, scale, row_scores);
                     totals[r] = steps->softmax(row_scores, n[r]);
                     w[r] = row_scores;
                     o[r] = out + (token * num_heads + head) * head_dim;
                 }
-                steps->values(num_rows, w, n, totals, v_head, half, head_dim, o);
+                steps->values(num_rows, w, n, totals, key_runs, v_head, half, head_dim, o);
             }
         }
     }
     free(scores);
+    free(runs);
     free(wide);
     return 0;
 }
@@ -562,13 +626,16 @@ static void store_row(const float *restrict row, int head_dim, int kv_half, void
  * written to the pool at their slots, then every span's attention (tp_span_attention). The rotated
  * q is kept in `out`, which each row block reads before it writes its own rows there.
  * q, k, v: [T, heads, head_dim] rows of token stride q_stride, k_stride, v_stride (views of the
- * fused product); cos, sin: [T, head_dim]; slots: [num_real] (the pass's real tokens; rows past
- * them are padding, neither stored nor attended). head_dim is at most MAX_HEAD_DIM. */
+ * fused product); cos, sin: [T, head_dim]; slots: [num_real] pool slots (kernels/attention.py
+ * kv_slots: each token's through its span's block table) of the pass's real tokens (rows past them
+ * are padding, neither stored nor attended); spans, blocks: as tp_span_attention reads them. head_dim
+ * is at most MAX_HEAD_DIM. */
 int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                            const float *v, int64_t v_stride, const float *cos, const float *sin,
                            const int64_t *slots, int64_t num_real, void *pool_k, void *pool_v,
                            int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
-                           const int64_t *spans, int num_spans, float scale, float *out) {
+                           const int64_t *spans, int num_spans, const int64_t *blocks, int64_t block_size,
+                           float scale, float *out) {
     int num_heads = num_kv_heads * group;
     size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
     float rotated[MAX_HEAD_DIM];
@@ -585,5 +652,5 @@ int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int
         }
     }
     return tp_span_attention(out, (int64_t)num_heads * head_dim, pool_k, pool_v, head_stride, kv_half,
-                             num_kv_heads, group, head_dim, spans, num_spans, scale, out);
+                             num_kv_heads, group, head_dim, spans, num_spans, blocks, block_size, scale, out);
 }
