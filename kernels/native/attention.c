@@ -133,12 +133,14 @@ static float softmax_tail(float *restrict row, int j, int n, float m, float *par
  * j mod 16 closed by the tree (the maximum is exact whichever order finds it, and a zero's sign
  * there cannot change a w_j). values: out[r] = (sum_j w[r][j] v_j, keys 0 .. n[r] - 1 in order,
  * from zero) / total[r], for rows whose key counts n[] rise, key j's value found through runs from
- * v_head (the head's slot 0). scores reads n keys in consecutive slots from `keys` (one run). */
+ * v_head (the head's slot 0), as scores finds key j from `keys`: each path loops over the runs itself,
+ * so that a run of a block's keys costs a pointer, not a call. */
 typedef struct {
     void (*widen)(const _Float16 *from, int64_t n, float *to); /* float16 keys or values to float32 */
     /* keys and v_head are float16 where half (a path with value_chunk reads them so itself, for
      * head_dim a multiple of value_chunk; else they are widened to float32 first) */
-    void (*scores)(const float *row, const void *keys, int half, int n, int head_dim, float scale, float *out);
+    void (*scores)(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim, float scale,
+                   float *out);
     float (*softmax)(float *row, int n);
     void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const kv_run *runs,
                    const void *v_head, int half, int head_dim, float *const *out);
@@ -157,9 +159,12 @@ static inline float score(const float *row, const void *keys, int half, int64_t 
     return dot(row, key, head_dim) * scale;
 }
 
-static void scores_plain(const float *row, const void *keys, int half, int n, int head_dim, float scale,
-                         float *out) {
-    for (int j = 0; j < n; j++) out[j] = score(row, keys, half, j, head_dim, scale);
+static void scores_plain(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim,
+                         float scale, float *out) {
+    for (const kv_run *run = runs; run->first < n; run++) {
+        int64_t count = n - run->first < run->count ? n - run->first : run->count;
+        for (int64_t j = 0; j < count; j++) out[run->first + j] = score(row, keys, half, run->slot + j, head_dim, scale);
+    }
 }
 
 static float softmax_plain(float *row, int n) {
@@ -252,14 +257,18 @@ A512 static void widen_512(const _Float16 *from, int64_t n, float *to) {
     widen_plain(from + i, n - i, to + i);
 }
 
-A512 static void scores_512(const float *row, const void *keys, int half, int n, int head_dim, float scale,
-                            float *out) {
-    int j = 0;
-    for (; j + 16 <= n; j += 16) {
-        if (half) scores_by_16(row, keys, (int64_t)j * head_dim, 1, head_dim, scale, out + j);
-        else scores_by_16(row, keys, (int64_t)j * head_dim, 0, head_dim, scale, out + j);
+A512 static void scores_512(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim,
+                            float scale, float *out) {
+    for (const kv_run *run = runs; run->first < n; run++) {
+        int64_t count = n - run->first < run->count ? n - run->first : run->count, j = 0;
+        float *o = out + run->first;
+        for (; j + 16 <= count; j += 16) {
+            int64_t at = (run->slot + j) * head_dim;
+            if (half) scores_by_16(row, keys, at, 1, head_dim, scale, o + j);
+            else scores_by_16(row, keys, at, 0, head_dim, scale, o + j);
+        }
+        for (; j < count; j++) o[j] = score(row, keys, half, run->slot + j, head_dim, scale);
     }
-    for (; j < n; j++) out[j] = score(row, keys, half, j, head_dim, scale);
 }
 
 A512 static float softmax_512(float *row, int n) {
@@ -286,6 +295,7 @@ A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, 
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    const kv_run *tail = R > 1 ? run_of(runs, n[0]) : runs; /* where the later rows' own keys begin */
     FOR_KEYS(runs, 0, n[0], j, v, d0) { /* keys every row sees */
         for (int c = 0; c < 4; c++) {
             __m512 vc = load16(v_head, v + 16 * c, half);
@@ -293,7 +303,7 @@ A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, 
         }
     }
     for (int r = 1; r < R; r++) /* the later tokens' own keys */
-        FOR_KEYS(runs, n[0], n[r], jr, v, d0) {
+        FOR_KEYS(tail, n[0], n[r], jr, v, d0) {
             for (int c = 0; c < 4; c++)
                 acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][jr]), load16(v_head, v + 16 * c, half), acc[r][c]);
         }
@@ -398,14 +408,18 @@ A256 INLINE void scores_by_8(const float *row, const void *keys, int64_t at, con
     _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
 }
 
-A256 static void scores_256(const float *row, const void *keys, int half, int n, int head_dim, float scale,
-                            float *out) {
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        if (half) scores_by_8(row, keys, (int64_t)j * head_dim, 1, head_dim, scale, out + j);
-        else scores_by_8(row, keys, (int64_t)j * head_dim, 0, head_dim, scale, out + j);
+A256 static void scores_256(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim,
+                            float scale, float *out) {
+    for (const kv_run *run = runs; run->first < n; run++) {
+        int64_t count = n - run->first < run->count ? n - run->first : run->count, j = 0;
+        float *o = out + run->first;
+        for (; j + 8 <= count; j += 8) {
+            int64_t at = (run->slot + j) * head_dim;
+            if (half) scores_by_8(row, keys, at, 1, head_dim, scale, o + j);
+            else scores_by_8(row, keys, at, 0, head_dim, scale, o + j);
+        }
+        for (; j < count; j++) o[j] = score(row, keys, half, run->slot + j, head_dim, scale);
     }
-    for (; j < n; j++) out[j] = score(row, keys, half, j, head_dim, scale);
 }
 
 A256 static float softmax_256(float *row, int n) {
@@ -437,6 +451,7 @@ A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, 
     __m256 acc[3][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    const kv_run *tail = R > 1 ? run_of(runs, n[0]) : runs;
     FOR_KEYS(runs, 0, n[0], j, v, d0) {
         for (int c = 0; c < 4; c++) {
             __m256 vc = load8(v_head, v + 8 * c, half);
@@ -444,7 +459,7 @@ A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, 
         }
     }
     for (int r = 1; r < R; r++)
-        FOR_KEYS(runs, n[0], n[r], jr, v, d0) {
+        FOR_KEYS(tail, n[0], n[r], jr, v, d0) {
             for (int c = 0; c < 4; c++)
                 acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][jr]), load8(v_head, v + 8 * c, half), acc[r][c]);
         }
@@ -508,17 +523,6 @@ int tp_attention_path(int path) {
     return chosen_path = path;
 }
 
-/* A row's scores over keys 0 .. n - 1: a scores() call per run (a key's score is its own, whichever
- * keys share the call). element: bytes of a pool element from k_head. */
-static void scores_of(const path_steps *steps, const float *row, const kv_run *runs, const char *k_head,
-                      size_t element, int half, int n, int head_dim, float scale, float *out) {
-    for (const kv_run *run = runs; run->first < n; run++) {
-        int count = n - run->first < run->count ? (int)(n - run->first) : (int)run->count;
-        steps->scores(row, k_head + run->slot * head_dim * (int64_t)element, half, count, head_dim, scale,
-                      out + run->first);
-    }
-}
-
 /* spans: num_spans x (offset, table, start, length): rows offset.. of q, where the span's block table
  * begins in blocks, the first token's position, its number of tokens. blocks: the block tables, a
  * span's keys 0 .. start + length - 1 in blocks[table + p / block_size] at slot p % block_size of it
@@ -560,7 +564,6 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
         runs_of(blocks + table, block_size, start + length, runs);
         kv_run whole[2] = {{0, start + length, 0}, {start + length, SENTINEL_COUNT, 0}};
         const kv_run *key_runs = widen ? whole : runs;
-        size_t key_element = widen ? sizeof(float) : element;
         for (int h = 0; h < num_kv_heads; h++) {
             int64_t at = h * head_stride;
             const void *k_head = (const char *)keys + at * element, *v_head = (const char *)values + at * element;
@@ -586,8 +589,8 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
                     int64_t token = offset + t0 + r / group, head = h * group + r % group;
                     float *row_scores = scores + r * max_keys;
                     n[r] = (int)(first + r / group + 1);
-                    scores_of(steps, q + token * q_stride + head * head_dim, key_runs, (const char *)k_head,
-                              key_element, half, n[r], head_dim, scale, row_scores);
+                    steps->scores(q + token * q_stride + head * head_dim, key_runs, k_head, half, n[r], head_dim,
+                                  scale, row_scores);
                     totals[r] = steps->softmax(row_scores, n[r]);
                     w[r] = row_scores;
                     o[r] = out + (token * num_heads + head) * head_dim;
