@@ -38,7 +38,7 @@ class EngineSettings:
     # Full KV blocks shared by every prompt that starts the same way (server/kv_blocks.py).
     prefix_caching: bool = True
     # Tokens per KV block: the unit of room, admission and preemption (server/kv_blocks.py).
-    kv_block_size: int = 16
+    kv_block_size: int = 32  # bench/README.md, bench.attention --blocks: why 32
     max_prefill_tokens: int = 512
     batch_prefill: bool = True
     # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.

@@ -40,6 +40,7 @@ from tpserve.server.servicer import ServingInfo
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.wiring import LocalEngine, local_engine
 
+BLOCK = EngineSettings(model_dir="").kv_block_size  # cached prefixes are whole blocks
 EVENT_TIMEOUT_S = 30.0
 ROOMY_TOKENS = 2048  # the roomy pair's pool: every prefix these tests compute stays cached
 SMALL_TOKENS = 128  # eight blocks, not two prompts: new prompts evict the cached ones
@@ -218,7 +219,7 @@ class TestRoomyCache:
         served = pair.serve_alone(WARM_A)
         for req, (outcome, cached) in zip(WARM_A, served):
             # The shared history's whole blocks; the rest of the prompt was prefilled on top of them.
-            assert len(HISTORY_A) // 16 * 16 <= cached < len(req.prompt_ids)
+            assert len(HISTORY_A) // BLOCK * BLOCK <= cached < len(req.prompt_ids)
             assert outcome == cold[req]
         greedy, sampled_ = (outcome.reply.token_ids for outcome, _ in served)
         assert greedy != sampled_  # sampling really left the greedy path
@@ -234,7 +235,7 @@ class TestRoomyCache:
         assert joint.accepted and max(joint.accepted) >= 2
         for req, (outcome, cached) in zip(TOGETHER, served):
             history = HISTORY_A if req.prompt_ids[: len(HISTORY_A)] == HISTORY_A else HISTORY_B
-            assert len(history) // 16 * 16 <= cached < len(req.prompt_ids)
+            assert len(history) // BLOCK * BLOCK <= cached < len(req.prompt_ids)
             assert outcome == cold[req]
         assert pair.cache.hits == hits_before + len(TOGETHER)
         assert_books_balance(pair)
@@ -253,7 +254,7 @@ class TestRoomyCache:
             len(first.prompt_ids),
         )
         assert shared >= len(first.prompt_ids) - 1
-        assert cached >= shared // 16 * 16
+        assert cached >= shared // BLOCK * BLOCK
         assert second_outcome == cold[second]
         assert_books_balance(pair)
 
@@ -310,6 +311,6 @@ def test_the_benchmark_shares_the_history_and_finds_the_replies_identical(model_
     assert report["replies_identical"] is True and report["differing_rounds"] == []
     for cold_round, warm_round in zip(off["rounds"], on["rounds"]):
         assert cold_round["second_cached_tokens"] == 0
-        assert warm_round["second_cached_tokens"] >= (warm_round["first_prompt_tokens"] - 1) // 16 * 16
+        assert warm_round["second_cached_tokens"] >= (warm_round["first_prompt_tokens"] - 1) // BLOCK * BLOCK
         assert len(warm_round["second_reply"]) == 6
     assert on["cache_hits"] == 2 and report["second_first_token_ratio"] > 0

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import pytest
-from test_cache_pair import Outcome, Pair, assert_books_balance, started_pair
+from test_cache_pair import BLOCK, Outcome, Pair, assert_books_balance, started_pair
 from test_engine_pair import GREEDY, request, sampled
 
 from tpserve.ranks.settings import EngineSettings
@@ -100,7 +100,7 @@ def chat(default_model, tmp_path_factory) -> Iterator[Chat]:
 
 def test_a_chat_second_turn_shares_its_history_and_replies_as_cold(chat):
     for turn, (outcome, cached) in zip(chat.turns, chat.served):
-        assert 300 <= (len(chat.first.prompt_ids) - 1) // 16 * 16 <= cached < len(turn.prompt_ids)
+        assert 300 <= (len(chat.first.prompt_ids) - 1) // BLOCK * BLOCK <= cached < len(turn.prompt_ids)
         assert outcome.reply == chat.cold[turn].reply
     greedy, sampled_ = (outcome.reply.token_ids for outcome, _ in chat.served)
     assert greedy != sampled_  # sampling really left the greedy path

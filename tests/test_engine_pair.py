@@ -37,7 +37,7 @@ EVENT_TIMEOUT_S = 30.0
 # auto picks it (float16 where the C attention kernel serves, else float32).
 _POOL_DTYPE = kv_dtype("auto", choose_attention(True, 16, 2, torch.float32, "cpu"), torch.float32)
 RANK0_BYTES_PER_TOKEN = kv_bytes_per_token(2, [2], 16, _POOL_DTYPE)
-ROOM = 1504  # whole KV blocks of 16
+ROOM = 1504  # whole KV blocks of 32
 POISON = 300  # the follower refuses any prompt holding this token (EngineSettings.refuse_token_on_rank)
 GREEDY = SamplingParams()
 

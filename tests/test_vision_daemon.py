@@ -31,8 +31,19 @@ LLAVA_GOLDEN = [
 def served(tmp_path_factory):
     model_dir = write_tiny_llava(tmp_path_factory.mktemp("llava-model"))
     limits = [f"--{key.replace('_', '-')}={value}" for key, value in LLAVA_LIMITS.items()]
-    # Prompts go in passes of 16 tokens and the cache matches blocks of 16: both cut images.
-    args = ("--vision", "--context", "256", "--lanes", "4", "--max-prefill-tokens", "16", *limits)
+    # Prompts go in passes of 16 tokens and the cache shares blocks of 16: both cut images.
+    args = (
+        "--vision",
+        "--context",
+        "256",
+        "--lanes",
+        "4",
+        "--max-prefill-tokens",
+        "16",
+        "--kv-block-size",
+        "16",
+        *limits,
+    )
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("llava-logs"), *args) as daemon:
         daemon.model_name = Path(model_dir).name
         yield daemon
