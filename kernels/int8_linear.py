@@ -10,7 +10,7 @@ multiplied back by its absmax. A row thus comes out bit for bit the same alone, 
 inside a long prompt, and the same at tp=1 and tp=2 (a column-parallel piece sees whole rows; a
 row-parallel piece quantizes its own slice at either size). The start-up probe checks it here.
 One layer stays out of int8: down_proj, whose input has outlier channels that one scale per row
-rounds away; its weight goes to float16 (FBGEMM's float16 product, float32 sums), nearly lossless.
+rounds away; its weight goes to float16 (kernels/fp16_linear.py, float32 sums), nearly lossless.
 
 Why FBGEMM through torch's quantized ops (whose tensor API torch deprecates): on the x86 CPUs we
 measured it is 4-11x faster than float32 F.linear at SmolLM2's shapes, while torch's own int8 and
@@ -29,12 +29,22 @@ import warnings
 import torch
 
 from tpserve.kernels import native
+from tpserve.kernels.machine import cpu_flags
 
 ENGINE = "fbgemm"
-# Inputs in 8 bits, not torch's default 7: half the rounding step (SmolLM2: +3.4% perplexity against
-# +9.8% in 7 bits). On a CPU without VNNI, FBGEMM adds pairs of u8 x s8 products in int16, which can
-# saturate for a pair of extreme values: rare, and the same whatever the batch, so exactness holds.
-REDUCE_RANGE = False
+
+
+@functools.cache
+def reduce_range() -> bool:
+    """Whether inputs go in 7 bits (0..127) rather than 8: on a CPU without AVX-512 VNNI.
+
+    8 bits halve the rounding step (SmolLM2: +3.4% perplexity against +9.8% in 7 bits), and AVX-512
+    VNNI (vpdpbusd) adds u8 x s8 products straight into int32. Without it FBGEMM adds each pair of
+    products in int16 first (vpmaddubsw), which saturates past 32767: 2 x 255 x 127 can reach 64770.
+    On an AVX2 CPU (an AMD EPYC, family 23) about 1 pair in 600 did, a 5% error on a product (FBGEMM's
+    output is an emulation's with the saturated sums). In 7 bits a pair is at most 2 x 127 x 128 =
+    32512: no sum saturates, every integer is exact, by construction."""
+    return "avx512_vnni" not in cpu_flags()
 
 
 class QuantizeError(ValueError):
@@ -122,7 +132,7 @@ class Int8Weight(FbgemmWeight):
         else:
             absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
             rows = torch.cat((x / absmax, self._sentinel))
-        out = torch.ops.quantized.linear_dynamic(rows, self._packed, REDUCE_RANGE)[: x.shape[0]]
+        out = torch.ops.quantized.linear_dynamic(rows, self._packed, reduce_range())[: x.shape[0]]
         out = out.mul_(absmax)
         return out.add_(bias) if bias is not None else out
 
@@ -160,23 +170,3 @@ def _row_buffers(num_rows: int, num_cols: int, thread: int) -> tuple[torch.Tenso
     are spent before the product returns (its output is a new tensor), and a decode round's shapes
     repeat, so keeping them saves two allocations a product."""
     return torch.empty(num_rows + 1, num_cols), torch.empty(num_rows, 1)
-
-
-class Fp16Weight(FbgemmWeight):
-    """In float16, products in float32: for a layer whose input int8 rows cannot hold (down_proj).
-
-    FBGEMM's float16 product adds along the input in one order whatever the number of rows, so a
-    row is the same at any batch without tiles (the start-up probe checks it)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__(weight)
-        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
-        self.nbytes = 2 * self.shape[0] * self.shape[1]  # about: FBGEMM's packed layout is opaque
-
-    def dequantize(self) -> torch.Tensor:
-        return torch.ops.quantized.linear_unpack_fp16(self._packed)[0]
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        x = x if x.dtype == torch.float32 else x.float()
-        out = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
-        return out.add_(bias) if bias is not None else out

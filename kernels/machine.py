@@ -65,6 +65,11 @@ def describe_machine() -> str:
     )
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (avx2, avx512_vnni, ...); empty where unread."""
+    return _cpu_info()[1]
+
+
 def _cpu_info() -> tuple[str, set[str]]:
     model, flags, numbers = platform.processor() or platform.machine(), set(), {}
     try:

@@ -100,6 +100,7 @@ KERNELS = (
     "attention",
     "rms_norm",
     "int8_rows",
+    "fp16_linear",
     "q4_linear",
     "q4f_linear",
     "q5_linear",

@@ -1,7 +1,8 @@
 """The formats a weight can be served in, and which one "auto" picks on a device.
 
 - none: the checkpoint's floats (kernels/linear.py).
-- int8: int8 weights x int8 rows by FBGEMM, down_proj in float16 (kernels/int8_linear.py).
+- int8: int8 weights x int8 rows by FBGEMM (kernels/int8_linear.py), down_proj in float16
+  (kernels/fp16_linear.py).
 - int4: 4-bit blocks x 8-bit blocks by our C kernel, every linear layer (kernels/q4_linear.py):
   half int8's bytes, and the GGUF's own Q4_1 arithmetic; the head and the embedding in 8-bit blocks
   (kernels/q8_linear.py), one copy for both where they are tied. A GGUF's own blocks are served as
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available
+from tpserve.kernels.fp16_linear import Fp16Weight
+from tpserve.kernels.int8_linear import Int8Weight, QuantizeError, int8_available
 from tpserve.kernels.q4_linear import BLOCK, Q4Weight, q4_available, supported_paths
 from tpserve.kernels.q5_linear import q5_available
 from tpserve.kernels.q6_linear import q6_available

@@ -25,8 +25,11 @@ from bench.common import percentile
 from bench.concurrency import run_concurrency
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
 from bench.drafts import run_drafts
+from bench.fp16_linear import run_fp16_linear
 from bench.q6_linear import run_q6_linear
 from bench.q8_linear import run_q8_linear
+from tpserve.kernels.fp16_linear import supported_paths as fp16_paths
+from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.native_attention import attention_paths, native_unavailable
 from tpserve.ranks.model_config import load_model_config
 
@@ -133,6 +136,16 @@ def test_the_block_weight_benchmark_times_every_kind_and_the_embedding_lookup():
         assert set(r["ms"]) == {"int8", "q4", "q8"} and r["q8_over_int8"] > 0
         assert r["bytes"]["q8"] == 48 * 64 * 34 // 32 and r["bytes"]["q4"] == 48 * 64 * 5 // 8
     assert [r["ids"] for r in report["lookups"]] == [1, 16, 512]
+
+
+def test_the_float16_benchmark_times_the_kernel_against_the_products_it_replaced():
+    if not fp16_paths() or int8_available():
+        pytest.skip("needs the C float16 kernel and FBGEMM")
+    report = run_fp16_linear(rows=(1, 3), num_copies=2, num_passes=1, shapes=((48, 64),))
+    assert [(r["shape"], r["rows"]) for r in report["results"]] == [([48, 64], 1), ([48, 64], 3)]
+    for r in report["results"]:
+        assert set(r["ms"]) == {"fp16", "fbgemm", "fbgemm16", "float32"} and r["fp16_over_fbgemm"] > 0
+        assert r["bytes"]["fp16"] == 2 * 48 * 64 and r["bytes"]["float32"] == 4 * 48 * 64
 
 
 def test_the_attention_benchmark_times_every_path_this_cpu_runs():

@@ -31,7 +31,8 @@ from test_tp_exact import (
 from tiny_compressed_models import decompressed, float_twin, weight_args, write_compressed_checkpoint
 from tiny_models import WIDE, with_tensors
 
-from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight
+from tpserve.kernels.fp16_linear import Fp16Weight
+from tpserve.kernels.int8_linear import Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import ModelFileError

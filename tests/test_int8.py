@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_probe import tiny_rank
 
-from tpserve.kernels.int8_linear import Fp16Weight, Int8Weight, QuantizeError, int8_available
+from tpserve.kernels.fp16_linear import Fp16Weight
+from tpserve.kernels.int8_linear import Int8Weight, QuantizeError, int8_available
 from tpserve.kernels.linear import linear
 from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.errors import UserError

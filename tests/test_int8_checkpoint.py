@@ -26,7 +26,7 @@ from tiny_int8_models import (
 )
 from tiny_models import write_tiny_model
 
-from tpserve.kernels.int8_linear import Int8Weight, int8_available
+from tpserve.kernels.int8_linear import Int8Weight, int8_available, reduce_range
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import ModelFileError, UserError
 from tpserve.ranks.int8_tensors import StoredInt8
@@ -181,7 +181,9 @@ def test_the_logits_are_near_those_of_the_dequantized_float_model(tmp_path, fmt)
     first_int8, first_float = int8_logits[0], float_logits[0]  # the prompt's logits
     error = (first_int8 - first_float).norm() / first_float.norm()
     # Only the inputs' rounding (int8 per row) stands between them: the weights are the same numbers.
-    assert 0 < error < 0.05, f"int8 logits {error:.4f} away from the dequantized float model (relative)"
+    # In 7 bits where FBGEMM's product lacks AVX-512 VNNI (kernels/int8_linear.py's reduce_range).
+    bound = 0.15 if reduce_range() else 0.05
+    assert 0 < error < bound, f"int8 logits {error:.4f} away from the dequantized float model (relative)"
     assert torch.equal(first_int8.argmax(-1), first_float.argmax(-1))
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import VARIANTS, write_tiny_model
 
 from tpserve.kernels.attention_kernels import kv_dtype
+from tpserve.kernels.int8_linear import reduce_range
 from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
@@ -206,7 +207,12 @@ def on_the_4_bit_grid(model_dir: str) -> str:
     return model_dir
 
 
-@pytest.mark.parametrize(("quantize", "bound"), [("int8", 0.05), ("int4", 0.08)])
+# int8's inputs go in 7 bits where FBGEMM's product lacks AVX-512 VNNI (kernels/int8_linear.py's
+# reduce_range: 8 bits would saturate its int16 sums there): twice the rounding step.
+INT8_BOUND = 0.15 if reduce_range() else 0.05
+
+
+@pytest.mark.parametrize(("quantize", "bound"), [("int8", INT8_BOUND), ("int4", 0.08)])
 def test_quantized_logits_are_near_the_float_ones_but_not_the_same(tmp_path, quantize, bound):
     model_dir = on_the_4_bit_grid(str(write_tiny_model(tmp_path / "llama", "llama")))
     torch.set_num_threads(1)
