@@ -11,35 +11,12 @@ import base64
 import binascii
 from dataclasses import dataclass
 
-import grpc
-
-from tpserve.server.validation import MAX_SEED, RequestRefused
+from tpserve.server.openai_fields import CHAT, COMPLETION, FieldRefused, check_fields
+from tpserve.server.validation import MAX_SEED
 from tpserve.v1 import serving_pb2
 
 INT32_MAX = 2**31 - 1
 PART_TYPES = ("text", "image_url", "video_url", "input_audio")
-# Fields a client may send with their neutral value only: anything else would be silently ignored.
-NEUTRAL = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-}
-
-
-class FieldRefused(RequestRefused):
-    """A bad field of an OpenAI body: INVALID_ARGUMENT, and the field's name (the error's `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -55,6 +32,7 @@ class OpenAIRequest:
 
 
 def parse_chat(body: dict) -> OpenAIRequest:
+    check_fields(body, CHAT)
     request = serving_pb2.GenerateRequest()
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -71,6 +49,7 @@ def parse_chat(body: dict) -> OpenAIRequest:
 
 
 def parse_completion(body: dict) -> OpenAIRequest:
+    check_fields(body, COMPLETION)
     request = serving_pb2.GenerateRequest()
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -93,11 +72,6 @@ def parse_completion(body: dict) -> OpenAIRequest:
 
 
 def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> OpenAIRequest:
-    for name, neutral in NEUTRAL.items():
-        _refuse_set(name, name in body and not any(_same(body[name], value) for value in neutral))
-    n = body.get("n")
-    if n is not None and not (_is_int(n) and n == 1):
-        raise FieldRefused("n", f"n must be 1 (got {n!r}): this server returns one choice per request")
     max_tokens = body.get("max_completion_tokens") if chat else None
     name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -121,6 +95,8 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise FieldRefused("stream_options", "stream_options must be an object")
+    if options is not None and not stream:
+        raise FieldRefused("stream_options", "stream_options needs stream: true")  # as OpenAI refuses it
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     return OpenAIRequest(
         generate=request,
@@ -182,17 +158,6 @@ def _media(part: dict, kind: str, where: str) -> serving_pb2.Media:
         except (binascii.Error, ValueError):
             raise FieldRefused(f"{where}.{kind}", f"{where}.{kind}.url is not valid base64") from None
     return serving_pb2.Media(mime_type=fallback, data=url.encode())
-
-
-def _refuse_set(name: str, is_set: bool) -> None:
-    if is_set:
-        raise FieldRefused(name, f"{name} is not supported by this server")
-
-
-def _same(value, neutral) -> bool:
-    if neutral is None:
-        return value is None
-    return type(value) is type(neutral) and value == neutral
 
 
 def _is_int(value) -> bool:
