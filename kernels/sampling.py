@@ -18,7 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tpserve.kernels.logit_adjust import adjust_logits
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.kernels.token_counts import RowTokens
 
 __all__ = ["sample", "token_logprobs", "top_logits"]
 
@@ -31,10 +33,17 @@ _NO_CANDIDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
 _FIRST_TOP_P_BLOCK = 64  # tokens sorted first when looking for the top_p cut; grows 8x when short
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    streams: Sequence[RowTokens | None] | None = None,
+) -> list[int]:
     """One token per row of `logits` [num_rows, vocab_size], drawn as each row's params say.
 
     positions[i] is the position of the token row i draws; with params[i].seed it keys the noise.
+    streams[i]: the tokens of row i's stream, for the logit adjustments its params ask for
+    (kernels/logit_adjust.py); None (or no `streams`) leaves the row's logits as they are.
     """
     if logits.dim() != 2 or len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
         raise ValueError(
@@ -42,6 +51,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
             f"{tuple(logits.shape)}, {len(params)} params, {len(positions)} positions"
         )
     scores = _to_float32(logits)  # [num_rows, vocab]
+    if streams is not None and any(row is not None for row in streams):
+        scores = scores.copy()  # the caller's logits stay raw (log probabilities read them)
+        adjust_logits(scores, params, streams)
     # numpy documents argmax as returning the first occurrence of the maximum: the lower id.
     tokens = scores.argmax(axis=-1)  # [num_rows], the greedy choice of every row
     sampled = [row for row, p in enumerate(params) if not p.greedy]

@@ -110,9 +110,12 @@ class Leader:
 
     def decode_drafts(self, items) -> list[list[int]]:
         msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft)) for i in items))
-        rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
+        rows = [(item, k) for item in items for k in range(1 + len(item.draft))]
         logits = self._run(msg)
-        tokens = sample(logits, [item.sampling for item, _ in rows], [position for _, position in rows])
+        # Row k of an item samples after its first k drafts, which count as its stream's tokens.
+        streams = [None if i.counts is None else (i.counts, i.draft[:k]) for i, k in rows]
+        rows = [(item, item.position + 1 + k) for item, k in rows]
+        tokens = sample(logits, [item.sampling for item, _ in rows], [p for _, p in rows], streams)
         self._keep_logprobs(
             logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
         )
@@ -197,7 +200,8 @@ class Leader:
 
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).
-        tokens = sample(logits, [i.sampling for i in items], positions)
+        streams = [None if i.counts is None else (i.counts, ()) for i in items]
+        tokens = sample(logits, [i.sampling for i in items], positions, streams)
         self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
         if self._record_features:
             for item, features in zip(items, top_logits(logits, NUM_FEATURES)):

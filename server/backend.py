@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.kernels.token_counts import TokenCounts
 from tpserve.ranks.errors import BackendBroken
 from tpserve.server.requests import PromptImage
 
@@ -57,6 +58,7 @@ class PrefillItem:
     last: bool
     sampling: SamplingParams
     images: tuple[PromptImage, ...] = ()
+    counts: TokenCounts | None = None  # the stream's tokens, when its sampling adjusts logits
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class DecodeItem:
     token_id: int
     sampling: SamplingParams
     draft: tuple[int, ...] = ()
+    counts: TokenCounts | None = None  # the stream's tokens, when its sampling adjusts logits
 
 
 class Backend(Protocol):

@@ -1,7 +1,8 @@
 """Rank 0's OpenAI-compatible HTTP API: a Starlette app over the same Submitter as gRPC.
 
 Routes: POST /v1/chat/completions and /v1/completions (whole, or server-sent events with
-`stream: true`), GET /v1/models, GET /v1/models/{id} and GET /health (open without the API key).
+`stream: true`), GET /v1/models, GET /v1/models/{id}, vLLM's POST /tokenize and /detokenize and
+GET /version (server/http_tokenize.py), and GET /health (open without the API key).
 Starlette because it is the small ASGI core FastAPI itself is built on: requests are checked by
 hand against the gRPC wording (server/openai_request.py), so FastAPI's pydantic layer would only
 add a second, differently worded set of refusals. A client that disconnects cancels its stream.
@@ -27,6 +28,7 @@ from starlette.routing import Route
 
 from tpserve.server.api_key import UNAUTHENTICATED, key_matches
 from tpserve.server.http_errors import error_json, param_of, status_of
+from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
@@ -64,6 +66,9 @@ class OpenAIApi:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
         ]
         handlers = {HTTPException: _http_exception}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
@@ -92,6 +97,29 @@ class OpenAIApi:
         if request.path_params["model_id"] != self._model:
             return _refusal(self._unknown_model(request.path_params["model_id"]))
         return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, tokenize_reply)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, detokenize_reply)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse(version_reply())
+
+    async def _answer(self, request: Request, reply: Callable[[Submitter, dict], dict]) -> Response:
+        """A route answered at once from the body (tokenizing runs on a worker thread)."""
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            body = await _read_json(request)
+            return JSONResponse(
+                await anyio.to_thread.run_sync(reply, self._submitter, body, limiter=self._limiter)
+            )
+        except (HttpRefusal, RequestRefused) as refusal:
+            return _refusal(refusal)
+        except ClientDisconnect:
+            return Response(status_code=499)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, parse_chat)
@@ -225,6 +253,10 @@ class OpenAIApi:
 
 
 async def _read_json(request: Request) -> dict:
+    # As vLLM: a body is read as JSON only when it says it is (a form body is never guessed at).
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise HttpRefusal(400, f"the request body must be application/json (got {media_type or 'no type'!r})")
     declared = request.headers.get("content-length")
     too_large = HttpRefusal(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:

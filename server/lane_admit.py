@@ -231,12 +231,12 @@ class Admission:
         start = job.num_prefilled
         chunk = feed[start : start + self._max_prefill_tokens]
         last = start + len(chunk) == len(feed)
-        return PrefillItem(job.lane, start, chunk, last, job.request.sampling, job.request.images)
+        return PrefillItem(job.lane, start, chunk, last, job.request.sampling, job.request.images, job.counts)
 
     def _whole_prompt(self, job: Job) -> PrefillItem:
         start = job.cached_tokens
         return PrefillItem(
-            job.lane, start, job.feed_ids[start:], True, job.request.sampling, job.request.images
+            job.lane, start, job.feed_ids[start:], True, job.request.sampling, job.request.images, job.counts
         )
 
     def _prefill(self, job: Job, item: PrefillItem) -> Outcome | None:

@@ -143,7 +143,7 @@ class Scheduler:
             return False
         drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
         items = [
-            DecodeItem(job.lane, job.next_position, job.produced[-1], job.request.sampling, draft)
+            DecodeItem(job.lane, job.next_position, job.produced[-1], job.request.sampling, draft, job.counts)
             for job, draft in zip(live, drafts)
         ]
         if any(drafts):

@@ -75,13 +75,13 @@ FIELDS: dict[str, Field] = {
     "ignore_eos": _honoured(),  # vLLM
     "logprobs": _honoured(),
     "top_logprobs": _honoured((CHAT,)),
-    "frequency_penalty": _refused(0, 0.0),
-    "presence_penalty": _refused(0, 0.0),
-    "repetition_penalty": _refused(1, 1.0),  # vLLM
-    "logit_bias": _refused({}),
-    "min_tokens": _refused(0),  # vLLM
-    "stop_token_ids": _refused([]),  # vLLM
-    "include_stop_str_in_output": _refused(False),  # vLLM
+    "frequency_penalty": _honoured(),
+    "presence_penalty": _honoured(),
+    "repetition_penalty": _honoured(),  # vLLM
+    "logit_bias": _honoured(),
+    "min_tokens": _honoured(),  # vLLM
+    "stop_token_ids": _honoured(),  # vLLM
+    "include_stop_str_in_output": _honoured(),  # vLLM
     "skip_special_tokens": _refused(True),  # vLLM
     "n": _refused(1),
     "best_of": _refused(1, apis=(COMPLETION,)),

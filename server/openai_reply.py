@@ -116,7 +116,10 @@ class ReplyShape:
         return {
             "tokens": [text(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs],
+            # OpenAI's contract: the sampled token is among each position's top entries (K + 1 at most).
+            "top_logprobs": [
+                {**{text(t): v for t, v in lp.top}, text(lp.token_id): lp.logprob} for lp in logprobs
+            ],
             "text_offset": offsets,
         }
 

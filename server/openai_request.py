@@ -34,11 +34,7 @@ class OpenAIRequest:
 def parse_chat(body: dict) -> OpenAIRequest:
     check_fields(body, CHAT)
     request = serving_pb2.GenerateRequest()
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise FieldRefused("messages", "messages must be a non-empty list of messages")
-    for index, message in enumerate(messages):
-        _add_message(request, message, index)
+    add_messages(request, body.get("messages"))
     wants_logprobs = _flag(body, "logprobs")
     num_top = None if body.get("top_logprobs") is None else _int32("top_logprobs", body["top_logprobs"])
     if num_top and not wants_logprobs:
@@ -85,6 +81,7 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
     if body.get("seed") is not None:
         request.seed = _seed(body["seed"])
     request.stop.extend(_stop(body.get("stop")))
+    _add_adjustments(body, request)
     request.ignore_eos = _flag(body, "ignore_eos")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise FieldRefused("user", "user must be a string")
@@ -108,7 +105,38 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
     )
 
 
-def _add_message(request: serving_pb2.GenerateRequest, message, index: int) -> None:
+def _add_adjustments(body: dict, request: serving_pb2.GenerateRequest) -> None:
+    """The logit adjustments and stop tokens (ranges are validation's)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if body.get(name) is not None:
+            setattr(request, name, _number(name, body[name]))
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise FieldRefused("logit_bias", "logit_bias must be an object of token ids and biases")
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.lstrip("-").isdigit()):
+                raise FieldRefused("logit_bias", f"logit_bias key {key!r} is not a token id")
+            request.logit_bias[_int32("logit_bias", int(key))] = _number(f"logit_bias[{key}]", value)
+    if body.get("min_tokens") is not None:
+        request.min_tokens = _int32("min_tokens", body["min_tokens"])
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise FieldRefused("stop_token_ids", "stop_token_ids must be a list of token ids")
+        request.stop_token_ids.extend(_int32("stop_token_ids", token) for token in stop_ids)
+    request.include_stop_str_in_output = _flag(body, "include_stop_str_in_output")
+
+
+def add_messages(request, messages) -> None:
+    """An OpenAI messages list onto a GenerateRequest's (or TokenizeRequest's) messages."""
+    if not isinstance(messages, list) or not messages:
+        raise FieldRefused("messages", "messages must be a non-empty list of messages")
+    for index, message in enumerate(messages):
+        _add_message(request, message, index)
+
+
+def _add_message(request, message, index: int) -> None:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise FieldRefused(where, f"{where} must be an object with role and content")

@@ -68,6 +68,11 @@ class GenerationRequest:
     # last user turn, the end of a system block), from the chat template.
     keep_boundaries: tuple[int, ...] = ()
     images: tuple[PromptImage, ...] = ()  # in prompt order; only from a server started with --vision
+    stop_token_ids: tuple[int, ...] = ()  # the reply ends at any of these (ignore_eos or not)
+    # EOS and stop_token_ids are barred (-inf) until the reply has this many tokens (as vLLM);
+    # stop strings still end it earlier.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # a matched stop string's text ends the reply's text
 
     def cache_ids(self) -> tuple[int, ...]:
         """The prompt as the prompt cache keys it: each image's positions hold its key, not the

@@ -16,7 +16,7 @@ class ServingInfo:
     context_size: int
     room: int
     vision: bool = False
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # None: the context the prompt leaves
     max_images: int = 4  # with --vision: image parts per request, bytes and pixels per image
     max_image_bytes: int = 10 << 20
     max_image_pixels: int = 4096 * 4096

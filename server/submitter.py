@@ -34,6 +34,7 @@ from tpserve.server.validation import (
     RequestRefused,
     check_generate,
     check_messages,
+    check_min_tokens,
     max_tokens_for,
     sampling_from,
     tokenize_kind,
@@ -111,6 +112,7 @@ class Submitter:
         else:
             prompt_ids = list(request.prompt_token_ids)
         max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
+        check_min_tokens(request, max_tokens)
         images = ()
         if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
             media, wheres = _media_parts(request.messages)
@@ -124,6 +126,9 @@ class Submitter:
             background=request.background,
             keep_boundaries=boundaries,
             images=images,
+            stop_token_ids=tuple(request.stop_token_ids),
+            min_tokens=request.min_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
         )
         try:
             return self.lane_host.submit(job)
