@@ -345,3 +345,28 @@ def test_stats_report_queue_lanes_and_room():
     )
     run_all(host, streams)
     assert host.stats().room_used == 0 and host.stats().lanes_busy == 0
+
+
+def test_stop_token_ids_end_the_reply_ignore_eos_or_not_their_id_sent_without_text():
+    backend = FakeBackend()
+    full = backend.solo_reply(long_request(2, 12))
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    host = make_host(backend)
+    (reply,) = run_all(host, [host.submit(long_request(2, 12, stop_token_ids=(stop_id,)))])
+    assert reply.reason == "stop" and reply.token_ids == full.token_ids[: first + 1]
+    assert reply.text == fake_detokenize(full.token_ids[:first])
+    assert reply.finished.usage.completion_tokens == first + 1
+    backend.assert_clean()
+
+
+def test_include_stop_str_in_output_sends_the_stop_string_and_nothing_after():
+    backend = FakeBackend()
+    full = backend.solo_reply(long_request(2, 12))
+    stop = full.text[3:6]
+    host = make_host(backend)
+    (reply,) = run_all(
+        host, [host.submit(long_request(2, 12, stop=(stop,), include_stop_str_in_output=True))]
+    )
+    assert reply.reason == "stop" and reply.text == full.text[:6]
+    backend.assert_clean()
