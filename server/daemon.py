@@ -21,6 +21,7 @@ from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
+from tpserve.server.generation_defaults import generation_defaults
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_server import HttpServer
@@ -81,6 +82,7 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
         room=runtime.kv_budget.kv_tokens,
         vision=config.vision,
         default_max_tokens=config.default_max_tokens,
+        sampling_defaults=generation_defaults(settings.model_dir),
         max_images=config.max_images,
         max_image_bytes=config.max_image_bytes,
         max_image_pixels=config.max_image_pixels,

@@ -120,7 +120,7 @@ class Submitter:
         job = GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
-            sampling=sampling_from(request, fresh_seed=secrets.randbits(63)),
+            sampling=sampling_from(request, secrets.randbits(63), self.info.sampling_defaults),
             stop=tuple(request.stop),
             ignore_eos=request.ignore_eos,
             background=request.background,

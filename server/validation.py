@@ -19,6 +19,7 @@ MEDIA_TYPES = ("image/", "video/")
 VISION_NEEDED = "image and video inputs need a server started with --vision"
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 MAX_SEED = 2**63 - 1  # seeds travel between ranks as int64
+TPSERVE_DEFAULTS = SamplingParams()  # greedy, no filters: an unset field's value without generation_config
 
 
 @dataclass(frozen=True)
@@ -207,9 +208,9 @@ def _check_stop(stop: Sequence[str], limits: Limits) -> None:
             )
 
 
-def sampling_from(request, fresh_seed: int) -> SamplingParams:
-    """The request's sampling fields, server defaults where unset (`fresh_seed` when no seed)."""
-    defaults = SamplingParams()
+def sampling_from(request, fresh_seed: int, defaults: SamplingParams = TPSERVE_DEFAULTS) -> SamplingParams:
+    """The request's sampling fields, `defaults` where unset (the model's generation_config.json, else
+    tpserve's own), `fresh_seed` when no seed."""
     return SamplingParams(
         temperature=request.temperature if request.HasField("temperature") else defaults.temperature,
         top_p=request.top_p if request.HasField("top_p") else defaults.top_p,
@@ -219,7 +220,11 @@ def sampling_from(request, fresh_seed: int) -> SamplingParams:
         logprobs=request.logprobs if request.HasField("logprobs") else defaults.logprobs,
         presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else 0.0,
         frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=(
+            request.repetition_penalty
+            if request.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
         logit_bias=tuple(sorted(request.logit_bias.items())),
     )
 

@@ -180,3 +180,20 @@ def test_an_unset_max_tokens_runs_to_the_end_of_the_context(client):
     reply = client.completions.create(model=None, prompt=PROMPT, extra_body={"ignore_eos": True})
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 512
+
+
+@pytest.fixture(scope="module")
+def tuned_daemon(tmp_path_factory):
+    """A model whose generation_config.json sets sampling defaults (vLLM's --generation-config auto)."""
+    model_dir = write_daemon_model(tmp_path_factory.mktemp("tuned-model"))
+    (model_dir / "generation_config.json").write_text('{"temperature": 0.8, "top_k": 5, "do_sample": true}')
+    log_dir = tmp_path_factory.mktemp("tuned-logs")
+    with running_daemon("spawn", model_dir, log_dir, "--context", "128", "--lanes", "2") as served:
+        yield served
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(tuned_daemon):
+    with openai.OpenAI(base_url=tuned_daemon.http_url, api_key="unused", max_retries=0, timeout=60) as tuned:
+        defaults = complete(tuned, seed=3)[1]
+        assert defaults == complete(tuned, seed=3, temperature=0.8, top_k=5)[1]
+        assert defaults != complete(tuned, seed=3, temperature=0.0)[1]  # set fields still win
