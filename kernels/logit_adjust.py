@@ -31,22 +31,32 @@ def adjust_logits(
     barred = [(i, rows[i][0].barred) for i in chosen if _is_short(rows[i])]
     if barred:
         scores[_pairs(barred)] = -np.inf
-    # Reply counts per (row, token), a Verify row's drafts included: one unique over all rows.
+    # Reply counts per (row, token), each pair once: a Verify row's drafts merged into its counts.
     keys, counts = [], []
     for i in chosen:
         counts_of, fed = rows[i]
-        ids = np.fromiter(counts_of.output.keys(), dtype=np.int64, count=len(counts_of.output))
-        times = np.fromiter(counts_of.output.values(), dtype=np.int64, count=len(counts_of.output))
-        keys += [i * vocab_size + ids, i * vocab_size + np.asarray(fed, dtype=np.int64)]
-        counts += [times, np.ones(len(fed), dtype=np.int64)]
-    reply_keys, where = np.unique(np.concatenate(keys), return_inverse=True)
-    reply_counts = np.bincount(where, weights=np.concatenate(counts)).astype(np.float32)
+        ids = np.frombuffer(counts_of.reply_ids, dtype=np.int64)
+        times = np.frombuffer(counts_of.reply_times, dtype=np.int64)
+        if fed:
+            merged: dict[int, int] = {}
+            for token in fed:
+                merged[token] = merged.get(token, counts_of.times(token)) + 1
+            kept = ~np.isin(ids, list(merged))
+            ids = np.concatenate([ids[kept], np.fromiter(merged.keys(), dtype=np.int64, count=len(merged))])
+            times = np.concatenate(
+                [times[kept], np.fromiter(merged.values(), dtype=np.int64, count=len(merged))]
+            )
+        keys.append(i * vocab_size + ids)
+        counts.append(times)
+    reply_keys = np.concatenate(keys)
+    reply_counts = np.concatenate(counts).astype(np.float32)
 
     repeated = [i for i in chosen if params[i].repetition_penalty != 1.0]
     if repeated:
-        prompt = [i * vocab_size + np.asarray(rows[i][0].prompt_ids, dtype=np.int64) for i in repeated]
-        reply = reply_keys[np.isin(reply_keys // vocab_size, repeated)]
-        seen = np.unique(np.concatenate([*prompt, reply]))
+        # A token in both the prompt and the reply appears twice: both writes store the same value.
+        prompt = [i * vocab_size + np.frombuffer(rows[i][0].prompt_ids, dtype=np.int64) for i in repeated]
+        reply = [keys[chosen.index(i)] for i in repeated]
+        seen = np.concatenate([*prompt, *reply])
         r, t = seen // vocab_size, seen % vocab_size
         penalty = np.array([p.repetition_penalty for p in params], dtype=np.float32)[r]
         values = scores[r, t]

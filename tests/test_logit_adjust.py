@@ -26,7 +26,7 @@ def reference(row: np.ndarray, p: SamplingParams, counts: TokenCounts, fed=()) -
     row = row.copy()
     for token, bias in p.logit_bias:
         row[token] += np.float32(bias)
-    reply = dict(counts.output)
+    reply = dict(zip(counts.reply_ids, counts.reply_times))
     for token in fed:
         reply[token] = reply.get(token, 0) + 1
     if counts.num_output + len(fed) < counts.min_tokens:
