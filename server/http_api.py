@@ -30,14 +30,16 @@ from tpserve.server.api_key import UNAUTHENTICATED, key_matches
 from tpserve.server.http_errors import error_json, param_of, status_of
 from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
 from tpserve.server.lane_stream import Stream, merge_deltas
+from tpserve.server.openai_choices import cancel_all, total_usage
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
-from tpserve.server.requests import ERROR, Event, Finished, TokenDelta
+from tpserve.server.requests import ERROR, Event, Finished, TokenDelta, Usage
 from tpserve.server.submitter import Submitter
 from tpserve.server.validation import RequestRefused
 
 MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
 EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
+MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
 
 
 class HttpRefusal(Exception):
@@ -132,16 +134,20 @@ class OpenAIApi:
     async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
         if not self._authorized(request):
             return _unauthorized()
+        streams: list[Stream] = []
         try:
             parsed = parse(await _read_json(request))
             if parsed.model is not None and parsed.model != self._model:
                 raise self._unknown_model(parsed.model)
-            stream = await anyio.to_thread.run_sync(
-                self._submitter.submit, parsed.generate, limiter=self._limiter
-            )
+            for choice in parsed.choices:  # one stream per choice, in choice order
+                streams.append(
+                    await anyio.to_thread.run_sync(self._submitter.submit, choice, limiter=self._limiter)
+                )
         except (HttpRefusal, RequestRefused) as refusal:
+            cancel_all(streams)
             return _refusal(refusal)
         except ClientDisconnect:
+            cancel_all(streams)
             return Response(status_code=499)
         shape = ReplyShape(
             chat=parsed.chat,
@@ -150,71 +156,105 @@ class OpenAIApi:
             logprobs=parsed.generate.HasField("logprobs"),
             token_text=self._token_text,
         )
+        echoes = [self._prompt_text(choice) if parsed.echo else "" for choice in parsed.choices]
         if parsed.stream:
-            events = self._server_sent_events(stream, shape, parsed.include_usage)
+            events = self._server_sent_events(
+                streams, shape, parsed.include_usage, echoes, parsed.num_per_prompt
+            )
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self._whole(request, stream, shape)
+        return await self._whole(request, streams, shape, echoes, parsed.num_per_prompt)
 
-    async def _whole(self, request: Request, stream: Stream, shape: ReplyShape) -> Response:
-        text, token_ids, logprobs = [], [], []
-        async for event in self._events(stream, request):
+    async def _whole(
+        self, request: Request, streams: list[Stream], shape: ReplyShape, echoes: list[str], n: int
+    ) -> Response:
+        texts = [[echo] for echo in echoes]
+        token_ids: list[list[int]] = [[] for _ in streams]
+        logprobs: list[list] = [[] for _ in streams]
+        ended: dict[int, Finished] = {}
+        async for index, event in self._events(streams, request):
             if isinstance(event, TokenDelta):
-                text.append(event.text)
-                token_ids += event.token_ids
-                logprobs += event.logprobs
+                texts[index].append(event.text)
+                token_ids[index] += event.token_ids
+                logprobs[index] += event.logprobs
             elif isinstance(event, Finished):
                 refusal = self._failure(event)
                 if refusal is not None:
-                    return _refusal(refusal)
-                return JSONResponse(
-                    shape.whole("".join(text), token_ids, event.reason, event.usage, logprobs)
-                )
-        return Response(status_code=499)  # the client went away; its stream is cancelled
+                    return _refusal(refusal)  # leaving _events cancels the other choices
+                ended[index] = event
+        if len(ended) < len(streams):
+            return Response(status_code=499)  # the client went away; its streams are cancelled
+        choices = [
+            shape.choice(i, "".join(texts[i]), token_ids[i], ended[i].reason, logprobs[i])
+            for i in range(len(streams))
+        ]
+        return JSONResponse(
+            shape.whole_of(choices, total_usage([ended[i].usage for i in range(len(streams))], n))
+        )
 
     async def _server_sent_events(
-        self, stream: Stream, shape: ReplyShape, include_usage: bool
+        self, streams: list[Stream], shape: ReplyShape, include_usage: bool, echoes: list[str], n: int
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; _events then cancels the
-        # stream, so its lane is freed at the host's next boundary.
-        if shape.chat:
-            yield _sse(shape.first_chunk())
-        async for event in self._events(stream, None):
+        # streams, so their lanes are freed at the host's next boundary.
+        for index, echo in enumerate(echoes):
+            if shape.chat:
+                yield _sse(shape.first_chunk(index))
+            elif echo:
+                yield _sse(shape.chunk(echo, index=index))
+        usages: dict[int, Usage] = {}
+        async for index, event in self._events(streams, None):
             if isinstance(event, TokenDelta):
                 if event.text or event.logprobs or shape.return_token_ids:
-                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs))
+                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs, index=index))
             elif isinstance(event, Finished):
                 refusal = self._failure(event)
                 if refusal is not None:
                     yield _sse(error_json(status_of(refusal.code), refusal.message))
                     break
-                yield _sse(shape.chunk("", reason=event.reason))
-                if include_usage:
-                    yield _sse(shape.usage_chunk(event.usage))
+                yield _sse(shape.chunk("", reason=event.reason, index=index))
+                usages[index] = event.usage
+        else:
+            if include_usage:
+                yield _sse(shape.usage_chunk(total_usage([usages[i] for i in sorted(usages)], n)))
         yield "data: [DONE]\n\n"
 
-    async def _events(self, stream: Stream, request: Request | None) -> AsyncIterator[Event]:
-        """The stream's events up to Finished, read on a worker thread; a client that goes away
-        (seen through `request`, or by this generator being cancelled) cancels the stream."""
-        finished = False
-        last_delta_at: float | None = None
+    async def _events(
+        self, streams: list[Stream], request: Request | None
+    ) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) of every stream up to its Finished, read on a worker thread; a
+        client that goes away (seen through `request`, or by this generator being cancelled)
+        cancels every stream not yet finished."""
+        finished = [False] * len(streams)
+        last_delta_at: list[float | None] = [None] * len(streams)
+        # One stream waits the whole poll; several share it, each waited on briefly in turn.
+        wait_s = self._poll_s if len(streams) == 1 else min(self._poll_s, MULTI_STREAM_WAIT_S)
         try:
-            while not finished:
+            while not all(finished):
+                index = finished.index(False)
                 events = await anyio.to_thread.run_sync(
-                    stream.next_events, self._poll_s, limiter=self._limiter
+                    streams[index].next_events, wait_s, limiter=self._limiter
                 )
-                events = merge_deltas(events)
-                for event in events:
-                    finished = finished or isinstance(event, Finished)
+                for event in merge_deltas(events):
+                    finished[index] = finished[index] or isinstance(event, Finished)
                     if isinstance(event, TokenDelta):
-                        last_delta_at = self._submitter.count_delta(event, last_delta_at)
-                    yield event
-                if request is not None and not finished and await request.is_disconnected():
+                        last_delta_at[index] = self._submitter.count_delta(event, last_delta_at[index])
+                    yield index, event
+                for other in range(index + 1, len(streams)):  # the others' events so far, no wait
+                    if finished[other]:
+                        continue
+                    for event in merge_deltas(streams[other].next_events(0)):
+                        finished[other] = finished[other] or isinstance(event, Finished)
+                        if isinstance(event, TokenDelta):
+                            last_delta_at[other] = self._submitter.count_delta(event, last_delta_at[other])
+                        yield other, event
+                if request is not None and not all(finished) and await request.is_disconnected():
                     return
         finally:
-            if not finished:
-                stream.cancel()
-                self._submitter.count_gone()
+            for stream, done in zip(streams, finished):
+                if not done:
+                    stream.cancel()
+                    self._submitter.count_gone()
 
     def _failure(self, event: Finished) -> RequestRefused | None:
         """How a reply that ended in an error answers (counting every ending in the metrics): a
@@ -232,6 +272,12 @@ class OpenAIApi:
 
     def _authorized(self, request: Request) -> bool:
         return key_matches(request.headers.get("authorization"), self._api_key)
+
+    def _prompt_text(self, choice) -> str:
+        """A choice's prompt as text, for echo (token-id prompts decoded)."""
+        if choice.HasField("prompt"):
+            return choice.prompt
+        return self._submitter.tokenizer.decode(list(choice.prompt_token_ids))
 
     def _token_text(self, token_id: int) -> str:
         return self._submitter.tokenizer.decode([token_id])

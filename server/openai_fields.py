@@ -83,9 +83,9 @@ FIELDS: dict[str, Field] = {
     "stop_token_ids": _honoured(),  # vLLM
     "include_stop_str_in_output": _honoured(),  # vLLM
     "skip_special_tokens": _refused(True),  # vLLM
-    "n": _refused(1),
+    "n": _honoured(),
     "best_of": _refused(1, apis=(COMPLETION,)),
-    "echo": _refused(False),  # chat: vLLM's echo of the last message
+    "echo": _honoured((COMPLETION,)),  # not with logprobs (refused by name: prompt logprobs)
     "suffix": _refused("", apis=(COMPLETION,)),
     "prompt_logprobs": _refused(),  # vLLM
     "allowed_token_ids": _refused(),  # vLLM
@@ -142,10 +142,14 @@ FIELDS: dict[str, Field] = {
 }
 
 
+# A name whose meaning differs on chat: vLLM's chat echo repeats the last message.
+CHAT_FIELDS: dict[str, Field] = {"echo": _refused(False, apis=(CHAT,))}
+
+
 def check_fields(body: dict, api: str) -> None:
     """Refuse, naming it, the first field of `body` this server would otherwise ignore."""
     for name, value in body.items():
-        field = FIELDS.get(name)
+        field = (CHAT_FIELDS.get(name) if api == CHAT else None) or FIELDS.get(name)
         if field is None or api not in field.apis:
             raise FieldRefused(name, f"{name} is not a field of {PATHS[api]} this server knows")
         asks_nothing = value is None or any(_same(value, neutral) for neutral in field.neutral)

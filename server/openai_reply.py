@@ -59,8 +59,18 @@ class ReplyShape:
         usage: Usage,
         logprobs: Sequence[TokenLogprob] = (),
     ) -> dict:
+        return self.whole_of([self.choice(0, text, token_ids, reason, logprobs)], usage)
+
+    def whole_of(self, choices: list[dict], usage: Usage) -> dict:
+        """The whole reply: its choices (in index order) and the request's usage."""
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._object(kind, choices), "usage": usage_json(usage)}
+
+    def choice(
+        self, index: int, text: str, token_ids: list[int], reason: str, logprobs: Sequence[TokenLogprob] = ()
+    ) -> dict:
         choice: dict = {
-            "index": 0,
+            "index": index,
             "finish_reason": FINISH_REASONS[reason],
             "logprobs": self._logprobs(logprobs),
         }
@@ -70,8 +80,7 @@ class ReplyShape:
             choice["text"] = text
         if self.return_token_ids:
             choice["token_ids"] = token_ids
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._object(kind, [choice]), "usage": usage_json(usage)}
+        return choice
 
     def chunk(
         self,
@@ -79,9 +88,11 @@ class ReplyShape:
         token_ids: tuple[int, ...] = (),
         reason: str | None = None,
         logprobs: Sequence[TokenLogprob] = (),
+        index: int = 0,
     ) -> dict:
-        """A streamed piece: new text (the chat's first piece names the role), or the finish reason."""
-        choice: dict = {"index": 0, "finish_reason": None if reason is None else FINISH_REASONS[reason]}
+        """A streamed piece of choice `index`: new text (the chat's first piece names the role), or
+        the finish reason."""
+        choice: dict = {"index": index, "finish_reason": None if reason is None else FINISH_REASONS[reason]}
         if self.chat:
             choice["delta"] = {} if reason is not None else {"content": text}
         else:
@@ -91,9 +102,9 @@ class ReplyShape:
             choice["token_ids"] = list(token_ids)
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def first_chunk(self) -> dict:
+    def first_chunk(self, index: int = 0) -> dict:
         """The chat's opening piece: the role, no text yet (as OpenAI's own streams begin)."""
-        chunk = self.chunk("")
+        chunk = self.chunk("", index=index)
         chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return chunk
 

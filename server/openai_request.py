@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from tpserve.server.openai_choices import choice_requests
 from tpserve.server.openai_fields import CHAT, COMPLETION, FieldRefused, check_fields
 from tpserve.server.validation import MAX_SEED
 from tpserve.v1 import serving_pb2
@@ -21,14 +22,22 @@ PART_TYPES = ("text", "image_url", "video_url", "input_audio")
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """One chat or completion request: the GenerateRequest to run and how to answer it."""
+    """One chat or completion request: the GenerateRequests to run (one per choice, in choice order)
+    and how to answer them."""
 
-    generate: serving_pb2.GenerateRequest
+    choices: tuple[serving_pb2.GenerateRequest, ...]
     chat: bool  # chat.completion objects, else text_completion
     model: str | None  # None: whatever this server serves
     stream: bool  # server-sent events, else one JSON object
     include_usage: bool  # a last streamed chunk with the usage (stream_options.include_usage)
     return_token_ids: bool  # token_ids in each choice (an extension, as vLLM's)
+    echo: bool = False  # completions: each choice's text begins with its prompt's
+    num_per_prompt: int = 1  # n: choices i * n .. i * n + n - 1 answer prompt i
+
+    @property
+    def generate(self) -> serving_pb2.GenerateRequest:
+        """The first choice's request (every choice asks the same but for its prompt and seed)."""
+        return self.choices[0]
 
 
 def parse_chat(body: dict) -> OpenAIRequest:
@@ -48,26 +57,41 @@ def parse_completion(body: dict) -> OpenAIRequest:
     check_fields(body, COMPLETION)
     request = serving_pb2.GenerateRequest()
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
-        if not all(-INT32_MAX - 1 <= token <= INT32_MAX for token in prompt):
-            raise FieldRefused("prompt", "prompt holds a token id out of range")
-        request.prompt_token_ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise FieldRefused("prompt", "prompt: one prompt per request (this server returns one choice)")
-    elif prompt == []:
-        raise FieldRefused("prompt", "prompt is empty")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]  # a batch of prompts
     else:
-        raise FieldRefused("prompt", "prompt must be a string or a list of token ids")
+        prompts = [_prompt(prompt, "prompt")]
+    if isinstance(prompts[0], str):
+        request.prompt = prompts[0]
+    else:
+        request.prompt_token_ids.extend(prompts[0])
     if body.get("logprobs") is not None:
         request.logprobs = _int32("logprobs", body["logprobs"])
-    return _finish(body, request, chat=False)
+    echo = _flag(body, "echo")
+    if echo and request.HasField("logprobs"):
+        # The prompt's own log probabilities need the logits of every prompt row, which the
+        # engine's prefill does not return yet.
+        raise FieldRefused("echo", "echo with logprobs is not supported by this server")
+    parsed = _finish(body, request, chat=False, more_prompts=prompts[1:])
+    return replace(parsed, echo=echo)
 
 
-def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> OpenAIRequest:
+def _prompt(prompt, where: str) -> str | list[int]:
+    """One prompt: text, or token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
+        if not all(-INT32_MAX - 1 <= token <= INT32_MAX for token in prompt):
+            raise FieldRefused(where, f"{where} holds a token id out of range")
+        return prompt
+    if prompt == []:
+        raise FieldRefused(where, f"{where} is empty")
+    raise FieldRefused(where, f"{where} must be a string or a list of token ids")
+
+
+def _finish(
+    body: dict, request: serving_pb2.GenerateRequest, *, chat: bool, more_prompts: list = ()
+) -> OpenAIRequest:
     max_tokens = body.get("max_completion_tokens") if chat else None
     name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -95,8 +119,12 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
     if options is not None and not stream:
         raise FieldRefused("stream_options", "stream_options needs stream: true")  # as OpenAI refuses it
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    n = 1 if body.get("n") is None else _int32("n", body["n"])
+    if n < 1:
+        raise FieldRefused("n", f"n must be at least 1 (got {n})")
     return OpenAIRequest(
-        generate=request,
+        choices=choice_requests(request, list(more_prompts), n),
+        num_per_prompt=n,
         chat=chat,
         model=model,
         stream=stream,

@@ -345,7 +345,7 @@ def test_a_bad_field_is_refused_naming_it(golden_client, model_name):
         ({"max_tokens": 65}, "max_tokens", "max_tokens (65) exceeds the context of 64 tokens"),
         ({"temperature": -0.5}, "temperature", "temperature must be from 0 to 100 (got -0.5)"),
         ({"extra_body": {"top_k": "many"}}, "top_k", "top_k must be an integer (got 'many')"),
-        ({"n": 2}, "n", "n is not supported by this server"),
+        ({"n": 0}, "n", "n must be at least 1 (got 0)"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "logprobs", "logprobs must be from 0 to 20 (got 21)"),
         ({"extra_body": {"priority": 3}}, "priority", "priority is not supported by this server"),

@@ -197,3 +197,67 @@ def test_unset_sampling_fields_take_the_models_generation_config(tuned_daemon):
         defaults = complete(tuned, seed=3)[1]
         assert defaults == complete(tuned, seed=3, temperature=0.8, top_k=5)[1]
         assert defaults != complete(tuned, seed=3, temperature=0.0)[1]  # set fields still win
+
+
+def test_n_choices_are_separate_streams_seeded_seed_plus_index(client):
+    reply = client.completions.create(
+        model=None, prompt=PROMPT, max_tokens=8, n=3, extra_body={"ignore_eos": True}, **SAMPLED
+    )
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    for index, choice in enumerate(reply.choices):
+        alone = complete(
+            client, max_tokens=8, temperature=SAMPLED["temperature"], seed=SAMPLED["seed"] + index
+        )
+        assert choice.text == alone[0]
+    assert len({choice.text for choice in reply.choices}) > 1
+    assert reply.usage.completion_tokens == 24 and reply.usage.prompt_tokens == alone[3].prompt_tokens
+    chat = client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, **SAMPLED
+    )
+    assert [choice.index for choice in chat.choices] == [0, 1]
+
+
+def test_a_list_of_prompts_gets_a_choice_each_in_order_streamed_or_whole(client):
+    prompts = ["one prompt", "another prompt here", [5, 6, 7]]
+    whole = client.completions.create(
+        model=None, prompt=prompts, max_tokens=6, n=2, extra_body={"ignore_eos": True}
+    )
+    assert [choice.index for choice in whole.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(
+            model=None, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        assert whole.choices[2 * i].text == whole.choices[2 * i + 1].text == alone.choices[0].text
+    texts = [""] * 6
+    chunks = client.completions.create(
+        model=None,
+        prompt=prompts,
+        max_tokens=6,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    usage = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [choice.text for choice in whole.choices]
+    assert usage.completion_tokens == 36 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_echo_prepends_the_prompt_and_echo_with_logprobs_is_refused_by_name(client):
+    plain = client.completions.create(
+        model=None, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    echoed = client.completions.create(
+        model=None, prompt=PROMPT, max_tokens=5, echo=True, extra_body={"ignore_eos": True}
+    )
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=None, prompt=PROMPT, max_tokens=5, echo=True, logprobs=1)
+    assert (raised.value.body["param"], raised.value.body["message"]) == (
+        "echo",
+        "echo with logprobs is not supported by this server",
+    )
