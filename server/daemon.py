@@ -152,7 +152,9 @@ def _build_apis(
 ) -> tuple[GrpcServer, HttpServer | None]:
     """The gRPC server and (when it has a port) the HTTP API, neither started yet."""
     # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
-    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache), vision)
+    submitter = Submitter(
+        host, tokenizer, info, ServingMetrics(host.stats, host.prompt_cache, info.model_name), vision
+    )
     server = GrpcServer(
         host,
         tokenizer,

@@ -71,6 +71,7 @@ class OpenAIApi:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ]
         handlers = {HTTPException: _http_exception}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
@@ -105,6 +106,10 @@ class OpenAIApi:
 
     async def detokenize(self, request: Request) -> Response:
         return await self._answer(request, detokenize_reply)
+
+    async def metrics(self, request: Request) -> Response:
+        """tpserve's series and vLLM's names beside them (open, as vLLM's /metrics and /health)."""
+        return Response(self._submitter.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def version(self, request: Request) -> Response:
         return JSONResponse(version_reply())

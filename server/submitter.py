@@ -154,15 +154,18 @@ class Submitter:
         usage = event.usage
         self.metrics.count_outcome(event.reason)
         self.metrics.count_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        self.metrics.observe_finished(
+            event.reason, usage.prompt_tokens, usage.completion_tokens, usage.total_s
+        )
         if usage.time_to_first_token_s is not None:
-            self.metrics.time_to_first_token.observe(usage.time_to_first_token_s)
+            self.metrics.observe_first_token(usage.time_to_first_token_s)
 
     def count_delta(self, event: TokenDelta, last_delta_at: float | None) -> float:
         """Observes the time per token since the stream's previous delta (the first delta's wait is
         time to first token, counted at the end); returns now, for the next call."""
         now = time.monotonic()
         if event.token_ids and last_delta_at is not None:
-            self.metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
+            self.metrics.observe_inter_token((now - last_delta_at) / len(event.token_ids))
         return now
 
     def count_gone(self) -> None:

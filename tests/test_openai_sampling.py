@@ -261,3 +261,21 @@ def test_echo_prepends_the_prompt_and_echo_with_logprobs_is_refused_by_name(clie
         "echo",
         "echo with logprobs is not supported by this server",
     )
+
+
+def test_the_http_port_serves_vllms_metric_names_beside_tpserves(daemon, client):
+    complete(client, max_tokens=3)
+    name = client.models.list().data[0].id
+    text = httpx.get(daemon.http_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    label = f'{{model_name="{name}"}}'
+    for series in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert f"{series}{label}" in text
+    for series in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
+        assert f"{series}_count{label}" in text
+    counts = [
+        line
+        for line in text.splitlines()
+        if line.startswith(f"vllm:e2e_request_latency_seconds_count{label}")
+    ]
+    assert counts and float(counts[0].split()[-1]) >= 1
+    assert "tpserve_requests_total" in text and f"vllm:generation_tokens_total{label}" in text
