@@ -18,7 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tpserve.kernels.logit_adjust import adjust_logits
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.kernels.token_counts import RowTokens
 
 __all__ = ["sample", "token_logprobs", "top_logits"]
 
@@ -36,13 +38,17 @@ def sample(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     allowed: Sequence[np.ndarray | None] | None = None,
+    streams: Sequence[RowTokens | None] | None = None,
 ) -> list[int]:
     """One token per row of `logits` [num_rows, vocab_size], drawn as each row's params say.
 
     positions[i] is the position of the token row i draws; with params[i].seed it keys the noise.
+    streams[i]: the tokens of row i's stream, for the logit adjustments its params ask for
+    (kernels/logit_adjust.py); None (or no `streams`) leaves the row's logits as they are.
     allowed[i], when given and not None, is row i's grammar mask (int32 words, token t at bit t % 32
     of word t // 32; tokens past its end are refused): every other token reads as -inf before the
-    draw, so the draw is the same function of (row, mask, seed, position) whatever ran beside it.
+    draw (after the adjustments), so the draw is the same function of (row, mask, seed, position)
+    whatever ran beside it.
     """
     if logits.dim() != 2 or len(params) != logits.shape[0] or len(positions) != logits.shape[0]:
         raise ValueError(
@@ -50,6 +56,9 @@ def sample(
             f"{tuple(logits.shape)}, {len(params)} params, {len(positions)} positions"
         )
     scores = _to_float32(logits)  # [num_rows, vocab]
+    if streams is not None and any(row is not None for row in streams):
+        scores = scores.copy()  # the caller's logits stay raw (log probabilities read them)
+        adjust_logits(scores, params, streams)
     if allowed is not None and any(mask is not None for mask in allowed):
         scores = _masked(scores, allowed)
     # numpy documents argmax as returning the first occurrence of the maximum: the lower id.

@@ -22,10 +22,23 @@ class SamplingParams:
     # Not how to sample but what to report of it: -1 nothing; k >= 0 each sampled token's log
     # probability and its k likeliest alternatives (TokenLogprob), computed on rank 0 only.
     logprobs: int = -1
+    # Changes to a row's logits before any of the above (kernels/logit_adjust.py), as vLLM applies
+    # them: logit_bias, then repetition_penalty over prompt and reply tokens, then frequency and
+    # presence penalties over reply tokens. They need the stream's tokens (kernels/token_counts.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a row's logits change before the draw (its stream then keeps TokenCounts)."""
+        penalized = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return penalized or self.repetition_penalty != 1.0 or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -127,16 +127,18 @@ class Leader:
 
     def decode_drafts(self, items, chunk=None) -> list[list[int]]:
         msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft), (), i.blocks) for i in items))
-        rows = [(item, item.position + 1 + k) for item in items for k in range(1 + len(item.draft))]
+        rows = [(item, k) for item in items for k in range(1 + len(item.draft))]
+        # Row k of an item samples after its first k drafts, which count as its stream's tokens.
+        streams = [None if i.counts is None else (i.counts, i.draft[:k]) for i, k in rows]
         # A constrained stream brings no draft (server/drafts.py), so its one row takes its mask.
-        masks = [item.allowed if position == item.position + 1 else None for item, position in rows]
+        masks = [item.allowed if k == 0 else None for item, k in rows]
+        rows = [(item, item.position + 1 + k) for item, k in rows]
         if chunk is not None and chunk.last:
             rows.append((chunk, chunk.start + len(chunk.token_ids)))
             masks.append(chunk.allowed)
+            streams.append(None if chunk.counts is None else (chunk.counts, ()))
         logits = self._with_chunk(msg, chunk)
-        tokens = sample(
-            logits, [item.sampling for item, _ in rows], [position for _, position in rows], masks
-        )
+        tokens = sample(logits, [item.sampling for item, _ in rows], [p for _, p in rows], masks, streams)
         self._keep_logprobs(
             logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
         )
@@ -226,7 +228,8 @@ class Leader:
 
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).
-        tokens = sample(logits, [i.sampling for i in items], positions, [i.allowed for i in items])
+        streams = [None if i.counts is None else (i.counts, ()) for i in items]
+        tokens = sample(logits, [i.sampling for i in items], positions, [i.allowed for i in items], streams)
         self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
         if self._record_features:
             for item, features in zip(items, top_logits(logits, NUM_FEATURES)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.kernels.token_counts import TokenCounts
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
 from tpserve.server.requests import PromptImage
 
@@ -62,6 +63,7 @@ class PrefillItem:
     blocks: tuple[int, ...] = ()  # KV blocks appended to the lane's block table before this pass
     # With `last`: the grammar mask of the token sampled (kernels/sampling.py's `allowed`), or None.
     allowed: object = None
+    counts: TokenCounts | None = None  # the stream's tokens, when its sampling adjusts logits
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class DecodeItem:
     # The grammar mask of the token sampled after token_id (kernels/sampling.py's `allowed`), or
     # None; a constrained stream brings no draft.
     allowed: object = None
+    counts: TokenCounts | None = None  # the stream's tokens, when its sampling adjusts logits
 
 
 class Backend(Protocol):

@@ -63,7 +63,7 @@ class ServeConfig:
     refuse_token_on_rank: tuple[int, ...] = _ENGINE.refuse_token_on_rank  # a fault drill for tests
     # The serving side's own.
     queue_size: int = 64
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # None (auto): the context the prompt leaves, as vLLM
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -105,7 +105,7 @@ _CHOICES = {
 }
 _AT_MOST = {"draft_tokens": MAX_DRAFT_TOKENS}  # a decode product holds 16 rows: the token and 15 drafts
 # Keys whose default (None) is "auto": the device's own default, decided when the rank knows it.
-_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int}
+_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int, "default_max_tokens": int}
 _POSITIVE = {
     "lanes",
     "context",

@@ -21,6 +21,7 @@ from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
+from tpserve.server.generation_defaults import generation_defaults
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_server import HttpServer
@@ -81,6 +82,7 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
         room=runtime.kv_budget.kv_tokens,
         vision=config.vision,
         default_max_tokens=config.default_max_tokens,
+        sampling_defaults=generation_defaults(settings.model_dir),
         max_images=config.max_images,
         max_image_bytes=config.max_image_bytes,
         max_image_pixels=config.max_image_pixels,
@@ -150,7 +152,9 @@ def _build_apis(
 ) -> tuple[GrpcServer, HttpServer | None]:
     """The gRPC server and (when it has a port) the HTTP API, neither started yet."""
     # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
-    submitter = Submitter(host, tokenizer, info, ServingMetrics(host.stats, host.block_stats), vision)
+    submitter = Submitter(
+        host, tokenizer, info, ServingMetrics(host.stats, host.block_stats, info.model_name), vision
+    )
     server = GrpcServer(
         host,
         tokenizer,

@@ -1,7 +1,8 @@
 """Rank 0's OpenAI-compatible HTTP API: a Starlette app over the same Submitter as gRPC.
 
 Routes: POST /v1/chat/completions and /v1/completions (whole, or server-sent events with
-`stream: true`), GET /v1/models, GET /v1/models/{id} and GET /health (open without the API key).
+`stream: true`), GET /v1/models, GET /v1/models/{id}, vLLM's POST /tokenize and /detokenize and
+GET /version (server/http_tokenize.py), and GET /health (open without the API key).
 Starlette because it is the small ASGI core FastAPI itself is built on: requests are checked by
 hand against the gRPC wording (server/openai_request.py), so FastAPI's pydantic layer would only
 add a second, differently worded set of refusals. A client that disconnects cancels its stream.
@@ -28,16 +29,19 @@ from starlette.routing import Route
 from tpserve.server.api_key import UNAUTHENTICATED, key_matches
 from tpserve.server.chat_reply import THINK_OPEN, ChatReply, thinks
 from tpserve.server.http_errors import error_json, param_of, status_of
+from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
 from tpserve.server.lane_stream import Stream, merge_deltas
+from tpserve.server.openai_choices import cancel_all, total_usage
 from tpserve.server.openai_reply import FINISH_REASONS, TOOL_CALLS, ReplyShape
 from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
-from tpserve.server.requests import ERROR, STOP, Event, Finished, TokenDelta
+from tpserve.server.requests import ERROR, STOP, Event, Finished, TokenDelta, Usage
 from tpserve.server.submitter import Submitter
 from tpserve.server.tool_calls import parser_for_template
 from tpserve.server.validation import RequestRefused
 
 MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
 EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
+MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
 
 
 class HttpRefusal(Exception):
@@ -82,6 +86,10 @@ class OpenAIApi:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ]
         handlers = {HTTPException: _http_exception}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
@@ -111,6 +119,33 @@ class OpenAIApi:
             return _refusal(self._unknown_model(request.path_params["model_id"]))
         return JSONResponse(self._model_card())
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, tokenize_reply)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, detokenize_reply)
+
+    async def metrics(self, request: Request) -> Response:
+        """tpserve's series and vLLM's names beside them (open, as vLLM's /metrics and /health)."""
+        return Response(self._submitter.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse(version_reply())
+
+    async def _answer(self, request: Request, reply: Callable[[Submitter, dict], dict]) -> Response:
+        """A route answered at once from the body (tokenizing runs on a worker thread)."""
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            body = await _read_json(request)
+            return JSONResponse(
+                await anyio.to_thread.run_sync(reply, self._submitter, body, limiter=self._limiter)
+            )
+        except (HttpRefusal, RequestRefused) as refusal:
+            return _refusal(refusal)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, lambda body: parse_chat(body, self._tool_parser))
 
@@ -122,16 +157,20 @@ class OpenAIApi:
     async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
         if not self._authorized(request):
             return _unauthorized()
+        streams: list[Stream] = []
         try:
             parsed = parse(await _read_json(request))
             if parsed.model is not None and parsed.model != self._model:
                 raise self._unknown_model(parsed.model)
-            stream = await anyio.to_thread.run_sync(
-                self._submitter.submit, parsed.generate, limiter=self._limiter
-            )
+            for choice in parsed.choices:  # one stream per choice, in choice order
+                streams.append(
+                    await anyio.to_thread.run_sync(self._submitter.submit, choice, limiter=self._limiter)
+                )
         except (HttpRefusal, RequestRefused) as refusal:
+            cancel_all(streams)
             return _refusal(refusal)
         except ClientDisconnect:
+            cancel_all(streams)
             return Response(status_code=499)
         shape = ReplyShape(
             chat=parsed.chat,
@@ -140,51 +179,82 @@ class OpenAIApi:
             logprobs=parsed.generate.HasField("logprobs"),
             token_text=self._token_text,
         )
-        reply = None
+        # Per choice, the parser of tool calls and reasoning, where the chat can have either.
+        replies: list[ChatReply | None] = [None] * len(streams)
         if parsed.chat and (parsed.tools is not None or self._thinks):
-            reply = ChatReply(parsed.tools, self._thinks, self._starts_thinking)
+            replies = [ChatReply(parsed.tools, self._thinks, self._starts_thinking) for _ in streams]
+        echoes = [self._prompt_text(choice) if parsed.echo else "" for choice in parsed.choices]
         if parsed.stream:
-            events = self._server_sent_events(stream, shape, parsed.include_usage, reply)
+            events = self._server_sent_events(
+                streams, shape, parsed.include_usage, echoes, parsed.num_per_prompt, replies
+            )
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self._whole(request, stream, shape, reply)
+        return await self._whole(request, streams, shape, echoes, parsed.num_per_prompt, replies)
 
     async def _whole(
-        self, request: Request, stream: Stream, shape: ReplyShape, reply: ChatReply | None
+        self,
+        request: Request,
+        streams: list[Stream],
+        shape: ReplyShape,
+        echoes: list[str],
+        n: int,
+        replies: list[ChatReply | None],
     ) -> Response:
-        text, token_ids, logprobs = [], [], []
-        async for event in self._events(stream, request):
+        texts = [[echo] for echo in echoes]
+        token_ids: list[list[int]] = [[] for _ in streams]
+        logprobs: list[list] = [[] for _ in streams]
+        ended: dict[int, Finished] = {}
+        async for index, event in self._events(streams, request):
             if isinstance(event, TokenDelta):
-                text.append(event.text)
-                token_ids += event.token_ids
-                logprobs += event.logprobs
+                texts[index].append(event.text)
+                token_ids[index] += event.token_ids
+                logprobs[index] += event.logprobs
             elif isinstance(event, Finished):
                 refusal = self._failure(event)
                 if refusal is not None:
-                    return _refusal(refusal)
-                whole = shape.whole("".join(text), token_ids, event.reason, event.usage, logprobs)
-                if reply is not None:
-                    message, called = reply.whole("".join(text))
-                    whole["choices"][0]["message"] = message
-                    if called and event.reason == STOP:
-                        whole["choices"][0]["finish_reason"] = FINISH_REASONS[TOOL_CALLS]
-                return JSONResponse(whole)
-        return Response(status_code=499)  # the client went away; its stream is cancelled
+                    return _refusal(refusal)  # leaving _events cancels the other choices
+                ended[index] = event
+        if len(ended) < len(streams):
+            return Response(status_code=499)  # the client went away; its streams are cancelled
+        choices = []
+        for i, reply in enumerate(replies):
+            text = "".join(texts[i])
+            choice = shape.choice(i, text, token_ids[i], ended[i].reason, logprobs[i])
+            if reply is not None:
+                choice["message"], called = reply.whole(text)
+                if called and ended[i].reason == STOP:
+                    choice["finish_reason"] = FINISH_REASONS[TOOL_CALLS]
+            choices.append(choice)
+        return JSONResponse(
+            shape.whole_of(choices, total_usage([ended[i].usage for i in range(len(streams))], n))
+        )
 
     async def _server_sent_events(
-        self, stream: Stream, shape: ReplyShape, include_usage: bool, reply: ChatReply | None
+        self,
+        streams: list[Stream],
+        shape: ReplyShape,
+        include_usage: bool,
+        echoes: list[str],
+        n: int,
+        replies: list[ChatReply | None],
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; _events then cancels the
-        # stream, so its lane is freed at the host's next boundary.
-        if shape.chat:
-            yield _sse(shape.first_chunk())
-        async for event in self._events(stream, None):
+        # streams, so their lanes are freed at the host's next boundary.
+        for index, echo in enumerate(echoes):
+            if shape.chat:
+                yield _sse(shape.first_chunk(index))
+            elif echo:
+                yield _sse(shape.chunk(echo, index=index))
+        usages: dict[int, Usage] = {}
+        async for index, event in self._events(streams, None):
+            reply = replies[index]
             if isinstance(event, TokenDelta) and reply is not None:
                 for delta in reply.push(event.text):
-                    yield _sse(shape.delta_chunk(delta))
+                    yield _sse(shape.delta_chunk(delta, index=index))
             elif isinstance(event, TokenDelta):
                 if event.text or event.logprobs or shape.return_token_ids:
-                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs))
+                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs, index=index))
             elif isinstance(event, Finished):
                 refusal = self._failure(event)
                 if refusal is not None:
@@ -194,35 +264,51 @@ class OpenAIApi:
                 if reply is not None:
                     deltas, called = reply.finish()
                     for delta in deltas:
-                        yield _sse(shape.delta_chunk(delta))
+                        yield _sse(shape.delta_chunk(delta, index=index))
                     reason = TOOL_CALLS if called and reason == STOP else reason
-                yield _sse(shape.chunk("", reason=reason))
-                if include_usage:
-                    yield _sse(shape.usage_chunk(event.usage))
+                yield _sse(shape.chunk("", reason=reason, index=index))
+                usages[index] = event.usage
+        else:
+            if include_usage:
+                yield _sse(shape.usage_chunk(total_usage([usages[i] for i in sorted(usages)], n)))
         yield "data: [DONE]\n\n"
 
-    async def _events(self, stream: Stream, request: Request | None) -> AsyncIterator[Event]:
-        """The stream's events up to Finished, read on a worker thread; a client that goes away
-        (seen through `request`, or by this generator being cancelled) cancels the stream."""
-        finished = False
-        last_delta_at: float | None = None
+    async def _events(
+        self, streams: list[Stream], request: Request | None
+    ) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) of every stream up to its Finished, read on a worker thread; a
+        client that goes away (seen through `request`, or by this generator being cancelled)
+        cancels every stream not yet finished."""
+        finished = [False] * len(streams)
+        last_delta_at: list[float | None] = [None] * len(streams)
+        # One stream waits the whole poll; several share it, each waited on briefly in turn.
+        wait_s = self._poll_s if len(streams) == 1 else min(self._poll_s, MULTI_STREAM_WAIT_S)
         try:
-            while not finished:
+            while not all(finished):
+                index = finished.index(False)
                 events = await anyio.to_thread.run_sync(
-                    stream.next_events, self._poll_s, limiter=self._limiter
+                    streams[index].next_events, wait_s, limiter=self._limiter
                 )
-                events = merge_deltas(events)
-                for event in events:
-                    finished = finished or isinstance(event, Finished)
+                for event in merge_deltas(events):
+                    finished[index] = finished[index] or isinstance(event, Finished)
                     if isinstance(event, TokenDelta):
-                        last_delta_at = self._submitter.count_delta(event, last_delta_at)
-                    yield event
-                if request is not None and not finished and await request.is_disconnected():
+                        last_delta_at[index] = self._submitter.count_delta(event, last_delta_at[index])
+                    yield index, event
+                for other in range(index + 1, len(streams)):  # the others' events so far, no wait
+                    if finished[other]:
+                        continue
+                    for event in merge_deltas(streams[other].next_events(0)):
+                        finished[other] = finished[other] or isinstance(event, Finished)
+                        if isinstance(event, TokenDelta):
+                            last_delta_at[other] = self._submitter.count_delta(event, last_delta_at[other])
+                        yield other, event
+                if request is not None and not all(finished) and await request.is_disconnected():
                     return
         finally:
-            if not finished:
-                stream.cancel()
-                self._submitter.count_gone()
+            for stream, done in zip(streams, finished):
+                if not done:
+                    stream.cancel()
+                    self._submitter.count_gone()
 
     def _failure(self, event: Finished) -> RequestRefused | None:
         """How a reply that ended in an error answers (counting every ending in the metrics): a
@@ -240,6 +326,12 @@ class OpenAIApi:
 
     def _authorized(self, request: Request) -> bool:
         return key_matches(request.headers.get("authorization"), self._api_key)
+
+    def _prompt_text(self, choice) -> str:
+        """A choice's prompt as text, for echo (token-id prompts decoded)."""
+        if choice.HasField("prompt"):
+            return choice.prompt
+        return self._submitter.tokenizer.decode(list(choice.prompt_token_ids))
 
     def _token_text(self, token_id: int) -> str:
         return self._submitter.tokenizer.decode([token_id])
@@ -261,6 +353,10 @@ class OpenAIApi:
 
 
 async def _read_json(request: Request) -> dict:
+    # As vLLM: a body is read as JSON only when it says it is (a form body is never guessed at).
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise HttpRefusal(400, f"the request body must be application/json (got {media_type or 'no type'!r})")
     declared = request.headers.get("content-length")
     too_large = HttpRefusal(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:

@@ -267,6 +267,7 @@ class Admission:
             job.request.images,
             self._lanes.new_blocks(job),
             job.allowed_tokens() if last else None,
+            job.counts,
         )
 
     def _whole_prompt(self, job: Job) -> PrefillItem | None:
@@ -283,6 +284,7 @@ class Admission:
             job.request.images,
             self._lanes.new_blocks(job),
             job.allowed_tokens(),
+            job.counts,
         )
 
     def _prefill(self, job: Job, item: PrefillItem | None) -> Outcome | None:

@@ -60,6 +60,7 @@ class LaneHost:
                 f"(num_lanes {backend.num_lanes}, max_prefill_tokens {backend.max_prefill_tokens})"
             )
         self._detokenize = detokenize
+        self._eos_ids = frozenset(eos_ids)
         self._clock = clock
         self._room = backend.room
         self._context_size = backend.context_size
@@ -97,6 +98,7 @@ class LaneHost:
             detokenize=self._detokenize,
             submitted_at=self._clock(),
             cancel=self._state.cancel,
+            eos_ids=self._eos_ids,
         )
         never_fits = self._lanes.blocks.blocks_for(reserve) > self._lanes.blocks.num_blocks
         self._state.add(job, queued=not never_fits)

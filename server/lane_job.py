@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tpserve.kernels.token_counts import TokenCounts
 from tpserve.server.lane_stream import Stream
 from tpserve.server.requests import LENGTH, STOP, GenerationRequest, TokenDelta, TokenLogprob, Usage
 from tpserve.server.text_stream import TextOut, TextStream
@@ -37,12 +38,24 @@ class Job:
         detokenize: Callable[[Sequence[int]], str],
         submitted_at: float,
         cancel: Callable[[Job], None],
+        eos_ids: frozenset[int] = frozenset(),
     ):
         self.request = request
         self._cache_prompt = request.cache_ids()
         self.reserve = reserve  # the most KV tokens its lane can reach: prompt + max_tokens, capped
         self.stream = Stream(lambda: cancel(self))
-        self.text = TextStream(detokenize, request.stop, context_ids=request.prompt_ids)
+        self.text = TextStream(
+            detokenize,
+            request.stop,
+            context_ids=request.prompt_ids,
+            include_stop=request.include_stop_str_in_output,
+        )
+        # The tokens rank 0's logit adjustments read (penalties, logit_bias, min_tokens), kept here
+        # with the stream so they follow it across lanes.
+        self.counts: TokenCounts | None = None
+        if request.sampling.adjusts_logits or request.min_tokens > 0:
+            barred = request.stop_token_ids + (() if request.ignore_eos else tuple(eos_ids))
+            self.counts = TokenCounts(request.prompt_ids, min_tokens=request.min_tokens, barred=barred)
         self.produced: list[int] = []  # every sampled token, sent or held back
         self.logprobs: list[TokenLogprob | None] = []  # per produced token, when the request asks
         self._num_tokens_sent = 0
@@ -102,18 +115,25 @@ class Job:
     ) -> str | None:
         """Take one sampled token, send what text it releases; the finish reason when the reply ends."""
         self.produced.append(token_id)
+        if self.counts is not None:
+            self.counts.add(token_id)
         if self.wants_logprobs:
             self.logprobs.append(logprob)
         if self.first_token_at is None:
             self.first_token_at = now
-        if token_id in eos_ids and not self.request.ignore_eos:
+        ends = token_id in self.request.stop_token_ids or (
+            token_id in eos_ids and not self.request.ignore_eos
+        )
+        if ends:
             self._send(self.text.finish())
+            self._send_stop_tokens()
             return STOP
         if self.matcher is not None and token_id not in eos_ids:
             # An EOS kept under ignore_eos leaves the grammar where it was (complete).
             self.matcher.accept(token_id)
         self._send(self.text.push(token_id))
         if self.text.stopped:
+            self._send_stop_tokens()
             return STOP
         if len(self.produced) >= self.request.max_tokens:
             self._send(self.text.finish())
@@ -129,6 +149,13 @@ class Job:
             time_to_first_token_s=first,
             total_s=now - self.submitted_at,
         )
+
+    def _send_stop_tokens(self) -> None:
+        """The tokens that ended the reply (an EOS token, a stop string's tokens): their ids, with no
+        text, so a reply's token ids are the tokens usage counts."""
+        unsent = tuple(self.produced[self._num_tokens_sent :])
+        if unsent:
+            self._send(TextOut(unsent, ""))
 
     def _send(self, out: TextOut) -> None:
         if not out:

@@ -190,6 +190,7 @@ class Scheduler:
                 draft,
                 self.lanes.new_blocks(job),
                 job.allowed_tokens(),
+                job.counts,
             )
             for job, draft in zip(live, drafts)
         ]

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpserve.server.kv_blocks import BlockStats
+from tpserve.server.vllm_metrics import VllmMetrics
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -104,8 +105,11 @@ class ServingMetrics:
         self,
         read_stats: Callable[[], Any] | None = None,
         read_blocks: Callable[[], BlockStats] | None = None,
+        model_name: str = "",
     ):
         self.registry = CollectorRegistry()
+        # vLLM's names beside these (server/vllm_metrics.py), when the model's name is known.
+        self.vllm = VllmMetrics(self.registry, model_name, read_stats) if model_name else None
         self.requests = Counter(
             "tpserve_requests",
             "Generate calls by outcome: a finish reason (stop, length, cancelled, error) or a refusal's "
@@ -155,6 +159,23 @@ class ServingMetrics:
         self.cached_tokens.inc(cached_tokens)
         if cached_tokens > 0:
             self.cache_hits.inc()
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        if self.vllm is not None:
+            self.vllm.observe_first_token(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token.observe(seconds)
+        if self.vllm is not None:
+            self.vllm.observe_inter_token(seconds)
+
+    def observe_finished(
+        self, reason: str, prompt_tokens: int, completion_tokens: int, total_s: float
+    ) -> None:
+        """vLLM's per-request series (tpserve's own are count_outcome and count_usage)."""
+        if self.vllm is not None:
+            self.vllm.observe_finished(reason, prompt_tokens, completion_tokens, total_s)
 
     def render(self) -> bytes:
         """The text exposition format, as a scrape would see it."""

@@ -60,8 +60,18 @@ class ReplyShape:
         usage: Usage,
         logprobs: Sequence[TokenLogprob] = (),
     ) -> dict:
+        return self.whole_of([self.choice(0, text, token_ids, reason, logprobs)], usage)
+
+    def whole_of(self, choices: list[dict], usage: Usage) -> dict:
+        """The whole reply: its choices (in index order) and the request's usage."""
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._object(kind, choices), "usage": usage_json(usage)}
+
+    def choice(
+        self, index: int, text: str, token_ids: list[int], reason: str, logprobs: Sequence[TokenLogprob] = ()
+    ) -> dict:
         choice: dict = {
-            "index": 0,
+            "index": index,
             "finish_reason": FINISH_REASONS[reason],
             "logprobs": self._logprobs(logprobs),
         }
@@ -71,8 +81,7 @@ class ReplyShape:
             choice["text"] = text
         if self.return_token_ids:
             choice["token_ids"] = token_ids
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._object(kind, [choice]), "usage": usage_json(usage)}
+        return choice
 
     def chunk(
         self,
@@ -80,9 +89,11 @@ class ReplyShape:
         token_ids: tuple[int, ...] = (),
         reason: str | None = None,
         logprobs: Sequence[TokenLogprob] = (),
+        index: int = 0,
     ) -> dict:
-        """A streamed piece: new text (the chat's first piece names the role), or the finish reason."""
-        choice: dict = {"index": 0, "finish_reason": None if reason is None else FINISH_REASONS[reason]}
+        """A streamed piece of choice `index`: new text (the chat's first piece names the role), or
+        the finish reason."""
+        choice: dict = {"index": index, "finish_reason": None if reason is None else FINISH_REASONS[reason]}
         if self.chat:
             choice["delta"] = {} if reason is not None else {"content": text}
         else:
@@ -93,16 +104,20 @@ class ReplyShape:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def delta_chunk(
-        self, delta: dict, token_ids: tuple[int, ...] = (), logprobs: Sequence[TokenLogprob] = ()
+        self,
+        delta: dict,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Sequence[TokenLogprob] = (),
+        index: int = 0,
     ) -> dict:
         """A streamed chat piece carrying `delta` (content, reasoning_content or tool_calls)."""
-        chunk = self.chunk("", token_ids, logprobs=logprobs)
+        chunk = self.chunk("", token_ids, logprobs=logprobs, index=index)
         chunk["choices"][0]["delta"] = delta
         return chunk
 
-    def first_chunk(self) -> dict:
+    def first_chunk(self, index: int = 0) -> dict:
         """The chat's opening piece: the role, no text yet (as OpenAI's own streams begin)."""
-        chunk = self.chunk("")
+        chunk = self.chunk("", index=index)
         chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return chunk
 
@@ -125,7 +140,10 @@ class ReplyShape:
         return {
             "tokens": [text(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs],
+            # OpenAI's contract: the sampled token is among each position's top entries (K + 1 at most).
+            "top_logprobs": [
+                {**{text(t): v for t, v in lp.top}, text(lp.token_id): lp.logprob} for lp in logprobs
+            ],
             "text_offset": offsets,
         }
 

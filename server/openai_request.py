@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from tpserve.server.openai_choices import choice_requests
 from tpserve.server.openai_constraint import constraint_from
-from tpserve.server.openai_fields import FieldRefused
+from tpserve.server.openai_fields import CHAT, COMPLETION, FieldRefused, check_fields
 from tpserve.server.openai_tools import add_message_tools, add_tools
 from tpserve.server.tool_calls import ToolMode
 from tpserve.server.validation import MAX_SEED
@@ -21,40 +21,34 @@ from tpserve.v1 import serving_pb2
 
 INT32_MAX = 2**31 - 1
 PART_TYPES = ("text", "image_url", "video_url", "input_audio")
-# Fields a client may send with their neutral value only: anything else would be silently ignored.
-NEUTRAL = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "functions": (None, []),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-}
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """One chat or completion request: the GenerateRequest to run and how to answer it."""
+    """One chat or completion request: the GenerateRequests to run (one per choice, in choice order)
+    and how to answer them."""
 
-    generate: serving_pb2.GenerateRequest
+    choices: tuple[serving_pb2.GenerateRequest, ...]
     chat: bool  # chat.completion objects, else text_completion
     model: str | None  # None: whatever this server serves
     stream: bool  # server-sent events, else one JSON object
     include_usage: bool  # a last streamed chunk with the usage (stream_options.include_usage)
     return_token_ids: bool  # token_ids in each choice (an extension, as vLLM's)
     tools: ToolMode | None = None  # how a chat reply's tool calls are read (server/tool_calls.py)
+    echo: bool = False  # completions: each choice's text begins with its prompt's
+    num_per_prompt: int = 1  # n: choices i * n .. i * n + n - 1 answer prompt i
+
+    @property
+    def generate(self) -> serving_pb2.GenerateRequest:
+        """The first choice's request (every choice asks the same but for its prompt and seed)."""
+        return self.choices[0]
 
 
 def parse_chat(body: dict, tool_parser: str | None = None) -> OpenAIRequest:
     """`tool_parser`: the family of the model's tool calls (tool_calls.py), None if it has none."""
+    check_fields(body, CHAT)
     request = serving_pb2.GenerateRequest()
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise FieldRefused("messages", "messages must be a non-empty list of messages")
-    for index, message in enumerate(messages):
-        _add_message(request, message, index)
+    add_messages(request, body.get("messages"))
     wants_logprobs = _flag(body, "logprobs")
     num_top = None if body.get("top_logprobs") is None else _int32("top_logprobs", body["top_logprobs"])
     if num_top and not wants_logprobs:
@@ -62,37 +56,51 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> OpenAIRequest:
     if wants_logprobs:
         request.logprobs = num_top or 0
     parsed = _finish(body, request, chat=True)
-    return dataclasses.replace(parsed, tools=add_tools(body, request, tool_parser))
+    tools = None
+    for choice in parsed.choices:  # every choice's request offers the same tools
+        tools = add_tools(body, choice, tool_parser)
+    return replace(parsed, tools=tools)
 
 
 def parse_completion(body: dict) -> OpenAIRequest:
+    check_fields(body, COMPLETION)
     request = serving_pb2.GenerateRequest()
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
-        if not all(-INT32_MAX - 1 <= token <= INT32_MAX for token in prompt):
-            raise FieldRefused("prompt", "prompt holds a token id out of range")
-        request.prompt_token_ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise FieldRefused("prompt", "prompt: one prompt per request (this server returns one choice)")
-    elif prompt == []:
-        raise FieldRefused("prompt", "prompt is empty")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]  # a batch of prompts
     else:
-        raise FieldRefused("prompt", "prompt must be a string or a list of token ids")
+        prompts = [_prompt(prompt, "prompt")]
+    if isinstance(prompts[0], str):
+        request.prompt = prompts[0]
+    else:
+        request.prompt_token_ids.extend(prompts[0])
     if body.get("logprobs") is not None:
         request.logprobs = _int32("logprobs", body["logprobs"])
-    return _finish(body, request, chat=False)
+    echo = _flag(body, "echo")
+    if echo and request.HasField("logprobs"):
+        # The prompt's own log probabilities need the logits of every prompt row, which the
+        # engine's prefill does not return yet.
+        raise FieldRefused("echo", "echo with logprobs is not supported by this server")
+    parsed = _finish(body, request, chat=False, more_prompts=prompts[1:])
+    return replace(parsed, echo=echo)
 
 
-def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> OpenAIRequest:
-    for name, neutral in NEUTRAL.items():
-        _refuse_set(name, name in body and not any(_same(body[name], value) for value in neutral))
-    n = body.get("n")
-    if n is not None and not (_is_int(n) and n == 1):
-        raise FieldRefused("n", f"n must be 1 (got {n!r}): this server returns one choice per request")
+def _prompt(prompt, where: str) -> str | list[int]:
+    """One prompt: text, or token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
+        if not all(-INT32_MAX - 1 <= token <= INT32_MAX for token in prompt):
+            raise FieldRefused(where, f"{where} holds a token id out of range")
+        return prompt
+    if prompt == []:
+        raise FieldRefused(where, f"{where} is empty")
+    raise FieldRefused(where, f"{where} must be a string or a list of token ids")
+
+
+def _finish(
+    body: dict, request: serving_pb2.GenerateRequest, *, chat: bool, more_prompts: list = ()
+) -> OpenAIRequest:
     max_tokens = body.get("max_completion_tokens") if chat else None
     name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -106,6 +114,7 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
     if body.get("seed") is not None:
         request.seed = _seed(body["seed"])
     request.stop.extend(_stop(body.get("stop")))
+    _add_adjustments(body, request)
     request.ignore_eos = _flag(body, "ignore_eos")
     constraint = constraint_from(body)
     if constraint is not None:
@@ -119,9 +128,15 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise FieldRefused("stream_options", "stream_options must be an object")
+    if options is not None and not stream:
+        raise FieldRefused("stream_options", "stream_options needs stream: true")  # as OpenAI refuses it
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    n = 1 if body.get("n") is None else _int32("n", body["n"])
+    if n < 1:
+        raise FieldRefused("n", f"n must be at least 1 (got {n})")
     return OpenAIRequest(
-        generate=request,
+        choices=choice_requests(request, list(more_prompts), n),
+        num_per_prompt=n,
         chat=chat,
         model=model,
         stream=stream,
@@ -130,7 +145,38 @@ def _finish(body: dict, request: serving_pb2.GenerateRequest, *, chat: bool) -> 
     )
 
 
-def _add_message(request: serving_pb2.GenerateRequest, message, index: int) -> None:
+def _add_adjustments(body: dict, request: serving_pb2.GenerateRequest) -> None:
+    """The logit adjustments and stop tokens (ranges are validation's)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if body.get(name) is not None:
+            setattr(request, name, _number(name, body[name]))
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise FieldRefused("logit_bias", "logit_bias must be an object of token ids and biases")
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.lstrip("-").isdigit()):
+                raise FieldRefused("logit_bias", f"logit_bias key {key!r} is not a token id")
+            request.logit_bias[_int32("logit_bias", int(key))] = _number(f"logit_bias[{key}]", value)
+    if body.get("min_tokens") is not None:
+        request.min_tokens = _int32("min_tokens", body["min_tokens"])
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise FieldRefused("stop_token_ids", "stop_token_ids must be a list of token ids")
+        request.stop_token_ids.extend(_int32("stop_token_ids", token) for token in stop_ids)
+    request.include_stop_str_in_output = _flag(body, "include_stop_str_in_output")
+
+
+def add_messages(request, messages) -> None:
+    """An OpenAI messages list onto a GenerateRequest's (or TokenizeRequest's) messages."""
+    if not isinstance(messages, list) or not messages:
+        raise FieldRefused("messages", "messages must be a non-empty list of messages")
+    for index, message in enumerate(messages):
+        _add_message(request, message, index)
+
+
+def _add_message(request, message, index: int) -> None:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise FieldRefused(where, f"{where} must be an object with role and content")
@@ -181,17 +227,6 @@ def _media(part: dict, kind: str, where: str) -> serving_pb2.Media:
         except (binascii.Error, ValueError):
             raise FieldRefused(f"{where}.{kind}", f"{where}.{kind}.url is not valid base64") from None
     return serving_pb2.Media(mime_type=fallback, data=url.encode())
-
-
-def _refuse_set(name: str, is_set: bool) -> None:
-    if is_set:
-        raise FieldRefused(name, f"{name} is not supported by this server")
-
-
-def _same(value, neutral) -> bool:
-    if neutral is None:
-        return value is None
-    return type(value) is type(neutral) and value == neutral
 
 
 def _is_int(value) -> bool:

@@ -74,6 +74,11 @@ class GenerationRequest:
     images: tuple[PromptImage, ...] = ()  # in prompt order; only from a server started with --vision
     # Structured outputs: every sampled token is masked to what this grammar allows next.
     grammar: Grammar | None = None
+    stop_token_ids: tuple[int, ...] = ()  # the reply ends at any of these (ignore_eos or not)
+    # EOS and stop_token_ids are barred (-inf) until the reply has this many tokens (as vLLM);
+    # stop strings still end it earlier.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # a matched stop string's text ends the reply's text
 
     def cache_ids(self) -> tuple[int, ...]:
         """The prompt as the prompt cache keys it: each image's positions hold its key, not the

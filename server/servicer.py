@@ -113,7 +113,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             version=VERSION,
             vocab_size=self._submitter.tokenizer.vocab_size,
             vision=info.vision,
-            default_max_tokens=info.default_max_tokens,
+            default_max_tokens=info.default_max_tokens or 0,
         )
 
 

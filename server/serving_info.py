@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpserve.kernels.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class ServingInfo:
@@ -16,7 +18,9 @@ class ServingInfo:
     context_size: int
     room: int
     vision: bool = False
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # None: the context the prompt leaves
+    # An unset sampling field's value: the model's generation_config.json, else greedy, no filters.
+    sampling_defaults: SamplingParams = SamplingParams()
     max_images: int = 4  # with --vision: image parts per request, bytes and pixels per image
     max_image_bytes: int = 10 << 20
     max_image_pixels: int = 4096 * 4096

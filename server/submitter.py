@@ -36,6 +36,7 @@ from tpserve.server.validation import (
     RequestRefused,
     check_generate,
     check_messages,
+    check_min_tokens,
     max_tokens_for,
     sampling_from,
     tokenize_kind,
@@ -115,6 +116,7 @@ class Submitter:
             prompt_ids = list(request.prompt_token_ids)
         max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
         grammar = self.grammars.compile(request.constraint) if request.HasField("constraint") else None
+        check_min_tokens(request, max_tokens)
         images = ()
         if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
             media, wheres = _media_parts(request.messages)
@@ -122,13 +124,16 @@ class Submitter:
         job = GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
-            sampling=sampling_from(request, fresh_seed=secrets.randbits(63)),
+            sampling=sampling_from(request, secrets.randbits(63), self.info.sampling_defaults),
             stop=tuple(request.stop),
             ignore_eos=request.ignore_eos,
             background=request.background,
             keep_boundaries=boundaries,
             images=images,
             grammar=grammar,
+            stop_token_ids=tuple(request.stop_token_ids),
+            min_tokens=request.min_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
         )
         try:
             return self.lane_host.submit(job)
@@ -154,15 +159,18 @@ class Submitter:
         usage = event.usage
         self.metrics.count_outcome(event.reason)
         self.metrics.count_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        self.metrics.observe_finished(
+            event.reason, usage.prompt_tokens, usage.completion_tokens, usage.total_s
+        )
         if usage.time_to_first_token_s is not None:
-            self.metrics.time_to_first_token.observe(usage.time_to_first_token_s)
+            self.metrics.observe_first_token(usage.time_to_first_token_s)
 
     def count_delta(self, event: TokenDelta, last_delta_at: float | None) -> float:
         """Observes the time per token since the stream's previous delta (the first delta's wait is
         time to first token, counted at the end); returns now, for the next call."""
         now = time.monotonic()
         if event.token_ids and last_delta_at is not None:
-            self.metrics.inter_token.observe((now - last_delta_at) / len(event.token_ids))
+            self.metrics.observe_inter_token((now - last_delta_at) / len(event.token_ids))
         return now
 
     def count_gone(self) -> None:

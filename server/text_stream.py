@@ -36,11 +36,13 @@ class TextStream:
         detokenize: Callable[[Sequence[int]], str],
         stop: Sequence[str] = (),
         context_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ):
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self._detokenize = detokenize
         self._stop = tuple(stop)
+        self._include_stop = include_stop  # a matched stop string is released, and nothing after it
         context = list(context_ids[-NUM_CONTEXT_TOKENS:]) if context_ids else []
         self._num_context = len(context)
         self._ids: list[int] = context  # context, then every reply token pushed
@@ -87,10 +89,11 @@ class TextStream:
     def _release(self, final: bool) -> TextOut:
         pending = self._text[self._num_chars_sent :]
         # Any stop match starts at or after num_chars_sent: text that could begin one is never sent.
-        match = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
-        if match >= 0:
+        found = [(at, -len(s)) for at, s in ((pending.find(s), s) for s in self._stop) if at >= 0]
+        if found:
             self.stopped = True
-            cut = self._num_chars_sent + match
+            match, minus_length = min(found)  # the earliest match, the longest of those
+            cut = self._num_chars_sent + match + (-minus_length if self._include_stop else 0)
         elif final:
             cut = len(self._text)
         else:

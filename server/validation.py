@@ -19,6 +19,7 @@ MEDIA_TYPES = ("image/", "video/")
 VISION_NEEDED = "image and video inputs need a server started with --vision"
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 MAX_SEED = 2**63 - 1  # seeds travel between ranks as int64
+TPSERVE_DEFAULTS = SamplingParams()  # greedy, no filters: an unset field's value without generation_config
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class Limits:
     vocab_size: int
     room: int | None = None  # KV tokens the engine holds in all, when fewer than one context needs
     vision: bool = False
-    default_max_tokens: int = 256  # when max_tokens is unset (capped by what the context leaves)
+    # When max_tokens is unset (capped by what the context leaves); None: all the context leaves, as
+    # vLLM (so a chat front end that sends no max_tokens gets whole replies).
+    default_max_tokens: int | None = None
     max_temperature: float = 100.0
     max_stop_strings: int = 16
     max_stop_chars: int = 256
@@ -149,8 +152,30 @@ def check_generate(request, limits: Limits) -> str:
                 f"max_tokens ({request.max_tokens}) exceeds the context of {limits.context_size} tokens"
             )
     _check_sampling(request, limits)
+    _check_adjustments(request, limits)
     _check_stop(request.stop, limits)
+    check_token_ids(request.stop_token_ids, limits.vocab_size, "stop_token_ids")
     return kind
+
+
+def _check_adjustments(request, limits: Limits) -> None:
+    """The logit adjustments' ranges (OpenAI's for the penalties and logit_bias)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if request.HasField(name) and not -2.0 <= getattr(request, name) <= 2.0:
+            raise _invalid(f"{name} must be from -2 to 2 (got {getattr(request, name):g})")
+    if request.HasField("repetition_penalty") and not 0.0 < request.repetition_penalty <= 10.0:
+        raise _invalid(
+            f"repetition_penalty must be above 0 and at most 10 (got {request.repetition_penalty:g})"
+        )
+    for token_id, bias in sorted(request.logit_bias.items()):
+        if not 0 <= token_id < limits.vocab_size:
+            raise _invalid(
+                f"logit_bias[{token_id}]: the token is outside the vocabulary of {limits.vocab_size} tokens"
+            )
+        if not -100.0 <= bias <= 100.0:
+            raise _invalid(f"logit_bias[{token_id}] must be from -100 to 100 (got {bias:g})")
+    if request.HasField("min_tokens") and request.min_tokens < 0:
+        raise _invalid(f"min_tokens must be 0 or more (got {request.min_tokens})")
 
 
 def _check_sampling(request, limits: Limits) -> None:
@@ -183,9 +208,9 @@ def _check_stop(stop: Sequence[str], limits: Limits) -> None:
             )
 
 
-def sampling_from(request, fresh_seed: int) -> SamplingParams:
-    """The request's sampling fields, server defaults where unset (`fresh_seed` when no seed)."""
-    defaults = SamplingParams()
+def sampling_from(request, fresh_seed: int, defaults: SamplingParams = TPSERVE_DEFAULTS) -> SamplingParams:
+    """The request's sampling fields, `defaults` where unset (the model's generation_config.json, else
+    tpserve's own), `fresh_seed` when no seed."""
     return SamplingParams(
         temperature=request.temperature if request.HasField("temperature") else defaults.temperature,
         top_p=request.top_p if request.HasField("top_p") else defaults.top_p,
@@ -193,6 +218,14 @@ def sampling_from(request, fresh_seed: int) -> SamplingParams:
         min_p=request.min_p if request.HasField("min_p") else defaults.min_p,
         seed=request.seed if request.HasField("seed") else fresh_seed,
         logprobs=request.logprobs if request.HasField("logprobs") else defaults.logprobs,
+        presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else 0.0,
+        frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=(
+            request.repetition_penalty
+            if request.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
+        logit_bias=tuple(sorted(request.logit_bias.items())),
     )
 
 
@@ -213,12 +246,20 @@ def max_tokens_for(request, num_prompt_tokens: int, limits: Limits) -> int:
         raise _invalid(
             f"prompt ({num_prompt_tokens} tokens) leaves no room to reply in the context of {context} tokens"
         )
-    max_tokens = min(limits.default_max_tokens, context - num_prompt_tokens)
+    max_tokens = context - num_prompt_tokens
+    if limits.default_max_tokens is not None:
+        max_tokens = min(max_tokens, limits.default_max_tokens)
     if limits.room is not None:
         # An unset max_tokens shrinks to fit the engine rather than refusing a prompt that fits.
         max_tokens = min(max_tokens, max(1, limits.room - num_prompt_tokens))
     _check_room(num_prompt_tokens, max_tokens, limits)
     return max_tokens
+
+
+def check_min_tokens(request, max_tokens: int) -> None:
+    """min_tokens within the reply's budget, max_tokens set or not (vLLM refuses it too)."""
+    if request.min_tokens > max_tokens:
+        raise _invalid(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})")
 
 
 def _check_room(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:

@@ -234,7 +234,7 @@ def test_ignore_eos_runs_to_max_tokens_and_unset_max_tokens_takes_the_default(se
     prompt_ids = [7] * 10
     request = serving_pb2.GenerateRequest(prompt_token_ids=prompt_ids, ignore_eos=True)
     token_ids, _, last, _ = collect(served.stub.Generate(request, timeout=WAIT_S))
-    # The default (256) is capped by what the context leaves after the prompt.
+    # The default is what the context leaves after the prompt (as vLLM's).
     assert len(token_ids) == CONTEXT_SIZE - len(prompt_ids)
     assert last.finish_reason == serving_pb2.FINISH_REASON_LENGTH
 
@@ -304,7 +304,7 @@ def test_info_describes_the_served_model(served):
     info = served.stub.Info(serving_pb2.InfoRequest(), timeout=WAIT_S)
     assert (info.model_name, info.tp_size, info.num_lanes) == ("tiny-fake", 1, 2)
     assert (info.context_size, info.room, info.vocab_size) == (CONTEXT_SIZE, served.backend.room, 259)
-    assert info.version and not info.vision and info.default_max_tokens == 256
+    assert info.version and not info.vision and info.default_max_tokens == 0  # the context left
 
 
 def test_health_is_serving_and_reflection_lists_the_services(served):

@@ -345,10 +345,16 @@ def test_a_bad_field_is_refused_naming_it(golden_client, model_name):
         ({"max_tokens": 65}, "max_tokens", "max_tokens (65) exceeds the context of 64 tokens"),
         ({"temperature": -0.5}, "temperature", "temperature must be from 0 to 100 (got -0.5)"),
         ({"extra_body": {"top_k": "many"}}, "top_k", "top_k must be an integer (got 'many')"),
-        ({"n": 2}, "n", "n must be 1 (got 2): this server returns one choice per request"),
+        ({"n": 0}, "n", "n must be at least 1 (got 0)"),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "logprobs", "logprobs must be from 0 to 20 (got 21)"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported by this server"),
+        ({"extra_body": {"priority": 3}}, "priority", "priority is not supported by this server"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be from -2 to 2 (got 2.5)"),
+        (
+            {"extra_body": {"temprature": 1}},
+            "temprature",
+            "temprature is not a field of /v1/chat/completions this server knows",
+        ),
     ]
     for fields, param, message in cases:
         with pytest.raises(openai.BadRequestError) as raised:

@@ -76,18 +76,19 @@ def test_a_stream_joins_a_running_one_between_rounds_and_both_replies_equal_solo
     backend.assert_clean()
 
 
-def test_eos_ends_the_reply_unsent_and_ignore_eos_runs_past_it():
+def test_eos_ends_the_reply_its_id_sent_without_text_and_ignore_eos_runs_past_it():
     backend = FakeBackend()
     host = make_host(backend)
     # Prompt [1, 2, 3] meets EOS at its 5th token on the fake (greedy).
     (reply,) = run_all(host, [host.submit(make_request([1, 2, 3], 30))])
     assert reply.reason == "stop"
-    assert EOS_ID not in reply.token_ids
-    assert reply.finished.usage.completion_tokens == len(reply.token_ids) + 1
-    assert reply.text == fake_detokenize(reply.token_ids)
+    # The EOS id is the last of the reply's ids (the tokens usage counts); its text is never sent.
+    assert reply.token_ids[-1] == EOS_ID and EOS_ID not in reply.token_ids[:-1]
+    assert reply.finished.usage.completion_tokens == len(reply.token_ids)
+    assert reply.text == fake_detokenize(reply.token_ids[:-1])
     (past,) = run_all(host, [host.submit(make_request([1, 2, 3], 30, ignore_eos=True))])
     assert past.reason == "length" and len(past.token_ids) == 30
-    assert past.token_ids[: len(reply.token_ids) + 1] == (*reply.token_ids, EOS_ID)
+    assert past.token_ids[: len(reply.token_ids)] == reply.token_ids
     backend.assert_clean()
 
 
@@ -110,7 +111,8 @@ def test_a_stop_string_across_a_token_boundary_ends_the_reply_and_is_never_sent(
     (reply,) = run_all(host, [host.submit(long_request(2, 12, stop=(stop, "zz")))])
     assert reply.reason == "stop"
     assert reply.text == full.text[:3]
-    assert reply.token_ids == full.token_ids[:2], "token 1 straddles the stop: sent, its text cut"
+    # Token 1 straddles the stop: sent, its text cut; token 2 (all stop string) is sent with no text.
+    assert reply.token_ids == full.token_ids[:3]
     assert reply.finished.usage.completion_tokens == 3
     backend.assert_clean()
 
@@ -337,3 +339,28 @@ def test_stats_report_queue_lanes_and_room():
     assert host.stats().room_used == 8
     run_all(host, streams)
     assert host.stats().room_used == 0 and host.stats().lanes_busy == 0
+
+
+def test_stop_token_ids_end_the_reply_ignore_eos_or_not_their_id_sent_without_text():
+    backend = FakeBackend()
+    full = backend.solo_reply(long_request(2, 12))
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    host = make_host(backend)
+    (reply,) = run_all(host, [host.submit(long_request(2, 12, stop_token_ids=(stop_id,)))])
+    assert reply.reason == "stop" and reply.token_ids == full.token_ids[: first + 1]
+    assert reply.text == fake_detokenize(full.token_ids[:first])
+    assert reply.finished.usage.completion_tokens == first + 1
+    backend.assert_clean()
+
+
+def test_include_stop_str_in_output_sends_the_stop_string_and_nothing_after():
+    backend = FakeBackend()
+    full = backend.solo_reply(long_request(2, 12))
+    stop = full.text[3:6]
+    host = make_host(backend)
+    (reply,) = run_all(
+        host, [host.submit(long_request(2, 12, stop=(stop,), include_stop_str_in_output=True))]
+    )
+    assert reply.reason == "stop" and reply.text == full.text[:6]
+    backend.assert_clean()

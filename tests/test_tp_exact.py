@@ -22,6 +22,7 @@ from tpserve.kernels.int8_linear import reduce_range
 from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.kernels.token_counts import TokenCounts
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
@@ -44,8 +45,10 @@ def run_streams(
     prompts=PROMPTS,
     samplings=SAMPLINGS,
     quantize: str = "none",
+    adjusted: bool = False,
 ):
-    """Prefill `prompts` in one pass, then NUM_STEPS decode rounds; logits and tokens (rank 0)."""
+    """Prefill `prompts` in one pass, then NUM_STEPS decode rounds; logits and tokens (rank 0).
+    `adjusted`: each stream keeps its TokenCounts for its sampling's logit adjustments."""
     torch.manual_seed(0)
     model = load_rank_model(
         model_dir,
@@ -64,18 +67,25 @@ def run_streams(
     for lane in range(len(prompts)):
         open_lane(engine, lane, 100)
     logits = engine.forward([(lane, 0, prompt) for lane, prompt in enumerate(prompts)])
-    return decode_steps(engine, logits, [len(p) for p in prompts], samplings, tp_rank, tp_size)
+    counts = [TokenCounts(p, min_tokens=4, barred=(p[0],)) if adjusted else None for p in prompts]
+    return decode_steps(engine, logits, [len(p) for p in prompts], samplings, tp_rank, tp_size, counts=counts)
 
 
-def decode_steps(engine, logits, positions, samplings, tp_rank: int, tp_size: int, num_steps=NUM_STEPS):
+def decode_steps(
+    engine, logits, positions, samplings, tp_rank: int, tp_size: int, num_steps=NUM_STEPS, counts=None
+):
     """After a prefill whose logits are `logits`, `num_steps` decode rounds of every lane (lane i at
     positions[i]); every step's logits and the sampled tokens on rank 0, None elsewhere."""
     all_logits, tokens = [], []
     for _ in range(num_steps):
         if tp_rank == 0:
             all_logits.append(logits.clone())
-            step = sample(logits, samplings, positions)
+            streams = None if counts is None else [None if c is None else (c, ()) for c in counts]
+            step = sample(logits, samplings, positions, streams=streams)
             tokens.append(step)
+            for stream_counts, token in zip(counts or (), step):
+                if stream_counts is not None:
+                    stream_counts.add(token)
         else:
             step = [0] * len(positions)
         # Followers learn the sampled tokens the way the wire would tell them.
@@ -143,6 +153,39 @@ def test_tp2_equals_tp1(pool, tmp_path, variant, choice):
     # The sampled streams really sampled: they left the greedy path somewhere.
     greedy = [step[0] for step in solo_tokens]
     assert [step[1] for step in solo_tokens] != greedy or [step[2] for step in solo_tokens] != greedy
+
+
+ADJUSTED_SAMPLINGS = [
+    SamplingParams(repetition_penalty=1.3, logit_bias=((7, 2.5),)),
+    SamplingParams(temperature=0.9, seed=11, presence_penalty=0.8, frequency_penalty=0.6),
+    SamplingParams(temperature=1.3, top_k=20, seed=5, repetition_penalty=0.7, frequency_penalty=-0.5),
+]
+
+
+def _tp2_adjusted(ctx, model_dir):
+    torch.set_num_threads(1)
+    collectives = world_collectives(ctx, "gloo")
+    return run_streams(
+        model_dir, ctx.rank, 2, collectives=collectives, samplings=ADJUSTED_SAMPLINGS, adjusted=True
+    )
+
+
+def test_tp2_equals_tp1_and_batched_equals_solo_with_penalties_bias_and_min_tokens(pool, tmp_path):
+    """The logit adjustments (kernels/logit_adjust.py) keep both promises: tp=2's tokens are tp=1's,
+    and each stream of the batch draws its solo run's tokens."""
+    model_dir = str(write_tiny_model(tmp_path / "llama", "llama"))
+    torch.set_num_threads(1)
+    one = {"samplings": ADJUSTED_SAMPLINGS, "adjusted": True}
+    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, **one)
+    pair_logits, pair_tokens = pool.run(_tp2_adjusted, model_dir, timeout_s=120)[0]
+    assert pair_tokens == solo_tokens and torch.equal(pair_logits, solo_logits)
+    plain = run_streams(model_dir, 0, 1, samplings=ADJUSTED_SAMPLINGS)[1]
+    assert plain != solo_tokens, "the adjustments changed nothing"
+    for lane, (prompt, sampling) in enumerate(zip(PROMPTS, ADJUSTED_SAMPLINGS)):
+        _, alone = run_streams(model_dir, 0, 1, prompts=[prompt], samplings=[sampling], adjusted=True)
+        assert [step[lane] for step in solo_tokens] == [step[0] for step in alone]
+        # min_tokens 4 bars the prompt's first token from the first 4 draws.
+        assert prompt[0] not in [step[lane] for step in solo_tokens[:4]]
 
 
 @pytest.mark.parametrize("choice", ["gloo", "shared_memory"])

@@ -90,6 +90,12 @@ def test_unset_max_tokens_is_the_default_capped_by_the_context():
     assert max_tokens_for(request, 999, limits) == 1
 
 
+def test_unset_max_tokens_without_a_default_is_what_the_context_leaves():
+    request = serving_pb2.GenerateRequest(prompt="hi")
+    limits = Limits(context_size=1000, vocab_size=50)
+    assert max_tokens_for(request, 10, limits) == 990
+
+
 def test_a_prompt_that_exactly_fills_the_context_with_max_tokens_passes():
     request = serving_pb2.GenerateRequest(prompt="hi", max_tokens=40)
     assert max_tokens_for(request, 60, LIMITS) == 40

@@ -11,6 +11,7 @@ import json
 from tpserve.v1 import serving_pb2
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_FIELDS += ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
 def openai_body(request: serving_pb2.GenerateRequest, model: str | None = None) -> tuple[str, dict] | None:
@@ -45,6 +46,12 @@ def openai_body(request: serving_pb2.GenerateRequest, model: str | None = None) 
             body["logprobs"] = request.logprobs
         else:
             body["logprobs"], body["top_logprobs"] = True, request.logprobs
+    if request.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in request.logit_bias.items()}
+    if request.stop_token_ids:
+        body["stop_token_ids"] = list(request.stop_token_ids)
+    if request.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
     if request.ignore_eos:
         body["ignore_eos"] = True  # an extension vLLM, llama.cpp's server and tpserve all read
     if request.HasField("constraint"):

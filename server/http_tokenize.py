@@ -1,0 +1,61 @@
+"""vLLM's tokenizer routes on the HTTP API: POST /tokenize, POST /detokenize, and GET /version.
+
+The request and reply shapes are vLLM's (`prompt` or `messages` in, `count`, `max_model_len` and
+`tokens` out; `tokens` in, `prompt` out), so its clients and tests read them; the checks and their
+wording are gRPC's Tokenize ones (a TokenizeRequest is built and run by the same Submitter).
+"""
+
+from __future__ import annotations
+
+from tpserve.ranks.version import VERSION
+from tpserve.server.openai_fields import FieldRefused
+from tpserve.server.openai_request import add_messages
+from tpserve.server.submitter import Submitter
+from tpserve.server.validation import check_token_ids
+from tpserve.v1 import serving_pb2
+
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt")
+TOKENIZE_FIELDS += ("return_token_strs",)
+DETOKENIZE_FIELDS = ("model", "tokens")
+
+
+def tokenize_reply(submitter: Submitter, body: dict) -> dict:
+    _known(body, TOKENIZE_FIELDS, "/tokenize")
+    request = serving_pb2.TokenizeRequest()
+    if body.get("prompt") is not None:
+        if not isinstance(body["prompt"], str):
+            raise FieldRefused("prompt", "prompt must be a string")
+        request.text = body["prompt"]
+    if body.get("messages") is not None:
+        add_messages(request, body["messages"])
+    for name in ("add_special_tokens", "add_generation_prompt"):  # vLLM's defaults, which Tokenize uses
+        if body.get(name) not in (None, True):
+            raise FieldRefused(name, f"{name} is not supported by this server")
+    token_ids = submitter.tokenize(request)
+    reply = {"count": len(token_ids), "max_model_len": submitter.info.context_size, "tokens": token_ids}
+    strs = body.get("return_token_strs")
+    if strs is not None and not isinstance(strs, bool):
+        raise FieldRefused("return_token_strs", "return_token_strs must be true or false")
+    reply["token_strs"] = [submitter.tokenizer.decode([t]) for t in token_ids] if strs else None
+    return reply
+
+
+def detokenize_reply(submitter: Submitter, body: dict) -> dict:
+    _known(body, DETOKENIZE_FIELDS, "/detokenize")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise FieldRefused("tokens", "tokens must be a list of token ids")
+    check_token_ids(tokens, submitter.tokenizer.vocab_size, "tokens")
+    return {"prompt": submitter.tokenizer.decode(tokens)}
+
+
+def version_reply() -> dict:
+    return {"version": VERSION}
+
+
+def _known(body: dict, names: tuple[str, ...], path: str) -> None:
+    for name in body:
+        if name not in names:
+            raise FieldRefused(name, f"{name} is not a field of {path} this server knows")
