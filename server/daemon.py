@@ -22,6 +22,7 @@ from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
 from tpserve.server.grpc_server import GrpcServer
+from tpserve.server.heap import return_large_frees_to_the_system
 from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_server import HttpServer
 from tpserve.server.lane_host import LaneHost
@@ -42,6 +43,7 @@ STOP_MARGIN_S = 10.0  # past grace_s, for the last messages and Stop to the foll
 def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> int:
     stop = threading.Event()
     broken = threading.Event()
+    return_large_frees_to_the_system()
     tokenizer = Tokenizer.from_model_dir(settings.model_dir)
     host, leader = build_lane_host(
         runtime,

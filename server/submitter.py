@@ -18,6 +18,7 @@ from tpserve.ranks.errors import UserError
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
+from tpserve.server.prompt_size import max_prompt_bytes
 from tpserve.server.requests import (
     CANCELLED,
     ERROR,
@@ -34,7 +35,9 @@ from tpserve.server.validation import (
     RequestRefused,
     check_generate,
     check_messages,
+    check_prompt_size,
     max_tokens_for,
+    message_texts,
     sampling_from,
     tokenize_kind,
 )
@@ -72,6 +75,7 @@ class Submitter:
             max_images=info.max_images,
             max_image_bytes=info.max_image_bytes,
             max_image_pixels=info.max_image_pixels,
+            max_prompt_bytes=max_prompt_bytes(info.context_size, tokenizer.longest_token_bytes),
         )
         self._stopping = False
 
@@ -167,7 +171,9 @@ class Submitter:
     def tokenize(self, request) -> list[int]:
         """A TokenizeRequest's token ids, as Generate would see them."""
         if tokenize_kind(request) == "text":
+            check_prompt_size([request.text], "text", self.limits)
             return self.tokenizer.encode(request.text)
+        check_prompt_size(message_texts(request.messages), "messages' text", self.limits)
         check_messages(request.messages, self.limits)
         return self.encode_chat(request.messages)
 

@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tpserve.ranks.errors import ModelFileError, UserError
+from tpserve.server.prompt_size import longest_token_bytes
 
 
 class ChatTemplateError(UserError):
@@ -42,6 +43,9 @@ class Tokenizer:
         source: str = "<tokenizer>",
     ):
         self._backend = backend
+        # The most input bytes one token stands for (None: no bound), which sizes prompts before
+        # they are tokenized (server/prompt_size.py).
+        self.longest_token_bytes = longest_token_bytes(backend)
         self.eos_ids = frozenset(eos_ids)
         self.bos_id = bos_id
         self.add_bos = add_bos
