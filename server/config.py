@@ -20,7 +20,7 @@ from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTIZE_CHOICES, EngineSettings
-from tpserve.server.api_key import API_KEY_ENV
+from tpserve.server.api_key import API_KEY_ENV, key_problem
 
 
 class ConfigError(UserError):
@@ -185,6 +185,9 @@ def load_config(
         raise ConfigError(f"--rank: {config.rank} is not below tp ({config.tp})")
     if not 0 <= config.http_port <= 65535:
         raise ConfigError(f"http_port: {config.http_port} is not a port (0 turns the HTTP API off)")
+    problem = key_problem(config.api_key)
+    if problem is not None:
+        raise ConfigError(f"api_key: {problem} (the key itself is not shown)")
     if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:
         raise ConfigError("refuse_token_on_rank: give two numbers, a rank and a token id")
     return config

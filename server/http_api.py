@@ -1,7 +1,8 @@
 """Rank 0's OpenAI-compatible HTTP API: a Starlette app over the same Submitter as gRPC.
 
 Routes: POST /v1/chat/completions and /v1/completions (whole, or server-sent events with
-`stream: true`), GET /v1/models, GET /v1/models/{id} and GET /health (open without the API key).
+`stream: true`), GET /v1/models, GET /v1/models/{id}, GET /metrics (Prometheus, behind the API key
+like the rest) and GET /health (open without the API key).
 Starlette because it is the small ASGI core FastAPI itself is built on: requests are checked by
 hand against the gRPC wording (server/openai_request.py), so FastAPI's pydantic layer would only
 add a second, differently worded set of refusals. A client that disconnects cancels its stream.
@@ -19,6 +20,7 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.to_thread
 import grpc
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -26,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpserve.server.api_key import UNAUTHENTICATED, key_matches
+from tpserve.server.http_body import BodyRefused, read_json_object
 from tpserve.server.http_errors import error_json, param_of, status_of
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_reply import ReplyShape
@@ -34,7 +37,6 @@ from tpserve.server.requests import ERROR, Event, Finished, TokenDelta
 from tpserve.server.submitter import Submitter
 from tpserve.server.validation import RequestRefused
 
-MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
 EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
 
 
@@ -60,6 +62,7 @@ class OpenAIApi:
     def app(self) -> Starlette:
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -80,6 +83,12 @@ class OpenAIApi:
         if self._submitter.serving:
             return JSONResponse({"status": "serving"})
         return JSONResponse({"status": "not serving"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        """The Prometheus page, behind the key when one is set (the metrics port has no key check)."""
+        if not self._authorized(request):
+            return _unauthorized()
+        return Response(self._submitter.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -105,7 +114,7 @@ class OpenAIApi:
         if not self._authorized(request):
             return _unauthorized()
         try:
-            parsed = parse(await _read_json(request))
+            parsed = parse(await read_json_object(request))
             if parsed.model is not None and parsed.model != self._model:
                 raise self._unknown_model(parsed.model)
             stream = await anyio.to_thread.run_sync(
@@ -113,6 +122,8 @@ class OpenAIApi:
             )
         except (HttpRefusal, RequestRefused) as refusal:
             return _refusal(refusal)
+        except BodyRefused as refusal:
+            return _refusal(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
             return Response(status_code=499)
         shape = ReplyShape(
@@ -203,7 +214,7 @@ class OpenAIApi:
     # --- helpers --------------------------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
-        return key_matches(request.headers.get("authorization"), self._api_key)
+        return key_matches(request.headers.getlist("authorization"), self._api_key)
 
     def _token_text(self, token_id: int) -> str:
         return self._submitter.tokenizer.decode([token_id])
@@ -222,25 +233,6 @@ class OpenAIApi:
     def _unknown_model(self, name: str) -> HttpRefusal:
         message = f"the model {name!r} does not exist; this server serves {self._model!r}"
         return HttpRefusal(404, message, param="model", code="model_not_found")
-
-
-async def _read_json(request: Request) -> dict:
-    declared = request.headers.get("content-length")
-    too_large = HttpRefusal(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
-    try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HttpRefusal(400, f"the request body is not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise HttpRefusal(400, "the request body must be a JSON object")
-    return value
 
 
 def _sse(value: dict) -> str:

@@ -7,6 +7,7 @@ Each test prints a `figures:` line; run with -s to see them.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import time
@@ -98,3 +99,44 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
         rss_before=before,
         rss_after=after,
     )
+
+
+# ---- malformed bytes ----
+
+RAW_GOLDEN = sorted((Path(__file__).parent / "golden" / "errors" / "raw").glob("*.txt"))
+_REPEAT = re.compile(rb"\{\{(\d+)\*(.*?)\}\}")
+
+
+def read_raw_golden(path: Path) -> tuple[dict[str, str], bytes]:
+    """The header and the body's bytes (tests/golden/errors/raw/README.md)."""
+    header_text, _, body_text = path.read_text().partition("\n---\n")
+    header = dict(line.split(": ", 1) for line in header_text.splitlines())
+    body = codecs.escape_decode(body_text.rstrip("\n").encode())[0]
+    return header, _REPEAT.sub(lambda match: match.group(2) * int(match.group(1)), body)
+
+
+def send_raw_grpc(daemon, rpc: str, body: bytes) -> grpc.RpcError:
+    identity = {"request_serializer": None, "response_deserializer": None}
+    method = f"/tpserve.v1.Serving/{rpc}"
+    with pytest.raises(grpc.RpcError) as raised:
+        if rpc == "Generate":
+            list(daemon.channel.unary_stream(method, **identity)(body, timeout=30))
+        else:
+            daemon.channel.unary_unary(method, **identity)(body, timeout=30)
+    return raised.value
+
+
+@pytest.mark.parametrize("path", RAW_GOLDEN, ids=lambda path: path.stem)
+def test_malformed_bytes_get_their_golden_refusal_and_no_traceback(path, daemon):
+    header, body = read_raw_golden(path)
+    if header["api"] == "http":
+        response = post(daemon, header.get("path", "completions"), body)
+        assert response.status_code == int(header["status"])
+        error = response.json()["error"]
+        assert error["message"] == header["message"]
+        assert error["type"] == "invalid_request_error"
+    else:
+        error = send_raw_grpc(daemon, header.get("rpc", "Generate"), body)
+        assert (error.code().name, error.details()) == (header["code"], header["message"])
+    assert daemon.health() == SERVING
+    assert tracebacks(daemon) == []
