@@ -65,6 +65,13 @@ class ServeConfig:
     port: int = 50051
     metrics_port: int = 0  # 0: no metrics endpoint
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` beside gRPC; 0: none
+    # The HTTP API's connections (server/http_connections.py): a request's head and its body must
+    # each arrive within their timeout, an idle kept-alive connection closes, and past
+    # http_max_connections open ones a new connection gets 503.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_keep_alive_s: float = 5.0
+    http_max_connections: int = 1024
     api_key: str = field(default="", repr=False)  # "": anyone may call; else Bearer KEY on both APIs
     vision: bool = False  # read image parts (a vision-language model only)
     max_images: int = 4  # with --vision: image parts per request
@@ -108,6 +115,10 @@ _POSITIVE = {
     "collective_timeout_s",
     "leader_dead_after_s",
     "grace_s",
+    "http_header_timeout_s",
+    "http_body_timeout_s",
+    "http_keep_alive_s",
+    "http_max_connections",
     "max_images",
     "max_image_bytes",
     "max_image_pixels",

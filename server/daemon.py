@@ -24,6 +24,7 @@ from tpserve.server.config import ServeConfig
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.heap import return_large_frees_to_the_system
 from tpserve.server.http_api import OpenAIApi
+from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
@@ -168,8 +169,19 @@ def _build_apis(
     )
     http = None
     if config.http_port:
-        api = OpenAIApi(submitter, api_key=config.api_key, queue_size=config.queue_size)
-        http = HttpServer(api.app(), host=config.host, port=config.http_port)
+        api = OpenAIApi(
+            submitter,
+            api_key=config.api_key,
+            queue_size=config.queue_size,
+            body_timeout_s=config.http_body_timeout_s,
+        )
+        limits = HttpLimits(
+            header_timeout_s=config.http_header_timeout_s,
+            body_timeout_s=config.http_body_timeout_s,
+            keep_alive_s=config.http_keep_alive_s,
+            max_connections=config.http_max_connections,
+        )
+        http = HttpServer(api.app(), host=config.host, port=config.http_port, limits=limits)
     return server, http
 
 

@@ -50,9 +50,16 @@ class HttpRefusal(Exception):
 
 class OpenAIApi:
     def __init__(
-        self, submitter: Submitter, *, api_key: str = "", poll_s: float = 0.25, queue_size: int = 64
+        self,
+        submitter: Submitter,
+        *,
+        api_key: str = "",
+        poll_s: float = 0.25,
+        queue_size: int = 64,
+        body_timeout_s: float = 30.0,
     ):
         self._submitter = submitter
+        self._body_timeout_s = body_timeout_s
         self._api_key = api_key
         self._model = submitter.info.model_name
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
@@ -114,7 +121,7 @@ class OpenAIApi:
         if not self._authorized(request):
             return _unauthorized()
         try:
-            parsed = parse(await read_json_object(request))
+            parsed = parse(await read_json_object(request, self._body_timeout_s))
             if parsed.model is not None and parsed.model != self._model:
                 raise self._unknown_model(parsed.model)
             stream = await anyio.to_thread.run_sync(

@@ -13,6 +13,7 @@ import json
 import re
 import sys
 
+import anyio
 from starlette.requests import Request
 
 MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
@@ -32,16 +33,22 @@ class BodyRefused(Exception):
         self.status, self.message = status, message
 
 
-async def read_json_object(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
+async def read_json_object(request: Request, timeout_s: float, max_bytes: int = MAX_BODY_BYTES) -> dict:
+    """The body as a JSON object; 408 when it has not all arrived within timeout_s (a client that
+    declared more than it sends is otherwise held until it gives up), 413 past max_bytes."""
     declared = request.headers.get("content-length")
     too_large = BodyRefused(413, f"the request body is larger than {max_bytes} bytes")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise too_large
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise too_large
+    except TimeoutError:
+        raise BodyRefused(408, f"the request body did not arrive within {timeout_s:g} s") from None
     return parse_json_object(bytes(body))
 
 

@@ -8,8 +8,10 @@ Each test prints a `figures:` line; run with -s to see them.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import re
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +27,10 @@ CONTEXT = 512
 LONGEST_TOKEN_BYTES = 13  # the daemon model's "<|endoftext|>" (tests/test_prompt_size.py)
 MAX_PROMPT_BYTES = CONTEXT * LONGEST_TOKEN_BYTES
 BIG_PROMPT_CHARS = (4 << 20) - 100  # just under the HTTP body limit
-GOLDEN_HTTP_DIR = Path(__file__).parent / "golden" / "errors" / "http"
+HEADER_TIMEOUT_S = 3.0
+BODY_TIMEOUT_S = 5.0
+HTTP_TIMEOUT_ARGS = ("--http-header-timeout-s", "3", "--http-body-timeout-s", "5", "--http-keep-alive-s", "3")
+CLOSE_WITHIN_S = 60.0  # generous: a close is due seconds earlier, on a busy machine
 
 
 def figures(name: str, **values) -> None:
@@ -40,7 +45,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemon(model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("hostile-logs")
-    with running_daemon("spawn", model_dir, log_dir, "--context", str(CONTEXT), "--lanes", "4") as served:
+    args = ("--context", str(CONTEXT), "--lanes", "4", *HTTP_TIMEOUT_ARGS)
+    with running_daemon("spawn", model_dir, log_dir, *args) as served:
         yield served
 
 
@@ -140,3 +146,79 @@ def test_malformed_bytes_get_their_golden_refusal_and_no_traceback(path, daemon)
         assert (error.code().name, error.details()) == (header["code"], header["message"])
     assert daemon.health() == SERVING
     assert tracebacks(daemon) == []
+
+
+# ---- slow clients ----
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Reads until the server closes (True) or the socket's timeout passes (False)."""
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_slow_loris_connections_are_closed_at_the_header_timeout_while_serving_goes_on(daemon):
+    address = ("127.0.0.1", daemon.http_port)
+    silent = [socket.create_connection(address, timeout=CLOSE_WITHIN_S) for _ in range(100)]
+    dribbling = [socket.create_connection(address, timeout=CLOSE_WITHIN_S) for _ in range(100)]
+    started = time.monotonic()
+    for sock in dribbling:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+    live = BackgroundReply(
+        daemon.stub, serving_pb2.GenerateRequest(prompt="go", max_tokens=30, ignore_eos=True)
+    )
+    with httpx.Client(timeout=60) as client:  # served beside them, before and after their deadline
+        for _ in range(3):
+            body = {"prompt": "hello", "max_tokens": 2}
+            assert client.post(f"{daemon.http_url}/completions", json=body).status_code == 200
+            for sock in dribbling:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"x")
+            time.sleep(HEADER_TIMEOUT_S / 3)
+    assert all(closed_by_server(sock) for sock in silent + dribbling)
+    closed_after = time.monotonic() - started
+    assert closed_after >= HEADER_TIMEOUT_S
+    assert live.join().ok
+    assert daemon.health() == SERVING and tracebacks(daemon) == []
+    figures("slow loris", connections=200, all_closed_after_s=round(closed_after, 2))
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_at_the_body_timeout(daemon):
+    sock = socket.create_connection(("127.0.0.1", daemon.http_port), timeout=CLOSE_WITHIN_S)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 100\r\n\r\n{"prompt": '
+    )
+    reply = b""
+    while b"}}" not in reply:
+        chunk = sock.recv(65536)
+        assert chunk, reply
+        reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert (
+        json.loads(body)["error"]["message"] == f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"
+    )
+    assert closed_by_server(sock)
+    assert daemon.health() == SERVING
+
+
+@pytest.mark.slow
+def test_a_kept_alive_clients_second_request_is_not_held_by_nagle(daemon):
+    """The issue's check, by timing (TCP_NODELAY itself: tests/test_http_connections.py): ~44 ms per
+    request without it (the client's delayed ACK), ~1 ms with; the bound is generous."""
+    with httpx.Client(timeout=30) as client:
+        times = []
+        for _ in range(11):
+            started = time.perf_counter()
+            assert client.get(f"{daemon.http_url}/models").status_code == 200
+            times.append(time.perf_counter() - started)
+    median = sorted(times[1:])[5]
+    figures("keep-alive", median_ms=round(median * 1000, 2))
+    assert median < 0.030
