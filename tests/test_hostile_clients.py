@@ -19,8 +19,10 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from daemon import SERVING, BackgroundReply, running_daemon, write_daemon_model
+from daemon import SERVING, BackgroundReply, running_daemon, wait_until, write_daemon_model
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tpserve.server.submitter import QUEUE_FULL
 from tpserve.v1 import serving_pb2
 
 CONTEXT = 512
@@ -222,3 +224,41 @@ def test_a_kept_alive_clients_second_request_is_not_held_by_nagle(daemon):
     median = sorted(times[1:])[5]
     figures("keep-alive", median_ms=round(median * 1000, 2))
     assert median < 0.030
+
+
+# ---- overload ----
+
+MAX_RUNNING = 4 + 64 + 16  # lanes + queue places + the extra workers (server/grpc_server.py)
+
+
+def test_past_the_grpc_pool_every_call_gets_the_queue_full_wording(daemon):
+    """Health Watch calls hold a worker each for as long as they stay open: past the pool, every
+    call (Watch, Generate, Tokenize) is refused in the lane host's queue-full words, none in grpc's
+    own ("Concurrent RPC limit exceeded!"); once they close, serving goes on."""
+    health = health_pb2_grpc.HealthStub(daemon.channel)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=120) for _ in range(MAX_RUNNING + 20)]
+    try:
+        refused = []
+        for watch in watches:
+            try:
+                assert next(watch).status == SERVING
+            except grpc.RpcError as error:
+                refused.append((error.code(), error.details()))
+        full = (grpc.StatusCode.RESOURCE_EXHAUSTED, QUEUE_FULL)
+        assert len(refused) >= 20 and set(refused) == {full}
+        with pytest.raises(grpc.RpcError) as raised:
+            list(daemon.stub.Generate(serving_pb2.GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
+        assert (raised.value.code(), raised.value.details()) == full
+        with pytest.raises(grpc.RpcError) as raised:
+            daemon.stub.Tokenize(serving_pb2.TokenizeRequest(text="hi"), timeout=30)
+        assert (raised.value.code(), raised.value.details()) == full
+    finally:
+        for watch in watches:
+            watch.cancel()
+    wait_until(
+        lambda: daemon.stub.Tokenize(serving_pb2.TokenizeRequest(text="hi"), timeout=30).num_tokens == 2,
+        "the pool to free",
+        30,
+    )
+    assert daemon.health() == SERVING and tracebacks(daemon) == []
+    figures("grpc overload", watches=len(watches), refused=len(refused))
