@@ -13,6 +13,7 @@ import json
 import re
 import socket
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import httpx
 import pytest
 from daemon import SERVING, BackgroundReply, running_daemon, wait_until, write_daemon_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tpserve.server.submitter import QUEUE_FULL
 from tpserve.v1 import serving_pb2
@@ -47,7 +50,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemon(model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("hostile-logs")
-    args = ("--context", str(CONTEXT), "--lanes", "4", *HTTP_TIMEOUT_ARGS)
+    args = ("--context", str(CONTEXT), "--lanes", "4", "--default-max-tokens", "8", *HTTP_TIMEOUT_ARGS)
     with running_daemon("spawn", model_dir, log_dir, *args) as served:
         yield served
 
@@ -262,3 +265,147 @@ def test_past_the_grpc_pool_every_call_gets_the_queue_full_wording(daemon):
     )
     assert daemon.health() == SERVING and tracebacks(daemon) == []
     figures("grpc overload", watches=len(watches), refused=len(refused))
+
+
+# ---- fuzzing both APIs (slow) ----
+
+JSON_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+)
+JSON_VALUE = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+OPENAI_KEYS = [
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "model",
+    "user", "ignore_eos", "return_token_ids", "presence_penalty", "logit_bias", "tools", "echo",
+]  # fmt: skip
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer"]) | JSON_LEAF},
+    optional={
+        "content": st.text(max_size=40)
+        | st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "image_url", "video_url", "input_audio"]) | JSON_LEAF},
+                optional={"text": JSON_VALUE, "image_url": JSON_VALUE, "input_audio": JSON_VALUE},
+            ),
+            max_size=3,
+        )
+        | JSON_VALUE
+    },
+)
+
+
+@st.composite
+def openai_bodies(draw) -> dict:
+    """Any of the OpenAI keys with any JSON value, usually with a plain prompt or chat beside them."""
+    body = draw(st.dictionaries(st.sampled_from(OPENAI_KEYS), JSON_VALUE, max_size=6))
+    choice = draw(st.sampled_from(["prompt", "messages", "as drawn"]))
+    if choice == "prompt":
+        body["prompt"] = draw(st.text(max_size=60))
+    elif choice == "messages":
+        body["messages"] = draw(st.lists(MESSAGE, max_size=3))
+    body["max_tokens"] = draw(st.integers(-2, 8) | JSON_LEAF)
+    return body
+
+
+def http_body(draw_value) -> bytes:
+    return json.dumps(draw_value, allow_nan=True).encode("utf-8", "surrogatepass")
+
+
+@st.composite
+def http_requests(draw) -> tuple[str, bytes]:
+    path = draw(st.sampled_from(["completions", "chat/completions"]))
+    kind = draw(st.sampled_from(["clean", "body", "raw", "mutated"]))
+    if kind == "clean":  # well formed, so replies run between the rest
+        key, value = ("prompt", draw(st.text(max_size=60)))
+        if path == "chat/completions":
+            key, value = "messages", [{"role": "user", "content": value}]
+        return path, http_body({key: value, "max_tokens": draw(st.integers(1, 8))})
+    if kind == "raw":
+        return path, draw(st.binary(max_size=300))
+    body = http_body(draw(openai_bodies()))
+    if kind == "mutated":  # a well-formed body with a few bytes changed or cut
+        data = bytearray(body)
+        for _ in range(draw(st.integers(1, 4))):
+            if data:
+                data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        body = bytes(data[: draw(st.integers(0, len(data)))])
+    return path, body
+
+
+GENERATE_FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.text(max_size=60),
+        "prompt_token_ids": st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5),
+        "max_tokens": st.integers(-(2**31), 8),
+        "temperature": st.floats(width=32),
+        "top_p": st.floats(width=32),
+        "top_k": st.integers(-(2**31), 2**31 - 1),
+        "seed": st.integers(0, 2**64 - 1),
+        "stop": st.lists(st.text(max_size=10), max_size=3),
+        "logprobs": st.integers(-(2**31), 2**31 - 1),
+    },
+)
+
+
+@st.composite
+def grpc_requests(draw) -> tuple[str, bytes]:
+    rpc = draw(st.sampled_from(["Generate", "Tokenize"]))
+    if draw(st.booleans()):
+        return rpc, draw(st.binary(max_size=200))
+    fields = draw(GENERATE_FIELDS)
+    if rpc == "Tokenize":
+        message = serving_pb2.TokenizeRequest(text=fields.get("prompt", ""))
+    else:
+        message = serving_pb2.GenerateRequest(**fields)
+    data = bytearray(message.SerializeToString())
+    if data and draw(st.booleans()):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return rpc, bytes(data)
+
+
+@pytest.mark.slow
+def test_fuzzed_http_and_grpc_bytes_get_no_500_and_no_traceback(daemon):
+    statuses = Counter()
+    headers = {"content-type": "application/json"}
+
+    @settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(request=http_requests() | grpc_requests())
+    def check(request):
+        if sum(statuses.values()) % 50 == 0:  # the pair serving throughout
+            probe = serving_pb2.GenerateRequest(prompt="probe", max_tokens=2, ignore_eos=True)
+            assert len(list(daemon.stub.Generate(probe, timeout=60))) >= 2
+        target, body = request
+        if target in ("Generate", "Tokenize"):
+            try:
+                if target == "Generate":
+                    list(daemon.channel.unary_stream(f"/tpserve.v1.Serving/{target}")(body, timeout=60))
+                else:
+                    daemon.channel.unary_unary(f"/tpserve.v1.Serving/{target}")(body, timeout=60)
+                statuses[f"grpc {target} OK"] += 1
+            except grpc.RpcError as error:
+                statuses[f"grpc {target} {error.code().name}"] += 1
+                assert error.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ), (error.code(), error.details())
+            return
+        response = httpx.post(f"{daemon.http_url}/{target}", content=body, headers=headers, timeout=60)
+        statuses[f"http {response.status_code}"] += 1
+        assert response.status_code in (200, 400, 404, 413), (response.status_code, response.text[:300])
+        if response.status_code != 200:
+            assert response.json()["error"]["message"]
+
+    started = time.monotonic()
+    check()
+    assert daemon.health() == SERVING
+    assert tracebacks(daemon) == []
+    figures("fuzz both APIs", statuses=dict(statuses), seconds=round(time.monotonic() - started, 1))
