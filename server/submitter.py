@@ -15,6 +15,7 @@ import time
 import grpc
 
 from tpserve.ranks.errors import UserError
+from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
@@ -96,6 +97,9 @@ class Submitter:
         except RequestRefused as refusal:
             self.metrics.count_outcome(refusal.code.name.lower())
             raise
+        finally:
+            if request.ByteSize() >= LARGE_REQUEST_BYTES:  # memory back to its baseline (server/heap.py)
+                give_back_free_memory()
 
     def _submit(self, request) -> Stream:
         # A broken engine is the news a client can act on (the server needs a restart), so it
@@ -170,6 +174,13 @@ class Submitter:
 
     def tokenize(self, request) -> list[int]:
         """A TokenizeRequest's token ids, as Generate would see them."""
+        try:
+            return self._tokenize(request)
+        finally:
+            if request.ByteSize() >= LARGE_REQUEST_BYTES:
+                give_back_free_memory()
+
+    def _tokenize(self, request) -> list[int]:
         if tokenize_kind(request) == "text":
             check_prompt_size([request.text], "text", self.limits)
             return self.tokenizer.encode(request.text)
