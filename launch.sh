@@ -43,11 +43,17 @@ fi
 [ -z "$rank" ] || { echo "launch.sh: --rank needs --master (rank 0's HOST[:PORT])" >&2; exit 2; }
 
 # A stop signal goes to the ranks, not to torchrun: rank 0 drains and sends the followers Stop,
-# every rank exits 0, and so does torchrun (a signalled torchrun exits 1 whatever its ranks did).
-"$python" -m torch.distributed.run --standalone --nproc-per-node "$tp" -m tpserve.cli serve "${args[@]}" &
+# every rank exits 0, and so does torchrun (a signalled torchrun exits 1 with a traceback whatever
+# its ranks did). torchrun and the ranks run in a session of their own, so a signal to this
+# script's process group (Ctrl-C in its terminal, a supervisor's group kill) reaches this script
+# alone, which passes it on as SIGTERM to the ranks.
+own_session=()
+command -v setsid >/dev/null && own_session=(setsid)
+"${own_session[@]}" "$python" -m torch.distributed.run --standalone --nproc-per-node "$tp" \
+    -m tpserve.cli serve "${args[@]}" &
 launcher=$!
 stop_ranks() { kill -TERM $(ps -o pid= --ppid "$launcher") 2>/dev/null || kill -TERM "$launcher" 2>/dev/null || true; }
-trap stop_ranks TERM INT
+trap stop_ranks TERM INT HUP
 while true; do
     code=0
     wait "$launcher" || code=$?

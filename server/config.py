@@ -20,7 +20,7 @@ from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_CHOICES
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTIZE_CHOICES, EngineSettings
-from tpserve.server.api_key import API_KEY_ENV
+from tpserve.server.api_key import API_KEY_ENV, key_problem
 from tpserve.server.chat_reply import REASONING_PARSERS
 from tpserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
@@ -68,6 +68,13 @@ class ServeConfig:
     port: int = 50051
     metrics_port: int = 0  # 0: no metrics endpoint
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` beside gRPC; 0: none
+    # The HTTP API's connections (server/http_connections.py): a request's head and its body must
+    # each arrive within their timeout, an idle kept-alive connection closes, and past
+    # http_max_connections open ones a new connection gets 503.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_keep_alive_s: float = 5.0
+    http_max_connections: int = 1024
     api_key: str = field(default="", repr=False)  # "": anyone may call; else Bearer KEY on both APIs
     vision: bool = False  # read image parts (a vision-language model only)
     max_images: int = 4  # with --vision: image parts per request
@@ -117,6 +124,10 @@ _POSITIVE = {
     "collective_timeout_s",
     "leader_dead_after_s",
     "grace_s",
+    "http_header_timeout_s",
+    "http_body_timeout_s",
+    "http_keep_alive_s",
+    "http_max_connections",
     "max_images",
     "max_image_bytes",
     "max_image_pixels",
@@ -194,6 +205,9 @@ def load_config(
         raise ConfigError(f"--rank: {config.rank} is not below tp ({config.tp})")
     if not 0 <= config.http_port <= 65535:
         raise ConfigError(f"http_port: {config.http_port} is not a port (0 turns the HTTP API off)")
+    problem = key_problem(config.api_key)
+    if problem is not None:
+        raise ConfigError(f"api_key: {problem} (the key itself is not shown)")
     if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:
         raise ConfigError("refuse_token_on_rank: give two numbers, a rank and a token id")
     return config

@@ -23,7 +23,9 @@ from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
 from tpserve.server.generation_defaults import generation_defaults
 from tpserve.server.grpc_server import GrpcServer
+from tpserve.server.heap import return_large_frees_to_the_system
 from tpserve.server.http_api import OpenAIApi
+from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
@@ -43,6 +45,7 @@ STOP_MARGIN_S = 10.0  # past grace_s, for the last messages and Stop to the foll
 def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> int:
     stop = threading.Event()
     broken = threading.Event()
+    return_large_frees_to_the_system()
     tokenizer = Tokenizer.from_model_dir(settings.model_dir)
     host, leader = build_lane_host(
         runtime,
@@ -56,6 +59,8 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     server, http = _build_apis(config, host, tokenizer, info, vision)
     if not config.api_key and not _is_loopback(config.host):
         log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
+    if config.api_key and config.metrics_port:
+        log.warning("the metrics port has no key check; /metrics on the HTTP port needs the key")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     host.start()
@@ -174,8 +179,15 @@ def _build_apis(
             queue_size=config.queue_size,
             tool_call_parser=config.tool_call_parser,
             reasoning_parser=config.reasoning_parser,
+            body_timeout_s=config.http_body_timeout_s,
         )
-        http = HttpServer(api.app(), host=config.host, port=config.http_port)
+        limits = HttpLimits(
+            header_timeout_s=config.http_header_timeout_s,
+            body_timeout_s=config.http_body_timeout_s,
+            keep_alive_s=config.http_keep_alive_s,
+            max_connections=config.http_max_connections,
+        )
+        http = HttpServer(api.app(), host=config.host, port=config.http_port, limits=limits)
     return server, http
 
 

@@ -17,11 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tpserve.server.api_key import ApiKeyInterceptor
+from tpserve.server.grpc_calls import CallGuard
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.servicer import ServingServicer
 from tpserve.server.serving_info import ServingInfo
-from tpserve.server.submitter import Submitter
+from tpserve.server.submitter import QUEUE_FULL, Submitter
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2, serving_pb2_grpc
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
 EXTRA_WORKERS = 16  # threads beyond one per stream that can be live or queued: Tokenize, Info, health
+SPARE_WORKERS = 8  # beyond every call that may run, for refusing the calls past them at once
 
 
 class GrpcServer:
@@ -70,8 +72,9 @@ class GrpcServer:
         self._health_poll_s = health_poll_s
         # Each Generate holds a worker thread while its request waits or streams, so the pool must
         # fit every lane and every queue place; otherwise a queued request would wait inside gRPC
-        # instead of getting a clear RESOURCE_EXHAUSTED from the lane host.
-        self._max_workers = info.num_lanes + queue_size + EXTRA_WORKERS
+        # instead of getting a clear RESOURCE_EXHAUSTED from the lane host. Calls past that many
+        # are refused by the guard (server/grpc_calls.py) in the same words, on spare threads.
+        self._max_running = info.num_lanes + queue_size + EXTRA_WORKERS
         self._server: grpc.Server | None = None
         self._stop_watching = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -81,11 +84,13 @@ class GrpcServer:
         """Binds and starts serving; returns the bound port."""
         if self._server is not None:
             raise RuntimeError("the gRPC server was already started")
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="grpc"),
-            maximum_concurrent_rpcs=self._max_workers,
-            interceptors=(ApiKeyInterceptor(self._api_key),) if self._api_key else (),
-        )
+        interceptors = [
+            CallGuard(self._max_running, QUEUE_FULL)
+        ]  # first: it wraps what the key check returns
+        if self._api_key:
+            interceptors.append(ApiKeyInterceptor(self._api_key))
+        pool = futures.ThreadPoolExecutor(self._max_running + SPARE_WORKERS, thread_name_prefix="grpc")
+        server = grpc.server(pool, interceptors=interceptors)
         serving_pb2_grpc.add_ServingServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (whole, or server-sent events with
 `stream: true`), GET /v1/models, GET /v1/models/{id}, vLLM's POST /tokenize and /detokenize and
-GET /version (server/http_tokenize.py), and GET /health (open without the API key).
+GET /version (server/http_tokenize.py), GET /metrics (Prometheus, tpserve's series and vLLM's names,
+behind the API key like the rest) and GET /health (open without the API key).
 Starlette because it is the small ASGI core FastAPI itself is built on: requests are checked by
 hand against the gRPC wording (server/openai_request.py), so FastAPI's pydantic layer would only
 add a second, differently worded set of refusals. A client that disconnects cancels its stream.
@@ -20,6 +21,7 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.to_thread
 import grpc
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -28,6 +30,7 @@ from starlette.routing import Route
 
 from tpserve.server.api_key import UNAUTHENTICATED, key_matches
 from tpserve.server.chat_reply import THINK_OPEN, ChatReply, thinks
+from tpserve.server.http_body import BodyRefused, read_json_object
 from tpserve.server.http_errors import error_json, param_of, status_of
 from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
 from tpserve.server.lane_stream import Stream, merge_deltas
@@ -39,7 +42,6 @@ from tpserve.server.submitter import Submitter
 from tpserve.server.tool_calls import parser_for_template
 from tpserve.server.validation import RequestRefused
 
-MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
 EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
 MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
 
@@ -62,9 +64,11 @@ class OpenAIApi:
         queue_size: int = 64,
         tool_call_parser: str = "",
         reasoning_parser: str = "",
+        body_timeout_s: float = 30.0,
     ):
         """The parsers: "" reads the family from the chat template, "none" turns it off."""
         self._submitter = submitter
+        self._body_timeout_s = body_timeout_s
         self._api_key = api_key
         self._model = submitter.info.model_name
         # How chat replies are read: the tool-call family and <think> reasoning.
@@ -82,6 +86,7 @@ class OpenAIApi:
     def app(self) -> Starlette:
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -89,7 +94,6 @@ class OpenAIApi:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
         ]
         handlers = {HTTPException: _http_exception}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
@@ -106,6 +110,12 @@ class OpenAIApi:
         if self._submitter.serving:
             return JSONResponse({"status": "serving"})
         return JSONResponse({"status": "not serving"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        """The Prometheus page, behind the key when one is set (the metrics port has no key check)."""
+        if not self._authorized(request):
+            return _unauthorized()
+        return Response(self._submitter.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -125,10 +135,6 @@ class OpenAIApi:
     async def detokenize(self, request: Request) -> Response:
         return await self._answer(request, detokenize_reply)
 
-    async def metrics(self, request: Request) -> Response:
-        """tpserve's series and vLLM's names beside them (open, as vLLM's /metrics and /health)."""
-        return Response(self._submitter.metrics.render(), media_type="text/plain; version=0.0.4")
-
     async def version(self, request: Request) -> Response:
         return JSONResponse(version_reply())
 
@@ -137,12 +143,14 @@ class OpenAIApi:
         if not self._authorized(request):
             return _unauthorized()
         try:
-            body = await _read_json(request)
+            body = await read_json_object(request, self._body_timeout_s)
             return JSONResponse(
                 await anyio.to_thread.run_sync(reply, self._submitter, body, limiter=self._limiter)
             )
         except (HttpRefusal, RequestRefused) as refusal:
             return _refusal(refusal)
+        except BodyRefused as refusal:
+            return _refusal(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
             return Response(status_code=499)
 
@@ -159,7 +167,7 @@ class OpenAIApi:
             return _unauthorized()
         streams: list[Stream] = []
         try:
-            parsed = parse(await _read_json(request))
+            parsed = parse(await read_json_object(request, self._body_timeout_s))
             if parsed.model is not None and parsed.model != self._model:
                 raise self._unknown_model(parsed.model)
             for choice in parsed.choices:  # one stream per choice, in choice order
@@ -169,6 +177,8 @@ class OpenAIApi:
         except (HttpRefusal, RequestRefused) as refusal:
             cancel_all(streams)
             return _refusal(refusal)
+        except BodyRefused as refusal:
+            return _refusal(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
             cancel_all(streams)
             return Response(status_code=499)
@@ -325,7 +335,7 @@ class OpenAIApi:
     # --- helpers --------------------------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
-        return key_matches(request.headers.get("authorization"), self._api_key)
+        return key_matches(request.headers.getlist("authorization"), self._api_key)
 
     def _prompt_text(self, choice) -> str:
         """A choice's prompt as text, for echo (token-id prompts decoded)."""
@@ -350,29 +360,6 @@ class OpenAIApi:
     def _unknown_model(self, name: str) -> HttpRefusal:
         message = f"the model {name!r} does not exist; this server serves {self._model!r}"
         return HttpRefusal(404, message, param="model", code="model_not_found")
-
-
-async def _read_json(request: Request) -> dict:
-    # As vLLM: a body is read as JSON only when it says it is (a form body is never guessed at).
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        raise HttpRefusal(400, f"the request body must be application/json (got {media_type or 'no type'!r})")
-    declared = request.headers.get("content-length")
-    too_large = HttpRefusal(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
-    try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HttpRefusal(400, f"the request body is not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise HttpRefusal(400, "the request body must be a JSON object")
-    return value
 
 
 def _prompt_opens_think(tokenizer) -> bool:

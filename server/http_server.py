@@ -1,8 +1,9 @@
 """Runs the HTTP API (server/http_api.py) under uvicorn on its own thread, beside the gRPC server.
 
 uvicorn is the ASGI server Starlette and FastAPI are usually served with; here it runs with its h11
-protocol (pure Python, no compiled extras) and without its own logging set-up, so its lines carry
-the rank like every other. The socket is bound before the thread starts, so a taken port fails
+protocol (pure Python, no compiled extras), guarded as server/http_connections.py says (TCP_NODELAY,
+head and keep-alive timeouts, a bound on connections), and without its own logging set-up, so its
+lines carry the rank like every other. The socket is bound before the thread starts, so a taken port fails
 start() at once, naming the address (a UserError: no traceback for a taken port).
 """
 
@@ -16,6 +17,7 @@ import time
 import uvicorn
 
 from tpserve.ranks.errors import UserError
+from tpserve.server.http_connections import HttpLimits, protocol_with
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +25,10 @@ START_TIMEOUT_S = 30.0
 
 
 class HttpServer:
-    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0):
-        """port 0 picks a free port (read it from `port` after start)."""
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None):
+        """port 0 picks a free port (read it from `port` after start); limits: the defaults if None."""
         self._app = app
+        self._limits = limits or HttpLimits()
         self._host = host
         self._requested_port = port
         self._server: uvicorn.Server | None = None
@@ -47,7 +50,8 @@ class HttpServer:
             ) from error
         config = uvicorn.Config(
             self._app,
-            http="h11",
+            http=protocol_with(self._limits),
+            timeout_keep_alive=self._limits.keep_alive_s,
             ws="none",
             lifespan="on",
             log_config=None,

@@ -16,9 +16,11 @@ import grpc
 
 from tpserve.ranks.errors import UserError
 from tpserve.server.grammar import Grammars
+from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
+from tpserve.server.prompt_size import max_prompt_bytes
 from tpserve.server.requests import (
     CANCELLED,
     ERROR,
@@ -37,7 +39,9 @@ from tpserve.server.validation import (
     check_generate,
     check_messages,
     check_min_tokens,
+    check_prompt_size,
     max_tokens_for,
+    message_texts,
     sampling_from,
     tokenize_kind,
 )
@@ -75,6 +79,7 @@ class Submitter:
             max_images=info.max_images,
             max_image_bytes=info.max_image_bytes,
             max_image_pixels=info.max_image_pixels,
+            max_prompt_bytes=max_prompt_bytes(info.context_size, tokenizer.longest_token_bytes),
         )
         self.grammars = Grammars(tokenizer.backend_json, tokenizer.vocab_size, tokenizer.eos_ids)
         self._stopping = False
@@ -96,6 +101,9 @@ class Submitter:
         except RequestRefused as refusal:
             self.metrics.count_outcome(refusal.code.name.lower())
             raise
+        finally:
+            if request.ByteSize() >= LARGE_REQUEST_BYTES:  # memory back to its baseline (server/heap.py)
+                give_back_free_memory()
 
     def _submit(self, request) -> Stream:
         # A broken engine is the news a client can act on (the server needs a restart), so it
@@ -179,8 +187,17 @@ class Submitter:
 
     def tokenize(self, request) -> list[int]:
         """A TokenizeRequest's token ids, as Generate would see them."""
+        try:
+            return self._tokenize(request)
+        finally:
+            if request.ByteSize() >= LARGE_REQUEST_BYTES:
+                give_back_free_memory()
+
+    def _tokenize(self, request) -> list[int]:
         if tokenize_kind(request) == "text":
+            check_prompt_size([request.text], "text", self.limits)
             return self.tokenizer.encode(request.text)
+        check_prompt_size(message_texts(request.messages), "messages' text", self.limits)
         check_messages(request.messages, self.limits)
         return self.encode_chat(request.messages)
 

@@ -21,6 +21,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tpserve.ranks.errors import ModelFileError, UserError
+from tpserve.server.prompt_size import longest_token_bytes
+
+# The tokenizers library's encode holds the GIL for the whole call (seconds for a long prompt: 600
+# KB of digits took 4-12 s here), which stalls every stream, the wire and the heartbeat in this
+# process; encode_batch gives the ids without holding it. Short texts keep the cheaper call.
+GIL_FREE_CHARS = 16384
 
 
 class ChatTemplateError(UserError):
@@ -42,6 +48,9 @@ class Tokenizer:
         source: str = "<tokenizer>",
     ):
         self._backend = backend
+        # The most input bytes one token stands for (None: no bound), which sizes prompts before
+        # they are tokenized (server/prompt_size.py).
+        self.longest_token_bytes = longest_token_bytes(backend)
         self.eos_ids = frozenset(eos_ids)
         self.bos_id = bos_id
         self.add_bos = add_bos
@@ -118,7 +127,10 @@ class Tokenizer:
         Special tokens spelled in the text (such as <|im_start|>) become their ids, which is how a
         rendered chat template is meant to be read.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) < GIL_FREE_CHARS:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        else:  # the same ids, without holding the interpreter (see GIL_FREE_CHARS)
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         wants_bos = self.add_bos if add_bos is None else add_bos
         if wants_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)

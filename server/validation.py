@@ -40,6 +40,9 @@ class Limits:
     max_images: int = 4  # image parts per request (with --vision)
     max_image_bytes: int = 10 << 20  # encoded bytes per image
     max_image_pixels: int = 4096 * 4096  # width x height per image, checked before decoding
+    # The most UTF-8 bytes of prompt text that could fit the context (server/prompt_size.py),
+    # checked before tokenizing; None where the tokenizer allows no such bound.
+    max_prompt_bytes: int | None = None
 
 
 class RequestRefused(Exception):
@@ -137,10 +140,36 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "pro
             raise _invalid(f"{field}[{index}] = {token_id} is outside the vocabulary of {vocab_size} tokens")
 
 
+def check_prompt_size(texts: Sequence[str], what: str, limits: Limits) -> None:
+    """Refuses prompt text that no tokenizing could fit into the context, before it is tokenized.
+    `what` names it: "prompt", "text", "messages' text"."""
+    limit = limits.max_prompt_bytes
+    if limit is None or sum(len(text) for text in texts) * 4 <= limit:  # 4: UTF-8's widest character
+        return
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+    if size > limit:
+        raise _invalid(
+            f"{what} is {size} bytes long; no prompt over {limit} bytes can fit the context of "
+            f"{limits.context_size} tokens"
+        )
+
+
+def message_texts(messages) -> list[str]:
+    """Every piece of text in chat messages (roles, contents and text parts)."""
+    texts = []
+    for message in messages:
+        texts += [message.role, message.content]
+        texts += [part.text for part in message.parts if part.HasField("text")]
+    return texts
+
+
 def check_generate(request, limits: Limits) -> str:
     """Every check that needs no tokenizing; returns the prompt kind (see prompt_kind)."""
     kind = prompt_kind(request)
+    if kind == "prompt":
+        check_prompt_size([request.prompt], "prompt", limits)
     if kind == "messages":
+        check_prompt_size(message_texts(request.messages), "messages' text", limits)
         check_messages(request.messages, limits)
     elif kind == "prompt_token_ids":
         check_token_ids(request.prompt_token_ids, limits.vocab_size)

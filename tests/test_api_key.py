@@ -18,7 +18,7 @@ from test_grpc_api import run_command
 
 from tpserve import bench, client
 from tpserve.server.api_key import UNAUTHENTICATED
-from tpserve.server.config import load_config
+from tpserve.server.config import ConfigError, load_config
 from tpserve.v1 import serving_pb2
 
 KEY = "s3cret-key-for-tests"
@@ -112,3 +112,37 @@ def test_the_client_and_bench_commands_send_the_key(daemon, tmp_path, capsys):
         argv = ["bench", *server, *load, "--api-key", KEY, "--no-progress", "--out", str(tmp_path)]
         assert run_command(bench, argv) == 0
         assert json.loads(capsys.readouterr().out)["num_ok"] == 2
+
+
+def test_duplicate_authorization_headers_are_refused_on_both_apis_even_with_the_right_key(daemon):
+    right = f"Bearer {KEY}"
+    for pair in ((right, right), (right, "Bearer wrong"), ("Bearer wrong", right)):
+        request = serving_pb2.GenerateRequest(prompt="hello", max_tokens=2)
+        grpc_metadata = tuple(("authorization", value) for value in pair)
+        reply = read_reply(daemon.stub.Generate(request, timeout=30, metadata=grpc_metadata))
+        assert (reply.code, reply.details) == (grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
+        http_headers = [("authorization", value) for value in pair]
+        response = httpx.post(
+            f"{daemon.http_url}/completions", json={"prompt": "hi", "max_tokens": 2}, headers=http_headers
+        )
+        assert response.status_code == 401 and response.json()["error"]["message"] == UNAUTHENTICATED
+
+
+def test_metrics_on_the_http_port_need_the_key(daemon):
+    url = f"http://127.0.0.1:{daemon.http_port}/metrics"
+    for authorization in WRONG_KEYS:
+        assert httpx.get(url, headers=headers(authorization), timeout=30).status_code == 401
+    page = httpx.get(url, headers=headers(f"Bearer {KEY}"), timeout=30)
+    assert page.status_code == 200 and "tpserve_requests_total" in page.text
+
+
+@pytest.mark.parametrize(
+    "key", [" leading", "trailing ", "tab\tinside", "new\nline", "bell\x07", "\u200bzero"]
+)
+def test_a_key_no_client_could_send_is_refused_at_start_up_without_showing_it(key):
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, {"api_key": key}, environ={})
+    assert str(raised.value).startswith("api_key: it ")
+    assert key.strip() not in str(raised.value)
+    with pytest.raises(ConfigError):
+        load_config(None, {}, environ={"TPSERVE_API_KEY": key})

@@ -379,22 +379,31 @@ def test_stop_signal_drains_live_streams_then_every_rank_exits_0(model_dir, tmp_
     assert "follower: stop received" in served.logs()
 
 
-def test_launch_sh_serves_with_torchrun_and_drains_on_sigterm(model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "how",
+    ["SIGTERM to launch.sh", "SIGTERM to its process group", "SIGINT to its process group (Ctrl-C)"],
+    ids=["launcher-sigterm", "group-sigterm", "group-ctrl-c"],
+)
+def test_launch_sh_serves_with_torchrun_and_drains_on_a_stop_signal(model_dir, tmp_path, how):
     with running_daemon("launch", model_dir, tmp_path, "--context", str(LONG_CONTEXT)) as served:
         assert set(served.ranks()) == {0, 1}
         info = served.stub.Info(serving_pb2.InfoRequest(), timeout=10)
         assert info.tp_size == 2
         live = BackgroundReply(served.stub, long_request(max_tokens=100))
         live.wait_tokens(1)
-        served.signal_launcher(signal.SIGTERM)
+        if how == "SIGTERM to launch.sh":
+            served.signal_launcher(signal.SIGTERM)
+        else:
+            served.signal_group(signal.SIGINT if "SIGINT" in how else signal.SIGTERM)
         signalled_at = time.monotonic()
         done = live.join(timeout_s=30)
         assert done.ok and len(done.token_ids) == 100
         assert served.wait_exits() == {"launch": 0}
-        print(f"SIGTERM to launch.sh: drained and exited {time.monotonic() - signalled_at:.2f} s after it")
+        print(f"{how}: drained and exited {time.monotonic() - signalled_at:.2f} s after it")
         wait_until(lambda: served.leftovers() == [], "every process of the daemon to end", 10)
     logs = served.logs()
     assert "follower: stop received" in logs and "rank0 INFO tpserve.server.daemon: stopped" in logs
+    assert "Traceback" not in logs
 
 
 # ---- the README's flow, on the real default model ----

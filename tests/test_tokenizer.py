@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tpserve.ranks.errors import ModelFileError
-from tpserve.server.tokenizer import ChatTemplateError, Tokenizer
+from tpserve.server.tokenizer import GIL_FREE_CHARS, ChatTemplateError, Tokenizer
 
 CHATML = (
     "{% for message in messages %}"
@@ -183,3 +185,29 @@ def test_malformed_files_are_model_file_errors(model_dir: Path):
     (model_dir / "tokenizer.json").write_text('{"model": 3}')
     with pytest.raises(ModelFileError, match="tokenizer.json: cannot be loaded"):
         Tokenizer.from_model_dir(model_dir)
+
+
+def test_a_long_text_is_tokenized_the_same_without_holding_the_interpreter(model_dir: Path):
+    """A long prompt's ids are the short path's ids, and other threads (the engine loop, the wire,
+    the heartbeat) keep running while it is tokenized."""
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    text = "the quick brown fox 1234567890 " * (GIL_FREE_CHARS // 8)
+    assert tokenizer.encode(text) == tokenizer._backend.encode(text, add_special_tokens=False).ids
+    long_text = text * 20
+    tick_times: list[float] = []
+    done = threading.Event()
+
+    def tick():
+        while not done.is_set():
+            tick_times.append(time.monotonic())
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.monotonic()
+    tokenizer.encode(long_text)
+    ended = time.monotonic()
+    done.set()
+    ticker.join(timeout=30)
+    # With the GIL held for the whole call, the ticker could run only as the call begins or ends.
+    assert sum(started < at < ended for at in tick_times) >= 10

@@ -1,0 +1,100 @@
+"""The HTTP API's connections under uvicorn's h11 protocol, with what uvicorn leaves out: TCP_NODELAY,
+a deadline for each request's head, and a bound on open connections.
+
+- TCP_NODELAY: asyncio sets it only on sockets created with proto IPPROTO_TCP, and a listening
+  socket from socket.create_server has proto 0; without it a reply's second write (uvicorn writes
+  the head, then the body) waits for the client's delayed ACK, ~40 ms per request on a kept-alive
+  connection.
+- A request's head (request line and headers) must arrive within `header_timeout_s` of the
+  connection opening or of the request's first byte: uvicorn arms its keep-alive timer only after
+  a response, so a connection that sends nothing, or a byte at a time, was held for ever (slow
+  loris). Dribbling bytes does not move the deadline.
+- Past `max_connections` open connections a new one gets a 503 error object and is closed.
+
+Idle kept-alive connections close after `keep_alive_s` (uvicorn's timeout_keep_alive); a body that
+stalls is the app's to time out (server/http_body.py), since only the app reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tpserve.server.http_errors import error_json
+
+log = logging.getLogger(__name__)
+
+TOO_MANY_CONNECTIONS = "the server has too many open connections ({limit}); try again later"
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    header_timeout_s: float = 10.0  # for a request's head, from its first byte (or the connection)
+    body_timeout_s: float = 30.0  # for a request's whole body, once its head arrived
+    keep_alive_s: float = 5.0  # an idle kept-alive connection closes after this
+    max_connections: int = 1024  # open at once; more are answered 503 and closed
+
+
+class GuardedH11Protocol(H11Protocol):
+    limits = HttpLimits()  # set per server by protocol_with
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._head_deadline: asyncio.TimerHandle | None = None
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse_connection(transport)
+            return
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Their state leaves IDLE once h11 has read a whole request head.
+        if self.conn.their_state is h11.IDLE:
+            self._arm_head_deadline()
+        else:
+            self._disarm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_deadline is None and not self.transport.is_closing():
+            self._head_deadline = self.loop.call_later(self.limits.header_timeout_s, self._head_too_late)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_late(self) -> None:
+        self._head_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info(
+                "closed an HTTP connection whose request head took over %g s", self.limits.header_timeout_s
+            )
+            self.transport.close()
+
+    def _refuse_connection(self, transport: asyncio.Transport) -> None:
+        message = TOO_MANY_CONNECTIONS.format(limit=self.limits.max_connections)
+        body = json.dumps(error_json(503, message)).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        transport.write(head.encode() + body)
+        transport.close()
+
+
+def protocol_with(limits: HttpLimits) -> type[GuardedH11Protocol]:
+    """The protocol class uvicorn builds each connection from, with these limits."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})

@@ -1,0 +1,102 @@
+"""The HTTP server's connections (server/http_connections.py), on a real uvicorn over loopback with a
+small app: TCP_NODELAY on every accepted socket, a request head's deadline (a silent or dribbling
+client is closed, a prompt one served), kept-alive connections closed when idle, and the bound on
+open connections answered with a 503 error object."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+from daemon import wait_until
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from tpserve.server.http_connections import HttpLimits
+from tpserve.server.http_server import HttpServer
+
+LIMITS = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=1.0, max_connections=4)
+CLOSE_WITHIN_S = 30.0  # generous: the close is due after 1 s, on a busy machine
+
+
+async def hello(request):
+    return JSONResponse({"hello": "world"})
+
+
+@pytest.fixture
+def server():
+    http = HttpServer(Starlette(routes=[Route("/hello", hello)]), limits=LIMITS)
+    http.start()
+    try:
+        yield http
+    finally:
+        http.stop(grace_s=0.0)
+
+
+def connect(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=CLOSE_WITHIN_S)
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Reads until the server closes (True) or CLOSE_WITHIN_S passes (False)."""
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def accepted_sockets(server) -> list[socket.socket]:
+    connections = server._server.server_state.connections
+    return [protocol.transport.get_extra_info("socket") for protocol in connections]
+
+
+def test_every_accepted_connection_has_tcp_nodelay(server):
+    with httpx.Client() as client:
+        assert client.get(f"http://127.0.0.1:{server.port}/hello").json() == {"hello": "world"}
+        (sock,) = accepted_sockets(server)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_a_silent_or_dribbling_client_is_closed_and_a_prompt_one_is_served(server):
+    silent = connect(server)
+    dribbling = connect(server)
+    dribbling.sendall(b"GET /hello HTTP/1.1\r\n")
+    started = time.monotonic()
+    for _ in range(3):  # bytes keep coming, but the head's deadline does not move
+        time.sleep(0.4)
+        dribbling.sendall(b"x")
+    with httpx.Client() as client:  # meanwhile serving goes on
+        assert client.get(f"http://127.0.0.1:{server.port}/hello").status_code == 200
+    assert closed_by_server(silent) and closed_by_server(dribbling)
+    assert time.monotonic() - started >= LIMITS.header_timeout_s
+
+
+def test_an_idle_kept_alive_connection_is_closed(server):
+    sock = connect(server)
+    sock.sendall(b"GET /hello HTTP/1.1\r\nhost: x\r\n\r\n")
+    reply = b""
+    while b"world" not in reply:  # the head and the body may come as two segments
+        reply += sock.recv(65536)
+    assert closed_by_server(sock)
+
+
+def test_past_the_connection_limit_a_new_one_gets_a_503_error_object(server):
+    held = [connect(server) for _ in range(LIMITS.max_connections)]
+    wait_until(lambda: len(accepted_sockets(server)) == LIMITS.max_connections, "the connections", 10)
+    response = httpx.get(f"http://127.0.0.1:{server.port}/hello", timeout=10)
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == (
+        "the server has too many open connections (4); try again later"
+    )
+    for sock in held:
+        sock.close()
+    wait_until(lambda: not accepted_sockets(server), "the held connections to close", 10)
+    assert httpx.get(f"http://127.0.0.1:{server.port}/hello", timeout=10).status_code == 200
