@@ -25,6 +25,7 @@ from daemon import SERVING, BackgroundReply, running_daemon, wait_until, write_d
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_http_connections import closed_by_server
 
 from tpserve.server.submitter import QUEUE_FULL
 from tpserve.v1 import serving_pb2
@@ -180,18 +181,6 @@ def test_malformed_bytes_get_their_golden_refusal_and_no_traceback(path, daemon)
 
 
 # ---- slow clients ----
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """Reads until the server closes (True) or the socket's timeout passes (False)."""
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
 
 
 def test_slow_loris_connections_are_closed_at_the_header_timeout_while_serving_goes_on(daemon):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 
 from fake_backend import (
-    EOS_IDS,
     FakeBackend,
     fake_detokenize,
     make_request,
@@ -19,16 +18,12 @@ from fake_backend import (
     run_all,
     step_until_finished,
 )
+from test_lane_host import make_host
 
 from tpserve.server.lane_admit import Admission, Ended
-from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED
-
-
-def make_host(backend, **kwargs):
-    return LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS, **kwargs)
 
 
 def request_of(first: int, num_prompt: int, num_reply: int, **kwargs):
