@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.device_wait import to_host
-from tpserve.ranks.engine import Engine
+from tpserve.ranks.engine import Engine, open_lane
 from tpserve.ranks.local_ranks import free_port
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown, start_rank
@@ -56,7 +56,7 @@ def one_rank(
 
 def prompt_logits(engine: Engine, prompt: Sequence[int]) -> torch.Tensor:
     """Next-token logits after every prompt token: [len(prompt), vocab] float32 on the CPU."""
-    engine.admit(0, len(prompt))
+    open_lane(engine, 0, len(prompt))
     try:
         return engine.forward([(0, 0, tuple(prompt))], every_row=True)
     finally:
@@ -64,7 +64,7 @@ def prompt_logits(engine: Engine, prompt: Sequence[int]) -> torch.Tensor:
 
 
 def greedy_tokens(engine: Engine, prompt: Sequence[int], num_tokens: int) -> list[int]:
-    engine.admit(0, len(prompt) + num_tokens)
+    open_lane(engine, 0, len(prompt) + num_tokens)
     try:
         tokens = sample(engine.forward([(0, 0, tuple(prompt))]), [GREEDY], [len(prompt)])
         while len(tokens) < num_tokens:
@@ -84,7 +84,7 @@ class Lanes:
         self.lengths = [len(p) for p in prompts]
         self.tokens = []
         for lane, prompt in enumerate(prompts):
-            engine.admit(lane, len(prompt) + num_tokens + 1)
+            open_lane(engine, lane, len(prompt) + num_tokens + 1)
             logits = engine.forward([(lane, 0, tuple(prompt))])
             self.tokens += sample(logits, [GREEDY], [len(prompt)])
 
@@ -151,7 +151,7 @@ def inspect_passes(engine: Engine, prompt: Sequence[int], num_layers: int) -> di
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         lanes.close()
-    engine.admit(0, len(prompt))
+    open_lane(engine, 0, len(prompt))
     try:
         with profile(activities=activities) as prefill:
             engine.forward([(0, 0, tuple(prompt))])

@@ -29,7 +29,7 @@ from tpserve.kernels.attention_kernels import kv_dtype  # noqa: E402
 from tpserve.kernels.linear import ROW_TILE  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.kernels.weight_formats import auto_quantize  # noqa: E402
-from tpserve.ranks.engine import Engine  # noqa: E402
+from tpserve.ranks.engine import Engine, open_lane  # noqa: E402
 from tpserve.ranks.kv_store import KVPool  # noqa: E402
 from tpserve.ranks.loader import load_rank_model  # noqa: E402
 from tpserve.ranks.settings import DTYPE_CHOICES, QUANTIZE_CHOICES  # noqa: E402
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = KVPool(cfg.num_layers, num_lanes * capacity, kv_heads, cfg.head_dim, kv_type)
         engine = Engine(model, kv)
         for lane in range(num_lanes):
-            assert engine.admit(lane, capacity)
+            open_lane(engine, lane, capacity)
             engine.forward([(lane, 0, tuple(range(100 + lane, 100 + lane + args.context)))])
         position = args.context
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.common import add_common_args, chat_prompt, default_model_dir, finish, print_table  # noqa: E402
 from tpserve.kernels.linear import ROW_TILE  # noqa: E402
-from tpserve.ranks.engine import Engine  # noqa: E402
+from tpserve.ranks.engine import Engine, open_lane  # noqa: E402
 from tpserve.ranks.kv_store import KVPool  # noqa: E402
 from tpserve.ranks.loader import load_rank_model  # noqa: E402
 from tpserve.ranks.settings import QUANTIZE_CHOICES  # noqa: E402
@@ -62,7 +62,7 @@ def perplexity(engine: Engine, ids: list[int], window: int) -> float:
     nll, count = 0.0, 0
     for start in range(0, len(ids) - window + 1, window):
         chunk = ids[start : start + window]
-        assert engine.admit(0, window)
+        open_lane(engine, 0, window)
         logits = engine.forward([(0, 0, tuple(chunk[:-1]))], every_row=True)
         engine.release(0)
         first = window // 2
@@ -73,7 +73,7 @@ def perplexity(engine: Engine, ids: list[int], window: int) -> float:
 
 
 def greedy(engine: Engine, prompt: list[int], num_tokens: int) -> list[int]:
-    assert engine.admit(0, len(prompt) + num_tokens)
+    open_lane(engine, 0, len(prompt) + num_tokens)
     logits = engine.forward([(0, 0, tuple(prompt))])
     out = []
     for _ in range(num_tokens):

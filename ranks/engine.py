@@ -231,3 +231,16 @@ class Engine:
         peers = ", ".join(f"rank {r}" for r in range(1, self.model.tp_size))
         who = f"a collective with {peers} never finished (lost or hung)" if peers else "the device hung"
         return f"rank 0: the logits of a pass over {len(spans)} span(s) never reached the host: {who}"
+
+
+def open_lane(engine: Engine, lane: int, num_tokens: int) -> tuple[int, ...]:
+    """Open `lane` with blocks for positions 0..num_tokens-1, the lowest free ids first: for tools
+    that drive one engine alone (benchmarks, checks), where no lane host books the blocks. The block
+    ids it got; EngineError when the pool has too few free."""
+    size, held = engine.kv.block_size, set(engine.refs)
+    free = [block for block in range(engine.kv.num_blocks) if block not in held]
+    blocks = tuple(free[: -(-num_tokens // size)])
+    if len(blocks) * size < num_tokens:
+        raise EngineError(f"lane {lane}: the pool has no room for {num_tokens} more tokens")
+    engine.admit(lane, blocks)
+    return blocks

@@ -178,9 +178,7 @@ class Leader:
     def idle(self) -> None:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
         if not self._idle and self.broken is None:
-            if self._unsent:  # the followers close the lanes rank 0 closed before they wait
-                self._run(None)
-            self._run(Idle())
+            self._run(Idle())  # the lanes rank 0 opened or closed go first (_run)
             self._idle = True
 
     # Beyond the protocol -------------------------------------------------------------------------
@@ -207,8 +205,10 @@ class Leader:
             raise BackendBroken(self.broken)
         try:
             unsent, self._unsent = self._unsent, []
-            if msg is None:  # only what rank 0 already applied
-                self.channel.send(Bundle(tuple(unsent)))
+            if unsent and (msg is None or isinstance(msg, (Idle, Stop))):
+                self.channel.send(Bundle(tuple(unsent)))  # what rank 0 already applied, alone
+                unsent = []
+            if msg is None:
                 return None
             self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
             self._idle = False

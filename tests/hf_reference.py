@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_lanes import open_lane
 
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
@@ -31,7 +32,7 @@ def check_against_transformers(model_dir, row_tile: int, max_positions: int = 25
     torch.set_num_threads(1)
     engine = engine_of(model_dir, row_tile, max_positions)
     ids = PROMPTS[0]
-    assert engine.admit(0, 100)
+    open_lane(engine, 0, 100)
     ours = [engine.forward([(0, 0, ids[:50])]), engine.forward([(0, 50, ids[50:88])])]
     ours += [engine.forward([(0, 88, ids[88:89])]), engine.forward([(0, 89, ids[89:90])])]
     # a mixture of experts in transformers' plain loop over experts (its grouped products need
@@ -44,7 +45,7 @@ def check_against_transformers(model_dir, row_tile: int, max_positions: int = 25
         torch.testing.assert_close(got[0], expected[row], rtol=1e-4, atol=1e-4)
     engine.release(0)
     for lane, prompt in enumerate(PROMPTS):
-        assert engine.admit(1 + lane, len(prompt) + NUM_GREEDY)
+        open_lane(engine, 1 + lane, len(prompt) + NUM_GREEDY)
         tokens, logits = [], engine.forward([(1 + lane, 0, prompt)])
         for step in range(NUM_GREEDY):
             tokens.append(int(logits[0].argmax()))

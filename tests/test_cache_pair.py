@@ -40,7 +40,7 @@ from tpserve.server.servicer import ServingInfo
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.wiring import LocalEngine, local_engine
 
-BLOCK = EngineSettings(model_dir="").kv_block_size  # cached prefixes are whole blocks
+BLOCK = EngineSettings(model_dir="", device="cpu").kv_block_size  # cached prefixes are whole blocks
 EVENT_TIMEOUT_S = 30.0
 ROOMY_TOKENS = 2048  # the roomy pair's pool: every prefix these tests compute stays cached
 SMALL_TOKENS = 128  # eight blocks, not two prompts: new prompts evict the cached ones

@@ -68,6 +68,8 @@ def test_the_draw_reads_the_adjusted_logits_but_the_callers_stay_raw():
     raw = logits.clone()
     biased = SamplingParams(logit_bias=((20, 3.0),))
     short = counts_of([1], [], min_tokens=1, barred=(9,))
-    tokens = sample(logits, [biased, SamplingParams()], [0, 0], [(counts_of([1], []), ()), (short, ())])
+    tokens = sample(
+        logits, [biased, SamplingParams()], [0, 0], streams=[(counts_of([1], []), ()), (short, ())]
+    )
     assert tokens == [20, 0]  # ... unless a bias lifts 20 above it, or min_tokens bars it (ties: lowest id)
     assert torch.equal(logits, raw)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from engine_lanes import open_lane
 from hf_reference import check_against_transformers, engine_of
 from multiproc import RankPool
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
@@ -58,7 +59,8 @@ def test_a_prompt_in_chunks_and_decode_steps_has_the_logits_of_the_whole_prompt(
     torch.set_num_threads(1)
     engine = engine_of(write_hf_model(tmp_path / variant, variant), ROW_TILE)
     ids = tuple((5 * i + 2) % 250 for i in range(70))
-    assert engine.admit(0, 80) and engine.admit(1, 80)
+    open_lane(engine, 0, 80)
+    open_lane(engine, 1, 80)
     whole = engine.forward([(1, 0, ids)])
     parts = [engine.forward([(0, 0, ids[:33])]), engine.forward([(0, 33, ids[33:68])])]
     parts += [engine.forward([(0, 68, ids[68:69])]), engine.forward([(0, 69, ids[69:])])]

@@ -23,8 +23,7 @@ def refusal(parse, body: dict) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    "name",
-    ["structured_outputs", "guided_json", "guided_regex", "chat_template_kwargs", "parallel_tool_calls"],
+    "name", ["guided_decoding_backend", "structural_tag", "reasoning_effort", "functions"]
 )
 def test_fields_other_servers_honour_are_refused_by_name_when_set(name):
     assert refusal(parse_chat, {**CHAT, name: {"x": 1}}) == (name, f"{name} is not supported by this server")
@@ -56,7 +55,8 @@ def test_neutral_values_and_bookkeeping_fields_are_accepted():
     parse_chat(body)
 
 
-def test_every_field_has_one_handling_and_the_grammar_fields_await_their_branch():
+def test_every_field_has_one_handling_and_the_grammar_fields_are_honoured():
     assert {field.handling for field in FIELDS.values()} == {HONOURED, NO_EFFECT, REFUSED}
-    for name in ("response_format", "structured_outputs", "tools", "tool_choice", "reasoning_effort"):
-        assert FIELDS[name].handling == REFUSED and FIELDS[name].owner == OWNER_24G
+    for name in ("response_format", "structured_outputs", "tools", "tool_choice", "chat_template_kwargs"):
+        assert FIELDS[name].handling == HONOURED
+    assert FIELDS["reasoning_effort"].handling == REFUSED and FIELDS["reasoning_effort"].owner == OWNER_24G

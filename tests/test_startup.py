@@ -132,7 +132,7 @@ def ranks():
 
 
 def test_room_is_the_smaller_ranks_with_the_uneven_split(ranks, model_dir):
-    budget = RANK0_BYTES_PER_TOKEN * 300
+    budget = RANK0_BYTES_PER_TOKEN * 320  # whole KV blocks of 32
     settings = settings_for(model_dir, kv_budget_bytes=(budget, budget))
     reports = ranks.start_pair([settings, settings])
     assert all(report[0] == "ok" for report in reports.values()), reports
@@ -140,12 +140,12 @@ def test_room_is_the_smaller_ranks_with_the_uneven_split(ranks, model_dir):
     # Rank 0 holds two KV heads, rank 1 one: the same budget holds half as many tokens on rank 0.
     assert rooms[0].kv_bytes_per_token == RANK0_BYTES_PER_TOKEN
     assert rooms[1].kv_bytes_per_token == RANK1_BYTES_PER_TOKEN
-    assert [rooms[rank].kv_tokens for rank in (0, 1)] == [300, 300]
-    assert [reports[rank][2] for rank in (0, 1)] == [300, 300]  # each allocated exactly that pool
+    assert [rooms[rank].kv_tokens for rank in (0, 1)] == [320, 320]
+    assert [reports[rank][2] for rank in (0, 1)] == [320, 320]  # each allocated exactly that pool
 
 
 def test_auto_keeps_kv_in_float16_where_the_c_kernel_reads_it_twice_the_room_of_float32(ranks, model_dir):
-    budget = RANK0_BYTES_PER_TOKEN * 300
+    budget = RANK0_BYTES_PER_TOKEN * 320  # whole KV blocks of 32
     settings = settings_for(model_dir, kv_budget_bytes=(budget, budget), kv_dtype="auto")
     reports = ranks.start_pair([settings, settings])
     assert all(report[0] == "ok" for report in reports.values()), reports
@@ -157,14 +157,14 @@ def test_auto_keeps_kv_in_float16_where_the_c_kernel_reads_it_twice_the_room_of_
         RANK0_BYTES_PER_TOKEN // 2,
         RANK1_BYTES_PER_TOKEN // 2,
     ]
-    assert [reports[rank][2] for rank in (0, 1)] == [600, 600]
+    assert [reports[rank][2] for rank in (0, 1)] == [640, 640]
 
 
 @pytest.mark.parametrize(
     ("budgets", "room"),
     [
-        ((RANK0_BYTES_PER_TOKEN * 900, RANK1_BYTES_PER_TOKEN * 250), 250),  # rank 1's budget is tighter
-        ((RANK0_BYTES_PER_TOKEN * 180, RANK1_BYTES_PER_TOKEN * 700), 180),  # rank 0's budget is tighter
+        ((RANK0_BYTES_PER_TOKEN * 900, RANK1_BYTES_PER_TOKEN * 256), 256),  # rank 1's budget is tighter
+        ((RANK0_BYTES_PER_TOKEN * 192, RANK1_BYTES_PER_TOKEN * 700), 192),  # rank 0's budget is tighter
     ],
 )
 def test_room_follows_configured_per_rank_budgets(ranks, model_dir, budgets, room):
