@@ -19,7 +19,7 @@ test: lint
 
 # Tests that must pass in any order: a shuffled run (a new seed each time, printed) of the suites
 # that share in-process state or module fixtures.
-SHUFFLED = tests/test_lane_host*.py tests/test_prompt_cache*.py tests/test_validation.py tests/test_sampling.py \
+SHUFFLED = tests/test_lane_host*.py tests/test_kv_blocks.py tests/test_validation.py tests/test_sampling.py \
 	tests/test_attention.py tests/test_probe.py tests/test_wire.py tests/test_text_stream.py tests/test_job_queue.py \
 	tests/test_cache_pair.py tests/test_tp_exact.py tests/test_resume_exact.py
 test-shuffled: setup
