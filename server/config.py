@@ -29,6 +29,13 @@ class ConfigError(UserError):
     pass
 
 
+# Keys an older config may still hold, and what took their place.
+RETIRED = {
+    "cache_budget_bytes": "the prompt cache now shares the KV pool's blocks, with no budget of its "
+    "own; prefix_caching: true or false turns it on or off",
+}
+
+
 # The engine's defaults are the daemon's: every engine key below takes its default from here.
 _ENGINE = EngineSettings(model_dir="")
 # The engine settings whose key (a flag, a YAML key) is shorter than the code's name for it; every
@@ -191,6 +198,8 @@ def load_config(
             raise ConfigError(f"{path}: the config must be a mapping of keys to values")
         for key, value in raw.items():
             name = str(key).replace("-", "_")
+            if name in RETIRED:
+                raise ConfigError(f"{path}: {key!r} is gone: {RETIRED[name]}")
             if name not in types:
                 raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(types))})")
             values[name] = _coerce(name, value, types[name], str(path))

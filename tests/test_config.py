@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import pytest
+
 from tpserve.ranks.settings import EngineSettings
-from tpserve.server.config import ENGINE_KEYS, ENGINE_NAMES, ServeConfig, load_config
+from tpserve.server.config import ENGINE_KEYS, ENGINE_NAMES, ConfigError, ServeConfig, load_config
 
 
 def test_engine_tests_run_with_the_daemons_defaults():
@@ -26,3 +28,10 @@ def test_every_engine_setting_is_a_config_key_and_reaches_the_engine_under_its_n
     assert (settings.prefix_caching, settings.init_timeout_s) == (False, 9.0)
     drill = load_config(None, {"refuse_token_on_rank": "1,300"}, environ={}).engine_settings("model")
     assert drill.refuse_token_on_rank == (1, 300)
+
+
+def test_a_retired_key_says_what_took_its_place(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("cache_budget_bytes: 0\n")
+    with pytest.raises(ConfigError, match="'cache_budget_bytes' is gone: .*prefix_caching"):
+        load_config(str(path), {})
