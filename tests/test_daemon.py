@@ -137,8 +137,8 @@ def test_recording_with_drafts_on_changes_no_reply_and_writes_each_streams_solo_
         "2",
         "--record",
         str(record_dir),
-        "--cache-budget-bytes",
-        "0",
+        "--prefix-caching",
+        "false",
     )
     requests = record_requests()
 
