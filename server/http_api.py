@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from tpserve.server.api_key import UNAUTHENTICATED, key_matches
 from tpserve.server.chat_reply import THINK_OPEN, ChatReply, thinks
+from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.http_body import BodyRefused, read_json_object
 from tpserve.server.http_errors import error_json, param_of, status_of
 from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
@@ -166,22 +167,30 @@ class OpenAIApi:
         if not self._authorized(request):
             return _unauthorized()
         streams: list[Stream] = []
+        refused: Response | None = None
         try:
             parsed = parse(await read_json_object(request, self._body_timeout_s))
             if parsed.model is not None and parsed.model != self._model:
                 raise self._unknown_model(parsed.model)
             for choice in parsed.choices:  # one stream per choice, in choice order
                 streams.append(
-                    await anyio.to_thread.run_sync(self._submitter.submit, choice, limiter=self._limiter)
+                    await anyio.to_thread.run_sync(self._submit_choice, choice, limiter=self._limiter)
                 )
         except (HttpRefusal, RequestRefused) as refusal:
             cancel_all(streams)
-            return _refusal(refusal)
+            refused = _refusal(refusal)
         except BodyRefused as refusal:
-            return _refusal(HttpRefusal(refusal.status, refusal.message))
+            refused = _refusal(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
             cancel_all(streams)
-            return Response(status_code=499)
+            refused = Response(status_code=499)
+        if refused is not None:
+            # Past the refusal's traceback and the parsed body, a big prompt's copies are gone: the
+            # heap's free memory goes back now (server/heap.py), not at some later request.
+            parsed = None
+            if int(request.headers.get("content-length") or 0) >= LARGE_REQUEST_BYTES:
+                give_back_free_memory()
+            return refused
         shape = ReplyShape(
             chat=parsed.chat,
             model=self._model,
@@ -239,6 +248,15 @@ class OpenAIApi:
         return JSONResponse(
             shape.whole_of(choices, total_usage([ended[i].usage for i in range(len(streams))], n))
         )
+
+    def _submit_choice(self, choice) -> Stream:
+        """Submitter.submit on a worker thread. A refusal leaves without its traceback: the worker
+        thread may hold the exception until its next job, and the traceback's frames would hold the
+        request (a big prompt, megabytes) with it."""
+        try:
+            return self._submitter.submit(choice)
+        except RequestRefused as refusal:
+            raise refusal.with_traceback(None) from None
 
     async def _server_sent_events(
         self,

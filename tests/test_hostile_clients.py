@@ -92,14 +92,16 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     bodies = [json.dumps({"prompt": digit * BIG_PROMPT_CHARS, "max_tokens": 4}).encode() for digit in "1234"]
     text = "7" * BIG_PROMPT_CHARS
     tokenize = serving_pb2.TokenizeRequest(text=text)
+    live_request = serving_pb2.GenerateRequest(prompt="go", max_tokens=200, ignore_eos=True)
     with ThreadPoolExecutor(8) as pool:  # a first round warms the threads and their heaps: the baseline
         list(pool.map(lambda body: post(daemon, "completions", body), bodies * 6))
         with pytest.raises(grpc.RpcError):
             daemon.stub.Tokenize(tokenize, timeout=60)
+    # and one whole reply like the live one: what a first reply allocates once (its KV blocks' pages,
+    # the sampler's buffers) is not what the refused requests would keep
+    assert BackgroundReply(daemon.stub, live_request).join(timeout_s=120).ok
     before = rss_bytes(rank0)
-    live = BackgroundReply(
-        daemon.stub, serving_pb2.GenerateRequest(prompt="go", max_tokens=200, ignore_eos=True)
-    )
+    live = BackgroundReply(daemon.stub, live_request)
     live.wait_tokens(1)
     token_counts = []  # (when, tokens so far) of the live reply, sampled beside the burst
     watching = threading.Event()
