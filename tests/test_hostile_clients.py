@@ -129,7 +129,9 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details().startswith(f"text is {BIG_PROMPT_CHARS} bytes long")
     after = rss_bytes(rank0)
-    assert after <= before * 1.10, (before, after)
+    # Kept refused bodies would be 24 x 4 MiB (~100 MB, a quarter of rank 0's ~400 MB); what a busy
+    # machine's thread arenas move about stays well under that.
+    assert after <= before * 1.20, (before, after)
     assert daemon.health() == SERVING
     figures(
         "big prompts",
