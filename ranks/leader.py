@@ -199,17 +199,14 @@ class Leader:
         self._unsent.append(msg)
 
     def _run(self, msg, media=None):
-        """Send `msg` (with the lanes opened and closed since the last message; None: those alone)
-        and apply it here. Any failure but a vote's no latches the leader broken."""
+        """Send `msg` (with the lanes opened and closed since the last message) and apply it here. Any failure but a vote's no latches the leader broken."""
         if self.broken is not None:
             raise BackendBroken(self.broken)
         try:
             unsent, self._unsent = self._unsent, []
-            if unsent and (msg is None or isinstance(msg, (Idle, Stop))):
+            if unsent and isinstance(msg, (Idle, Stop)):
                 self.channel.send(Bundle(tuple(unsent)))  # what rank 0 already applied, alone
                 unsent = []
-            if msg is None:
-                return None
             self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
             self._idle = False
             return apply_message(self.engine, self.channel, msg, media)
