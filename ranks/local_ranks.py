@@ -3,18 +3,48 @@
 from __future__ import annotations
 
 import multiprocessing
+import random
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from tpserve.ranks.follow import run_follower
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, leave, shutdown, start_rank
 
+# Ports handed out by this process: two asks never get the same one, though neither is bound yet.
+_GIVEN: set[int] = set()
+_PICK = random.Random()  # its own: a seeded global random (a test plugin's) would repeat picks
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' own ports (Linux's default where unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A port on `address` free now, outside the kernel's ephemeral range: between this call and the
+    listener's bind, an outgoing connection (gloo's, the store's, a client's) cannot take it as its own
+    port, as one could take a port that bind(0) handed out."""
+    low, high = _ephemeral_range()
+    below = range(10000, low) if low > 11000 else range(high + 1, 65536)
+    for port in _PICK.sample(below, min(200, len(below))):
+        if port in _GIVEN:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as probe:  # every try taken: what the kernel gives
+        probe.bind((address, 0))
         return probe.getsockname()[1]
 
 

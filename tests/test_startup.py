@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import queue
+import socket
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +265,14 @@ def test_exactness_off_skips_the_probe(ranks, model_dir):
     settings = settings_for(model_dir, shape_dependent_on_rank=1, batch_invariant=False)
     reports = ranks.start_pair([settings, settings])
     assert all(report[0] == "ok" for report in reports.values()), reports
+
+
+def test_free_ports_are_outside_the_range_outgoing_connections_take_and_never_repeat():
+    """A port for a test daemon's listener: an outgoing connection (gloo's, the store's) made before
+    the listener binds cannot hold it, and two asks in one run never get the same one."""
+    low, high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert not [port for port in ports if low <= port <= high]
+    with socket.socket() as listener:  # each is bindable
+        listener.bind(("127.0.0.1", ports[-1]))

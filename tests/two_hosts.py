@@ -22,7 +22,6 @@ import itertools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -152,12 +151,6 @@ class Pair(Daemon):
     args: tuple[str, ...] = ()
 
 
-def free_port_on(address: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return probe.getsockname()[1]
-
-
 def launch_rank(
     daemon: Pair, link: Link, rank: int, name: str, args: tuple[str, ...], interface: str = ""
 ) -> None:
@@ -190,7 +183,7 @@ def pair(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     daemon = Pair("ranks", free_port(), free_port(), free_port(), log_dir)
-    daemon.master = f"{link.near_address}:{free_port_on(link.near_address)}"
+    daemon.master = f"{link.near_address}:{free_port(link.near_address)}"
     daemon.args = (
         *serve_args(model_dir, daemon),
         "--cpu-collectives",
