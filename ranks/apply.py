@@ -48,13 +48,13 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
             else (s.lane, s.position, (s.token_id,), s.blocks)
             for s in steps
         ]
-        (span,) = msg.prefill.spans
-        chunk = (span.lane, span.start, span.token_ids, span.blocks)
+        prompts = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.prefill.spans]
         engine.drop_unkept_drafts(steps)  # the same on every rank, whatever the vote: drafts it did not keep
-        if not channel.vote(engine.check([*steps, chunk]) and not engine.refuses([chunk])):
-            raise VotedDown("a prompt chunk beside a decode round refused by some rank")
-        media_rows = span.media_rows() if span.media else None
-        return engine.mixed(steps, verify, chunk, media_rows, media if span.media else None)
+        if not channel.vote(engine.check([*steps, *prompts]) and not engine.refuses(prompts)):
+            raise VotedDown("a prompt beside a decode round refused by some rank")
+        with_media = any(s.media for s in msg.prefill.spans)
+        media_rows = [s.media_rows() for s in msg.prefill.spans] if with_media else None
+        return engine.mixed(steps, verify, prompts, media_rows, media if with_media else None)
     if isinstance(msg, Round):
         return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])
     if isinstance(msg, Verify):

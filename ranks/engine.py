@@ -161,16 +161,17 @@ class Engine:
             self.lanes[lane].drafts_from = start + 1  # the fed token stays; its drafts may go
         return logits
 
-    def mixed(self, steps, verify: bool, chunk, media_rows: list[int] | None = None, media=None):
-        """A decode round (a Verify when `verify`) and one prompt chunk (lane, start, token ids, new
-        blocks) in one pass, so decoding streams keep their pace while a long prompt fills. Logits:
-        the round's rows as decode_round's or verify's, then the chunk's last token's. Each row is
-        the same as in separate passes: every product and attention row is batch-invariant.
-        media_rows: the chunk's offsets embedded as image features (media: those features)."""
+    def mixed(self, steps, verify: bool, prompts, media_rows: list[list[int]] | None = None, media=None):
+        """A decode round (a Verify when `verify`) and prompts (lane, start, token ids, new blocks:
+        whole prompts, or a long prompt's chunk) in one pass, so decoding streams keep their pace
+        and a step is one pass. Logits: the round's rows as decode_round's or verify's, then each
+        prompt's last token's. Each row is the same as in separate passes: every product and
+        attention row is batch-invariant. media_rows: per prompt, its offsets embedded as image
+        features (media: those features, in order)."""
         self.drop_unkept_drafts(steps)
-        spans = [*steps, chunk]
-        rows = None if media_rows is None else [[]] * len(steps) + [media_rows]
-        logits = self._pass(spans, [verify] * len(steps) + [False], rows, media)
+        spans = [*steps, *prompts]
+        rows = None if media_rows is None else [[]] * len(steps) + list(media_rows)
+        logits = self._pass(spans, [verify] * len(steps) + [False] * len(prompts), rows, media)
         if verify:
             for lane, start, *_ in steps:
                 self.lanes[lane].drafts_from = start + 1

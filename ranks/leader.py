@@ -113,19 +113,24 @@ class Leader:
             features += rows
         return Prefill(tuple(spans)), torch.cat(features) if features else None
 
-    def _with_chunk(self, round_msg, chunk):
-        """Run a Round or Verify, with `chunk` (a PrefillItem or None) in the same pass. Returns the
-        logits of the round's rows, then the chunk's last row when the chunk ends its prompt."""
-        if chunk is None:
+    def _with_prompts(self, round_msg, prompts):
+        """Run a Round or Verify, with `prompts` (PrefillItems) in the same pass. Returns the logits
+        of the round's rows, then one row per prompt that ends (item.last), in order."""
+        if not prompts:
             return self._run(round_msg)
-        prefill, media = self._prefill_message([chunk])
+        prefill, media = self._prefill_message(prompts)
         try:
             logits = self._run(Mixed(round_msg, prefill), media)
         except VotedDown as error:
-            raise ChunkRefused(f"lane {chunk.lane}: prompt chunk refused") from error
-        return logits if chunk.last else logits[:-1]
+            lanes = ", ".join(str(item.lane) for item in prompts)
+            raise ChunkRefused(f"lanes {lanes}: a prompt beside the decode round refused") from error
+        if all(item.last for item in prompts):
+            return logits
+        num_round = logits.shape[0] - len(prompts)  # each prompt's last row follows the round's
+        keep = [*range(num_round), *(num_round + i for i, item in enumerate(prompts) if item.last)]
+        return logits[keep]
 
-    def decode_drafts(self, items, chunk=None) -> list[list[int]]:
+    def decode_drafts(self, items, prompts=()) -> list[list[int]]:
         msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft), (), i.blocks) for i in items))
         rows = [(item, k) for item in items for k in range(1 + len(item.draft))]
         # Row k of an item samples after its first k drafts, which count as its stream's tokens.
@@ -133,11 +138,12 @@ class Leader:
         # A constrained stream brings no draft (server/drafts.py), so its one row takes its mask.
         masks = [item.allowed if k == 0 else None for item, k in rows]
         rows = [(item, item.position + 1 + k) for item, k in rows]
-        if chunk is not None and chunk.last:
-            rows.append((chunk, chunk.start + len(chunk.token_ids)))
-            masks.append(chunk.allowed)
-            streams.append(None if chunk.counts is None else (chunk.counts, ()))
-        logits = self._with_chunk(msg, chunk)
+        ended = [item for item in prompts if item.last]
+        for item in ended:
+            rows.append((item, item.start + len(item.token_ids)))
+            masks.append(item.allowed)
+            streams.append(None if item.counts is None else (item.counts, ()))
+        logits = self._with_prompts(msg, prompts)
         tokens = sample(logits, [item.sampling for item, _ in rows], [p for _, p in rows], masks, streams)
         self._keep_logprobs(
             logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
@@ -149,19 +155,19 @@ class Leader:
             if features is not None:
                 self._draft_features[item.lane] = features[at : at + 1 + len(item.draft)]
             at += 1 + len(item.draft)
-        if at < len(tokens):  # the chunk's first sampled token
-            out.append(tokens[at:])
+        for item in ended:  # each ending prompt's first sampled token
+            out.append(tokens[at : at + 1])
             if features is not None:
-                self._features[chunk.lane] = features[at]
+                self._features[item.lane] = features[at]
+            at += 1
         return out
 
-    def decode(self, items, chunk=None) -> list[int]:
+    def decode(self, items, prompts=()) -> list[int]:
         msg = Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items))
-        logits = self._with_chunk(msg, chunk)
-        positions = [i.position + 1 for i in items]
-        if chunk is not None and chunk.last:
-            items, positions = [*items, chunk], [*positions, chunk.start + len(chunk.token_ids)]
-        return self._sample(logits, items, positions)
+        logits = self._with_prompts(msg, prompts)
+        ended = [item for item in prompts if item.last]
+        positions = [i.position + 1 for i in items] + [i.start + len(i.token_ids) for i in ended]
+        return self._sample(logits, [*items, *ended], positions)
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)

@@ -41,7 +41,7 @@ __all__ = [
     "read_head",
 ]
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5  # 5: a Mixed pass carries any number of prompts
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 128
@@ -172,8 +172,9 @@ class Stop:
 
 @dataclass(frozen=True)
 class Mixed:
-    """A decode round (a Round or a Verify) and one prompt chunk (a Prefill of one span) in one
-    forward pass (the ranks vote on the chunk first, as on a Prefill)."""
+    """A decode round (a Round or a Verify) and prompts (a Prefill: whole prompts admitted this step,
+    a long prompt's next chunk) in one forward pass (the ranks vote on the prompts first, as on a
+    Prefill): a step is one message and one pass."""
 
     KIND: ClassVar[int] = 12
     round: Round | Verify
@@ -297,8 +298,8 @@ def _payload(msg: Message) -> list:
     if isinstance(msg, Bundle):
         return _nested(msg.messages, _BUNDLED, "Bundle")
     if isinstance(msg, Mixed):
-        if len(msg.prefill.spans) != 1:
-            raise WireError(f"a Mixed pass takes one prompt chunk, got {len(msg.prefill.spans)}")
+        if not msg.prefill.spans:
+            raise WireError("a Mixed pass takes at least one prompt")
         return _nested((msg.round, msg.prefill), (Round, Verify, Prefill), "Mixed")
     if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
@@ -321,9 +322,9 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
         return Bundle(tuple(_unnested(payload, _BUNDLED, "Bundle")))
     if cls is Mixed:
         parts = _unnested(payload, (Round, Verify, Prefill), "Mixed")
-        if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or len(parts[1].spans) != 1:
+        if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or not parts[1].spans:
             raise WireError(
-                f"a Mixed pass is a round and a one-span Prefill, got {[type(p).__name__ for p in parts]}"
+                f"a Mixed pass is a round and a Prefill of its prompts, got {[type(p).__name__ for p in parts]}"
             )
         return Mixed(*parts)
     if cls in (Prefill, Verify):

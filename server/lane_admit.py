@@ -71,7 +71,16 @@ class BlockWait:
     job: Job
 
 
-Outcome = FirstToken | Ended | Chunking | BlockWait
+@dataclass(frozen=True)
+class Riding:
+    """The job's whole prompt goes in this step's decode round, in the same pass (`item`, its blocks
+    covered): the step stays one message and one pass; its first token comes with the round's."""
+
+    job: Job
+    item: PrefillItem
+
+
+Outcome = FirstToken | Ended | Chunking | BlockWait | Riding
 
 
 class Admission:
@@ -156,9 +165,10 @@ class Admission:
                 break
         return num_taken, limit - num_tokens
 
-    def launch(self, jobs: list[Job], chunking: Job | None) -> list[Outcome]:
-        """Set up the taken jobs and launch them: short prompts in one joint pass when two or more,
-        the rest alone. `chunking`: the job whose prompt goes in chunks now, if any."""
+    def launch(self, jobs: list[Job], chunking: Job | None, beside_round: bool = False) -> list[Outcome]:
+        """Set up the taken jobs and launch them. `beside_round` (streams are decoding): each whole
+        prompt rides in this step's decode round (Riding); else short prompts go in one joint pass
+        when two or more, the rest alone. `chunking`: the job whose prompt goes in chunks now, if any."""
         outcomes: list[Outcome] = []
         ready = []
         for job in jobs:
@@ -167,6 +177,19 @@ class Admission:
                 ready.append(job)
             else:
                 outcomes.append(refusal)
+        if beside_round:
+            for job in ready:
+                if job.cancel_requested or self._needs_chunks(job):
+                    continue
+                item = self._whole_prompt(job)
+                outcomes.append(BlockWait(job) if item is None else Riding(job, item))
+            ready = [job for job in ready if job.cancel_requested or self._needs_chunks(job)]
+        return outcomes + self.run_now(ready, chunking)
+
+    def run_now(self, ready: list[Job], chunking: Job | None) -> list[Outcome]:
+        """Launch jobs that are set up in passes of their own: short prompts in one joint pass when
+        two or more, the rest alone, a long one in chunks (or every chunk now while another chunks)."""
+        outcomes: list[Outcome] = []
         # A job taken as short can turn out long when its restore failed: it launches alone. Jobs
         # whose restores failed can also be short each and too long together: the joint pass takes
         # them while they fit in one pass, the rest go alone.
@@ -192,6 +215,13 @@ class Admission:
             else:
                 outcomes.append(self._prefill_all_chunks(job))
         return outcomes
+
+    def run_alone(self, jobs: list[Job]) -> list[Outcome]:
+        """Each whole prompt in a pass of its own (after a pass with them was refused)."""
+        return [
+            Ended(job, CANCELLED) if job.cancel_requested else self._prefill(job, self._whole_prompt(job))
+            for job in jobs
+        ]
 
     def _setup(self, job: Job) -> Ended | None:
         """Lane, shared prefix and first blocks. None when the job is ready, else how it ended."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from tpserve.server.backend import Backend, BackendBroken, ChunkRefused, DecodeItem, PrefillItem, attempt
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
-from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome
+from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED, ERROR, Prefilled, TokenLogprob
@@ -51,6 +51,7 @@ class Scheduler:
         self._on_broken = on_broken
         self._step_lock = threading.Lock()
         self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
+        self._riding: list[Riding] = []  # whole prompts that go in this step's decode round
         self.num_preempted = 0  # streams that gave up their lane for want of KV blocks (read by stats)
 
     def step(self) -> bool:
@@ -89,21 +90,30 @@ class Scheduler:
                 self._yield_lane(victim)
                 changed = True
                 continue
-            jobs, budget = self._take_jobs(budget)
+            beside = self._decoding()
+            jobs, budget = self._take_jobs(budget, self._admission.max_joint_prompts - len(self._riding))
             if not jobs:
                 break
             changed = True
-            self._apply(self._admission.launch(jobs, self._chunking))
+            self._apply(self._admission.launch(jobs, self._chunking, beside_round=beside))
         return changed
 
-    def _take_jobs(self, budget: int | None) -> tuple[list[Job], int | None]:
-        """Pop the head jobs Admission takes; with the step's prompt budget left after them."""
+    def _decoding(self) -> bool:
+        """Whether a stream decodes this step: then whole prompts ride in its round's pass."""
+        riding = {id(ride.job) for ride in self._riding}
+        return any(
+            job.produced and job is not self._chunking and id(job) not in riding for job in self.lanes.jobs()
+        )
+
+    def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
+        """Pop the head jobs Admission takes (at most `most`); with the step's prompt budget left
+        after them."""
         num_free = self.lanes.num_free
-        if not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
+        if most < 1 or not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
             return [], budget
         free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
         return self._state.pop_chosen(
-            min(self._admission.max_joint_prompts, num_free),
+            min(most, num_free),
             lambda head: self._admission.num_to_take(head, free_blocks, budget, self._chunking),
         )
 
@@ -128,6 +138,7 @@ class Scheduler:
         then continues exactly where it left off."""
         if job is self._chunking:
             self._chunking = None
+        self._unride(job)
         self.lanes.close(job)
         if not self._state.requeue(job):
             self._end(job, CANCELLED)
@@ -147,6 +158,9 @@ class Scheduler:
     def _newest(jobs: list[Job]) -> Job:
         """The stream preempted first: background before foreground, then the last admitted."""
         return max(jobs, key=lambda job: (job.background, job.admitted_seq))
+
+    def _unride(self, job: Job) -> None:
+        self._riding = [ride for ride in self._riding if ride.job is not job]
 
     def _prefill_chunk(self) -> bool:
         """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
@@ -170,14 +184,21 @@ class Scheduler:
                 case BlockWait(job):
                     if job is not self._chunking:  # the chunking job waits a step for its blocks
                         self._give_up_lane(job)
+                case Riding():
+                    self._riding.append(outcome)
 
     def _decode_round(self) -> bool:
-        """One decode round over every live stream, the long prompt's next chunk in the same pass
-        (alone when no stream decodes). True when anything ran."""
+        """One decode round over every live stream, with the whole prompts admitted this step and
+        the long prompt's next chunk in the same pass (those alone when no stream decodes). True
+        when anything ran."""
         self._end_cancelled()
         live = self._cover_live()
+        riding, self._riding = self._riding, []
         if not live:
-            return self._prefill_chunk()
+            ran = bool(riding)
+            if riding:
+                self._apply(self._admission.run_now([ride.job for ride in riding], self._chunking))
+            return self._prefill_chunk() or ran
         drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
         chunk = self._next_chunk(sum(1 + len(draft) for draft in drafts))  # its blocks before drafts'
         drafts = [self._covered_draft(job, draft) for job, draft in zip(live, drafts)]
@@ -194,16 +215,17 @@ class Scheduler:
             )
             for job, draft in zip(live, drafts)
         ]
-        samples, error = self._run_round(items, drafts, chunk)
-        if isinstance(error, ChunkRefused):  # nothing ran: the prompt fails alone, the round goes again
-            self._end(self._chunking, ERROR, f"prefill failed: {error}")
-            chunk = None
-            samples, error = self._run_round(items, drafts, None)
+        prompts = [(ride.job, ride.item) for ride in riding]
+        if chunk is not None:
+            prompts.insert(0, (self._chunking, chunk))
+        samples, error = self._run_round(items, drafts, [item for _, item in prompts])
+        refused = isinstance(error, ChunkRefused)
+        if refused:  # nothing ran: the round goes again alone, then each prompt alone (below)
+            samples, error = self._run_round(items, drafts, [])
         if error is not None:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
-        chunk_token = None
-        if chunk is not None and chunk.last:
-            chunk_token = samples.pop()[0] if samples and len(samples) == len(items) + 1 else None
+        prompt_tokens = iter([] if refused else [tokens[0] for tokens in samples[len(items) :]])
+        samples = samples[: len(items)]
         if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
             raise BackendBroken(
                 f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
@@ -215,16 +237,27 @@ class Scheduler:
                 self._take_token(job, token)
                 if job.lane is None:  # the reply ended: later tokens are not part of it
                     break
-        if chunk is not None:
-            outcome = self._admission.prefilled(self._chunking, chunk, chunk_token)
+        if refused:
+            self._alone_after_refusal(chunk, [ride.job for ride in riding])
+            return True
+        for job, item in prompts:
+            token = next(prompt_tokens, None) if item.last else None
+            outcome = self._admission.prefilled(job, item, token)
             self._apply([] if outcome is None else [outcome])
         return True
 
-    def _run_round(self, items: list[DecodeItem], drafts, chunk: PrefillItem | None):
-        """(samples per item, and the chunk's [token] last when it ended its prompt; the error)."""
+    def _alone_after_refusal(self, chunk: PrefillItem | None, riding: list[Job]) -> None:
+        """Some rank refused a prompt beside the round (nothing of that pass ran): each runs alone,
+        so only the refused one fails."""
+        if chunk is not None and self._chunking is not None:
+            self._apply(self._admission.prefill_chunk(self._chunking))
+        self._apply(self._admission.run_alone(riding))
+
+    def _run_round(self, items: list[DecodeItem], drafts, prompts: list[PrefillItem]):
+        """(samples per item, then [token] per prompt that ended; the error)."""
         if any(drafts):
-            return attempt(self._backend.decode_drafts, items, chunk)
-        tokens, error = attempt(self._backend.decode, items, chunk)
+            return attempt(self._backend.decode_drafts, items, prompts)
+        tokens, error = attempt(self._backend.decode, items, prompts)
         return (None if error is not None else [[token] for token in tokens]), error
 
     def _next_chunk(self, num_rows: int) -> PrefillItem | None:
@@ -242,8 +275,9 @@ class Scheduler:
         """The streams this round decodes, each with a block for the position it writes. When too few
         blocks are free, streams are preempted, the newest first (background before foreground),
         until the rest fit: a stream that needs a block never fails, it waits in the queue."""
-        live = [job for job in self.lanes.jobs() if job is not self._chunking]
-        holders = [*live, *([self._chunking] if self._chunking is not None else [])]
+        riding = [ride.job for ride in self._riding]
+        live = [job for job in self.lanes.jobs() if job is not self._chunking and job not in riding]
+        holders = [*live, *riding, *([self._chunking] if self._chunking is not None else [])]
         while True:
             wanted = sum(self.lanes.blocks_missing(job, job.next_position + 1) for job in live)
             if self.lanes.blocks.can_allocate(wanted) or not holders:
@@ -291,6 +325,7 @@ class Scheduler:
         """Close the job's lane if it holds one, then send Finished."""
         if job is self._chunking:
             self._chunking = None  # no more of its chunks go
+        self._unride(job)
         if job.lane is not None:
             self.lanes.close(job)
         self._state.finish(job, reason, error)
@@ -304,6 +339,7 @@ class Scheduler:
         if forget_lanes:
             self.lanes.forget_all()
             self._chunking = None
+            self._riding = []
         for job in jobs:
             self._state.finish(job, ERROR, f"engine broken: {reason}")
         if self._on_broken is not None:

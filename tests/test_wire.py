@@ -11,6 +11,7 @@ from tpserve.ranks.wire import (
     HEAD_SIZE,
     INLINE_SIZE,
     MAX_PAYLOAD_SIZE,
+    WIRE_VERSION,
     Admit,
     Bundle,
     Idle,
@@ -62,7 +63,7 @@ mixed = st.builds(
         st.builds(Round, steps=st.lists(steps, max_size=16).map(tuple)),
         st.builds(Verify, spans=st.lists(spans(), max_size=8).map(tuple)),
     ),
-    prefill=st.builds(Prefill, spans=st.tuples(spans())),
+    prefill=st.builds(Prefill, spans=st.lists(spans(), min_size=1, max_size=17).map(tuple)),
 )
 messages = st.one_of(
     bundled,
@@ -147,7 +148,7 @@ def _tampered(msg, index, value):
     "tensor, problem",
     [
         (_tampered(Idle(), 0, 12345), "bad magic"),
-        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 5"),
+        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), f"wire version {WIRE_VERSION + 1}"),
         (_tampered(Idle(), 1, 77), "unknown message kind 77"),
         (_tampered(Idle(), 2, -4), "negative sequence"),
         (_tampered(Idle(), 3, MAX_PAYLOAD_SIZE + 1), "payload size"),
