@@ -65,3 +65,23 @@ def test_a_prompt_in_chunks_has_the_whole_prompts_logits(tmp_path, family):
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window"])
 def test_a_windowed_model_tp2_equals_tp1_and_batched_equals_solo(pool, tmp_path, family):
     check_tp2_equals_tp1_and_batched_equals_solo(pool, str(write_hf_model(tmp_path / family, family)), "none")
+
+
+@pytest.mark.parametrize("family", ["qwen2-window", "qwen3-window"])
+def test_the_tiled_products_serve_a_windowed_model_as_the_c_kernel_does(tmp_path, family):
+    # Where no C kernel builds (or on a device), the tiled products attend within the same windows:
+    # chunks equal the whole prompt bit for bit, and the logits are the C kernel's within rounding.
+    torch.set_num_threads(1)
+    model_dir = write_hf_model(tmp_path / family, family)
+    native, tiled = engine_of(model_dir, ROW_TILE), engine_of(model_dir, ROW_TILE)
+    tiled.model.serve_attention_tiled()
+    ids = tuple((3 * i + 1) % 250 for i in range(60))
+    for lane, engine in enumerate((native, tiled)):
+        open_lane(engine, lane, 64)
+        open_lane(engine, 2 + lane, 64)
+    expected = native.forward([(0, 0, ids)])
+    whole = tiled.forward([(1, 0, ids)])
+    parts = [tiled.forward([(3, 0, ids[:21])]), tiled.forward([(3, 21, ids[21:59])])]
+    parts.append(tiled.forward([(3, 59, ids[59:])]))
+    assert torch.equal(parts[-1], whole)
+    torch.testing.assert_close(whole, expected, rtol=1e-4, atol=1e-4)
