@@ -136,6 +136,41 @@ def start_tpserve(name: str, flags: list[str], repo: Path = REPO) -> Server:
     return Server(name, argv, ready, generate, cwd=repo)  # python -m finds the package of its cwd first
 
 
+def completions_generate(port: int, model: str | None, temperature: float = 0.0):
+    """The OpenAI `/v1/completions` streaming client every server gets (tpserve's HTTP API, vLLM):
+    its `generate(index, num_tokens)` times one request; the reply is its text pieces. `model`:
+    the served model's name where the server wants one."""
+
+    def generate(index: int, num_tokens: int) -> Timing:
+        timing = Timing(time.perf_counter())
+        body = {"prompt": prompt(index), "max_tokens": num_tokens, "ignore_eos": True}
+        body |= {"model": model} if model else {}
+        body |= {"stream": True, "temperature": temperature, "stream_options": {"include_usage": True}}
+        if temperature > 0:
+            body["seed"] = index
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"/v1/completions answered {reply.status}: {reply.read()[:300]!r}")
+        for line in reply:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            text = "".join(choice.get("text", "") for choice in chunk.get("choices", ()))
+            if text and not timing.first:
+                timing.first = time.perf_counter()
+            if text:
+                timing.reply.append(text)
+            if chunk.get("usage"):
+                timing.num_tokens = chunk["usage"]["completion_tokens"]
+        connection.close()
+        timing.end = time.perf_counter()
+        return timing
+
+    return generate
+
+
 def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:
     port = free_port()
     context = num_tokens + 64 * PROMPT_FILLERS + 256  # per slot: the prompt and the reply
