@@ -32,9 +32,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_model_dir, finish, print_table  # noqa: E402
-from bench.peer import REPO, burst, completions_generate, start_tpserve  # noqa: E402
+from bench.peer import REPO, burst, start_tpserve  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
-from tpserve.ranks.local_ranks import free_port  # noqa: E402
 from tpserve.ranks.step_profile import PROFILE_ENV  # noqa: E402
 
 SETTLE_S = 0.5  # the timers flush when the engine goes idle; a snapshot unchanged this long is final
@@ -77,11 +76,14 @@ def per_step(before: dict, after: dict) -> dict:
     ]
     figures["between steps"] = delta("between steps")
     figures["step"] = step
-    figures["through the daemon (step + gap)"] = [step[0] + figures["between steps"][0], step[1]]
+    gap = figures["between steps"]
+    figures["through the daemon (step + gap)"] = [step[0] + gap[0], step[1] + gap[1]]
     all_steps = steps + after["steps"]["prefill"] - before["steps"]["prefill"]
+    # The process's CPU time but the scheduling thread's in steps and between them.
     others = (after["process_cpu_s"] - before["process_cpu_s"]) - (
         after["scheduler_cpu_s"] - before["scheduler_cpu_s"]
     )
+    others -= gap[1] * steps / 1e3
     figures["other threads' CPU (APIs)"] = [0.0, others * 1e3 / all_steps]
     return {
         "ms": figures,
@@ -113,13 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     counts = [1, args.streams]
     report = {"machine": machine_facts(), "settings": vars(args), "ops_ms": ops_rounds(counts), "daemon": {}}
     timers = Path(tempfile.mkdtemp(prefix="step-profile-")) / "steps.json"
-    http_port = free_port()
     os.environ[PROFILE_ENV] = str(timers)
     try:
-        server = start_tpserve("daemon", [*shlex.split(args.flags), "--http-port", str(http_port)])
+        server = start_tpserve("daemon", shlex.split(args.flags))
     finally:
         del os.environ[PROFILE_ENV]
-    generators = {"grpc": server.generate, "http": completions_generate(http_port, None)}
+    generators = {"grpc": server.generate, "http": server.http_generate}
     try:
         burst(server, 1, 8, 1000)  # warm-up
         for protocol in args.protocols:

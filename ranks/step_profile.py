@@ -42,6 +42,7 @@ class StepProfile:
         self._step_lanes = 0
         self._started = (0.0, 0.0)
         self._last_end = 0.0
+        self._last_end_cpu = 0.0
         self._last_flush = 0.0
         self._thread_cpu = 0.0  # the scheduling thread's CPU time inside steps
         self._pending: dict[str, list[float]] = {}  # the current step's parts: [wall, cpu] seconds
@@ -58,15 +59,15 @@ class StepProfile:
         self._pending[name][1] += cpu_s
 
     def begin_step(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self._pending = {}  # parts timed outside a step (the idle message) are not a step's
         gap = now - self._last_end
         if self._last_end and gap < GAP_LIMIT_S:
-            self._pending["between steps"] = [gap, 0.0]
+            self._pending["between steps"] = [gap, cpu - self._last_end_cpu]
         self._prefilled = False
         self._step_rows = 0
         self._step_lanes = 0
-        self._started = (now, time.thread_time())
+        self._started = (now, cpu)
 
     def prefilled(self) -> None:
         """The current step ran a prompt's pass."""
@@ -96,7 +97,7 @@ class StepProfile:
         self._steps[kind] += 1
         self._rows[kind] += self._step_rows
         self._lanes[kind] += self._step_lanes
-        self._last_end = now
+        self._last_end, self._last_end_cpu = now, cpu
         if now - self._last_flush > FLUSH_INTERVAL_S:
             self.flush()
 
