@@ -17,6 +17,7 @@ from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
+from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.ranks.wire import (
     Admit,
     Bundle,
@@ -63,6 +64,7 @@ class Leader:
         max_prefill_tokens: int,
         batches_prompts: bool,
         record_features: bool = False,
+        profile: StepProfile | NoProfile | None = None,
     ):
         self.engine = engine
         self.channel = channel
@@ -85,6 +87,7 @@ class Leader:
         # streams that asked; the lane host reads them right after the pass.
         self._logprobs: dict[tuple[int, int], TokenLogprob] = {}
         self._record_features = record_features  # top logits per step, for the recorder only
+        self.profile = profile or NoProfile()  # the step timers, when measured (ranks/step_profile.py)
 
     # The Backend protocol ---------------------------------------------------------------------
     def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
@@ -144,10 +147,12 @@ class Leader:
             masks.append(item.allowed)
             streams.append(None if item.counts is None else (item.counts, ()))
         logits = self._with_prompts(msg, prompts)
-        tokens = sample(logits, [item.sampling for item, _ in rows], [p for _, p in rows], masks, streams)
-        self._keep_logprobs(
-            logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
-        )
+        with self.profile.part("sample"):
+            tokens = sample(logits, [item.sampling for item, _ in rows], [p for _, p in rows], masks, streams)
+        with self.profile.part("logprobs"):
+            self._keep_logprobs(
+                logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
+            )
         features = top_logits(logits, NUM_FEATURES) if self._record_features else None
         out, at = [], 0
         for item in items:
@@ -183,6 +188,7 @@ class Leader:
 
     def idle(self) -> None:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
+        self.profile.flush()
         if not self._idle and self.broken is None:
             self._run(Idle())  # the lanes rank 0 opened or closed go first (_run)
             self._idle = True
@@ -213,9 +219,13 @@ class Leader:
             if unsent and isinstance(msg, (Idle, Stop)):
                 self.channel.send(Bundle(tuple(unsent)))  # what rank 0 already applied, alone
                 unsent = []
-            self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
+            with self.profile.part("wire send"):
+                self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
             self._idle = False
-            return apply_message(self.engine, self.channel, msg, media)
+            if isinstance(msg, (Prefill, Mixed)):
+                self.profile.prefilled()
+            with self.profile.part("forward (and vote)"):
+                return apply_message(self.engine, self.channel, msg, media)
         except VotedDown:
             raise
         except ChannelBroken as error:  # names the rank that did not answer
@@ -232,8 +242,12 @@ class Leader:
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).
         streams = [None if i.counts is None else (i.counts, ()) for i in items]
-        tokens = sample(logits, [i.sampling for i in items], positions, [i.allowed for i in items], streams)
-        self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
+        with self.profile.part("sample"):
+            tokens = sample(
+                logits, [i.sampling for i in items], positions, [i.allowed for i in items], streams
+            )
+        with self.profile.part("logprobs"):
+            self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
         if self._record_features:
             for item, features in zip(items, top_logits(logits, NUM_FEATURES)):
                 self._features[item.lane] = features

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.server.backend import Backend, check_backend
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
@@ -51,11 +52,13 @@ class LaneHost:
         draft_rows: int = 16,
         logprobs: Callable[[int, int], TokenLogprob | None] | None = None,
         step_tokens: int | None = None,
+        profile: StepProfile | NoProfile | None = None,
     ):
         """logprobs(lane, position): the backend's log probability of the token its last pass
         sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none.
         step_tokens: the rows one decode round and the prompt chunk riding in it carry (None: no
-        cap; ranks/settings.py says why one)."""
+        cap; ranks/settings.py says why one). profile: the step timers (ranks/step_profile.py),
+        when measured."""
         check_backend(backend)
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -85,6 +88,7 @@ class LaneHost:
             drafter=self.drafter,
             logprobs=logprobs,
             on_broken=on_broken,
+            profile=profile or NoProfile(),
         )
         self._thread = SchedulerThread(backend, self._state, self._scheduler)
 

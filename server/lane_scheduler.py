@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.server.backend import Backend, BackendBroken, ChunkRefused, DecodeItem, PrefillItem, attempt
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
@@ -39,6 +40,7 @@ class Scheduler:
         drafter: Drafter | None,
         logprobs: Callable[[int, int], TokenLogprob | None] | None,
         on_broken: Callable[[str], None] | None,
+        profile: StepProfile | NoProfile,
     ):
         self._backend = backend
         self._state = state
@@ -49,6 +51,7 @@ class Scheduler:
         self._drafter = drafter
         self._logprobs = logprobs
         self._on_broken = on_broken
+        self._profile = profile
         self._step_lock = threading.Lock()
         self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
         self._riding: list[Riding] = []  # whole prompts that go in this step's decode round
@@ -58,6 +61,8 @@ class Scheduler:
         """One scheduling iteration. False when there was nothing it could do."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError("step() is already running on another thread")
+        ran = False
+        self._profile.begin_step()
         try:
             if self._state.broken_reason is not None:
                 return False
@@ -65,11 +70,13 @@ class Scheduler:
                 changed = self._end_cancelled()
                 if not self._state.stopping:
                     changed = self._admit() or changed
-                return self._decode_round() or changed
+                ran = self._decode_round() or changed
+                return ran
             except BackendBroken as error:
                 self.latch_broken(str(error))
                 return False
         finally:
+            self._profile.end_step(ran)
             self._step_lock.release()
 
     def _end_cancelled(self) -> bool:
@@ -199,9 +206,11 @@ class Scheduler:
             if riding:
                 self._apply(self._admission.run_now([ride.job for ride in riding], self._chunking))
             return self._prefill_chunk() or ran
-        drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
+        with self._profile.part("drafts"):
+            drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
         chunk = self._next_chunk(sum(1 + len(draft) for draft in drafts))  # its blocks before drafts'
         drafts = [self._covered_draft(job, draft) for job, draft in zip(live, drafts)]
+        self._profile.decoded(len(live), len(live) + sum(map(len, drafts)))
         items = [
             DecodeItem(
                 job.lane,
@@ -232,11 +241,12 @@ class Scheduler:
             )
         for job in live:
             self.lanes.sent(job)
-        for job, draft, tokens in zip(live, drafts, samples):
-            for token in self._drafter.kept(job, draft, tokens) if draft else tokens:
-                self._take_token(job, token)
-                if job.lane is None:  # the reply ended: later tokens are not part of it
-                    break
+        with self._profile.part("tokens"):
+            for job, draft, tokens in zip(live, drafts, samples):
+                for token in self._drafter.kept(job, draft, tokens) if draft else tokens:
+                    self._take_token(job, token)
+                    if job.lane is None:  # the reply ended: later tokens are not part of it
+                        break
         if refused:
             self._alone_after_refusal(chunk, [ride.job for ride in riding])
             return True

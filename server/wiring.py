@@ -15,6 +15,7 @@ from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import local_rank0
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime
+from tpserve.ranks.step_profile import profile_from_environment
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.recorder import RecordingBackend
 from tpserve.server.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ def build_lane_host(
     on_broken: Callable[[str], None] | None = None,
 ) -> tuple[LaneHost, Leader]:
     settings = runtime.settings  # as the rank started: "auto" decided for its device
+    profile = profile_from_environment()  # off unless bench/step_profile.py asks for the timers
     leader = Leader(
         runtime.engine,
         runtime.channel,
@@ -37,6 +39,7 @@ def build_lane_host(
         max_prefill_tokens=settings.max_prefill_tokens,
         batches_prompts=settings.batch_prefill,
         record_features=bool(record_dir),
+        profile=profile,
     )
     backend = RecordingBackend(leader, record_dir) if record_dir else leader
     host = LaneHost(
@@ -53,6 +56,7 @@ def build_lane_host(
         draft_rows=ROW_TILE,
         logprobs=leader.logprobs,  # the leader's own, past the recorder: only rank 0 has logits
         step_tokens=settings.step_tokens,
+        profile=profile,
     )
     return host, leader
 
