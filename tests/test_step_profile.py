@@ -13,7 +13,7 @@ from tpserve.server.lane_host import LaneHost
 
 def test_a_profiled_host_counts_its_decode_steps_and_gives_the_same_replies(tmp_path):
     path = tmp_path / "steps.json"
-    backend, profile = FakeBackend(num_lanes=4), StepProfile(path)
+    backend, profile = FakeBackend(num_lanes=4, batched=True), StepProfile(path)
     host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS, profile=profile)
     requests = [make_request([5 + i, 6, 7], 12, ignore_eos=True) for i in range(3)]
     streams = [host.submit(request) for request in requests]
