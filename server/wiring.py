@@ -52,6 +52,8 @@ def build_lane_host(
         max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,
         draft_rows=ROW_TILE,
         logprobs=leader.logprobs,  # the leader's own, past the recorder: only rank 0 has logits
+        prompt_logprobs=leader.prompt_logprobs,
+        detokenize_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
     return host, leader
 
