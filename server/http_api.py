@@ -380,13 +380,15 @@ class OpenAIApi:
         return key_matches(request.headers.getlist("authorization"), self._api_key)
 
     def _prompt_text(self, choice) -> str:
-        """A choice's prompt as text, for echo (token-id prompts decoded)."""
+        """A choice's prompt as text, for echo (token-id prompts decoded, special tokens kept: the
+        echo shows the prompt that ran, as vLLM's does)."""
         if choice.HasField("prompt"):
             return choice.prompt
-        return self._submitter.tokenizer.decode(list(choice.prompt_token_ids))
+        return self._submitter.tokenizer.decode(list(choice.prompt_token_ids), skip_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
-        return self._submitter.tokenizer.decode([token_id])
+        """One token's text in log probabilities: a special token by its name (as OpenAI's show)."""
+        return self._submitter.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _model_card(self, name: str) -> dict:
         info = self._submitter.info

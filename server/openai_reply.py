@@ -84,6 +84,7 @@ class ReplyShape:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+            choice["prompt_logprobs"] = None  # vLLM's field, always present (with_prompt fills it)
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
