@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpserve.server.api_key import key_matches
-from tpserve.server.chat_reply import THINK_OPEN, ChatReply, thinks
+from tpserve.server.chat_reply import ChatReply, prompt_opens_think, thinks
 from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.http_body import BodyRefused, read_json_object
 from tpserve.server.http_errors import (
@@ -83,7 +83,7 @@ class OpenAIApi:
         self._tool_parser = None if parser == "none" else parser
         self._thinks = reasoning_parser != "none" if reasoning_parser else thinks(template)
         self._starts_thinking = reasoning_parser == "deepseek_r1" or (
-            self._thinks and _prompt_opens_think(submitter.tokenizer)
+            self._thinks and prompt_opens_think(submitter.tokenizer)
         )
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
@@ -404,15 +404,6 @@ class OpenAIApi:
     def _unknown_model(self, name: str) -> HttpRefusal:
         message = f"the model {name!r} does not exist; this server serves {self._model!r}"
         return HttpRefusal(404, message, param="model", code="model_not_found")
-
-
-def _prompt_opens_think(tokenizer) -> bool:
-    """The template's generation prompt itself opens the <think> block (DeepSeek-R1 distills)."""
-    try:
-        prompt = tokenizer.render_chat([{"role": "user", "content": "hi"}])
-    except Exception:  # noqa: BLE001 (a template that refuses this conversation opens nothing)
-        return False
-    return prompt.rstrip().endswith(THINK_OPEN)
 
 
 def _sse(value: dict) -> str:
