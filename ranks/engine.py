@@ -134,13 +134,14 @@ class Engine:
         self,
         spans: list[tuple[int, int, tuple[int, ...]]],
         *,
-        every_row: bool = False,
+        every_row: bool | list[bool] = False,
         media_rows: list[list[int]] | None = None,
         media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """A prompt pass. spans: (lane, start, token ids, new blocks) that pass check(). Computes and stores their
         KV, advances the lanes, and returns the next-token logits of each span's last token
-        ([num_spans, vocab] float32; with every_row, of every token in order) on rank 0, None elsewhere.
+        ([num_spans, vocab] float32; with every_row, of every token in order; one flag for the pass or one
+        per span) on rank 0, None elsewhere.
 
         media_rows: per span, the offsets of its tokens embedded as image features; media: those
         features in the same order ([rows, hidden], rank 0 only)."""
@@ -161,16 +162,19 @@ class Engine:
             self.lanes[lane].drafts_from = start + 1  # the fed token stays; its drafts may go
         return logits
 
-    def mixed(self, steps, verify: bool, chunk, media_rows: list[int] | None = None, media=None):
+    def mixed(
+        self, steps, verify: bool, chunk, media_rows: list[int] | None = None, media=None, chunk_rows=False
+    ):
         """A decode round (a Verify when `verify`) and one prompt chunk (lane, start, token ids, new
         blocks) in one pass, so decoding streams keep their pace while a long prompt fills. Logits:
-        the round's rows as decode_round's or verify's, then the chunk's last token's. Each row is
+        the round's rows as decode_round's or verify's, then the chunk's last token's (every token's
+        with `chunk_rows`: a prompt's log probabilities). Each row is
         the same as in separate passes: every product and attention row is batch-invariant.
         media_rows: the chunk's offsets embedded as image features (media: those features)."""
         self.drop_unkept_drafts(steps)
         spans = [*steps, chunk]
         rows = None if media_rows is None else [[]] * len(steps) + [media_rows]
-        logits = self._pass(spans, [verify] * len(steps) + [False], rows, media)
+        logits = self._pass(spans, [verify] * len(steps) + [chunk_rows], rows, media)
         if verify:
             for lane, start, *_ in steps:
                 self.lanes[lane].drafts_from = start + 1

@@ -41,7 +41,7 @@ __all__ = [
     "read_head",
 ]
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 128
@@ -81,7 +81,9 @@ class Span:
 
     `media`: (offset, length) runs of the span's tokens whose embeddings are image features (rank 0
     holds the features; every rank zeroes those rows, see kernels/embedding.py). `blocks`: KV blocks
-    appended to the lane's block table before the pass.
+    appended to the lane's block table before the pass. `every_row`: the pass returns the logits of
+    every token of the span, not only its last (a prompt's log probabilities, rank 0's only; every
+    rank takes part in those rows' logits gather, so every rank must know).
     """
 
     lane: int
@@ -89,6 +91,7 @@ class Span:
     token_ids: tuple[int, ...]
     media: tuple[tuple[int, int], ...] = ()
     blocks: tuple[int, ...] = ()
+    every_row: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
@@ -199,7 +202,7 @@ _KINDS: dict[int, type] = {
 }
 _BUNDLED = (Admit, Release, Prefill, Round, Verify, Mixed)
 _STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
-_SPAN_HEAD_SIZE = 5  # lane, start, number of tokens, number of media runs, number of blocks
+_SPAN_HEAD_SIZE = 6  # lane, start, number of tokens, number of media runs, number of blocks, every_row
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,7 @@ def _payload(msg: Message) -> list:
         payload = [len(msg.spans)]
         for span in msg.spans:
             payload += [span.lane, span.start, len(span.token_ids), len(span.media), len(span.blocks)]
+            payload.append(int(span.every_row))
             payload += [*span.token_ids, *(value for run in span.media for value in run), *span.blocks]
         return payload
     if isinstance(msg, Round):
@@ -370,9 +374,11 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
             raise WireError(
                 f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints"
             )
-        lane, start, num_tokens, num_media, num_blocks = payload[at : at + _SPAN_HEAD_SIZE]
+        lane, start, num_tokens, num_media, num_blocks, every_row = payload[at : at + _SPAN_HEAD_SIZE]
         at += _SPAN_HEAD_SIZE
         size = num_tokens + 2 * num_media + num_blocks
+        if every_row not in (0, 1):
+            raise WireError(f"Prefill span {index}: every_row is {every_row}, not 0 or 1")
         if min(num_tokens, num_media, num_blocks) < 0 or at + size > len(payload):
             raise WireError(
                 f"Prefill span {index} claims {num_tokens} tokens, {num_media} media runs and "
@@ -389,7 +395,7 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
                 raise WireError(
                     f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens"
                 )
-        spans.append(Span(lane, start, tokens, media, blocks))
+        spans.append(Span(lane, start, tokens, media, blocks, bool(every_row)))
     if at != len(payload):
         raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")
     return tuple(spans)

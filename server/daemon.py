@@ -46,7 +46,7 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     stop = threading.Event()
     broken = threading.Event()
     return_large_frees_to_the_system()
-    tokenizer = Tokenizer.from_model_dir(settings.model_dir)
+    tokenizer = Tokenizer.from_model_dir(settings.model_dir, chat_template=config.chat_template or None)
     host, leader = build_lane_host(
         runtime,
         tokenizer,
@@ -80,7 +80,8 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
 
 def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> ServingInfo:
     return ServingInfo(
-        model_name=Path(settings.model_dir).name,
+        model_name=(config.served_model_name or (Path(settings.model_dir).name,))[0],
+        model_aliases=config.served_model_name[1:],
         tp_size=config.tp,
         num_lanes=config.lanes,
         context_size=config.context,
@@ -180,6 +181,7 @@ def _build_apis(
             tool_call_parser=config.tool_call_parser,
             reasoning_parser=config.reasoning_parser,
             body_timeout_s=config.http_body_timeout_s,
+            cors_origins=config.cors_origins,
         )
         limits = HttpLimits(
             header_timeout_s=config.http_header_timeout_s,
