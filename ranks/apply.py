@@ -36,9 +36,10 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
         spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]
         if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
             raise VotedDown("prefill refused by some rank")
+        rope = [s.rope for s in msg.spans] if any(s.rope for s in msg.spans) else None
         if not any(s.media for s in msg.spans):
-            return engine.forward(spans)
-        return engine.forward(spans, media_rows=[s.media_rows() for s in msg.spans], media=media)
+            return engine.forward(spans, rope=rope)
+        return engine.forward(spans, media_rows=[s.media_rows() for s in msg.spans], media=media, rope=rope)
     if isinstance(msg, Mixed):
         verify = isinstance(msg.round, Verify)
         steps = msg.round.spans if verify else msg.round.steps
@@ -54,7 +55,9 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
         if not channel.vote(engine.check([*steps, chunk]) and not engine.refuses([chunk])):
             raise VotedDown("a prompt chunk beside a decode round refused by some rank")
         media_rows = span.media_rows() if span.media else None
-        return engine.mixed(steps, verify, chunk, media_rows, media if span.media else None)
+        return engine.mixed(
+            steps, verify, chunk, media_rows, media if span.media else None, span.rope or None
+        )
     if isinstance(msg, Round):
         return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])
     if isinstance(msg, Verify):

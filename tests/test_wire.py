@@ -35,7 +35,8 @@ token_ids = st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=200).
 
 @st.composite
 def spans(draw):
-    """A span, with media runs inside its tokens (image positions) now and then."""
+    """A span, with media runs inside its tokens (image positions) and multimodal rotary positions
+    (three per token) now and then."""
     tokens = draw(token_ids)
     runs, at = [], 0
     while at < len(tokens) and draw(st.booleans()):
@@ -43,7 +44,8 @@ def spans(draw):
         length = draw(st.integers(min_value=1, max_value=len(tokens) - offset))
         runs.append((offset, length))
         at = offset + length
-    return Span(draw(counts), draw(counts), tokens, tuple(runs), draw(block_lists))
+    rope = draw(st.lists(counts, min_size=3 * len(tokens), max_size=3 * len(tokens))) if runs else ()
+    return Span(draw(counts), draw(counts), tokens, tuple(runs), draw(block_lists), tuple(rope))
 
 
 block_lists = st.lists(counts, max_size=6).map(tuple)
@@ -88,7 +90,7 @@ def test_a_long_packed_prefill_goes_in_the_overflow():
     msg = Prefill(tuple(Span(lane, 17 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
     tensor = encode(msg, seq=9)
     head = read_head(tensor[:HEAD_SIZE])
-    assert head.payload_size == 1 + 16 * (5 + 500)  # lane, start, tokens, media runs, blocks
+    assert head.payload_size == 1 + 16 * (6 + 500)  # lane, start, tokens, media runs, blocks, rope ints
     assert head.overflow_size == head.payload_size - INLINE_SIZE
     assert decode(tensor) == msg
 
@@ -147,7 +149,7 @@ def _tampered(msg, index, value):
     "tensor, problem",
     [
         (_tampered(Idle(), 0, 12345), "bad magic"),
-        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 5"),
+        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 6"),
         (_tampered(Idle(), 1, 77), "unknown message kind 77"),
         (_tampered(Idle(), 2, -4), "negative sequence"),
         (_tampered(Idle(), 3, MAX_PAYLOAD_SIZE + 1), "payload size"),
