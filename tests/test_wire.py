@@ -159,13 +159,14 @@ def _tampered(msg, index, value):
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 7, 9), "claims 9 tokens"),
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 4, 2), "runs past"),
         (
-            _tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 6),
+            _tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 7),
             "claims 2 tokens, 0 media runs and 0 blocks; the payload has 0",
         ),
         (
-            _tampered(Prefill((Span(0, 0, (5, 6), ((0, 1),)),)), 13, 3),
+            _tampered(Prefill((Span(0, 0, (5, 6), ((0, 1),)),)), 14, 3),
             r"media run \(0, 3\) outside its 2 tokens",
         ),
+        (_tampered(Prefill((Span(0, 0, (5, 6)),)), 10, 5), "5 rope positions for 2 tokens"),
         (_tampered(Prefill(()), 3, 0), "starts with its number of spans"),
         (_tampered(Prefill(()), 4, -1), "-1 spans"),
         (encode(Idle())[: HEAD_SIZE - 1], f"holds {HEAD_SIZE} ints"),
