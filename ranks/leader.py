@@ -17,6 +17,7 @@ from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
+from tpserve.ranks.mrope import chunk_rope
 from tpserve.ranks.wire import (
     Admit,
     Bundle,
@@ -109,7 +110,8 @@ class Leader:
         spans, features = [], []
         for item in items:
             runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
-            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks))
+            rope = chunk_rope(item.images, item.start, len(item.token_ids))  # () for a 1-D rotary
+            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks, rope))
             features += rows
         return Prefill(tuple(spans)), torch.cat(features) if features else None
 

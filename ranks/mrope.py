@@ -51,6 +51,18 @@ def prompt_positions(length: int, media: Sequence[tuple[int, tuple[int, int]]]) 
     return axes
 
 
+def chunk_rope(images, start: int, num_tokens: int) -> tuple[int, ...]:
+    """A prompt chunk's rope positions as a Span carries them (its t's, then h's, then w's), for the
+    prompt's images (offset, num_tokens, grid: merged (rows, columns), in prompt order); () where
+    no image has a grid (a 1-D rotary, or a prompt without images). A chunk past the prompt's end (a
+    resumed reply) continues the text positions."""
+    media = [(image.offset, image.grid) for image in images if image.grid is not None]
+    if not media:
+        return ()
+    axes = prompt_positions(start + num_tokens, media)
+    return tuple(p for axis in axes for p in axis[start : start + num_tokens])
+
+
 def rope_delta(last: Sequence[int], position: int) -> int:
     """A lane's delta from its last prompt token's (t, h, w) and that token's KV position."""
     return max(last) + 1 - (position + 1)
