@@ -1,5 +1,5 @@
 """A Qwen2.5-VL model's vision tower: the patch embedding over temporal patches, the windowed ViT
-(full attention at fullatt_block_indexes), its 2-D rotary and the 2x2 patch merger, in plain torch.
+(full attention at fullatt_block_indexes, within each temporal patch), its 2-D rotary and the 2x2 patch merger, in plain torch.
 
 It runs on rank 0 only, one image at a time, as the LLaVA tower does (ranks/vision.py): its
 features reach the other ranks through the embedding's all-reduce. The input is the processor's
@@ -121,7 +121,7 @@ class QwenVisionTower:
             order, windows = window_order(grid, merge, cfg.window_size // merge // cfg.patch_size)
             h = h.view(-1, unit, cfg.hidden_size)[order].flatten(0, 1)
             rotary = self._rotary(grid, order)
-            whole = [h.shape[0]]
+            whole = [grid[1] * grid[2]] * grid[0]  # "full" attention: within each temporal patch
             for index in range(cfg.depth):
                 p = f"blocks.{index}."
                 span = whole if index in cfg.fullatt_block_indexes else windows

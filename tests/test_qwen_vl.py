@@ -217,3 +217,18 @@ def test_rope_positions_travel_on_the_wire_and_a_wrong_count_is_refused():
     assert decode(encode(Prefill((span,)))) == Prefill((span,))
     with pytest.raises(WireError, match="rope positions"):
         encode(Prefill((Span(3, 0, (1, 2), rope=(0, 1, 2)),)))
+
+
+def test_video_grids_with_temporal_patches_match_transformers(qwen_dir):
+    """The tower over a grid of several temporal patches (a video's frames, two per patch): the
+    windows and the full-attention block span every frame, as transformers' get_video_features."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = load_model_config(qwen_dir)
+    tower = load_qwen_vision_tower(qwen_dir, config.vision, torch.float32)
+    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
+    grid = (3, 6, 10)
+    patches = torch.randn(3 * 6 * 10, config.vision.patch_values, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = reference.model.get_video_features(patches, torch.tensor([grid])).pooler_output[0]
+    torch.testing.assert_close(tower.features(patches, grid), theirs, rtol=0, atol=1e-4)
