@@ -1,6 +1,7 @@
 """Qwen2.5-VL checkpoints as transformers 4 and 5 lay them out: transformers 5's one
-processor_config.json reads as the image processor's own file; transformers 4's flat config.json (the decoder's keys at the top, the mrope sections as a
-rope_scaling of type "mrope") parses to the same model; what cannot be served is refused by name."""
+processor_config.json reads as the image processor's own file; transformers 4's flat config.json
+(the decoder's keys at the top, the mrope sections as a rope_scaling of type "mrope") parses to the
+same model; what cannot be served is refused by name."""
 
 from __future__ import annotations
 
