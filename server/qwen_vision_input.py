@@ -60,7 +60,7 @@ class QwenVisionInput:
         return resized[0] // factor, resized[1] // factor
 
     def expand(
-        self, ids: Sequence[int], num_images: int, media: Sequence = ()
+        self, ids: Sequence[int], num_images: int, media: Sequence = (), wheres: Sequence[str] = ()
     ) -> tuple[list[int], list[int]]:
         """Template token ids with one image token per image -> the prompt with each widened to its
         merged grid's rows * columns, and the images' offsets in it."""
@@ -71,8 +71,9 @@ class QwenVisionInput:
                 f"(the text may not contain {self.image_token!r})"
             )
         out, offsets, at = [], [], 0
-        for number, (index, part) in enumerate(zip(found, media)):
-            rows, cols = self.merged_grid(part.data, f"image {number}")
+        wheres = list(wheres) or [f"image {number}" for number in range(num_images)]
+        for index, part, where in zip(found, media, wheres):
+            rows, cols = self.merged_grid(part.data, where)
             out += ids[at:index]
             offsets.append(len(out))
             out += [self.image_token_id] * (rows * cols)

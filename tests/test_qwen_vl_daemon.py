@@ -1,16 +1,20 @@
 """--vision through the real two-rank daemon on a tiny Qwen2.5-VL: a chat with an image gives
 transformers' own greedy tokens, in prompt passes and cache blocks of 16 that cut the image; the same
-image hits the prompt cache and another never does; replies beside images equal their solo runs."""
+image hits the prompt cache and another never does; replies beside images equal their solo runs;
+broken image bytes and a sliver of an image fail their own request only."""
 
 from __future__ import annotations
 
 import io
+import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from daemon import read_reply, running_daemon
+from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
 from tiny_llava import block_image
@@ -121,3 +125,23 @@ def test_replies_beside_images_equal_their_solo_runs(served):
         together = list(pool.map(lambda request: generate(served, request), requests))
     assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
     assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
+
+
+def test_broken_and_sliver_images_fail_their_own_request_only(served):
+    rng = random.Random(5)
+    good = block_image(51, SIZE)
+    for _ in range(20):
+        data = bytearray(good)
+        for _ in range(rng.randrange(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(1, len(data))]
+        reply = generate(served, ask(bytes(data)))
+        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
+    sliver = io.BytesIO()
+    Image.new("RGB", (1, 250)).save(sliver, format="PNG")
+    refused = generate(served, ask(sliver.getvalue()))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 200 times as long as it is wide" in refused.details
+    assert served.health() == health_pb2.HealthCheckResponse.SERVING
+    assert generate(served, ask(good)).ok
