@@ -58,6 +58,7 @@ class ServeConfig:
     prefix_caching: bool = _ENGINE.prefix_caching
     kv_block_size: int = _ENGINE.kv_block_size
     max_prefill_tokens: int = _ENGINE.max_prefill_tokens
+    step_tokens: int | None = _ENGINE.step_tokens  # None: auto
     batch_prefill: bool = _ENGINE.batch_prefill
     batch_invariant: bool | None = _ENGINE.batch_invariant  # None: auto
     cpu_collectives: str = _ENGINE.cpu_collectives
@@ -119,11 +120,12 @@ _CHOICES = {
 }
 _AT_MOST = {"draft_tokens": MAX_DRAFT_TOKENS}  # a decode product holds 16 rows: the token and 15 drafts
 # Keys whose default (None) is "auto": the device's own default, decided when the rank knows it.
-_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int, "default_max_tokens": int}
+_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int, "default_max_tokens": int, "step_tokens": int}
 _POSITIVE = {
     "lanes",
     "context",
     "max_prefill_tokens",
+    "step_tokens",
     "kv_block_size",
     "queue_size",
     "default_max_tokens",

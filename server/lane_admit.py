@@ -36,6 +36,7 @@ from tpserve.server.requests import CANCELLED, ERROR
 log = logging.getLogger(__name__)
 
 MAX_JOINT_PROMPTS = 16  # the most prompts one prefill_many pass takes (the Backend contract)
+MIN_CHUNK_BESIDE = 16  # one row tile: a long prompt beside a full decode round still moves on
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,14 @@ class Admission:
         lanes: LaneTable,
         *,
         batch_prefill: bool,
+        step_tokens: int | None = None,
     ):
+        """step_tokens: the rows a decode round and the chunk riding in it carry together (None: no
+        cap, a whole max_prefill_tokens chunk)."""
         self._backend = backend
         self._lanes = lanes
         self._max_prefill_tokens = backend.max_prefill_tokens
+        self._step_tokens = step_tokens
         batches = batch_prefill and backend.batches_prompts
         # Halved whenever the backend refuses a pass (returns None): it said it cannot take that many.
         self._joint_prompts_cap = MAX_JOINT_PROMPTS if batches else 1
@@ -250,11 +255,11 @@ class Admission:
         outcome = self._prefill(job, item)
         return [] if outcome is None else [outcome]
 
-    def _next_chunk(self, job: Job) -> PrefillItem | None:
-        """None when the chunk's blocks are not free."""
+    def _next_chunk(self, job: Job, size: int | None = None) -> PrefillItem | None:
+        """The next `size` tokens (max_prefill_tokens unless said); None when their blocks are not free."""
         feed = job.feed_ids
         start = job.num_prefilled
-        chunk = feed[start : start + self._max_prefill_tokens]
+        chunk = feed[start : start + (size or self._max_prefill_tokens)]
         if not self._lanes.cover(job, start + len(chunk)):
             return None
         last = start + len(chunk) == len(feed)
@@ -297,12 +302,17 @@ class Admission:
             return Ended(job, ERROR, f"prefill failed: {error}")
         return self.prefilled(job, item, token)
 
-    def chunk_beside_round(self, job: Job) -> PrefillItem | BlockWait | Ended:
-        """The chunking job's next chunk, to ride with this step's decode round (the scheduler runs
-        it, then reports with `prefilled`); BlockWait while its blocks are not free."""
+    def chunk_beside_round(self, job: Job, num_rows: int) -> PrefillItem | BlockWait | Ended:
+        """The chunking job's next chunk, to ride with this step's decode round of `num_rows` rows
+        (the scheduler runs it, then reports with `prefilled`); BlockWait while its blocks are not
+        free. The chunk takes what the step's token budget leaves after the round: a pass costs
+        about its rows, so the decoders' next token comes about as soon as without it."""
         if job.cancel_requested:
             return Ended(job, CANCELLED)
-        item = self._next_chunk(job)
+        size = self._max_prefill_tokens
+        if self._step_tokens is not None:
+            size = min(size, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
+        item = self._next_chunk(job, size)
         return BlockWait(job) if item is None else item
 
     def prefilled(self, job: Job, item: PrefillItem, token: int | None) -> Outcome | None:

@@ -50,9 +50,12 @@ class LaneHost:
         max_draft_tokens: int = 0,
         draft_rows: int = 16,
         logprobs: Callable[[int, int], TokenLogprob | None] | None = None,
+        step_tokens: int | None = None,
     ):
         """logprobs(lane, position): the backend's log probability of the token its last pass
-        sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none."""
+        sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none.
+        step_tokens: the rows one decode round and the prompt chunk riding in it carry (None: no
+        cap; ranks/settings.py says why one)."""
         check_backend(backend)
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -66,7 +69,7 @@ class LaneHost:
         self._context_size = backend.context_size
         self._state = HostState(queue_size, clock)
         self._lanes = LaneTable(backend, prefix_caching=prefix_caching)
-        admission = Admission(backend, self._lanes, batch_prefill=batch_prefill)
+        admission = Admission(backend, self._lanes, batch_prefill=batch_prefill, step_tokens=step_tokens)
         # Draft tokens (server/drafts.py) when asked for and the backend can check them.
         speculates = max_draft_tokens > 0 and backend.verifies_drafts
         if max_draft_tokens > 0 and not speculates:

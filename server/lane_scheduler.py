@@ -178,8 +178,8 @@ class Scheduler:
         live = self._cover_live()
         if not live:
             return self._prefill_chunk()
-        chunk = self._next_chunk()
         drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
+        chunk = self._next_chunk(sum(1 + len(draft) for draft in drafts))  # its blocks before drafts'
         drafts = [self._covered_draft(job, draft) for job, draft in zip(live, drafts)]
         items = [
             DecodeItem(
@@ -227,11 +227,12 @@ class Scheduler:
         tokens, error = attempt(self._backend.decode, items, chunk)
         return (None if error is not None else [[token] for token in tokens]), error
 
-    def _next_chunk(self) -> PrefillItem | None:
-        """The chunking job's next chunk for this round; None when there is none or it waits."""
+    def _next_chunk(self, num_rows: int) -> PrefillItem | None:
+        """The chunking job's next chunk for this round of `num_rows` rows; None when there is none
+        or it waits."""
         if self._chunking is None:
             return None
-        got = self._admission.chunk_beside_round(self._chunking)
+        got = self._admission.chunk_beside_round(self._chunking, num_rows)
         if isinstance(got, PrefillItem):
             return got
         self._apply([got])

@@ -52,6 +52,7 @@ def build_lane_host(
         max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,
         draft_rows=ROW_TILE,
         logprobs=leader.logprobs,  # the leader's own, past the recorder: only rank 0 has logits
+        step_tokens=settings.step_tokens,
     )
     return host, leader
 
