@@ -37,10 +37,11 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
         if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
             raise VotedDown("prefill refused by some rank")
         every_row = [s.every_row for s in msg.spans]
-        if not any(s.media for s in msg.spans):
-            return engine.forward(spans, every_row=every_row)
-        media_rows = [s.media_rows() for s in msg.spans]
-        return engine.forward(spans, every_row=every_row, media_rows=media_rows, media=media)
+        rope = [s.rope for s in msg.spans] if any(s.rope for s in msg.spans) else None
+        media_rows = [s.media_rows() for s in msg.spans] if any(s.media for s in msg.spans) else None
+        return engine.forward(
+            spans, every_row=every_row, media_rows=media_rows, media=media if media_rows else None, rope=rope
+        )
     if isinstance(msg, Mixed):
         verify = isinstance(msg.round, Verify)
         steps = msg.round.spans if verify else msg.round.steps
@@ -57,7 +58,13 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
             raise VotedDown("a prompt chunk beside a decode round refused by some rank")
         media_rows = span.media_rows() if span.media else None
         return engine.mixed(
-            steps, verify, chunk, media_rows, media if span.media else None, chunk_rows=span.every_row
+            steps,
+            verify,
+            chunk,
+            media_rows,
+            media if span.media else None,
+            chunk_rows=span.every_row,
+            rope=span.rope or None,
         )
     if isinstance(msg, Round):
         return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])

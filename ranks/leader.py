@@ -17,6 +17,7 @@ from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
+from tpserve.ranks.mrope import chunk_rope
 from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.ranks.wire import (
     Admit,
@@ -117,7 +118,10 @@ class Leader:
         for item in items:
             runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
             every_row = item.prompt_logprobs >= 0
-            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks, every_row))
+            rope = chunk_rope(item.images, item.start, len(item.token_ids))  # () for a 1-D rotary
+            spans.append(
+                Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks, every_row, rope)
+            )
             features += rows
         return Prefill(tuple(spans)), torch.cat(features) if features else None
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import DTYPES
+from tpserve.ranks.qwen_vision_config import QwenVisionConfig
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
@@ -29,6 +30,7 @@ from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
+from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
@@ -97,11 +99,13 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
 
 def _vision_input(
     config: ServeConfig, runtime: RankRuntime, settings: EngineSettings, tokenizer: Tokenizer
-) -> VisionInput | None:
+) -> VisionInput | QwenVisionInput | None:
     """The tower and projector, loaded here on rank 0 only (see ranks/vision.py); None without vision."""
     if not config.vision:
         return None
-    return VisionInput.from_model_dir(
+    # A Qwen-VL's tower and its images' sizes (server/qwen_vision_input.py), or LLaVA's.
+    kind = QwenVisionInput if isinstance(runtime.config.vision, QwenVisionConfig) else VisionInput
+    return kind.from_model_dir(
         settings.model_dir,
         runtime.config,
         tokenizer.token_text(runtime.config.vision.image_token_id),

@@ -52,6 +52,9 @@ class PromptImage:
     num_tokens: int
     key: int
     features: object = field(compare=False, repr=False)
+    # A Qwen-VL image's merged grid (rows, columns): its tokens' multimodal rotary positions
+    # (ranks/mrope.py); None for a model whose rotary is 1-D.
+    grid: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

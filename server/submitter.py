@@ -255,7 +255,7 @@ class Submitter:
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         if self.vision is None:
             return ids, []
-        return self.vision.expand(ids, num_images)
+        return self.vision.expand(ids, num_images, *_media_parts(messages))
 
 
 def _media_parts(messages) -> tuple[list, list[str]]:
