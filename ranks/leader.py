@@ -17,6 +17,7 @@ from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
+from tpserve.ranks.mrope import chunk_rope
 from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.ranks.wire import (
     Admit,
@@ -86,6 +87,9 @@ class Leader:
         # The log probabilities of the last sampling pass's tokens, by (lane, position), for the
         # streams that asked; the lane host reads them right after the pass.
         self._logprobs: dict[tuple[int, int], TokenLogprob] = {}
+        # Prompt log probabilities by lane and position, gathered over a prompt's chunks for the
+        # items that ask (PrefillItem.prompt_logprobs), until the lane host takes them.
+        self._prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}
         self._record_features = record_features  # top logits per step, for the recorder only
         self.profile = profile or NoProfile()  # the step timers, when measured (ranks/step_profile.py)
 
@@ -105,6 +109,7 @@ class Leader:
             logits = self._run(msg, media)
         except VotedDown:
             return None
+        logits = self._take_prompt_rows(logits, items)
         return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
 
     @staticmethod
@@ -112,7 +117,11 @@ class Leader:
         spans, features = [], []
         for item in items:
             runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
-            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks))
+            every_row = item.prompt_logprobs >= 0
+            rope = chunk_rope(item.images, item.start, len(item.token_ids))  # () for a 1-D rotary
+            spans.append(
+                Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks, every_row, rope)
+            )
             features += rows
         return Prefill(tuple(spans)), torch.cat(features) if features else None
 
@@ -127,11 +136,40 @@ class Leader:
         except VotedDown as error:
             lanes = ", ".join(str(item.lane) for item in prompts)
             raise ChunkRefused(f"lanes {lanes}: a prompt beside the decode round refused") from error
-        if all(item.last for item in prompts):
+        num_prompt_rows = sum(len(p.token_ids) if p.prompt_logprobs >= 0 else 1 for p in prompts)
+        num_round = logits.shape[0] - num_prompt_rows  # the prompts' rows follow the round's
+        last = self._take_prompt_rows(logits[num_round:], prompts)
+        ended = [i for i, item in enumerate(prompts) if item.last]
+        if len(ended) == len(prompts):
+            return torch.cat([logits[:num_round], last])
+        return torch.cat([logits[:num_round], last[ended]])
+
+    def _take_prompt_rows(self, logits: torch.Tensor, items) -> torch.Tensor:
+        """logits: a prompt pass's rows, item by item (every row of an item asking for prompt log
+        probabilities, else its last). Keeps those items' prompt log probabilities; returns each
+        item's last row ([len(items), vocab]), what sampling reads."""
+        if all(item.prompt_logprobs < 0 for item in items):
             return logits
-        num_round = logits.shape[0] - len(prompts)  # each prompt's last row follows the round's
-        keep = [*range(num_round), *(num_round + i for i, item in enumerate(prompts) if item.last)]
-        return logits[keep]
+        last, at = [], 0
+        for item in items:
+            if item.prompt_logprobs < 0:
+                last.append(at)
+                at += 1
+                continue
+            targets = item.prompt_targets
+            if len(targets) > len(item.token_ids):
+                raise ValueError(
+                    f"lane {item.lane}: {len(targets)} prompt targets for a chunk of {len(item.token_ids)}"
+                )
+            found = token_logprobs(
+                logits[at : at + len(targets)], targets, [item.prompt_logprobs] * len(targets)
+            )
+            kept = self._prompt_logprobs.setdefault(item.lane, {})
+            for k, (token, (logprob, top)) in enumerate(zip(targets, found)):
+                kept[item.start + k + 1] = TokenLogprob(token, logprob, tuple(top))
+            at += len(item.token_ids)
+            last.append(at - 1)
+        return logits[last]
 
     def decode_drafts(self, items, prompts=()) -> list[list[int]]:
         msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft), (), i.blocks) for i in items))
@@ -176,6 +214,7 @@ class Leader:
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)
+        self._prompt_logprobs.pop(lane, None)
         self._draft_features.pop(lane, None)
         self._apply_here(Release(lane))
 
@@ -198,6 +237,12 @@ class Leader:
         """The log probability of the token the last pass sampled for `lane` at `position`, when its
         sampling asked for them (SamplingParams.logprobs >= 0); else None."""
         return self._logprobs.get((lane, position))
+
+    def prompt_logprobs(self, lane: int) -> dict[int, TokenLogprob]:
+        """The prompt log probabilities the lane's prompt passes gathered, by position (each the
+        log probability of the prompt token there, given those before it), taken: a second call
+        returns what later passes gathered."""
+        return self._prompt_logprobs.pop(lane, {})
 
     def stop(self) -> None:
         if self.broken is None:

@@ -26,6 +26,7 @@ from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.moe import PieceExperts, Router
+from tpserve.ranks.mrope import MRotary
 from tpserve.ranks.packing import fuse, pack_weight
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
@@ -98,7 +99,7 @@ class PassPlan:
     ):
         tile = model.pad_rows
         self.spans = spans
-        self.num_tokens = positions.shape[0]
+        self.num_tokens = positions.shape[-1]  # positions: [T], or [3, T] where they are multimodal
         self.num_rows = -(-self.num_tokens // tile) * tile if tile else self.num_tokens
         self.padding = self.num_rows - self.num_tokens
         self.slots = kv_slots(spans, block_size, model.device)
@@ -161,9 +162,9 @@ class TPModel:
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
-        self.rotary = Rotary(
-            config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device
-        )
+        rotary_args = (config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device)
+        section = getattr(config.vision, "mrope_section", None)  # a Qwen-VL's positions are (t, h, w)
+        self.rotary = MRotary(section, *rotary_args) if section else Rotary(*rotary_args)
         self.local_rotary: Rotary | None = None  # a family's own rotary for its sliding layers
         self.scale = config.head_dim**-0.5
         self.activation = F.silu  # the MLP's gate: SwiGLU
@@ -285,7 +286,7 @@ class TPModel:
         media_rows: torch.Tensor | None = None,
         media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
+        """token_ids: [T]; positions: [T] ([3, T] for a multimodal rotary: ranks/mrope.py); kv: the KV pool; logit_rows: packed rows whose next-token logits
         are wanted. media_rows: [M] packed rows whose embedding is an image feature instead of their
         token's; media: those features [M, hidden] on rank 0 (None elsewhere). Returns float32 logits
         [len(logit_rows), vocab] on rank 0, None elsewhere."""

@@ -12,6 +12,7 @@ from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_config import Gemma3Shape, global_and_local_rope, parse_gemma3
 from tpserve.ranks.moe_config import MoeConfig, parse_moe_config
+from tpserve.ranks.qwen_vision_config import QWEN_VL_ARCHITECTURES, QwenVisionConfig, parse_qwen_vision_config
 from tpserve.ranks.unsupported import layer_windows, refuse_architecture, refuse_unimplemented
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
@@ -61,7 +62,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     architecture: str = ""
-    vision: VisionConfig | None = None  # a vision-language model's tower, projector and image token
+    # a vision-language model's tower, projector and media tokens (a Qwen-VL's: mrope in the text model)
+    vision: VisionConfig | QwenVisionConfig | None = None
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
     sliding_window: int | None = None  # a window some layers attend within (ranks/unsupported.py)
     windows: tuple[int, ...] = ()  # each layer's window, 0 for a full-attention layer (() none slides)
@@ -107,13 +109,16 @@ def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConf
 
 def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
     architectures = raw.get("architectures") or []
+    qwen_vl = next((a for a in architectures if a in QWEN_VL_ARCHITECTURES), None)
+    if qwen_vl is not None:
+        return _parse_qwen_vl(raw, qwen_vl, path)
     vision_arch = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
     if vision_arch is not None:
         return _parse_vision_language(raw, vision_arch, path)
     family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
     if family is None:
         refuse_architecture(architectures, path)
-        supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES))
+        supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES, *QWEN_VL_ARCHITECTURES))
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
     return _parse_text(raw, family, architectures[0], path)
 
@@ -133,6 +138,24 @@ def _parse_vision_language(raw: dict, architecture: str, path: str | Path) -> Mo
             text[key] = raw[key]
     config = _parse_text(text, TEXT_MODEL_TYPES[model_type], architecture, path)
     return replace(config, vision=parse_vision_config(raw, config.hidden_size, path))
+
+
+def _parse_qwen_vl(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
+    """Qwen2.5-VL: a Qwen2 decoder whose rotary is multimodal (ranks/mrope.py), and the windowed ViT.
+    transformers 5 nests the decoder's keys in text_config; 4 wrote them at the top level, the mrope
+    sections as a rope_scaling of type "mrope" (no scaling: the plain rotary, turned per axis)."""
+    text = dict(raw.get("text_config") or raw)
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    scaling = text.get("rope_scaling") or {}
+    if scaling.get("type", scaling.get("rope_type")) in ("mrope", "default"):
+        text.pop("rope_scaling")  # the sections are read below; no scaling is left
+    config = _parse_text(text, "qwen2", architecture, path)
+    vision = parse_qwen_vision_config(raw, {**text, "rope_scaling": scaling}, config.head_dim, path)
+    if vision.out_hidden_size != config.hidden_size:
+        raise ModelFileError(path, "vision_config.out_hidden_size is not the text model's hidden_size")
+    return replace(config, vision=vision)
 
 
 def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> ModelConfig:

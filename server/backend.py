@@ -64,6 +64,11 @@ class PrefillItem:
     # With `last`: the grammar mask of the token sampled (kernels/sampling.py's `allowed`), or None.
     allowed: object = None
     counts: TokenCounts | None = None  # the stream's tokens, when its sampling adjusts logits
+    # Prompt log probabilities (rank 0's Leader.prompt_logprobs), when prompt_logprobs >= 0 (that
+    # many likeliest alternatives): row k of the chunk scores prompt_targets[k], the prompt token at
+    # position start+k+1 (the chunk's next tokens, up to the prompt's end).
+    prompt_logprobs: int = -1
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

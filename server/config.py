@@ -92,6 +92,12 @@ class ServeConfig:
     # How chat replies are read over HTTP: "" reads the family from the chat template.
     tool_call_parser: str = ""  # hermes, llama3, mistral or none
     reasoning_parser: str = ""  # qwen3 (<think> blocks), deepseek_r1 (the reply opens inside one) or none
+    # The names the model answers to (the first is the one replies carry); empty: the model
+    # directory's name. A request naming any other model is a 404.
+    served_model_name: tuple[str, ...] = ()
+    chat_template: str = ""  # a Jinja file used instead of the checkpoint's chat template
+    # Origins browsers may call the HTTP API from (CORS); "*" any; empty: no CORS headers.
+    cors_origins: tuple[str, ...] = ()
     grace_s: float = 10.0
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
     master: str = ""  # HOST[:PORT] of rank 0, for one process per host
@@ -147,11 +153,17 @@ def _field_types() -> dict[str, type]:
     return {f.name: _AUTO_KINDS.get(f.name, type(f.default)) for f in fields(ServeConfig)}
 
 
+_NAME_LISTS = {"served_model_name", "cors_origins"}  # tuples of strings, not of numbers
+
+
 def _coerce(key: str, value, kind: type, origin: str):
     if key in _AUTO_KINDS and str(value).lower() == "auto":
         return None
     try:
-        if kind is tuple:
+        if key in _NAME_LISTS:
+            items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+            value = tuple(str(item) for item in items)
+        elif kind is tuple:
             items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
             value = tuple(int(item) for item in items)
         elif kind is bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import DTYPES
+from tpserve.ranks.qwen_vision_config import QwenVisionConfig
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
 from tpserve.server.backend import BackendBroken
@@ -29,6 +30,7 @@ from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
+from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
@@ -46,7 +48,7 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     stop = threading.Event()
     broken = threading.Event()
     return_large_frees_to_the_system()
-    tokenizer = Tokenizer.from_model_dir(settings.model_dir)
+    tokenizer = Tokenizer.from_model_dir(settings.model_dir, chat_template=config.chat_template or None)
     host, leader = build_lane_host(
         runtime,
         tokenizer,
@@ -80,7 +82,8 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
 
 def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> ServingInfo:
     return ServingInfo(
-        model_name=Path(settings.model_dir).name,
+        model_name=(config.served_model_name or (Path(settings.model_dir).name,))[0],
+        model_aliases=config.served_model_name[1:],
         tp_size=config.tp,
         num_lanes=config.lanes,
         context_size=config.context,
@@ -96,11 +99,13 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
 
 def _vision_input(
     config: ServeConfig, runtime: RankRuntime, settings: EngineSettings, tokenizer: Tokenizer
-) -> VisionInput | None:
+) -> VisionInput | QwenVisionInput | None:
     """The tower and projector, loaded here on rank 0 only (see ranks/vision.py); None without vision."""
     if not config.vision:
         return None
-    return VisionInput.from_model_dir(
+    # A Qwen-VL's tower and its images' sizes (server/qwen_vision_input.py), or LLaVA's.
+    kind = QwenVisionInput if isinstance(runtime.config.vision, QwenVisionConfig) else VisionInput
+    return kind.from_model_dir(
         settings.model_dir,
         runtime.config,
         tokenizer.token_text(runtime.config.vision.image_token_id),
@@ -180,6 +185,7 @@ def _build_apis(
             tool_call_parser=config.tool_call_parser,
             reasoning_parser=config.reasoning_parser,
             body_timeout_s=config.http_body_timeout_s,
+            cors_origins=config.cors_origins,
         )
         limits = HttpLimits(
             header_timeout_s=config.http_header_timeout_s,

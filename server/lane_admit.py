@@ -303,6 +303,7 @@ class Admission:
             self._lanes.new_blocks(job),
             job.allowed_tokens() if last else None,
             job.counts,
+            *_prompt_rows(job, start, len(chunk)),
         )
 
     def _whole_prompt(self, job: Job) -> PrefillItem | None:
@@ -320,6 +321,7 @@ class Admission:
             self._lanes.new_blocks(job),
             job.allowed_tokens(),
             job.counts,
+            *_prompt_rows(job, start, len(job.feed_ids) - start),
         )
 
     def _prefill(self, job: Job, item: PrefillItem | None) -> Outcome | None:
@@ -384,3 +386,12 @@ class Admission:
         if num_wanted == 0 or (num_free >= num_wanted and free_blocks >= wanted_blocks):
             return None
         return max(background, key=lambda job: job.admitted_seq)
+
+
+def _prompt_rows(job: Job, start: int, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+    """PrefillItem's prompt_logprobs and prompt_targets for a pass over feed_ids[start:start+num_tokens]:
+    the prompt tokens each row scores, when the job gathers its prompt's log probabilities."""
+    if not job.gathers_prompt_logprobs:
+        return -1, ()
+    prompt = job.request.prompt_ids
+    return job.request.prompt_logprobs, tuple(prompt[start + 1 : min(start + num_tokens + 1, len(prompt))])

@@ -53,12 +53,18 @@ class LaneHost:
         logprobs: Callable[[int, int], TokenLogprob | None] | None = None,
         step_tokens: int | None = None,
         profile: StepProfile | NoProfile | None = None,
+        prompt_logprobs: Callable[[int], dict[int, TokenLogprob]] | None = None,
+        detokenize_special: Callable[[Sequence[int]], str] | None = None,
     ):
         """logprobs(lane, position): the backend's log probability of the token its last pass
         sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none.
         step_tokens: the rows one decode round and the prompt chunk riding in it carry (None: no
         cap; ranks/settings.py says why one). profile: the step timers (ranks/step_profile.py),
-        when measured."""
+        when measured.
+        prompt_logprobs(lane): the prompt log probabilities the lane's passes gathered, by position
+        (rank 0's Leader.prompt_logprobs); None: requests asking for them get none.
+        detokenize_special: the text of ids with special tokens kept, for requests that set
+        skip_special_tokens false; None: such requests are refused."""
         check_backend(backend)
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -66,6 +72,7 @@ class LaneHost:
                 f"(num_lanes {backend.num_lanes}, max_prefill_tokens {backend.max_prefill_tokens})"
             )
         self._detokenize = detokenize
+        self._detokenize_special = detokenize_special
         self._eos_ids = frozenset(eos_ids)
         self._clock = clock
         self._room = backend.room
@@ -87,6 +94,7 @@ class LaneHost:
             clock=clock,
             drafter=self.drafter,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             on_broken=on_broken,
             profile=profile or NoProfile(),
         )
@@ -99,10 +107,13 @@ class LaneHost:
     def submit(self, request: GenerationRequest) -> Stream:
         """Queue a request. Raises QueueFull, HostUnavailable, or ValueError for a request that cannot run."""
         reserve = reserve_for(request, self._context_size)
+        detokenize = self._detokenize if request.skip_special_tokens else self._detokenize_special
+        if detokenize is None:
+            raise ValueError("this server cannot keep special tokens in a reply's text")
         job = Job(
             request,
             reserve=reserve,
-            detokenize=self._detokenize,
+            detokenize=detokenize,
             submitted_at=self._clock(),
             cancel=self._state.cancel,
             eos_ids=self._eos_ids,

@@ -41,6 +41,7 @@ class Scheduler:
         logprobs: Callable[[int, int], TokenLogprob | None] | None,
         on_broken: Callable[[str], None] | None,
         profile: StepProfile | NoProfile,
+        prompt_logprobs: Callable[[int], dict[int, TokenLogprob]] | None = None,
     ):
         self._backend = backend
         self._state = state
@@ -50,6 +51,7 @@ class Scheduler:
         self._clock = clock
         self._drafter = drafter
         self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
         self._on_broken = on_broken
         self._profile = profile
         self._step_lock = threading.Lock()
@@ -311,8 +313,16 @@ class Scheduler:
     def _first_token(self, job: Job, token: int) -> None:
         if not job.prefilled_sent:
             job.prefilled_sent = True
-            job.stream.put(Prefilled(cached_tokens=job.cached_tokens))
+            rows = self._prompt_rows(job)
+            job.stream.put(Prefilled(job.cached_tokens, rows, job.request.prompt_ids if rows else ()))
         self._take_token(job, token)
+
+    def _prompt_rows(self, job: Job) -> tuple[TokenLogprob, ...]:
+        """The log probabilities of the prompt's tokens after its first, when the request asks."""
+        if job.request.prompt_logprobs < 0 or self._prompt_logprobs is None or job.lane is None:
+            return ()
+        found = self._prompt_logprobs(job.lane)
+        return tuple(found[p] for p in range(1, len(job.request.prompt_ids)) if p in found)
 
     def _take_token(self, job: Job, token: int) -> None:
         logprob = None

@@ -57,6 +57,8 @@ def build_lane_host(
         logprobs=leader.logprobs,  # the leader's own, past the recorder: only rank 0 has logits
         step_tokens=settings.step_tokens,
         profile=profile,
+        prompt_logprobs=leader.prompt_logprobs,
+        detokenize_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
     return host, leader
 
