@@ -62,9 +62,14 @@ class WatchedChannel:
         return getattr(self._channel, name)
 
 
-def run_traffic(model_dir: str, *, num_streams: int, max_tokens: int, dtype: str) -> dict:
+def run_traffic(
+    model_dir: str, *, num_streams: int, max_tokens: int, dtype: str, step_tokens: int = 0
+) -> dict:
     tokenizer = Tokenizer.from_model_dir(model_dir)
-    settings = bench_settings(model_dir, dtype=dtype, tp_size=2, num_lanes=num_streams + 1, context_size=1024)
+    budget = {"step_tokens": step_tokens} if step_tokens else {}  # an older tree has no such setting
+    settings = bench_settings(
+        model_dir, dtype=dtype, tp_size=2, num_lanes=num_streams + 1, context_size=1024, **budget
+    )
     long_prompt = text_prompt(tokenizer, 999, 3 * settings.max_prefill_tokens // 2)
     requests = [
         GenerationRequest(tuple(chat_prompt(tokenizer, i)), max_tokens, GREEDY) for i in range(num_streams)
@@ -103,12 +108,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_common_args(parser)
     parser.add_argument("--streams", type=int, default=16, help="short chat requests, in two bursts")
     parser.add_argument("--max-tokens", type=int, default=24, help="each reply's length")
+    parser.add_argument(
+        "--step-tokens", type=int, default=0, help="the pass's token budget (0: the engine's default)"
+    )
     args = parser.parse_args(argv)
     report = run_traffic(
         args.model or default_model_dir(),
         num_streams=args.streams,
         max_tokens=args.max_tokens,
         dtype=args.dtype,
+        step_tokens=args.step_tokens,
     )
     print_table(
         f"control traffic: {report['streams']} requests (one long, in chunks), {report['decode_rounds']} decode rounds",
