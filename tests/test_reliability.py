@@ -172,7 +172,10 @@ def test_follower_killed_while_idle_is_noticed_without_a_request(model_dir, tmp_
     [
         ("ranks", True),
         ("ranks", False),
-        ("spawn", True),
+        # Slow: a spawned follower learns of rank 0's death by the same liveness link as the ranks
+        # layout's (mid-stream, above; test_channel checks the link itself), and test_daemon's
+        # spawn-ctrl-c case sees every process of a spawned daemon end in the fast suite.
+        pytest.param("spawn", True, marks=pytest.mark.slow),
         # torchrun keeps the store alive, but rank 0's end of the liveness link closes with it.
         pytest.param("launch", False, marks=pytest.mark.slow),
     ],
@@ -262,14 +265,14 @@ def storm_specs(tokenizer, num_specs: int, rng: random.Random) -> list[serving_p
 
 def test_cancel_storm_leaves_every_other_reply_exact_and_frees_everything(daemon, tokenizer):
     rng = random.Random(7)
-    specs = storm_specs(tokenizer, 40, rng)
+    specs = storm_specs(tokenizer, 24, rng)
     solo = []
     for request in specs:  # one at a time: each reply alone on the daemon, the oracle
         reply = generate(daemon.stub, request)
         assert reply.ok and reply.finish_reason in OK_REASONS
         solo.append(reply.token_ids)
 
-    num_requests, num_clients = 200, 32
+    num_requests, num_clients = 120, 32  # about a third cancelled, at every phase
     plans = []
     for index in range(num_requests):
         spec = rng.randrange(len(specs))
