@@ -230,7 +230,9 @@ def test_a_rank_that_never_starts_is_named_at_the_start_up_timeout(model_dir, tm
     figures("a rank never starts", started=started, exit_codes=codes, gave_up_s=round(gave_up_after, 3))
     assert set(codes.values()) == {2}  # a start-up refusal, one clear line
     assert named in served.logs()
-    assert gave_up_after < 30
+    # Well under the default init timeout (120 s): the 3 s given was the one kept. The margin is
+    # the launch's own start (two Python processes importing torch on a busy machine).
+    assert gave_up_after < 90
 
 
 # ---- cancel storm ----
@@ -563,7 +565,8 @@ def test_a_killed_client_frees_its_lane(daemon):
         env=daemon_env(),
     )
     try:
-        wait_until(lambda: daemon.metrics()["tpserve_lanes_busy"] == 1, "the client's stream to start", 30)
+        # A hang guard: the client process imports the CLI (torch) first, seconds on a busy machine.
+        wait_until(lambda: daemon.metrics()["tpserve_lanes_busy"] == 1, "the client's stream to start", 120)
         client.stdout.read(1)  # its reply is flowing
     finally:
         client.kill()
