@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True)
@@ -201,6 +200,10 @@ def causal(span: SpanView) -> dict:
         return {}
     if span.start == 0:
         return {"is_causal": True}
+    # Imported here, on the first later chunk: torch.nn.attention.bias pulls in torch._dynamo, which
+    # doubles the import time of every rank that never runs this path (batch-invariant mode).
+    from torch.nn.attention.bias import causal_lower_right
+
     return {"attn_mask": causal_lower_right(span.length, span.end)}
 
 

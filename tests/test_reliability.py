@@ -172,7 +172,10 @@ def test_follower_killed_while_idle_is_noticed_without_a_request(model_dir, tmp_
     [
         ("ranks", True),
         ("ranks", False),
-        ("spawn", True),
+        # Slow: a spawned follower learns of rank 0's death by the same liveness link as the ranks
+        # layout's (mid-stream, above; test_channel checks the link itself), and test_daemon's
+        # spawn-ctrl-c case sees every process of a spawned daemon end in the fast suite.
+        pytest.param("spawn", True, marks=pytest.mark.slow),
         # torchrun keeps the store alive, but rank 0's end of the liveness link closes with it.
         pytest.param("launch", False, marks=pytest.mark.slow),
     ],
@@ -227,7 +230,9 @@ def test_a_rank_that_never_starts_is_named_at_the_start_up_timeout(model_dir, tm
     figures("a rank never starts", started=started, exit_codes=codes, gave_up_s=round(gave_up_after, 3))
     assert set(codes.values()) == {2}  # a start-up refusal, one clear line
     assert named in served.logs()
-    assert gave_up_after < 30
+    # Well under the default init timeout (120 s): the 3 s given was the one kept. The margin is
+    # the launch's own start (two Python processes importing torch on a busy machine).
+    assert gave_up_after < 90
 
 
 # ---- cancel storm ----
@@ -262,14 +267,14 @@ def storm_specs(tokenizer, num_specs: int, rng: random.Random) -> list[serving_p
 
 def test_cancel_storm_leaves_every_other_reply_exact_and_frees_everything(daemon, tokenizer):
     rng = random.Random(7)
-    specs = storm_specs(tokenizer, 40, rng)
+    specs = storm_specs(tokenizer, 24, rng)
     solo = []
     for request in specs:  # one at a time: each reply alone on the daemon, the oracle
         reply = generate(daemon.stub, request)
         assert reply.ok and reply.finish_reason in OK_REASONS
         solo.append(reply.token_ids)
 
-    num_requests, num_clients = 200, 32
+    num_requests, num_clients = 120, 32  # about a third cancelled, at every phase
     plans = []
     for index in range(num_requests):
         spec = rng.randrange(len(specs))
@@ -560,7 +565,8 @@ def test_a_killed_client_frees_its_lane(daemon):
         env=daemon_env(),
     )
     try:
-        wait_until(lambda: daemon.metrics()["tpserve_lanes_busy"] == 1, "the client's stream to start", 30)
+        # A hang guard: the client process imports the CLI (torch) first, seconds on a busy machine.
+        wait_until(lambda: daemon.metrics()["tpserve_lanes_busy"] == 1, "the client's stream to start", 120)
         client.stdout.read(1)  # its reply is flowing
     finally:
         client.kill()

@@ -28,8 +28,13 @@ LLAVA_GOLDEN = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model_dir = write_tiny_llava(tmp_path_factory.mktemp("llava-model"))
+def model_dir(tmp_path_factory):
+    """Written once for the module: building and saving the random llava takes seconds."""
+    return write_tiny_llava(tmp_path_factory.mktemp("llava-model"))
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
     limits = [f"--{key.replace('_', '-')}={value}" for key, value in LLAVA_LIMITS.items()]
     # Prompts go in passes of 16 tokens and the cache shares blocks of 16: both cut images.
     args = (
@@ -141,8 +146,7 @@ def test_fuzzed_image_bytes_fail_their_own_request_only(served):
     assert generate(served, ask(good)).ok
 
 
-def test_without_vision_a_llava_serves_text_and_refuses_images_as_before(tmp_path):
-    model_dir = write_tiny_llava(tmp_path / "model")
+def test_without_vision_a_llava_serves_text_and_refuses_images_as_before(model_dir, tmp_path):
     with running_daemon("spawn", model_dir, tmp_path / "logs", "--context", "256") as daemon:
         assert generate(daemon, ask(None, "hello world")).ok
         refused = generate(daemon, ask(block_image(61)))
