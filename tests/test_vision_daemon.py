@@ -5,23 +5,22 @@ equal their solo runs whether or not images sit beside them."""
 from __future__ import annotations
 
 import base64
-import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-from daemon import read_reply, running_daemon
+from daemon import running_daemon
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2
 from test_grpc_api import GOLDEN_DIR, LLAVA_LIMITS, read_golden
 from tiny_llava import TOKENS_PER_IMAGE, block_image, write_tiny_llava
+from vision_requests import MAX_TOKENS, VISION_ARGS, ask, corrupted, generate
 
 from tpserve.server.validation import VISION_NEEDED
 from tpserve.v1 import serving_pb2
 
-MAX_TOKENS = 6
 LLAVA_GOLDEN = [
     path for path in sorted(GOLDEN_DIR.glob("*.txt")) if read_golden(path)[0].get("server") == "llava"
 ]
@@ -31,35 +30,10 @@ LLAVA_GOLDEN = [
 def served(tmp_path_factory):
     model_dir = write_tiny_llava(tmp_path_factory.mktemp("llava-model"))
     limits = [f"--{key.replace('_', '-')}={value}" for key, value in LLAVA_LIMITS.items()]
-    # Prompts go in passes of 16 tokens and the cache shares blocks of 16: both cut images.
-    args = (
-        "--vision",
-        "--context",
-        "256",
-        "--lanes",
-        "4",
-        "--max-prefill-tokens",
-        "16",
-        "--kv-block-size",
-        "16",
-        *limits,
-    )
+    args = (*VISION_ARGS, *limits)
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("llava-logs"), *args) as daemon:
         daemon.model_name = Path(model_dir).name
         yield daemon
-
-
-def ask(image: bytes | None, text: str = "what is in this picture", **fields) -> serving_pb2.GenerateRequest:
-    request = serving_pb2.GenerateRequest(max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
-    message = request.messages.add(role="user")
-    if image is not None:
-        message.parts.add(media=serving_pb2.Media(mime_type="image/png", data=image))
-    message.parts.add(text=text)
-    return request
-
-
-def generate(daemon, request):
-    return read_reply(daemon.stub.Generate(request, timeout=120))
 
 
 @pytest.mark.parametrize("path", LLAVA_GOLDEN, ids=lambda path: path.stem)
@@ -127,15 +101,9 @@ def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
 
 
 def test_fuzzed_image_bytes_fail_their_own_request_only(served):
-    rng = random.Random(5)
     good = block_image(51, (30, 30))
-    for _ in range(40):
-        data = bytearray(good)
-        for _ in range(rng.randrange(1, 6)):
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        if rng.random() < 0.3:
-            data = data[: rng.randrange(1, len(data))]
-        reply = generate(served, ask(bytes(data)))
+    for data in corrupted(good, 40):
+        reply = generate(served, ask(data))
         assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
     assert served.health() == health_pb2.HealthCheckResponse.SERVING
     assert generate(served, ask(good)).ok
