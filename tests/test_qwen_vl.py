@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from engine_lanes import open_lane
+from engine_lanes import open_lane, tiny_engine
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from test_tp_exact import decode_steps
@@ -17,9 +17,6 @@ from tiny_llava import block_image
 from tiny_qwen_vl import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, write_tiny_qwen_vl
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.engine import Engine
-from tpserve.ranks.kv_store import KVPool
-from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import prompt_positions
 from tpserve.ranks.qwen_vision import load_qwen_vision_tower
@@ -60,17 +57,7 @@ def image_prompt(merged, before=(40, 41), after=(50, 51, 52)):
 def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=None, chunk=0):
     """Prefill `prompts` (images: per prompt, (offset, features or None on a follower, merged grid)
     or None) in one pass, or one prompt in chunks of `chunk` tokens; then NUM_STEPS greedy rounds."""
-    model = load_rank_model(
-        model_dir,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=torch.float32,
-        max_positions=256,
-        collectives=collectives,
-        row_tile=16,
-    )
-    kv = KVPool(model.config.num_layers, 1024, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
-    engine = Engine(model, kv)
+    engine = tiny_engine(model_dir, 1024, tp_rank, tp_size, collectives)
     spans, media_rows, media, ropes = [], [], [], []
     for lane, (prompt, image) in enumerate(zip(prompts, images)):
         open_lane(engine, lane, 200)
