@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_lanes import open_lane
+from engine_lanes import open_lane, tiny_engine
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -19,11 +19,8 @@ from test_tp_exact import decode_steps
 from tiny_llava import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, block_image, write_tiny_llava
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import ModelFileError
-from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.leader import media_in_chunk
-from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config, parse_model_config
 from tpserve.ranks.vision import load_vision_tower
 from tpserve.server.images import Preprocessor, decode_image
@@ -58,17 +55,7 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
     """Prefill `prompts` in one pass (images: per prompt, (offset, image bytes) or None; with
     `chunk`, one prompt in passes of that many tokens), then NUM_STEPS greedy rounds; the logits
     of every step and the tokens (rank 0)."""
-    model = load_rank_model(
-        model_dir,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=torch.float32,
-        max_positions=256,
-        collectives=collectives,
-        row_tile=16,
-    )
-    kv = KVPool(model.config.num_layers, 1024, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
-    engine = Engine(model, kv)
+    engine = tiny_engine(model_dir, 1024, tp_rank, tp_size, collectives)
     spans, media_rows, media = [], [], []
     for lane, (prompt, image) in enumerate(zip(prompts, images)):
         open_lane(engine, lane, 200)
