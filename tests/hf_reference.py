@@ -72,3 +72,18 @@ def check_chunks_equal_whole(model_dir, first_cut: int) -> None:
     parts = [engine.forward([(0, 0, ids[:first_cut])]), engine.forward([(0, first_cut, ids[first_cut:68])])]
     parts += [engine.forward([(0, 68, ids[68:69])]), engine.forward([(0, 69, ids[69:])])]
     assert torch.equal(parts[-1], whole)
+
+
+def cached_greedy(reference, num_steps: int, **inputs) -> tuple[torch.Tensor, list[int]]:
+    """transformers' own greedy run from `inputs` (the prompt, its images) on its KV cache: the last
+    position's logits of each of num_steps forwards [num_steps, vocab], and the greedy tokens."""
+    with torch.no_grad():
+        out = reference(**inputs, use_cache=True)
+        logits, past, tokens = [out.logits[0, -1]], out.past_key_values, []
+        for _ in range(num_steps - 1):
+            tokens.append(int(logits[-1].argmax()))
+            out = reference(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            logits.append(out.logits[0, -1])
+            past = out.past_key_values
+    tokens.append(int(logits[-1].argmax()))
+    return torch.stack(logits), tokens
