@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_lanes import open_lane, tiny_engine
+from hf_reference import cached_greedy
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -106,21 +107,12 @@ def test_logits_and_greedy_tokens_match_transformers(llava_dir):
     reference = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
     pixels = torch.from_numpy(pixels_of(llava_dir, data)).unsqueeze(0)
     ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = reference(input_ids=ids, pixel_values=pixels, use_cache=True)
-        theirs_logits, past, theirs_tokens = [out.logits[0, -1]], out.past_key_values, []
-        for _ in range(NUM_STEPS - 1):
-            token = int(theirs_logits[-1].argmax())
-            theirs_tokens.append(token)
-            out = reference(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            theirs_logits.append(out.logits[0, -1])
-            past = out.past_key_values
-    theirs_tokens.append(int(theirs_logits[-1].argmax()))
-    torch.testing.assert_close(ours_logits[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
+    theirs_logits, theirs_tokens = cached_greedy(reference, NUM_STEPS, input_ids=ids, pixel_values=pixels)
+    torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert [step[0] for step in ours_tokens] == theirs_tokens
     # In chunks that cut the image (as a long prompt's prefill, or a cached prefix, does).
     chunked_logits, chunked_tokens = run_prompts(llava_dir, [prompt], [(offset, data)], chunk=7)
-    torch.testing.assert_close(chunked_logits[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
+    torch.testing.assert_close(chunked_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert [step[0] for step in chunked_tokens] == theirs_tokens
     # The image changed the reply's logits: the features really went in.
     text_logits, _ = run_prompts(llava_dir, [prompt], [None])
