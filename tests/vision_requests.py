@@ -1,6 +1,7 @@
 """What the vision daemon tests share (tests/test_vision_daemon.py, tests/test_qwen_vl_daemon.py): the
 flags that cut images into prompt passes and cache blocks of 16, one chat request with or without an
-image, and corrupted copies of an image's bytes."""
+image, one question about the same image twice and then another, and corrupted copies of an image's
+bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 from collections.abc import Iterator
 
 from daemon import Reply, read_reply
+from tiny_llava import block_image
 
 from tpserve.v1 import serving_pb2
 
@@ -49,3 +51,14 @@ def corrupted(good: bytes, count: int, seed: int = 5) -> Iterator[bytes]:
         if rng.random() < 0.3:
             data = data[: rng.randrange(1, len(data))]
         yield bytes(data)
+
+
+def same_then_other_image(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
+    """One question about an image, again about the same image, then about another: the second
+    reply repeats the first and the third differs; the second and the third."""
+    question = "what is in this picture, the quick brown fox or the lazy dog?"
+    first, again, other = (generate(daemon, ask(block_image(seed, size), question)) for seed in (21, 21, 22))
+    assert first.ok and again.ok and other.ok
+    assert again.token_ids == first.token_ids
+    assert other.token_ids != first.token_ids
+    return again, other
