@@ -1,12 +1,14 @@
 """What the vision daemon tests share (tests/test_vision_daemon.py, tests/test_qwen_vl_daemon.py): the
 flags that cut images into prompt passes and cache blocks of 16, one chat request with or without an
-image, one question about the same image twice and then another, and corrupted copies of an image's
+image, requests together against their solo runs, one question about the same image twice and then
+another, and corrupted copies of an image's
 bytes."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from daemon import Reply, read_reply
 from tiny_llava import block_image
@@ -62,3 +64,12 @@ def same_then_other_image(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
     assert again.token_ids == first.token_ids
     assert other.token_ids != first.token_ids
     return again, other
+
+
+def check_together_equals_solo(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
+    """Each request alone, then all at once: every reply whole and the same both ways."""
+    solo = [generate(daemon, request) for request in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda request: generate(daemon, request), requests))
+    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
+    assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
