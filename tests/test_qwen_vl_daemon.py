@@ -6,7 +6,6 @@ broken image bytes and a sliver of an image fail their own request only."""
 from __future__ import annotations
 
 import io
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -19,7 +18,15 @@ from PIL import Image
 from tiny_llava import block_image
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, MERGE, write_tiny_qwen_vl
 from tokenizers import Tokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, corrupted, generate, same_then_other_image
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_together_equals_solo,
+    corrupted,
+    generate,
+    same_then_other_image,
+)
 
 SIZE = (61, 83)  # a 14x10 patch grid: 35 image positions in windows cut by the edges
 
@@ -84,11 +91,7 @@ def test_replies_beside_images_equal_their_solo_runs(served):
         ask(block_image(32, (130, 20)), "the lazy dog", temperature=0.9, seed=7),
         ask(block_image(31, SIZE), "the quick brown fox"),
     ]
-    solo = [generate(served, request) for request in requests]
-    with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(lambda request: generate(served, request), requests))
-    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
-    assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
+    check_together_equals_solo(served, requests)
 
 
 def test_broken_and_sliver_images_fail_their_own_request_only(served):
