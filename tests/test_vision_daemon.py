@@ -5,7 +5,6 @@ equal their solo runs whether or not images sit beside them."""
 from __future__ import annotations
 
 import base64
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -16,7 +15,15 @@ from google.protobuf import text_format
 from grpc_health.v1 import health_pb2
 from test_grpc_api import GOLDEN_DIR, LLAVA_LIMITS, read_golden
 from tiny_llava import TOKENS_PER_IMAGE, block_image, write_tiny_llava
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, corrupted, generate, same_then_other_image
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_together_equals_solo,
+    corrupted,
+    generate,
+    same_then_other_image,
+)
 
 from tpserve.server.validation import VISION_NEEDED
 from tpserve.v1 import serving_pb2
@@ -58,11 +65,7 @@ def test_replies_beside_images_equal_their_solo_runs(served):
         ask(block_image(31), "the quick brown fox"),
         ask(None, "tensor parallel serving", temperature=1.1, seed=3),
     ]
-    solo = [generate(served, request) for request in requests]
-    with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(lambda request: generate(served, request), requests))
-    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
-    assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
+    check_together_equals_solo(served, requests)
 
 
 def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
