@@ -55,7 +55,7 @@ def corrupted(good: bytes, count: int, seed: int = 5) -> Iterator[bytes]:
         yield bytes(data)
 
 
-def same_then_other_image(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
+def same_then_other(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
     """One question about an image, again about the same image, then about another: the second
     reply repeats the first and the third differs; the second and the third."""
     question = "what is in this picture, the quick brown fox or the lazy dog?"
@@ -66,8 +66,9 @@ def same_then_other_image(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
     return again, other
 
 
-def check_together_equals_solo(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
-    """Each request alone, then all at once: every reply whole and the same both ways."""
+def check_batched(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
+    """A batch against solo runs: each request alone, then all at once; every reply whole and the
+    same both ways."""
     solo = [generate(daemon, request) for request in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda request: generate(daemon, request), requests))
