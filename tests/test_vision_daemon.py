@@ -15,15 +15,7 @@ from google.protobuf import text_format
 from grpc_health.v1 import health_pb2
 from test_grpc_api import GOLDEN_DIR, LLAVA_LIMITS, read_golden
 from tiny_llava import TOKENS_PER_IMAGE, block_image, write_tiny_llava
-from vision_requests import (
-    MAX_TOKENS,
-    VISION_ARGS,
-    ask,
-    check_together_equals_solo,
-    corrupted,
-    generate,
-    same_then_other_image,
-)
+from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
 
 from tpserve.server.validation import VISION_NEEDED
 from tpserve.v1 import serving_pb2
@@ -51,7 +43,7 @@ def test_golden_image_refusal(served, path):
 
 
 def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):
-    again, other = same_then_other_image(served, (40, 34))  # block_image's own default size
+    again, other = same_then_other(served, (40, 34))  # block_image's own default size
     image_end = 3 + TOKENS_PER_IMAGE  # "<|im_start|>user\n" then the image
     assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
     assert other.last.usage.cached_tokens < image_end - TOKENS_PER_IMAGE + 1  # at most the text before it
@@ -65,7 +57,7 @@ def test_replies_beside_images_equal_their_solo_runs(served):
         ask(block_image(31), "the quick brown fox"),
         ask(None, "tensor parallel serving", temperature=1.1, seed=3),
     ]
-    check_together_equals_solo(served, requests)
+    check_batched(served, requests)
 
 
 def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
