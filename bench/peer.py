@@ -197,11 +197,8 @@ def completions_generate(port: int, model: str | None, temperature: float = 0.0)
     return generate
 
 
-def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:
-    port = free_port()
-    context = num_tokens + 64 * PROMPT_FILLERS + 256  # per slot: the prompt and the reply
-    argv = [binary, "-m", str(gguf), "-np", str(num_slots), "-t", "2", "-c", str(num_slots * context)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+def health_ready(port: int):
+    """Whether a peer on `port` answers its /health with 200 yet (llama-server's and vLLM's)."""
 
     def ready() -> bool:
         try:
@@ -209,6 +206,15 @@ def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Ser
                 return reply.status == 200
         except OSError:
             return False
+
+    return ready
+
+
+def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:
+    port = free_port()
+    context = num_tokens + 64 * PROMPT_FILLERS + 256  # per slot: the prompt and the reply
+    argv = [binary, "-m", str(gguf), "-np", str(num_slots), "-t", "2", "-c", str(num_slots * context)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--no-webui"]
 
     def generate(index: int, tokens: int) -> Timing:
         timing = Timing(time.perf_counter())
@@ -230,7 +236,7 @@ def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Ser
         timing.end = time.perf_counter()
         return timing
 
-    return Server("llama-server", argv, ready, generate)
+    return Server("llama-server", argv, health_ready(port), generate)
 
 
 def cpu_has(flag: str) -> bool:
@@ -265,14 +271,8 @@ def start_vllm(python: str, model_dir: Path, dtype: str, num_seqs: int, num_toke
         "VLLM_HOST_IP": "127.0.0.1",
     }
 
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
-
     generate = completions_generate(port, VLLM_MODEL_NAME)
+    ready = health_ready(port)
     return Server(f"vLLM {dtype}", argv, ready, generate, env=env, start_timeout_s=VLLM_START_TIMEOUT_S)
 
 

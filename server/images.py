@@ -42,6 +42,28 @@ def _size(value, what: str, path: Path) -> tuple[int, int]:
     raise ModelFileError(path, f"{what} {value!r} is not an int, {{height, width}} or {{shortest_edge}}")
 
 
+def value_settings(raw: dict) -> dict:
+    """What CLIP's and Qwen2-VL's processors read alike: the resampling filter, the rescale factor
+    and the normalization's mean and std (None where the file turns them off)."""
+    normalize = raw.get("do_normalize", True)
+    return {
+        "resample": int(raw.get("resample", Image.Resampling.BICUBIC)),
+        "rescale_factor": float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
+        "mean": tuple(raw.get("image_mean", CLIP_MEAN)) if normalize else None,
+        "std": tuple(raw.get("image_std", CLIP_STD)) if normalize else None,
+    }
+
+
+def rescaled(array: np.ndarray, rescale_factor: float | None, mean, std) -> np.ndarray:
+    """float32 pixels [H, W, 3] times rescale_factor, then less mean and over std, per channel; a
+    None skips its step."""
+    if rescale_factor is not None:
+        array = array * np.float32(rescale_factor)
+    if mean is not None:
+        array = (array - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return array
+
+
 @dataclass(frozen=True)
 class Preprocessor:
     shortest_edge: int | None  # resize so the short side is this (aspect kept); None: to `resize_to`
@@ -72,10 +94,7 @@ class Preprocessor:
             if raw.get("do_center_crop", True)
             else None,
             pad_to_square=bool(raw.get("do_pad", False)),
-            resample=int(raw.get("resample", Image.Resampling.BICUBIC)),
-            rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
-            mean=tuple(raw.get("image_mean", CLIP_MEAN)) if raw.get("do_normalize", True) else None,
-            std=tuple(raw.get("image_std", CLIP_STD)) if raw.get("do_normalize", True) else None,
+            **value_settings(raw),
         )
 
     def pixels(self, image: Image.Image) -> np.ndarray:
@@ -108,10 +127,7 @@ class Preprocessor:
                 padded[pt : pt + array.shape[0], pl : pl + array.shape[1]] = array
                 array, top, left = padded, (padded.shape[0] - height) // 2, (padded.shape[1] - width) // 2
             array = array[top : top + height, left : left + width]
-        if self.rescale_factor is not None:
-            array = array * np.float32(self.rescale_factor)
-        if self.mean is not None:
-            array = (array - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        array = rescaled(array, self.rescale_factor, self.mean, self.std)
         return np.ascontiguousarray(array.transpose(2, 0, 1), dtype=np.float32)
 
 

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 from PIL import Image
 
-from tpserve.server.images import CLIP_MEAN, CLIP_STD
+from tpserve.server.images import rescaled, value_settings
 from tpserve.server.processor_config import image_processor_settings
 from tpserve.server.validation import RequestRefused
 
@@ -61,17 +61,13 @@ class QwenPreprocessor:
     def from_model_dir(cls, model_dir: str | Path) -> QwenPreprocessor:
         raw, _ = image_processor_settings(model_dir)  # either file layout (server/processor_config.py)
         size = raw.get("size") or {}
-        normalize = raw.get("do_normalize", True)
         return cls(
             min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS),
             max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS),
             patch_size=int(raw.get("patch_size", 14)),
             temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
             merge_size=int(raw.get("merge_size", 2)),
-            resample=int(raw.get("resample", Image.Resampling.BICUBIC)),
-            rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
-            mean=tuple(raw.get("image_mean", CLIP_MEAN)) if normalize else None,
-            std=tuple(raw.get("image_std", CLIP_STD)) if normalize else None,
+            **value_settings(raw),
         )
 
     def patches(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -82,11 +78,7 @@ class QwenPreprocessor:
         if (height, width) != (image.height, image.width):
             image = image.resize((width, height), resample=self.resample)
         array = np.asarray(image, dtype=np.float32)  # [H, W, 3]
-        if self.rescale_factor is not None:
-            array = array * np.float32(self.rescale_factor)
-        if self.mean is not None:
-            array = (array - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
-        array = array.transpose(2, 0, 1)  # [3, H, W]
+        array = rescaled(array, self.rescale_factor, self.mean, self.std).transpose(2, 0, 1)  # [3, H, W]
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = height // p, width // p
         blocks = array.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)

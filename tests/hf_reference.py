@@ -1,4 +1,5 @@
-"""Our model against transformers' own forward on the same files: logits and greedy tokens."""
+"""Our model against transformers' own forward on the same files (logits and greedy tokens), and against
+itself (a prompt in chunks against the whole prompt)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from engine_lanes import open_lane
 
+from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
@@ -56,3 +58,32 @@ def check_against_transformers(model_dir, row_tile: int, max_positions: int = 25
             )
         assert tokens == generated[0, len(prompt) :].tolist(), f"prompt {lane}: greedy tokens differ"
         engine.release(1 + lane)
+
+
+def check_chunks_equal_whole(model_dir, first_cut: int) -> None:
+    """A 70-token prompt in chunks cut at first_cut, 68 and 69 (the last two: decode-sized) ends on
+    the logits of the whole prompt in one pass, bit for bit."""
+    torch.set_num_threads(1)
+    engine = engine_of(model_dir, ROW_TILE)
+    ids = tuple((5 * i + 2) % 250 for i in range(70))
+    open_lane(engine, 0, 80)
+    open_lane(engine, 1, 80)
+    whole = engine.forward([(1, 0, ids)])
+    parts = [engine.forward([(0, 0, ids[:first_cut])]), engine.forward([(0, first_cut, ids[first_cut:68])])]
+    parts += [engine.forward([(0, 68, ids[68:69])]), engine.forward([(0, 69, ids[69:])])]
+    assert torch.equal(parts[-1], whole)
+
+
+def cached_greedy(reference, num_steps: int, **inputs) -> tuple[torch.Tensor, list[int]]:
+    """transformers' own greedy run from `inputs` (the prompt, its images) on its KV cache: the last
+    position's logits of each of num_steps forwards [num_steps, vocab], and the greedy tokens."""
+    with torch.no_grad():
+        out = reference(**inputs, use_cache=True)
+        logits, past, tokens = [out.logits[0, -1]], out.past_key_values, []
+        for _ in range(num_steps - 1):
+            tokens.append(int(logits[-1].argmax()))
+            out = reference(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            logits.append(out.logits[0, -1])
+            past = out.past_key_values
+    tokens.append(int(logits[-1].argmax()))
+    return torch.stack(logits), tokens

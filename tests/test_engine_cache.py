@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from engine_lanes import open_lane
+from engine_lanes import open_lane, tiny_engine
 from multiproc import RankPool
 from tiny_models import write_tiny_model
 
 from tpserve.kernels.collectives import GroupCollectives
-from tpserve.ranks.engine import Engine, EngineError
-from tpserve.ranks.kv_store import KVPool
-from tpserve.ranks.loader import load_rank_model
+from tpserve.ranks.engine import EngineError
 
 HISTORY = tuple((11 * i + 5) % 300 for i in range(70))
 TURN = (17, 4, 99, 23, 8)
@@ -21,17 +19,8 @@ BLOCK_SIZE = 16
 
 
 def shared_and_cold(model_dir: str, tp_rank: int, tp_size: int):
-    model = load_rank_model(
-        model_dir,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=torch.float32,
-        max_positions=256,
-        collectives=GroupCollectives(dist.group.WORLD, tp_rank, tp_size) if tp_size > 1 else None,
-        row_tile=16,
-    )
-    heads, dim, layers = model.kv_heads_per_piece(), model.config.head_dim, model.config.num_layers
-    engine = Engine(model, KVPool(layers, 512, heads, dim, torch.float32, block_size=BLOCK_SIZE))
+    collectives = GroupCollectives(dist.group.WORLD, tp_rank, tp_size) if tp_size > 1 else None
+    engine = tiny_engine(model_dir, 512, tp_rank, tp_size, collectives, block_size=BLOCK_SIZE)
     # Turn one computes the history; its first 4 blocks (64 tokens) stay held by lane 0.
     first = open_lane(engine, 0, 100)
     engine.forward([(0, 0, HISTORY)])

@@ -6,9 +6,7 @@ batched against solo, chunks against the whole prompt."""
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_lanes import open_lane
-from hf_reference import check_against_transformers, engine_of
+from hf_reference import check_against_transformers, check_chunks_equal_whole
 from multiproc import RankPool
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
@@ -34,15 +32,7 @@ def test_gemma3_without_soft_capping_matches_transformers(tmp_path):
 
 
 def test_a_gemma3_prompt_in_chunks_has_the_whole_prompts_logits(tmp_path):
-    torch.set_num_threads(1)
-    engine = engine_of(write_hf_model(tmp_path / "gemma3", "gemma3"), ROW_TILE)
-    ids = tuple((5 * i + 2) % 250 for i in range(70))
-    open_lane(engine, 0, 80)
-    open_lane(engine, 1, 80)
-    whole = engine.forward([(1, 0, ids)])
-    parts = [engine.forward([(0, 0, ids[:13])]), engine.forward([(0, 13, ids[13:68])])]
-    parts += [engine.forward([(0, 68, ids[68:69])]), engine.forward([(0, 69, ids[69:])])]
-    assert torch.equal(parts[-1], whole)
+    check_chunks_equal_whole(write_hf_model(tmp_path / "gemma3", "gemma3"), 13)
 
 
 def test_gemma3_tp2_equals_tp1_and_batched_equals_solo(pool, tmp_path):

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from engine_lanes import open_lane
-from hf_reference import check_against_transformers, engine_of
+from hf_reference import check_against_transformers, check_chunks_equal_whole
 from multiproc import RankPool
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
@@ -56,15 +55,7 @@ def test_int4_experts_tp2_equal_tp1_and_batched_equals_solo(pool, tmp_path):
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
 def test_a_prompt_in_chunks_and_decode_steps_has_the_logits_of_the_whole_prompt(tmp_path, variant):
-    torch.set_num_threads(1)
-    engine = engine_of(write_hf_model(tmp_path / variant, variant), ROW_TILE)
-    ids = tuple((5 * i + 2) % 250 for i in range(70))
-    open_lane(engine, 0, 80)
-    open_lane(engine, 1, 80)
-    whole = engine.forward([(1, 0, ids)])
-    parts = [engine.forward([(0, 0, ids[:33])]), engine.forward([(0, 33, ids[33:68])])]
-    parts += [engine.forward([(0, 68, ids[68:69])]), engine.forward([(0, 69, ids[69:])])]
-    assert torch.equal(parts[-1], whole)
+    check_chunks_equal_whole(write_hf_model(tmp_path / variant, variant), 33)
 
 
 def test_qwen3_moe_reads_its_dense_and_sparse_layers(tmp_path):

@@ -9,7 +9,8 @@ import io
 
 import pytest
 import torch
-from engine_lanes import open_lane
+from engine_lanes import open_lane, tiny_engine
+from hf_reference import cached_greedy
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from test_tp_exact import decode_steps
@@ -17,9 +18,6 @@ from tiny_llava import block_image
 from tiny_qwen_vl import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, write_tiny_qwen_vl
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.engine import Engine
-from tpserve.ranks.kv_store import KVPool
-from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import prompt_positions
 from tpserve.ranks.qwen_vision import load_qwen_vision_tower
@@ -60,17 +58,7 @@ def image_prompt(merged, before=(40, 41), after=(50, 51, 52)):
 def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=None, chunk=0):
     """Prefill `prompts` (images: per prompt, (offset, features or None on a follower, merged grid)
     or None) in one pass, or one prompt in chunks of `chunk` tokens; then NUM_STEPS greedy rounds."""
-    model = load_rank_model(
-        model_dir,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=torch.float32,
-        max_positions=256,
-        collectives=collectives,
-        row_tile=16,
-    )
-    kv = KVPool(model.config.num_layers, 1024, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
-    engine = Engine(model, kv)
+    engine = tiny_engine(model_dir, 1024, tp_rank, tp_size, collectives)
     spans, media_rows, media, ropes = [], [], [], []
     for lane, (prompt, image) in enumerate(zip(prompts, images)):
         open_lane(engine, lane, 200)
@@ -143,27 +131,19 @@ def test_logits_and_greedy_tokens_match_transformers(qwen_dir):
         images=Image.open(io.BytesIO(data)), return_tensors="pt"
     )
     ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = reference(
-            input_ids=ids,
-            pixel_values=inputs["pixel_values"],
-            image_grid_thw=inputs["image_grid_thw"],
-            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-            use_cache=True,
-        )
-        theirs_logits, past, theirs_tokens = [out.logits[0, -1]], out.past_key_values, []
-        for _ in range(NUM_STEPS - 1):
-            token = int(theirs_logits[-1].argmax())
-            theirs_tokens.append(token)
-            out = reference(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            theirs_logits.append(out.logits[0, -1])
-            past = out.past_key_values
-    theirs_tokens.append(int(theirs_logits[-1].argmax()))
-    torch.testing.assert_close(ours_logits[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
+    theirs_logits, theirs_tokens = cached_greedy(
+        reference,
+        NUM_STEPS,
+        input_ids=ids,
+        pixel_values=inputs["pixel_values"],
+        image_grid_thw=inputs["image_grid_thw"],
+        mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
+    )
+    torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert [step[0] for step in ours_tokens] == theirs_tokens
     # In chunks that cut the image (a long prompt's prefill, or a cached prefix, does).
     chunked, chunked_tokens = run_prompts(qwen_dir, [prompt], [(offset, features, merged)], chunk=11)
-    torch.testing.assert_close(chunked[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
+    torch.testing.assert_close(chunked[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert chunked_tokens == ours_tokens
     # The multimodal positions changed the logits: plain 1-D positions give others.
     flat_logits, _ = run_prompts(qwen_dir, [prompt], [(offset, features, (1, merged[0] * merged[1]))])

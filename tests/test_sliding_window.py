@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_lanes import open_lane
-from hf_reference import check_against_transformers, engine_of
+from hf_reference import check_against_transformers, check_chunks_equal_whole, engine_of
 from multiproc import RankPool
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
@@ -51,15 +51,7 @@ def test_mistral_with_a_window_of_16_matches_transformers_on_a_64_token_prompt(t
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_prompt_in_chunks_has_the_whole_prompts_logits(tmp_path, family):
-    torch.set_num_threads(1)
-    engine = engine_of(write_hf_model(tmp_path / family, family), ROW_TILE)
-    ids = tuple((5 * i + 2) % 250 for i in range(70))
-    open_lane(engine, 0, 80)
-    open_lane(engine, 1, 80)
-    whole = engine.forward([(1, 0, ids)])
-    parts = [engine.forward([(0, 0, ids[:13])]), engine.forward([(0, 13, ids[13:68])])]
-    parts += [engine.forward([(0, 68, ids[68:69])]), engine.forward([(0, 69, ids[69:])])]
-    assert torch.equal(parts[-1], whole)
+    check_chunks_equal_whole(write_hf_model(tmp_path / family, family), 13)
 
 
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window"])

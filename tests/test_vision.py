@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_lanes import open_lane
+from engine_lanes import open_lane, tiny_engine
+from hf_reference import cached_greedy
 from multiproc import RankPool, world_collectives
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -19,11 +20,8 @@ from test_tp_exact import decode_steps
 from tiny_llava import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, block_image, write_tiny_llava
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import ModelFileError
-from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.leader import media_in_chunk
-from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config, parse_model_config
 from tpserve.ranks.vision import load_vision_tower
 from tpserve.server.images import Preprocessor, decode_image
@@ -58,17 +56,7 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
     """Prefill `prompts` in one pass (images: per prompt, (offset, image bytes) or None; with
     `chunk`, one prompt in passes of that many tokens), then NUM_STEPS greedy rounds; the logits
     of every step and the tokens (rank 0)."""
-    model = load_rank_model(
-        model_dir,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=torch.float32,
-        max_positions=256,
-        collectives=collectives,
-        row_tile=16,
-    )
-    kv = KVPool(model.config.num_layers, 1024, model.kv_heads_per_piece(), model.config.head_dim, model.dtype)
-    engine = Engine(model, kv)
+    engine = tiny_engine(model_dir, 1024, tp_rank, tp_size, collectives)
     spans, media_rows, media = [], [], []
     for lane, (prompt, image) in enumerate(zip(prompts, images)):
         open_lane(engine, lane, 200)
@@ -119,21 +107,12 @@ def test_logits_and_greedy_tokens_match_transformers(llava_dir):
     reference = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
     pixels = torch.from_numpy(pixels_of(llava_dir, data)).unsqueeze(0)
     ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = reference(input_ids=ids, pixel_values=pixels, use_cache=True)
-        theirs_logits, past, theirs_tokens = [out.logits[0, -1]], out.past_key_values, []
-        for _ in range(NUM_STEPS - 1):
-            token = int(theirs_logits[-1].argmax())
-            theirs_tokens.append(token)
-            out = reference(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            theirs_logits.append(out.logits[0, -1])
-            past = out.past_key_values
-    theirs_tokens.append(int(theirs_logits[-1].argmax()))
-    torch.testing.assert_close(ours_logits[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
+    theirs_logits, theirs_tokens = cached_greedy(reference, NUM_STEPS, input_ids=ids, pixel_values=pixels)
+    torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert [step[0] for step in ours_tokens] == theirs_tokens
     # In chunks that cut the image (as a long prompt's prefill, or a cached prefix, does).
     chunked_logits, chunked_tokens = run_prompts(llava_dir, [prompt], [(offset, data)], chunk=7)
-    torch.testing.assert_close(chunked_logits[:, 0], torch.stack(theirs_logits), rtol=0, atol=1e-4)
+    torch.testing.assert_close(chunked_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert [step[0] for step in chunked_tokens] == theirs_tokens
     # The image changed the reply's logits: the features really went in.
     text_logits, _ = run_prompts(llava_dir, [prompt], [None])

@@ -5,23 +5,21 @@ equal their solo runs whether or not images sit beside them."""
 from __future__ import annotations
 
 import base64
-import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-from daemon import read_reply, running_daemon
+from daemon import running_daemon
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2
 from test_grpc_api import GOLDEN_DIR, LLAVA_LIMITS, read_golden
 from tiny_llava import TOKENS_PER_IMAGE, block_image, write_tiny_llava
+from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
 
 from tpserve.server.validation import VISION_NEEDED
 from tpserve.v1 import serving_pb2
 
-MAX_TOKENS = 6
 LLAVA_GOLDEN = [
     path for path in sorted(GOLDEN_DIR.glob("*.txt")) if read_golden(path)[0].get("server") == "llava"
 ]
@@ -36,35 +34,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(model_dir, tmp_path_factory):
     limits = [f"--{key.replace('_', '-')}={value}" for key, value in LLAVA_LIMITS.items()]
-    # Prompts go in passes of 16 tokens and the cache shares blocks of 16: both cut images.
-    args = (
-        "--vision",
-        "--context",
-        "256",
-        "--lanes",
-        "4",
-        "--max-prefill-tokens",
-        "16",
-        "--kv-block-size",
-        "16",
-        *limits,
-    )
+    args = (*VISION_ARGS, *limits)
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("llava-logs"), *args) as daemon:
         daemon.model_name = Path(model_dir).name
         yield daemon
-
-
-def ask(image: bytes | None, text: str = "what is in this picture", **fields) -> serving_pb2.GenerateRequest:
-    request = serving_pb2.GenerateRequest(max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
-    message = request.messages.add(role="user")
-    if image is not None:
-        message.parts.add(media=serving_pb2.Media(mime_type="image/png", data=image))
-    message.parts.add(text=text)
-    return request
-
-
-def generate(daemon, request):
-    return read_reply(daemon.stub.Generate(request, timeout=120))
 
 
 @pytest.mark.parametrize("path", LLAVA_GOLDEN, ids=lambda path: path.stem)
@@ -75,16 +48,10 @@ def test_golden_image_refusal(served, path):
 
 
 def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):
-    question = "what is in this picture, the quick brown fox or the lazy dog?"
-    first = generate(served, ask(block_image(21), question))
-    again = generate(served, ask(block_image(21), question))
-    other = generate(served, ask(block_image(22), question))
-    assert first.ok and again.ok and other.ok
+    again, other = same_then_other(served, (40, 34))  # block_image's own default size
     image_end = 3 + TOKENS_PER_IMAGE  # "<|im_start|>user\n" then the image
     assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
-    assert again.token_ids == first.token_ids
     assert other.last.usage.cached_tokens < image_end - TOKENS_PER_IMAGE + 1  # at most the text before it
-    assert other.token_ids != first.token_ids
 
 
 def test_replies_beside_images_equal_their_solo_runs(served):
@@ -95,11 +62,7 @@ def test_replies_beside_images_equal_their_solo_runs(served):
         ask(block_image(31), "the quick brown fox"),
         ask(None, "tensor parallel serving", temperature=1.1, seed=3),
     ]
-    solo = [generate(served, request) for request in requests]
-    with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(lambda request: generate(served, request), requests))
-    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
-    assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
+    check_batched(served, requests)
 
 
 def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
@@ -132,15 +95,9 @@ def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
 
 
 def test_fuzzed_image_bytes_fail_their_own_request_only(served):
-    rng = random.Random(5)
     good = block_image(51, (30, 30))
-    for _ in range(40):
-        data = bytearray(good)
-        for _ in range(rng.randrange(1, 6)):
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        if rng.random() < 0.3:
-            data = data[: rng.randrange(1, len(data))]
-        reply = generate(served, ask(bytes(data)))
+    for data in corrupted(good, 40):
+        reply = generate(served, ask(data))
         assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
     assert served.health() == health_pb2.HealthCheckResponse.SERVING
     assert generate(served, ask(good)).ok

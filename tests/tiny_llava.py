@@ -13,35 +13,19 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from tiny_models import BASE, SPECIAL_TOKENS
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tiny_models import SPECIAL_TOKENS
+from tiny_vlm import chat_template, save_with_tokenizer, scramble, text_settings, train_tokenizer
+from tokenizers import Tokenizer
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = len(SPECIAL_TOKENS)  # the first token after the tiny models' specials
 IMAGE_SIZE, PATCH_SIZE = 30, 6
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2
-# Content as transformers' multimodal templates take it: a list of typed parts.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chat_template(IMAGE_TOKEN)
 
 
 def _tokenizer() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=[*SPECIAL_TOKENS, IMAGE_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = ["the quick brown fox jumps over the lazy dog", "what is in this picture", "hello world"] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer = train_tokenizer([IMAGE_TOKEN])
     assert tokenizer.token_to_id(IMAGE_TOKEN) == IMAGE_TOKEN_ID
     return tokenizer
 
@@ -52,18 +36,7 @@ def write_tiny_llava(out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer()
-    text = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=BASE["hidden_size"],
-        intermediate_size=BASE["intermediate_size"],
-        num_hidden_layers=BASE["num_hidden_layers"],
-        num_attention_heads=BASE["num_attention_heads"],
-        num_key_value_heads=BASE["num_key_value_heads"],
-        rms_norm_eps=BASE["rms_norm_eps"],
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    text = LlamaConfig(**text_settings(tokenizer.get_vocab_size()))
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -75,20 +48,8 @@ def write_tiny_llava(out_dir: str | Path, seed: int = 0) -> Path:
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # weights far from transformers' tiny init, so the logits say something
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            is_norm = "norm" in name or "layrnorm" in name
-            if is_norm and name.endswith("weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(noise * (1.0 if "embed_tokens" in name else 0.1 if is_norm else 0.2))
-    model.save_pretrained(out)
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "add_bos_token": False})
-    )
+    scramble(model, seed, ("norm", "layrnorm"))
+    save_with_tokenizer(out, model, tokenizer, CHAT_TEMPLATE)
     preprocessor = {
         "image_processor_type": "CLIPImageProcessor",
         "do_resize": True,

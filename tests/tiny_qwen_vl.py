@@ -6,12 +6,12 @@ tokenizer (the vision specials), chat template and Qwen2VLImageProcessor's own s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from tiny_models import BASE, SPECIAL_TOKENS
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tiny_vlm import chat_template, save_with_tokenizer, scramble, text_settings, train_tokenizer
+from tokenizers import Tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(
@@ -19,28 +19,11 @@ VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(
 )
 PATCH, MERGE, TEMPORAL = 6, 2, 2
 MIN_PIXELS, MAX_PIXELS = 12 * 12, 12 * 12 * 80
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for part in m['content'] %}{% if part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
 
 
 def _tokenizer() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=[*SPECIAL_TOKENS, *VISION_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = ["the quick brown fox jumps over the lazy dog", "what is in this picture", "hello world"] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer = train_tokenizer(VISION_TOKENS)
     assert tokenizer.token_to_id("<|image_pad|>") == IMAGE_TOKEN_ID
     return tokenizer
 
@@ -51,19 +34,8 @@ def write_tiny_qwen_vl(out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer()
-    text = {
-        "vocab_size": tokenizer.get_vocab_size(),
-        "hidden_size": BASE["hidden_size"],
-        "intermediate_size": BASE["intermediate_size"],
-        "num_hidden_layers": BASE["num_hidden_layers"],
-        "num_attention_heads": BASE["num_attention_heads"],
-        "num_key_value_heads": BASE["num_key_value_heads"],
-        "rms_norm_eps": BASE["rms_norm_eps"],
-        "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    text = text_settings(tokenizer.get_vocab_size())
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     vision = {
         "depth": 3,
         "hidden_size": 32,
@@ -86,20 +58,8 @@ def write_tiny_qwen_vl(out_dir: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # weights far from transformers' tiny init, so the logits say something
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            is_norm = "norm" in name or "ln_q" in name
-            if is_norm:
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(noise * (1.0 if "embed_tokens" in name else 0.2))
-    model.save_pretrained(out)
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "add_bos_token": False})
-    )
+    scramble(model, seed, ("norm", "ln_q"))
+    save_with_tokenizer(out, model, tokenizer, CHAT_TEMPLATE)
     processor = Qwen2VLImageProcessorPil(
         patch_size=PATCH,
         temporal_patch_size=TEMPORAL,

@@ -1,0 +1,76 @@
+"""What the vision daemon tests share (tests/test_vision_daemon.py, tests/test_qwen_vl_daemon.py): the
+flags that cut images into prompt passes and cache blocks of 16, one chat request with or without an
+image, requests together against their solo runs, one question about the same image twice and then
+another, and corrupted copies of an image's
+bytes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from daemon import Reply, read_reply
+from tiny_llava import block_image
+
+from tpserve.v1 import serving_pb2
+
+MAX_TOKENS = 6
+# Prompts go in passes of 16 tokens and the cache shares blocks of 16: both cut images.
+VISION_ARGS = (
+    "--vision",
+    "--context",
+    "256",
+    "--lanes",
+    "4",
+    "--max-prefill-tokens",
+    "16",
+    "--kv-block-size",
+    "16",
+)
+
+
+def ask(image: bytes | None, text: str = "what is in this picture", **fields) -> serving_pb2.GenerateRequest:
+    request = serving_pb2.GenerateRequest(max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+    message = request.messages.add(role="user")
+    if image is not None:
+        message.parts.add(media=serving_pb2.Media(mime_type="image/png", data=image))
+    message.parts.add(text=text)
+    return request
+
+
+def generate(daemon, request) -> Reply:
+    return read_reply(daemon.stub.Generate(request, timeout=120))
+
+
+def corrupted(good: bytes, count: int, seed: int = 5) -> Iterator[bytes]:
+    """`count` copies of `good` with a few bytes overwritten, some also cut short."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        data = bytearray(good)
+        for _ in range(rng.randrange(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(1, len(data))]
+        yield bytes(data)
+
+
+def same_then_other(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
+    """One question about an image, again about the same image, then about another: the second
+    reply repeats the first and the third differs; the second and the third."""
+    question = "what is in this picture, the quick brown fox or the lazy dog?"
+    first, again, other = (generate(daemon, ask(block_image(seed, size), question)) for seed in (21, 21, 22))
+    assert first.ok and again.ok and other.ok
+    assert again.token_ids == first.token_ids
+    assert other.token_ids != first.token_ids
+    return again, other
+
+
+def check_batched(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
+    """A batch against solo runs: each request alone, then all at once; every reply whole and the
+    same both ways."""
+    solo = [generate(daemon, request) for request in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda request: generate(daemon, request), requests))
+    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
+    assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
