@@ -92,6 +92,9 @@ class ServeConfig:
     tool_call_parser: str = ""  # hermes, llama3, mistral or none
     reasoning_parser: str = ""  # qwen3 (<think> blocks), deepseek_r1 (the reply opens inside one) or none
     grace_s: float = 10.0
+    # The APIs, tokenizing and detokenizing in a process of their own beside rank 0's engine loop
+    # (server/front_process.py), so they never hold its interpreter; None (auto): on, unless vision.
+    front_process: bool | None = None
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
     master: str = ""  # HOST[:PORT] of rank 0, for one process per host
 
@@ -119,7 +122,7 @@ _CHOICES = {
 }
 _AT_MOST = {"draft_tokens": MAX_DRAFT_TOKENS}  # a decode product holds 16 rows: the token and 15 drafts
 # Keys whose default (None) is "auto": the device's own default, decided when the rank knows it.
-_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int, "default_max_tokens": int}
+_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int, "default_max_tokens": int, "front_process": bool}
 _POSITIVE = {
     "lanes",
     "context",
@@ -217,6 +220,10 @@ def load_config(
     problem = key_problem(config.api_key)
     if problem is not None:
         raise ConfigError(f"api_key: {problem} (the key itself is not shown)")
+    if config.front_process and config.vision:
+        raise ConfigError(
+            "front_process: the front process reads no images yet; with vision set it to auto or false"
+        )
     if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:
         raise ConfigError("refuse_token_on_rank: give two numbers, a rank and a token id")
     return config

@@ -40,7 +40,7 @@ class LaneHost:
         self,
         backend: Backend,
         *,
-        detokenize: Callable[[Sequence[int]], str],
+        detokenize: Callable[[Sequence[int]], str] | None,
         eos_ids: frozenset[int],
         queue_size: int = 64,
         clock: Callable[[], float] = time.monotonic,
@@ -50,9 +50,13 @@ class LaneHost:
         max_draft_tokens: int = 0,
         draft_rows: int = 16,
         logprobs: Callable[[int, int], TokenLogprob | None] | None = None,
+        on_step: Callable[[], None] | None = None,
     ):
         """logprobs(lane, position): the backend's log probability of the token its last pass
-        sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none."""
+        sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none.
+        detokenize None: streams carry bare tokens, no text and no stop strings (the front process
+        makes the text, server/front_link.py). on_step: called on the scheduling thread after each
+        step (the front link sends what a step produced in one message)."""
         check_backend(backend)
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -83,11 +87,15 @@ class LaneHost:
             logprobs=logprobs,
             on_broken=on_broken,
         )
-        self._thread = SchedulerThread(backend, self._state, self._scheduler)
+        self._thread = SchedulerThread(backend, self._state, self._scheduler, on_step=on_step)
 
     @property
     def broken(self) -> bool:
         return self._state.broken_reason is not None
+
+    @property
+    def broken_reason(self) -> str | None:
+        return self._state.broken_reason
 
     def submit(self, request: GenerationRequest) -> Stream:
         """Queue a request. Raises QueueFull, HostUnavailable, or ValueError for a request that cannot run."""

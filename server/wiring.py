@@ -27,7 +27,11 @@ def build_lane_host(
     queue_size: int = 64,
     record_dir: str = "",
     on_broken: Callable[[str], None] | None = None,
+    makes_text: bool = True,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[LaneHost, Leader]:
+    """makes_text False: streams carry bare tokens, the front process makes the text (and
+    on_step, the front link's, sends each step's tokens in one message)."""
     settings = runtime.settings  # as the rank started: "auto" decided for its device
     leader = Leader(
         runtime.engine,
@@ -41,8 +45,8 @@ def build_lane_host(
     backend = RecordingBackend(leader, record_dir) if record_dir else leader
     host = LaneHost(
         backend,
-        detokenize=tokenizer.decode,
-        eos_ids=tokenizer.eos_ids | frozenset(runtime.config.eos_token_ids),
+        detokenize=tokenizer.decode if makes_text else None,
+        eos_ids=eos_ids_of(runtime, tokenizer),
         queue_size=queue_size,
         batch_prefill=settings.batch_prefill,
         on_broken=on_broken,
@@ -52,8 +56,14 @@ def build_lane_host(
         max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,
         draft_rows=ROW_TILE,
         logprobs=leader.logprobs,  # the leader's own, past the recorder: only rank 0 has logits
+        on_step=on_step,
     )
     return host, leader
+
+
+def eos_ids_of(runtime: RankRuntime, tokenizer: Tokenizer) -> frozenset[int]:
+    """The tokens that end a reply: the tokenizer's and the model config's."""
+    return tokenizer.eos_ids | frozenset(runtime.config.eos_token_ids)
 
 
 @dataclass
