@@ -96,11 +96,8 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     setup_logging(0)
-    conn = Connection(int(sys.argv[1]))
-    try:
-        return serve_front(conn)
-    finally:
-        conn.close()
+    # Never closed here: the engine-read thread may be inside recv; the process's exit closes it.
+    return serve_front(Connection(int(sys.argv[1])))
 
 
 if __name__ == "__main__":
