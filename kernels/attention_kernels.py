@@ -33,11 +33,12 @@ class AttentionKernel:
     # (spans, group, num_slots, block_size, device, num_rows) -> what `attend` reads, the spans' keys
     # through their block tables (kernels/attention.py): built once per pass
     plan: Callable
-    # (q [T, Hq, D], pool_k, pool_v [Hkv, slots, D], plan, scale) -> [T, Hq*D]
+    # (q [T, Hq, D], pool_k, pool_v [Hkv, slots, D], plan, scale, window=0, sinks=None) -> [T, Hq*D]:
+    # window the layer's sliding window (0: none), sinks its [Hq] sink logits (None: none)
     attend: Callable
     # (qkv [T, (Hq + 2 Hkv) * D] unrotated, num_q, normed q and k or None, rotary tables, slots,
-    # pool_k, pool_v, plan, scale) -> [T, Hq*D]: rotary, the KV writes and attend in one call, where
-    # the kernel has one (kernels/native_attention.py)
+    # pool_k, pool_v, plan, scale, window=0, sinks=None) -> [T, Hq*D]: rotary, the KV writes and
+    # attend in one call, where the kernel has one (kernels/native_attention.py)
     rotate_store_attend: Callable | None = None
 
 

@@ -57,8 +57,8 @@ def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) ->
 
 _P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # The tail every entry point shares: pool_k, pool_v, head_stride, kv_half, num_kv_heads, group,
-# head_dim, spans, num_spans, blocks, block_size, scale, out.
-_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _P, _I64, _FLOAT, _P]
+# head_dim, spans, num_spans, blocks, block_size, window, sinks, scale, out.
+_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _P, _I64, _I64, _P, _FLOAT, _P]
 POOL_DTYPES = (torch.float32, torch.float16)  # what the KV pool may hold: float16 is widened exactly
 _SIGNATURES = {
     "tp_span_attention": [_P, _I64, *_ATTEND],
@@ -97,28 +97,47 @@ def use_attention_path(name: str | None) -> None:
 
 
 def native_attention(
-    q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, plan: NativePlan, scale: float
+    q: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    plan: NativePlan,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (rotated); pool_*: [Hkv, slots, D] already holding the spans' keys. Returns [T, Hq*D];
-    rows no span holds (a pass's padding) are zeros."""
+    rows no span holds (a pass's padding) are zeros. window: a row at position p sees keys p - window
+    + 1 .. p (0: all of 0 .. p); sinks: [Hq] float32 logits in each row's softmax denominator, or None."""
     num_tokens, num_heads, head_dim = q.shape
     q = _rows_of_heads(q)
     _check_pool(pool_k, pool_v, plan)
     out = (torch.empty if plan.num_rows == num_tokens else torch.zeros)(num_tokens, num_heads, head_dim)
-    failed = _kernel()(q.data_ptr(), q.stride(0), *_attend_args(pool_k, pool_v, plan, head_dim, scale, out))
+    sinks = _sinks(sinks, num_heads)  # (held here while the kernel reads it)
+    args = _attend_args(pool_k, pool_v, plan, head_dim, window, sinks, scale, out)
+    failed = _kernel()(q.data_ptr(), q.stride(0), *args)
     _check(failed)
     return out.view(num_tokens, num_heads * head_dim)
 
 
 def rotate_store_attend(
-    qkv, num_q: int, normed, tables, slots, pool_k, pool_v, plan: NativePlan, scale: float
+    qkv,
+    num_q: int,
+    normed,
+    tables,
+    slots,
+    pool_k,
+    pool_v,
+    plan: NativePlan,
+    scale: float,
+    window=0,
+    sinks=None,
 ) -> torch.Tensor:
     """A layer's attention block in one call: q and k rotated by `tables` (cos, signed sin: [T, 1,
     D]), k and v stored at `slots` ([T_real], kv_slots: rows past them are padding), then attention.
 
     qkv: [T, (Hq + 2 Hkv) * D], the fused product (q heads, k heads, v heads); normed: None, or q
     [T, Hq, D] and k [T, Hkv, D] normed first (qk_norm), read instead of qkv's; pool_*: [Hkv,
-    slots, D]. Returns [T, Hq*D], padding rows zero."""
+    slots, D]; window, sinks: as native_attention reads them. Returns [T, Hq*D], padding rows zero."""
     _check_pool(pool_k, pool_v, plan)
     num_kv_heads, head_dim = pool_k.shape[0], pool_k.shape[2]
     num_tokens = qkv.shape[0]
@@ -132,6 +151,7 @@ def rotate_store_attend(
     if normed is not None:
         (q, q_stride), (k, k_stride) = ((x.data_ptr(), x.stride(0)) for x in map(_rows_of_heads, normed))
     cos, sin = tables
+    sinks = _sinks(sinks, num_q)  # (held here while the kernel reads it)
     out = (torch.empty if plan.num_rows == num_tokens else torch.zeros)(num_tokens, num_q * head_dim)
     failed = _entry("tp_rotate_store_attend")(
         q,
@@ -144,7 +164,7 @@ def rotate_store_attend(
         sin.data_ptr(),
         slots.data_ptr(),
         slots.shape[0],
-        *_attend_args(pool_k, pool_v, plan, head_dim, scale, out),
+        *_attend_args(pool_k, pool_v, plan, head_dim, window, sinks, scale, out),
     )
     _check(failed)
     return out
@@ -155,7 +175,18 @@ def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def _attend_args(pool_k, pool_v, plan: NativePlan, head_dim: int, scale: float, out) -> tuple:
+def _sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """A layer's sink logits as the kernel reads them: [num_heads] contiguous float32."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {num_heads} query heads")
+    return sinks.float().contiguous()
+
+
+def _attend_args(
+    pool_k, pool_v, plan: NativePlan, head_dim: int, window: int, sinks, scale: float, out
+) -> tuple:
     num_kv_heads = pool_k.shape[0]
     return (
         pool_k.data_ptr(),
@@ -169,6 +200,8 @@ def _attend_args(pool_k, pool_v, plan: NativePlan, head_dim: int, scale: float, 
         plan.table.shape[0],
         plan.blocks.data_ptr(),
         plan.block_size,
+        int(window or 0),
+        None if sinks is None else sinks.data_ptr(),
         scale,
         out.data_ptr(),
     )

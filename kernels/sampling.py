@@ -55,14 +55,18 @@ def sample(
             f"sample needs logits [num_rows, vocab] and one params and position per row; got logits "
             f"{tuple(logits.shape)}, {len(params)} params, {len(positions)} positions"
         )
-    scores = _to_float32(logits)  # [num_rows, vocab]
-    if streams is not None and any(row is not None for row in streams):
-        scores = scores.copy()  # the caller's logits stay raw (log probabilities read them)
-        adjust_logits(scores, params, streams)
-    if allowed is not None and any(mask is not None for mask in allowed):
-        scores = _masked(scores, allowed)
-    # numpy documents argmax as returning the first occurrence of the maximum: the lower id.
-    tokens = scores.argmax(axis=-1)  # [num_rows], the greedy choice of every row
+    adjusts = streams is not None and any(row is not None for row in streams)
+    masks = allowed is not None and any(mask is not None for mask in allowed)
+    if adjusts or masks:
+        scores = _to_float32(logits, own=True)  # [num_rows, vocab]; the caller's logits stay raw
+        if adjusts:
+            adjust_logits(scores, params, streams)
+        if masks:
+            _mask(scores, allowed)
+        # numpy documents argmax as returning the first occurrence of the maximum: the lower id.
+        tokens = scores.argmax(axis=-1)  # [num_rows], the greedy choice of every row
+    else:
+        scores, tokens = _raw_argmax(logits)
     sampled = [row for row, p in enumerate(params) if not p.greedy]
     if not sampled:
         return tokens.tolist()
@@ -121,18 +125,32 @@ def token_logprobs(
     return result
 
 
-def _to_float32(logits: torch.Tensor) -> np.ndarray:
+def _to_float32(logits: torch.Tensor, own: bool = False) -> np.ndarray:
+    """The logits as a float32 array, NaN read as -inf; `own`: an array of the caller's own to
+    change (copied once at most), else possibly a view of the logits."""
     scores = logits.detach().to(device="cpu", dtype=torch.float32).numpy()
     if np.isnan(scores).any():
         # A NaN logit can never win: it reads as -inf (in a copy; the caller's tensor is left alone).
+        return np.where(np.isnan(scores), np.float32(-np.inf), scores)
+    return scores.copy() if own else scores
+
+
+def _raw_argmax(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The scores (logits as float32, NaN read as -inf) and each row's argmax, in one pass over the
+    logits where no row holds a NaN: numpy's argmax returns a row's first NaN when it has one (NaN
+    compares as the maximum), so a row whose argmax is not NaN has none, and `_to_float32`'s own
+    pass over every logit is only needed when some row's argmax is one."""
+    scores = logits.detach().to(device="cpu", dtype=torch.float32).numpy()  # [num_rows, vocab]
+    tokens = scores.argmax(axis=-1)  # [num_rows]
+    if np.isnan(scores[np.arange(len(tokens)), tokens]).any():
         scores = np.where(np.isnan(scores), np.float32(-np.inf), scores)
-    return scores
+        tokens = scores.argmax(axis=-1)
+    return scores, tokens
 
 
-def _masked(scores: np.ndarray, allowed: Sequence[np.ndarray | None]) -> np.ndarray:
-    """A copy of scores [num_rows, vocab] with each masked row's refused tokens at -inf (a copy: the
-    caller's logits stay raw for the log probabilities)."""
-    scores = scores.copy()
+def _mask(scores: np.ndarray, allowed: Sequence[np.ndarray | None]) -> None:
+    """Each masked row of scores [num_rows, vocab] (the sampler's own copy) with its refused tokens
+    at -inf."""
     vocab_size = scores.shape[-1]
     for row, mask in enumerate(allowed):
         if mask is not None:
@@ -141,7 +159,6 @@ def _masked(scores: np.ndarray, allowed: Sequence[np.ndarray | None]) -> np.ndar
             )
             keep = np.pad(keep, (0, vocab_size - len(keep)))  # [vocab]; past the mask: refused
             scores[row, ~keep] = -np.inf
-    return scores
 
 
 def _candidates(

@@ -17,6 +17,10 @@ row's maximum (order-free) and its exponentials (elementwise), and the blocks' p
 in block order in float32. A masked key weighs exactly zero, and a masked key's slot always holds
 finite numbers (a gather clamps to the span's last key), so masked keys add exactly nothing.
 
+A sliding-window layer masks the keys before a row's window too (key j hidden from position p where
+j <= p - window), a bias per window built once a pass; a sink (gpt-oss's per-head logit in the
+denominator) is one more exponential, exp(sink - m), added to each row's total after its blocks.
+
 So a chunk, a prompt after a prompt-cache restore, a decode step and a Verify give a row the very
 numbers of a whole prefill, on any CPU whose BLAS is deterministic for a fixed shape; the start-up
 probe (ranks/probe.py) checks that on the machine at hand.
@@ -74,18 +78,26 @@ class TiledPlan:
             indices = [i for i, s in enumerate(spans) if s.length * group <= SHORT_ROWS]
             blocks = max(num_blocks(s.end) for s in self.short)
             self.short_slots = tables.key_slots(indices, blocks * KEY_BLOCK)
-        # Each long span with its mask bias [tiles, blocks, ROW_TILE, KEY_BLOCK], key slots and the
-        # first tile that sees each key block.
+        # Each long span with its key slots and the first tile that sees each key block; its mask
+        # bias [tiles, blocks, ROW_TILE, KEY_BLOCK] per window (long_bias).
         self.long = [
             (
                 s,
-                _bias(_row_positions(s, group), num_blocks(s.end)).to(device),
                 tables.key_slots([i], num_blocks(s.end) * KEY_BLOCK)[0].to(device),
                 _first_tiles(s, group),
             )
             for i, s in enumerate(spans)
             if s.length * group > SHORT_ROWS
         ]
+        self._long_bias: dict[tuple[int, int], torch.Tensor] = {}
+
+    def long_bias(self, index: int, window: int) -> torch.Tensor:
+        """Long span `index`'s mask bias for a layer of `window` (0: none), built once a pass."""
+        if (index, window) not in self._long_bias:
+            span = self.long[index][0]
+            bias = _bias(_row_positions(span, self.group), num_blocks(span.end), window)
+            self._long_bias[index, window] = bias.to(self.device)
+        return self._long_bias[index, window]
 
     def short_batch(self, num_kv_heads: int) -> _ShortBatch | None:
         if not self.short:
@@ -134,10 +146,20 @@ class _ShortBatch:
             if q_row != dump_row:
                 result_rows[q_row] = entry_row
         self.result_index = torch.tensor(result_rows, device=device)  # [T*Hq]
-        self.bias = _bias(torch.tensor(positions), self.num_blocks).to(device)
+        self.positions, self.device = torch.tensor(positions), device
+        self._bias: dict[int, torch.Tensor] = {}
         # The entries' keys as rows of the pool seen as [Hkv*slots, D]: [E * nb * KEY_BLOCK]
         heads = torch.tensor(entry_heads).unsqueeze(1) * num_slots
         self.key_rows = (slots[torch.tensor(entry_spans)] + heads).view(-1).to(device)
+        self.row_heads = torch.tensor(
+            [(q_row % num_heads) for q_row in q_rows], device=device
+        )  # [E*ROW_TILE] the query head of each entry row (its sink)
+
+    def bias(self, window: int) -> torch.Tensor:
+        """The entries' mask bias for a layer of `window` (0: none), built once a pass."""
+        if window not in self._bias:
+            self._bias[window] = _bias(self.positions, self.num_blocks, window).to(self.device)
+        return self._bias[window]
 
 
 def _row_positions(span, group: int) -> torch.Tensor:
@@ -154,18 +176,32 @@ def _first_tiles(span, group: int) -> list[int]:
     return [bisect.bisect_left(last, block * KEY_BLOCK) for block in range(num_blocks(span.end))]
 
 
-def _bias(positions: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
+def _bias(positions: torch.Tensor, num_key_blocks: int, window: int = 0) -> torch.Tensor:
     """[tiles, blocks, ROW_TILE, KEY_BLOCK] float32: -inf where key j lies past the row's position
-    p (j > p), else 0; added to the scores, it leaves a visible score's bits as they are."""
+    p (j > p), or before its window (j <= p - window, where window is set), else 0; added to the
+    scores, it leaves a visible score's bits as they are."""
     keys = torch.arange(num_key_blocks * KEY_BLOCK).view(1, num_key_blocks, 1, KEY_BLOCK)
-    hidden = keys > positions.view(-1, 1, ROW_TILE, 1)
+    rows = positions.view(-1, 1, ROW_TILE, 1)
+    hidden = keys > rows
+    if window:
+        hidden |= keys <= rows - window
     return torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
 
 
 def tiled_attention(
-    q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, plan: TiledPlan, scale: float
+    q: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    plan: TiledPlan,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] (rotated); pool_*: [Hkv, slots, D] already holding the spans' keys. Returns [T, Hq*D]."""
+    """q: [T, Hq, D] (rotated); pool_*: [Hkv, slots, D] already holding the spans' keys. Returns [T, Hq*D].
+    window: a row at position p sees keys p - window + 1 .. p (0: all of 0 .. p); sinks: [Hq] logits
+    in each row's softmax denominator, or None."""
+    window = int(window or 0)
+    sinks = None if sinks is None else sinks.float().to(q.device)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = pool_k.shape[0]
     group = plan.group
@@ -185,11 +221,13 @@ def tiled_attention(
             -1, KEY_BLOCK, head_dim
         )
         scores = torch.bmm(tiles, keys.transpose(1, 2)).view(num_entries, blocks, ROW_TILE, KEY_BLOCK)
-        weights = _softmax_weights(scores, batch.bias, scale, values.dtype).view(-1, ROW_TILE, KEY_BLOCK)
+        entry_sinks = None if sinks is None else sinks[batch.row_heads].view(num_entries, 1, ROW_TILE, 1)
+        weights, sink_terms = _softmax_weights(scores, batch.bias(window), scale, values.dtype, entry_sinks)
+        weights = weights.view(-1, ROW_TILE, KEY_BLOCK)
         shape = (num_entries, blocks, ROW_TILE, -1)
         sums = torch.bmm(weights, values).view(shape).unbind(1)
         totals = torch.bmm(weights, _ones(weights)).view(shape).unbind(1)
-        result = _normalised(sums, totals, q.dtype).view(-1, head_dim)
+        result = _normalised(sums, totals, q.dtype, sink_terms=sink_terms).view(-1, head_dim)
         if not plan.long:
             return result.index_select(0, batch.result_index).view(num_tokens, num_heads * head_dim)
     # One spare row past q's: where the short batch's padding rows are written, and dropped.
@@ -197,7 +235,8 @@ def tiled_attention(
     if batch is not None:
         out.index_copy_(0, batch.out_index, result)
     out = out[:-1].view(num_tokens, num_heads, head_dim)
-    for span, bias, slots, firsts in plan.long:
+    for index, (span, slots, firsts) in enumerate(plan.long):
+        bias = plan.long_bias(index, window)
         rows = span.length * group
         span_tiles, blocks = bias.shape[0], bias.shape[1]
         for head in range(num_kv_heads):
@@ -213,11 +252,15 @@ def tiled_attention(
             for b, first in enumerate(firsts):
                 seen = tiles[first:]
                 scores[first:, b] = torch.bmm(seen, keys[b].t().expand(seen.shape[0], -1, -1))
-            weights = _softmax_weights(scores, bias, scale, values.dtype)
+            row_sinks = None
+            if sinks is not None:  # [tiles, 1, ROW_TILE, 1]: row r's head is head * group + r % group
+                heads_of_rows = head * group + torch.arange(span_tiles * ROW_TILE) % group
+                row_sinks = sinks[heads_of_rows.to(sinks.device)].view(span_tiles, 1, ROW_TILE, 1)
+            weights, sink_terms = _softmax_weights(scores, bias, scale, values.dtype, row_sinks)
             seen = [weights[first:, b] for b, first in enumerate(firsts)]
             sums = [torch.bmm(w, values[b].expand(w.shape[0], -1, -1)) for b, w in enumerate(seen)]
             totals = [torch.bmm(w, _ones(w)) for w in seen]
-            result = _normalised(sums, totals, q.dtype, firsts).view(-1, head_dim)[:rows]
+            result = _normalised(sums, totals, q.dtype, firsts, sink_terms).view(-1, head_dim)[:rows]
             out[span.offset : span.offset + span.length, heads] = result.view(span.length, group, head_dim)
     return out.reshape(num_tokens, num_heads * head_dim)
 
@@ -233,21 +276,31 @@ def _ones(weights: torch.Tensor) -> torch.Tensor:
     return weights.new_ones(1, KEY_BLOCK, ROW_TILE).expand(weights.shape[0], -1, -1)
 
 
-def _softmax_weights(scores: torch.Tensor, bias: torch.Tensor, scale: float, dtype) -> torch.Tensor:
-    """scores [E, nb, ROW_TILE, KEY_BLOCK] -> unnormalised softmax weights in `dtype`: exp(s - max)
-    over each row's visible keys (the max is order-free; every row sees at least key 0)."""
+def _softmax_weights(scores: torch.Tensor, bias: torch.Tensor, scale: float, dtype, sinks=None):
+    """scores [E, nb, ROW_TILE, KEY_BLOCK] -> unnormalised softmax weights in `dtype`: exp(s - m)
+    over each row's visible keys (the max is order-free; every row sees at least its own key), m the
+    maximum of them and the row's sink ([E, 1, ROW_TILE, 1] or None); and the sinks' terms exp(sink
+    - m) [E, ROW_TILE, 1] float32 (None without sinks)."""
     scores = scores if scores.dtype == torch.float32 else scores.float()
     scores = scores * scale + bias
-    weights = torch.exp(scores - scores.amax(dim=(1, 3), keepdim=True))
-    return weights if weights.dtype == dtype else weights.to(dtype)
+    top = scores.amax(dim=(1, 3), keepdim=True)
+    terms = None
+    if sinks is not None:
+        top = torch.maximum(top, sinks)
+        terms = torch.exp(sinks - top).view(top.shape[0], ROW_TILE, 1)
+    weights = torch.exp(scores - top)
+    return (weights if weights.dtype == dtype else weights.to(dtype)), terms
 
 
-def _normalised(sums, totals, dtype, firsts=None) -> torch.Tensor:
+def _normalised(sums, totals, dtype, firsts=None, sink_terms=None) -> torch.Tensor:
     """The weighted values divided by the summed weights: each the blocks' partial sums ([E,
     ROW_TILE, D] and [E, ROW_TILE, ROW_TILE]; block b's for entries firsts[b]: on) added in block
-    order in float32. Returns [E, ROW_TILE, D]."""
+    order in float32, then the sinks' terms ([E, ROW_TILE, 1]) to the totals. Returns [E, ROW_TILE, D]."""
     firsts = firsts or [0] * len(sums)
-    out = _in_block_order(sums, firsts) / _in_block_order(totals, firsts)[..., :1]
+    total = _in_block_order(totals, firsts)[..., :1]
+    if sink_terms is not None:
+        total = total + sink_terms
+    out = _in_block_order(sums, firsts) / total
     return out if out.dtype == dtype else out.to(dtype)
 
 

@@ -36,9 +36,12 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
         spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]
         if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
             raise VotedDown("prefill refused by some rank")
-        if not any(s.media for s in msg.spans):
-            return engine.forward(spans)
-        return engine.forward(spans, media_rows=[s.media_rows() for s in msg.spans], media=media)
+        every_row = [s.every_row for s in msg.spans]
+        rope = [s.rope for s in msg.spans] if any(s.rope for s in msg.spans) else None
+        media_rows = [s.media_rows() for s in msg.spans] if any(s.media for s in msg.spans) else None
+        return engine.forward(
+            spans, every_row=every_row, media_rows=media_rows, media=media if media_rows else None, rope=rope
+        )
     if isinstance(msg, Mixed):
         verify = isinstance(msg.round, Verify)
         steps = msg.round.spans if verify else msg.round.steps
@@ -48,13 +51,21 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
             else (s.lane, s.position, (s.token_id,), s.blocks)
             for s in steps
         ]
-        (span,) = msg.prefill.spans
-        chunk = (span.lane, span.start, span.token_ids, span.blocks)
+        prompts = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.prefill.spans]
         engine.drop_unkept_drafts(steps)  # the same on every rank, whatever the vote: drafts it did not keep
-        if not channel.vote(engine.check([*steps, chunk]) and not engine.refuses([chunk])):
-            raise VotedDown("a prompt chunk beside a decode round refused by some rank")
-        media_rows = span.media_rows() if span.media else None
-        return engine.mixed(steps, verify, chunk, media_rows, media if span.media else None)
+        if not channel.vote(engine.check([*steps, *prompts]) and not engine.refuses(prompts)):
+            raise VotedDown("a prompt beside a decode round refused by some rank")
+        spans = msg.prefill.spans
+        media_rows = [s.media_rows() for s in spans] if any(s.media for s in spans) else None
+        return engine.mixed(
+            steps,
+            verify,
+            prompts,
+            media_rows,
+            media if media_rows else None,
+            prompt_rows=[s.every_row for s in spans],
+            rope=[s.rope for s in spans] if any(s.rope for s in spans) else None,
+        )
     if isinstance(msg, Round):
         return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])
     if isinstance(msg, Verify):

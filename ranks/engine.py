@@ -20,6 +20,7 @@ from tpserve.kernels.attention import SpanView
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.model import TPModel
+from tpserve.ranks.mrope import MRotary, rope_delta
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Lane:
     blocks: list[int]  # the block table: block ids holding positions 0, 1, ... in order
     length: int = 0  # tokens whose KV is computed (positions 0..length-1)
     drafts_from: int = 0  # after a Verify: where its drafts begin (a later round may drop them); 0: none
+    rope_delta: int = 0  # multimodal rotary: a token's (t, h, w) past its prompt's rope (ranks/mrope.py)
 
 
 class EngineError(RuntimeError):
@@ -134,17 +136,20 @@ class Engine:
         self,
         spans: list[tuple[int, int, tuple[int, ...]]],
         *,
-        every_row: bool = False,
+        every_row: bool | list[bool] = False,
         media_rows: list[list[int]] | None = None,
         media: torch.Tensor | None = None,
+        rope: list[tuple[int, ...]] | None = None,
     ) -> torch.Tensor | None:
         """A prompt pass. spans: (lane, start, token ids, new blocks) that pass check(). Computes and stores their
         KV, advances the lanes, and returns the next-token logits of each span's last token
-        ([num_spans, vocab] float32; with every_row, of every token in order) on rank 0, None elsewhere.
+        ([num_spans, vocab] float32; with every_row, of every token in order; one flag for the pass or one
+        per span) on rank 0, None elsewhere.
 
         media_rows: per span, the offsets of its tokens embedded as image features; media: those
-        features in the same order ([rows, hidden], rank 0 only)."""
-        return self._pass(spans, every_row, media_rows, media)
+        features in the same order ([rows, hidden], rank 0 only). rope: per span, its tokens' multimodal
+        rotary positions (t..., h..., w...) or () (ranks/wire.py Span.rope)."""
+        return self._pass(spans, every_row, media_rows, media, rope)
 
     def decode_round(self, steps: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
         """One token per lane: (lane, position, (token,), new blocks), as forward. A lane a Verify left longer
@@ -161,16 +166,29 @@ class Engine:
             self.lanes[lane].drafts_from = start + 1  # the fed token stays; its drafts may go
         return logits
 
-    def mixed(self, steps, verify: bool, chunk, media_rows: list[int] | None = None, media=None):
-        """A decode round (a Verify when `verify`) and one prompt chunk (lane, start, token ids, new
-        blocks) in one pass, so decoding streams keep their pace while a long prompt fills. Logits:
-        the round's rows as decode_round's or verify's, then the chunk's last token's. Each row is
-        the same as in separate passes: every product and attention row is batch-invariant.
-        media_rows: the chunk's offsets embedded as image features (media: those features)."""
+    def mixed(
+        self,
+        steps,
+        verify: bool,
+        prompts,
+        media_rows: list[list[int]] | None = None,
+        media=None,
+        prompt_rows: list[bool] | None = None,
+        rope: list[tuple[int, ...]] | None = None,
+    ):
+        """A decode round (a Verify when `verify`) and prompts (lane, start, token ids, new blocks:
+        whole prompts, or a long prompt's chunk) in one pass, so decoding streams keep their pace
+        and a step is one pass. Logits: the round's rows as decode_round's or verify's, then each
+        prompt's last token's (every token's where `prompt_rows` says: a prompt's log
+        probabilities). Each row is the same as in separate passes: every product and attention row
+        is batch-invariant. media_rows: per prompt, its offsets embedded as image features (media:
+        those features, in order); rope: per prompt, its multimodal rotary positions, as forward's."""
         self.drop_unkept_drafts(steps)
-        spans = [*steps, chunk]
-        rows = None if media_rows is None else [[]] * len(steps) + [media_rows]
-        logits = self._pass(spans, [verify] * len(steps) + [False], rows, media)
+        spans = [*steps, *prompts]
+        rows = None if media_rows is None else [[]] * len(steps) + list(media_rows)
+        ropes = None if rope is None else [()] * len(steps) + list(rope)
+        every_row = [verify] * len(steps) + list(prompt_rows or [False] * len(prompts))
+        logits = self._pass(spans, every_row, rows, media, ropes)
         if verify:
             for lane, start, *_ in steps:
                 self.lanes[lane].drafts_from = start + 1
@@ -184,7 +202,7 @@ class Engine:
             if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
                 state.length = start
 
-    def _pass(self, spans, every_row, media_rows=None, media=None) -> torch.Tensor | None:
+    def _pass(self, spans, every_row, media_rows=None, media=None, rope=None) -> torch.Tensor | None:
         """every_row: one flag for the pass or one per span (a span's rows' logits, or its last's)."""
         spans = self._spans(spans)
         every_row = every_row if isinstance(every_row, list) else [every_row] * len(spans)
@@ -193,7 +211,8 @@ class Engine:
                 f"inconsistent pass {[(lane, start, len(t), b) for lane, start, t, b in spans]}"
             )
         self._grow(spans)
-        views, token_ids, positions, logit_rows, packed_media = [], [], [], [], []
+        views, token_ids, positions, logit_rows, packed_media, axes = [], [], [], [], [], []
+        multimodal = isinstance(self.model.rotary, MRotary)
         for index, (lane, start, tokens, _) in enumerate(spans):
             state = self.lanes[lane]
             views.append(SpanView(len(token_ids), start, len(tokens), tuple(state.blocks)))
@@ -201,6 +220,9 @@ class Engine:
                 packed_media.extend(len(token_ids) + row for row in media_rows[index])
             token_ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
+            if multimodal:
+                given = rope[index] if rope is not None else ()
+                axes.append(_rope_axes(given, start, len(tokens), state.rope_delta))
             if every_row[index]:
                 logit_rows.extend(range(len(token_ids) - len(tokens), len(token_ids)))
             else:
@@ -209,6 +231,8 @@ class Engine:
             raise EngineError(f"{media.shape[0]} image feature rows for {len(packed_media)} image positions")
         device = self.model.device
         rows = torch.tensor(packed_media, dtype=torch.int64, device=device) if packed_media else None
+        if multimodal:  # [3, T]: the rotary's (t, h, w) rows (KV slots come from the spans)
+            positions = [[p for span in axes for p in span[axis]] for axis in range(3)]
         with torch.inference_mode():
             logits = self.model.forward(
                 torch.tensor(token_ids, dtype=torch.int64, device=device),
@@ -221,16 +245,27 @@ class Engine:
             )
         if logits is not None:
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
-        for lane, _, tokens, _ in spans:
+        for index, (lane, _, tokens, _) in enumerate(spans):
             state = self.lanes[lane]
             state.length += len(tokens)
             state.drafts_from = 0
+            if multimodal and rope is not None and rope[index]:
+                state.rope_delta = rope_delta([axis[-1] for axis in axes[index]], state.length - 1)
         return logits
 
     def _pass_name(self, spans) -> str:
         peers = ", ".join(f"rank {r}" for r in range(1, self.model.tp_size))
         who = f"a collective with {peers} never finished (lost or hung)" if peers else "the device hung"
         return f"rank 0: the logits of a pass over {len(spans)} span(s) never reached the host: {who}"
+
+
+def _rope_axes(given, start: int, length: int, delta: int) -> list[list[int]]:
+    """A span's (t, h, w) position lists: as given, or each KV position plus the lane's delta."""
+    if given:
+        if len(given) != 3 * length:
+            raise EngineError(f"{len(given)} rope positions for a span of {length} tokens")
+        return [list(given[axis * length : (axis + 1) * length]) for axis in range(3)]
+    return [list(range(start + delta, start + delta + length))] * 3
 
 
 def open_lane(engine: Engine, lane: int, num_tokens: int) -> tuple[int, ...]:

@@ -17,6 +17,8 @@ from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
+from tpserve.ranks.mrope import chunk_rope
+from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.ranks.wire import (
     Admit,
     Bundle,
@@ -63,6 +65,7 @@ class Leader:
         max_prefill_tokens: int,
         batches_prompts: bool,
         record_features: bool = False,
+        profile: StepProfile | NoProfile | None = None,
     ):
         self.engine = engine
         self.channel = channel
@@ -84,7 +87,11 @@ class Leader:
         # The log probabilities of the last sampling pass's tokens, by (lane, position), for the
         # streams that asked; the lane host reads them right after the pass.
         self._logprobs: dict[tuple[int, int], TokenLogprob] = {}
+        # Prompt log probabilities by lane and position, gathered over a prompt's chunks for the
+        # items that ask (PrefillItem.prompt_logprobs), until the lane host takes them.
+        self._prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}
         self._record_features = record_features  # top logits per step, for the recorder only
+        self.profile = profile or NoProfile()  # the step timers, when measured (ranks/step_profile.py)
 
     # The Backend protocol ---------------------------------------------------------------------
     def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
@@ -102,6 +109,7 @@ class Leader:
             logits = self._run(msg, media)
         except VotedDown:
             return None
+        logits = self._take_prompt_rows(logits, items)
         return self._sample(logits, items, [i.start + len(i.token_ids) for i in items])
 
     @staticmethod
@@ -109,23 +117,61 @@ class Leader:
         spans, features = [], []
         for item in items:
             runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
-            spans.append(Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks))
+            every_row = item.prompt_logprobs >= 0
+            rope = chunk_rope(item.images, item.start, len(item.token_ids))  # () for a 1-D rotary
+            spans.append(
+                Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks, every_row, rope)
+            )
             features += rows
         return Prefill(tuple(spans)), torch.cat(features) if features else None
 
-    def _with_chunk(self, round_msg, chunk):
-        """Run a Round or Verify, with `chunk` (a PrefillItem or None) in the same pass. Returns the
-        logits of the round's rows, then the chunk's last row when the chunk ends its prompt."""
-        if chunk is None:
+    def _with_prompts(self, round_msg, prompts):
+        """Run a Round or Verify, with `prompts` (PrefillItems) in the same pass. Returns the logits
+        of the round's rows, then one row per prompt that ends (item.last), in order."""
+        if not prompts:
             return self._run(round_msg)
-        prefill, media = self._prefill_message([chunk])
+        prefill, media = self._prefill_message(prompts)
         try:
             logits = self._run(Mixed(round_msg, prefill), media)
         except VotedDown as error:
-            raise ChunkRefused(f"lane {chunk.lane}: prompt chunk refused") from error
-        return logits if chunk.last else logits[:-1]
+            lanes = ", ".join(str(item.lane) for item in prompts)
+            raise ChunkRefused(f"lanes {lanes}: a prompt beside the decode round refused") from error
+        num_prompt_rows = sum(len(p.token_ids) if p.prompt_logprobs >= 0 else 1 for p in prompts)
+        num_round = logits.shape[0] - num_prompt_rows  # the prompts' rows follow the round's
+        last = self._take_prompt_rows(logits[num_round:], prompts)
+        ended = [i for i, item in enumerate(prompts) if item.last]
+        if len(ended) == len(prompts):
+            return torch.cat([logits[:num_round], last])
+        return torch.cat([logits[:num_round], last[ended]])
 
-    def decode_drafts(self, items, chunk=None) -> list[list[int]]:
+    def _take_prompt_rows(self, logits: torch.Tensor, items) -> torch.Tensor:
+        """logits: a prompt pass's rows, item by item (every row of an item asking for prompt log
+        probabilities, else its last). Keeps those items' prompt log probabilities; returns each
+        item's last row ([len(items), vocab]), what sampling reads."""
+        if all(item.prompt_logprobs < 0 for item in items):
+            return logits
+        last, at = [], 0
+        for item in items:
+            if item.prompt_logprobs < 0:
+                last.append(at)
+                at += 1
+                continue
+            targets = item.prompt_targets
+            if len(targets) > len(item.token_ids):
+                raise ValueError(
+                    f"lane {item.lane}: {len(targets)} prompt targets for a chunk of {len(item.token_ids)}"
+                )
+            found = token_logprobs(
+                logits[at : at + len(targets)], targets, [item.prompt_logprobs] * len(targets)
+            )
+            kept = self._prompt_logprobs.setdefault(item.lane, {})
+            for k, (token, (logprob, top)) in enumerate(zip(targets, found)):
+                kept[item.start + k + 1] = TokenLogprob(token, logprob, tuple(top))
+            at += len(item.token_ids)
+            last.append(at - 1)
+        return logits[last]
+
+    def decode_drafts(self, items, prompts=()) -> list[list[int]]:
         msg = Verify(tuple(Span(i.lane, i.position, (i.token_id, *i.draft), (), i.blocks) for i in items))
         rows = [(item, k) for item in items for k in range(1 + len(item.draft))]
         # Row k of an item samples after its first k drafts, which count as its stream's tokens.
@@ -133,15 +179,18 @@ class Leader:
         # A constrained stream brings no draft (server/drafts.py), so its one row takes its mask.
         masks = [item.allowed if k == 0 else None for item, k in rows]
         rows = [(item, item.position + 1 + k) for item, k in rows]
-        if chunk is not None and chunk.last:
-            rows.append((chunk, chunk.start + len(chunk.token_ids)))
-            masks.append(chunk.allowed)
-            streams.append(None if chunk.counts is None else (chunk.counts, ()))
-        logits = self._with_chunk(msg, chunk)
-        tokens = sample(logits, [item.sampling for item, _ in rows], [p for _, p in rows], masks, streams)
-        self._keep_logprobs(
-            logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
-        )
+        ended = [item for item in prompts if item.last]
+        for item in ended:
+            rows.append((item, item.start + len(item.token_ids)))
+            masks.append(item.allowed)
+            streams.append(None if item.counts is None else (item.counts, ()))
+        logits = self._with_prompts(msg, prompts)
+        with self.profile.part("sample"):
+            tokens = sample(logits, [item.sampling for item, _ in rows], [p for _, p in rows], masks, streams)
+        with self.profile.part("logprobs"):
+            self._keep_logprobs(
+                logits, [(item.lane, item.sampling) for item, _ in rows], [p for _, p in rows], tokens
+            )
         features = top_logits(logits, NUM_FEATURES) if self._record_features else None
         out, at = [], 0
         for item in items:
@@ -149,22 +198,23 @@ class Leader:
             if features is not None:
                 self._draft_features[item.lane] = features[at : at + 1 + len(item.draft)]
             at += 1 + len(item.draft)
-        if at < len(tokens):  # the chunk's first sampled token
-            out.append(tokens[at:])
+        for item in ended:  # each ending prompt's first sampled token
+            out.append(tokens[at : at + 1])
             if features is not None:
-                self._features[chunk.lane] = features[at]
+                self._features[item.lane] = features[at]
+            at += 1
         return out
 
-    def decode(self, items, chunk=None) -> list[int]:
+    def decode(self, items, prompts=()) -> list[int]:
         msg = Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items))
-        logits = self._with_chunk(msg, chunk)
-        positions = [i.position + 1 for i in items]
-        if chunk is not None and chunk.last:
-            items, positions = [*items, chunk], [*positions, chunk.start + len(chunk.token_ids)]
-        return self._sample(logits, items, positions)
+        logits = self._with_prompts(msg, prompts)
+        ended = [item for item in prompts if item.last]
+        positions = [i.position + 1 for i in items] + [i.start + len(i.token_ids) for i in ended]
+        return self._sample(logits, [*items, *ended], positions)
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)
+        self._prompt_logprobs.pop(lane, None)
         self._draft_features.pop(lane, None)
         self._apply_here(Release(lane))
 
@@ -177,6 +227,7 @@ class Leader:
 
     def idle(self) -> None:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
+        self.profile.flush()
         if not self._idle and self.broken is None:
             self._run(Idle())  # the lanes rank 0 opened or closed go first (_run)
             self._idle = True
@@ -186,6 +237,12 @@ class Leader:
         """The log probability of the token the last pass sampled for `lane` at `position`, when its
         sampling asked for them (SamplingParams.logprobs >= 0); else None."""
         return self._logprobs.get((lane, position))
+
+    def prompt_logprobs(self, lane: int) -> dict[int, TokenLogprob]:
+        """The prompt log probabilities the lane's prompt passes gathered, by position (each the
+        log probability of the prompt token there, given those before it), taken: a second call
+        returns what later passes gathered."""
+        return self._prompt_logprobs.pop(lane, {})
 
     def stop(self) -> None:
         if self.broken is None:
@@ -207,9 +264,13 @@ class Leader:
             if unsent and isinstance(msg, (Idle, Stop)):
                 self.channel.send(Bundle(tuple(unsent)))  # what rank 0 already applied, alone
                 unsent = []
-            self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
+            with self.profile.part("wire send"):
+                self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
             self._idle = False
-            return apply_message(self.engine, self.channel, msg, media)
+            if isinstance(msg, (Prefill, Mixed)):
+                self.profile.prefilled()
+            with self.profile.part("forward (and vote)"):
+                return apply_message(self.engine, self.channel, msg, media)
         except VotedDown:
             raise
         except ChannelBroken as error:  # names the rank that did not answer
@@ -226,8 +287,12 @@ class Leader:
     def _sample(self, logits, items, positions) -> list[int]:
         # Only sampled items need the position (the token's own position keys its noise).
         streams = [None if i.counts is None else (i.counts, ()) for i in items]
-        tokens = sample(logits, [i.sampling for i in items], positions, [i.allowed for i in items], streams)
-        self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
+        with self.profile.part("sample"):
+            tokens = sample(
+                logits, [i.sampling for i in items], positions, [i.allowed for i in items], streams
+            )
+        with self.profile.part("logprobs"):
+            self._keep_logprobs(logits, [(i.lane, i.sampling) for i in items], positions, tokens)
         if self._record_features:
             for item, features in zip(items, top_logits(logits, NUM_FEATURES)):
                 self._features[item.lane] = features

@@ -9,6 +9,7 @@ import torch
 from tpserve.kernels.collectives import Collectives
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import ModelConfig, load_model_config
+from tpserve.ranks.model_gemma3 import Gemma3Model
 from tpserve.ranks.settings import DTYPE_NAMES
 from tpserve.ranks.sharding import pieces_of_rank
 from tpserve.ranks.unsupported import check_served_context
@@ -37,7 +38,8 @@ def load_rank_model(
     )
     pieces = pieces_of_rank(config, tp_rank, tp_size)
     weights = read_rank_weights(model_dir, config, pieces, dtype, device)
-    return TPModel(
+    family = Gemma3Model if config.gemma3 is not None else TPModel  # the decoder's own file
+    return family(
         config,
         weights,
         pieces,

@@ -26,6 +26,7 @@ from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.moe import PieceExperts, Router
+from tpserve.ranks.mrope import MRotary
 from tpserve.ranks.packing import fuse, pack_weight
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
@@ -98,12 +99,15 @@ class PassPlan:
     ):
         tile = model.pad_rows
         self.spans = spans
-        self.num_tokens = positions.shape[0]
+        self.num_tokens = positions.shape[-1]  # positions: [T], or [3, T] where they are multimodal
         self.num_rows = -(-self.num_tokens // tile) * tile if tile else self.num_tokens
         self.padding = self.num_rows - self.num_tokens
         self.slots = kv_slots(spans, block_size, model.device)
         padded = F.pad(positions, (0, self.padding)) if self.padding else positions
         self.rotary = model.rotary.tables(padded, model.dtype)
+        # a family whose sliding layers rotate by a base of their own (Gemma 3): their tables
+        local = model.local_rotary
+        self.local_rotary = local.tables(padded, model.dtype) if local is not None else None
         group = model.config.num_queries_per_kv
         self.attention = model.attention.plan(
             spans, group, num_slots, block_size, model.device, self.num_rows
@@ -158,10 +162,12 @@ class TPModel:
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
-        self.rotary = Rotary(
-            config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device
-        )
+        rotary_args = (config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device)
+        section = getattr(config.vision, "mrope_section", None)  # a Qwen-VL's positions are (t, h, w)
+        self.rotary = MRotary(section, *rotary_args) if section else Rotary(*rotary_args)
+        self.local_rotary: Rotary | None = None  # a family's own rotary for its sliding layers
         self.scale = config.head_dim**-0.5
+        self.activation = F.silu  # the MLP's gate: SwiGLU
         self.row_tile = row_tile  # see kernels/linear.py: batch-invariant products
         self.attention = attention or choose_attention(
             bool(row_tile), config.head_dim, config.num_queries_per_kv, self.dtype, self.device
@@ -209,8 +215,15 @@ class TPModel:
             place_features(out, media_rows, media)
         return self._reduce(out)
 
-    def _attention(self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms) -> torch.Tensor:
+    def _attention(
+        self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms, window: int
+    ) -> torch.Tensor:
+        # window: the layer's sliding window (0: it sees every earlier token); a sliding layer
+        # rotates by the family's local rotary where it has one
         cfg, num_rows = self.config, x.shape[0]
+        rotary, tables = self.rotary, plan.rotary
+        if window and self.local_rotary is not None:
+            rotary, tables = self.local_rotary, plan.local_rotary
         qkv = linear(x, layer.w_qkv, layer.b_qkv, self.row_tile, plan.num_tokens)
         num_q, num_kv = layer.num_q_heads, layer.num_kv_heads
         if self.attention.rotate_store_attend is not None:  # one call from here to the o product
@@ -222,28 +235,37 @@ class TPModel:
                     rms_norm(heads[:, num_q : num_q + num_kv], qk_norms[1], cfg.rms_norm_eps),
                 )
             attended = self.attention.rotate_store_attend(
-                qkv, num_q, normed, plan.rotary, plan.slots, pool_k, pool_v, plan.attention, self.scale
+                qkv,
+                num_q,
+                normed,
+                tables,
+                plan.slots,
+                pool_k,
+                pool_v,
+                plan.attention,
+                self.scale,
+                window,
             )
             return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
         heads = qkv.view(num_rows, num_q + 2 * num_kv, cfg.head_dim)  # q heads, k heads, v heads
         if qk_norms is None:  # q and k rotated together
-            q, k = self.rotary.apply(heads[:, : num_q + num_kv], plan.rotary).split((num_q, num_kv), dim=1)
+            q, k = rotary.apply(heads[:, : num_q + num_kv], tables).split((num_q, num_kv), dim=1)
         else:
-            q = self.rotary.apply(rms_norm(heads[:, :num_q], qk_norms[0], cfg.rms_norm_eps), plan.rotary)
-            k = self.rotary.apply(
-                rms_norm(heads[:, num_q : num_q + num_kv], qk_norms[1], cfg.rms_norm_eps), plan.rotary
+            q = rotary.apply(rms_norm(heads[:, :num_q], qk_norms[0], cfg.rms_norm_eps), tables)
+            k = rotary.apply(
+                rms_norm(heads[:, num_q : num_q + num_kv], qk_norms[1], cfg.rms_norm_eps), tables
             )
         v = heads[:, num_q + num_kv :]
         real = plan.num_tokens
         write_kv(pool_k, pool_v, k[:real] if plan.padding else k, v[:real] if plan.padding else v, plan.slots)
-        attended = self.attention.attend(q, pool_k, pool_v, plan.attention, self.scale)
+        attended = self.attention.attend(q, pool_k, pool_v, plan.attention, self.scale, window)
         return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
 
     def _mlp(self, layer: PieceLayer, x: torch.Tensor, plan: PassPlan, routes) -> torch.Tensor:
         if layer.experts is not None:  # routes: the layer's (weights, experts), [T, k] each
             return layer.experts.forward(x, routes, plan.num_tokens, self.row_tile)
         gate, up = linear(x, layer.w_gate_up, None, self.row_tile, plan.num_tokens).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, layer.w_down, None, self.row_tile, plan.num_tokens)
+        return linear(self.activation(gate) * up, layer.w_down, None, self.row_tile, plan.num_tokens)
 
     def _sum_pieces(self, outputs, rows: torch.Tensor) -> torch.Tensor:
         """The row-parallel partial sums of this rank's pieces, in piece order, in float32 (zeros
@@ -264,7 +286,7 @@ class TPModel:
         media_rows: torch.Tensor | None = None,
         media: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """token_ids, positions: [T]; kv: the KV pool; logit_rows: packed rows whose next-token logits
+        """token_ids: [T]; positions: [T] ([3, T] for a multimodal rotary: ranks/mrope.py); kv: the KV pool; logit_rows: packed rows whose next-token logits
         are wanted. media_rows: [M] packed rows whose embedding is an image feature instead of their
         token's; media: those features [M, hidden] on rank 0 (None elsewhere). Returns float32 logits
         [len(logit_rows), vocab] on rank 0, None elsewhere."""
@@ -274,26 +296,45 @@ class TPModel:
             token_ids = F.pad(token_ids, (0, plan.padding))
         h = self._embed(token_ids, media_rows, media)  # [rows, hidden]
         for index, pieces in enumerate(self.layers):
-            prefix = f"model.layers.{index}."
-            qk_norms = None
-            if cfg.qk_norm:
-                qk_norms = (
-                    replicated[prefix + "self_attn.q_norm.weight"],
-                    replicated[prefix + "self_attn.k_norm.weight"],
-                )
-            x = rms_norm(h, replicated[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
-            attended = (
-                self._attention(layer, x, plan, *kv.layer(local, index), qk_norms)
-                for local, layer in enumerate(pieces)
-                if layer.num_kv_heads
-            )
-            h = h + self._reduce(self._sum_pieces(attended, h))
-            x = rms_norm(h, replicated[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            router = self.routers[index]
-            routes = router.route(x, plan.num_tokens, self.row_tile) if router else None
-            mlp = (self._mlp(layer, x, plan, routes) for layer in pieces)
-            h = h + self._reduce(self._sum_pieces(mlp, h))
+            h = self._layer(index, pieces, h, plan, kv)
         last = rms_norm(h[logit_rows], replicated["model.norm.weight"], cfg.rms_norm_eps)
+        return self._logits(last)
+
+    def _layer(self, index: int, pieces: list[PieceLayer], h, plan: PassPlan, kv) -> torch.Tensor:
+        """One decoder layer (Llama's): pre-norm attention and MLP, each added to the residual."""
+        cfg, replicated, prefix = self.config, self.replicated, f"model.layers.{index}."
+        x = rms_norm(h, replicated[prefix + "input_layernorm.weight"], cfg.rms_norm_eps)
+        h = h + self._attention_block(index, pieces, x, plan, kv)
+        x = rms_norm(h, replicated[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        return h + self._mlp_block(index, pieces, x, plan)
+
+    def _attention_block(self, index: int, pieces: list[PieceLayer], x, plan: PassPlan, kv) -> torch.Tensor:
+        """Layer `index`'s attention of normed x over its pieces, all-reduced: [rows, hidden]."""
+        prefix = f"model.layers.{index}."
+        qk_norms = None
+        if self.config.qk_norm:
+            qk_norms = (
+                self.replicated[prefix + "self_attn.q_norm.weight"],
+                self.replicated[prefix + "self_attn.k_norm.weight"],
+            )
+        window = self.config.windows[index] if self.config.windows else 0
+        attended = (
+            self._attention(layer, x, plan, *kv.layer(local, index), qk_norms, window)
+            for local, layer in enumerate(pieces)
+            if layer.num_kv_heads
+        )
+        return self._reduce(self._sum_pieces(attended, x))
+
+    def _mlp_block(self, index: int, pieces: list[PieceLayer], x, plan: PassPlan) -> torch.Tensor:
+        """Layer `index`'s MLP (or experts) of normed x over its pieces, all-reduced: [rows, hidden]."""
+        router = self.routers[index]
+        routes = router.route(x, plan.num_tokens, self.row_tile) if router else None
+        mlp = (self._mlp(layer, x, plan, routes) for layer in pieces)
+        return self._reduce(self._sum_pieces(mlp, x))
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor | None:
+        """The head's logits of the final-normed rows: float32 [n, vocab] on rank 0, None elsewhere."""
+        cfg = self.config
         local = torch.cat(
             [linear(last, head, None, self.row_tile) for head in self.head], dim=-1
         )  # [n, V_rank]

@@ -10,8 +10,10 @@ from pathlib import Path
 from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.gemma3_config import Gemma3Shape, global_and_local_rope, parse_gemma3
 from tpserve.ranks.moe_config import MoeConfig, parse_moe_config
-from tpserve.ranks.unsupported import live_window, refuse_architecture, refuse_unimplemented
+from tpserve.ranks.qwen_vision_config import QWEN_VL_ARCHITECTURES, QwenVisionConfig, parse_qwen_vision_config
+from tpserve.ranks.unsupported import layer_windows, refuse_architecture, refuse_unimplemented
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
 # Every family here is a Llama-style decoder; they differ in biases, q/k norms, fused weights and
@@ -24,6 +26,8 @@ FAMILIES = {
     "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored fused (ranks/fused_tensors.py)
     "MixtralForCausalLM": "mixtral",  # mixtures of experts (ranks/moe_config.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # local and global layers, GeGLU, four norms a layer (ranks/model_gemma3.py)
+    "Gemma3ForCausalLM": "gemma3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # A vision-language checkpoint's text_config names its decoder by model_type only.
@@ -58,10 +62,13 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     architecture: str = ""
-    vision: VisionConfig | None = None  # a vision-language model's tower, projector and image token
+    # a vision-language model's tower, projector and media tokens (a Qwen-VL's: mrope in the text model)
+    vision: VisionConfig | QwenVisionConfig | None = None
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
     sliding_window: int | None = None  # a window some layers attend within (ranks/unsupported.py)
+    windows: tuple[int, ...] = ()  # each layer's window, 0 for a full-attention layer (() none slides)
     moe: MoeConfig | None = None  # a mixture of experts' routing shape
+    gemma3: Gemma3Shape | None = None  # Gemma 3's own keys (ranks/model_gemma3.py)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -102,13 +109,16 @@ def parse_model_config(raw: dict, path: str | Path = "config.json") -> ModelConf
 
 def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
     architectures = raw.get("architectures") or []
+    qwen_vl = next((a for a in architectures if a in QWEN_VL_ARCHITECTURES), None)
+    if qwen_vl is not None:
+        return _parse_qwen_vl(raw, qwen_vl, path)
     vision_arch = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
     if vision_arch is not None:
         return _parse_vision_language(raw, vision_arch, path)
     family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
     if family is None:
         refuse_architecture(architectures, path)
-        supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES))
+        supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES, *QWEN_VL_ARCHITECTURES))
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
     return _parse_text(raw, family, architectures[0], path)
 
@@ -130,6 +140,24 @@ def _parse_vision_language(raw: dict, architecture: str, path: str | Path) -> Mo
     return replace(config, vision=parse_vision_config(raw, config.hidden_size, path))
 
 
+def _parse_qwen_vl(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
+    """Qwen2.5-VL: a Qwen2 decoder whose rotary is multimodal (ranks/mrope.py), and the windowed ViT.
+    transformers 5 nests the decoder's keys in text_config; 4 wrote them at the top level, the mrope
+    sections as a rope_scaling of type "mrope" (no scaling: the plain rotary, turned per axis)."""
+    text = dict(raw.get("text_config") or raw)
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    scaling = text.get("rope_scaling") or {}
+    if scaling.get("type", scaling.get("rope_type")) in ("mrope", "default"):
+        text.pop("rope_scaling")  # the sections are read below; no scaling is left
+    config = _parse_text(text, "qwen2", architecture, path)
+    vision = parse_qwen_vision_config(raw, {**text, "rope_scaling": scaling}, config.head_dim, path)
+    if vision.out_hidden_size != config.hidden_size:
+        raise ModelFileError(path, "vision_config.out_hidden_size is not the text model's hidden_size")
+    return replace(config, vision=vision)
+
+
 def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> ModelConfig:
 
     def need(key: str, kind: type = int):
@@ -143,6 +171,7 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         return value
 
     refuse_unimplemented(raw, family, architecture, path)
+    windows = layer_windows(raw, family, path)
     hidden_size = need("hidden_size")
     num_heads = need("num_attention_heads")
     num_kv_heads = raw.get("num_key_value_heads") or num_heads
@@ -151,6 +180,8 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         raise ModelFileError(path, f"{num_heads} attention heads do not divide into {num_kv_heads} KV heads")
     # transformers 5 writes rope_theta and the scaling inside rope_parameters.
     rope = raw.get("rope_parameters") or {}
+    if family == "gemma3":  # per layer type: the global layers' here, the local base in gemma3
+        rope = global_and_local_rope(raw)[0]
     rope_theta = raw.get("rope_theta") or rope.get("rope_theta", 10000.0)
     rope_scaling = raw.get("rope_scaling")
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
@@ -177,12 +208,14 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         architecture=architecture,
-        sliding_window=live_window(raw, family, path),
+        sliding_window=max(windows, default=0) or None,
+        windows=windows if any(windows) else (),
         moe=parse_moe_config(raw, family, need("num_hidden_layers"), path),
+        gemma3=parse_gemma3(raw, path) if family == "gemma3" else None,
     )
 
 

@@ -13,6 +13,7 @@ from tpserve.kernels.weight_formats import QUANTIZE_CHOICES, auto_quantize
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the weights' and KV's types a rank can run
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: the device's (for_device)
 MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
+STEP_TOKENS_CPU = 64  # bench.long_prompt_gap --step-tokens (bench/README.md): why 64
 __all__ = ["DTYPE_CHOICES", "DTYPE_NAMES", "MAX_DRAFT_TOKENS", "QUANTIZE_CHOICES", "EngineSettings"]
 
 
@@ -40,6 +41,11 @@ class EngineSettings:
     # Tokens per KV block: the unit of room, admission and preemption (server/kv_blocks.py).
     kv_block_size: int = 32  # bench/README.md, bench.attention --blocks: why 32
     max_prefill_tokens: int = 512
+    # Rows one forward pass carries while streams decode: their decode and draft rows first, a long
+    # prompt's chunk the rest (at least one row tile), so the decoders keep their pace while it fills
+    # (server/lane_scheduler.py). None: the device's (STEP_TOKENS_CPU on the CPU, where a pass costs
+    # its rows; on a GPU, whatever a decode round and a whole max_prefill_tokens chunk make).
+    step_tokens: int | None = None
     batch_prefill: bool = True
     # Every product in fixed-shape tiles (checked by a start-up probe), so a reply never depends on its batch.
     # None: the device's default (on the CPU, where it is proven, yes; on a GPU, no).
@@ -78,6 +84,16 @@ class EngineSettings:
             draft_tokens = MAX_DRAFT_TOKENS if batch_invariant else 0
         dtype = ("bfloat16" if gpu else "float32") if self.dtype == "auto" else self.dtype
         quantize = auto_quantize(device_type) if self.quantize == "auto" else self.quantize
+        step_tokens = self.step_tokens
+        if step_tokens is None:
+            step_tokens = (
+                self.max_prefill_tokens + self.num_lanes * (1 + draft_tokens) if gpu else STEP_TOKENS_CPU
+            )
         return replace(
-            self, batch_invariant=batch_invariant, draft_tokens=draft_tokens, dtype=dtype, quantize=quantize
+            self,
+            batch_invariant=batch_invariant,
+            draft_tokens=draft_tokens,
+            dtype=dtype,
+            quantize=quantize,
+            step_tokens=step_tokens,
         )

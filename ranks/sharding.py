@@ -52,6 +52,8 @@ SHARDING_TABLE: dict[str, tuple[Split, str | None]] = {
     "block_sparse_moe.experts.E.w2.weight": (Split.ROW, "expert_intermediate"),
     "input_layernorm.weight": (Split.REPLICATED, None),
     "post_attention_layernorm.weight": (Split.REPLICATED, None),
+    "pre_feedforward_layernorm.weight": (Split.REPLICATED, None),  # Gemma 3's MLP norms
+    "post_feedforward_layernorm.weight": (Split.REPLICATED, None),
     "norm.weight": (Split.REPLICATED, None),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

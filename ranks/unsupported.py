@@ -1,9 +1,9 @@
 """What a checkpoint asks for that tpserve does not compute, refused by name rather than served wrong.
 
-A config key that changes the math (a sliding window, logit soft-capping, a bias on o_proj, a
-partial rotary) and that the model does not implement would otherwise load and give wrong logits
-with no word said. Each is refused here, naming the model, the feature and its value; a sliding
-window is served only where the served context is within it, so that it never binds.
+A config key that changes the math (logit soft-capping, a bias on o_proj, a partial rotary) and
+that the model does not implement would otherwise load and give wrong logits with no word said.
+Each is refused here, naming the model, the feature and its value. Sliding windows are computed
+(per layer, by every attention kernel); this file reads which layers slide.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.gemma3_config import GEMMA3_ACTIVATIONS
 
 # Known architectures tpserve does not load, and what in them it does not compute.
 REFUSED_ARCHITECTURES = {
@@ -24,16 +25,16 @@ REFUSED_ARCHITECTURES = {
     "Qwen3_5MoeForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
     "GptOssForCausalLM": "attention sinks, alternating sliding-window layers and MXFP4 experts",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
-    "Gemma3ForCausalLM": "interleaved sliding-window layers, GeGLU and its extra norms",
     "Glm4MoeForCausalLM": "its mixture of experts with a shared expert",
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.
 FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
 WINDOWLESS = ("llama",)  # transformers' Llama has no sliding window, whatever the config carries
-ACTIVATIONS = ("silu", "swish")
-# Layer kinds tpserve computes: only full causal attention.
+ACTIVATIONS = ("silu", "swish")  # SwiGLU's
+# Layer kinds tpserve computes: full causal attention, and causal within a sliding window.
 FULL_LAYERS = ("full_attention",)
+SLIDING_LAYERS = ("sliding_attention",)
 
 
 def refuse_architecture(architectures: list[str], path: str | Path) -> None:
@@ -54,15 +55,19 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
 
     if raw.get("kv_lora_rank"):
         refuse(f"multi-head latent attention (MLA, kv_lora_rank {raw['kv_lora_rank']})")
-    kinds = sorted(set(raw.get("layer_types") or ()) - set(FULL_LAYERS) - {"sliding_attention"})
+    kinds = sorted(set(raw.get("layer_types") or ()) - set(FULL_LAYERS) - set(SLIDING_LAYERS))
     if kinds:
         refuse(f"layer_types {kinds}")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+    gemma3 = family == "gemma3"  # its GeGLU, final soft-capping and rotary per layer type
+    for key in (
+        ("attn_logit_softcapping",) if gemma3 else ("attn_logit_softcapping", "final_logit_softcapping")
+    ):
         if raw.get(key) is not None:
             refuse(f"{key} {raw[key]}")
+    activations = GEMMA3_ACTIVATIONS if gemma3 else ACTIVATIONS
     for key in ("hidden_act", "hidden_activation"):
-        if raw.get(key, "silu") not in ACTIVATIONS:
-            refuse(f"{key} {raw[key]!r} (only SwiGLU's silu is)")
+        if key in raw and raw[key] not in activations:
+            refuse(f"{key} {raw[key]!r} (only {'GeGLU' if gemma3 else 'SwiGLU'}'s {activations[0]} is)")
     if raw.get("mlp_bias"):
         refuse("mlp_bias (biases on gate, up and down)")
     if family != "qwen2" and raw.get("attention_bias"):
@@ -71,36 +76,43 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
     partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         refuse(f"partial rotary embedding (partial_rotary_factor {partial})")
+    if gemma3 and set(rope) <= {"full_attention", "sliding_attention"}:
+        rope = {}  # ranks/gemma3_config.py reads them
     if any(isinstance(value, dict) for value in rope.values()):
         refuse("rotary parameters per layer type")
 
 
-def live_window(raw: dict, family: str, path: str | Path) -> int | None:
-    """The sliding window the model attends within (tokens, the query's own included), or None
-    where every layer attends to the whole context. `layer_types` (transformers 5 writes it) says
-    which layers slide; without it the family's own rule does."""
+def layer_windows(raw: dict, family: str, path: str | Path) -> tuple[int, ...]:
+    """Each layer's sliding window (tokens a query sees, its own included; 0: the whole context).
+    `layer_types` (transformers 5 writes it) says which layers slide; without it the family's own
+    rule does."""
     window = raw.get("sliding_window")
+    num_layers = int(raw.get("num_hidden_layers", 0))
     layer_types = raw.get("layer_types")
     if layer_types is not None:
-        sliding = "sliding_attention" in layer_types
+        if len(layer_types) != num_layers:
+            raise ModelFileError(path, f"layer_types names {len(layer_types)} layers of {num_layers}")
+        sliding = [kind in SLIDING_LAYERS for kind in layer_types]
     elif family in WINDOWLESS:
-        sliding = False
+        sliding = [False] * num_layers
+    elif family == "gemma3":  # older configs: every sliding_window_pattern-th layer global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        sliding = [bool((layer + 1) % pattern) for layer in range(num_layers)]
     elif family in FLAGGED_WINDOW:  # layers from max_window_layers on slide, where the flag is on
-        num_layers = raw.get("num_hidden_layers", 0)
-        sliding = bool(raw.get("use_sliding_window")) and raw.get("max_window_layers", 28) < num_layers
+        first = raw.get("max_window_layers", 28)
+        sliding = [bool(raw.get("use_sliding_window")) and layer >= first for layer in range(num_layers)]
     else:
-        sliding = window is not None
-    if sliding and not window:
+        sliding = [window is not None] * num_layers
+    if any(sliding) and not window:
         raise ModelFileError(path, "sliding-window layers but no sliding_window given")
-    return int(window) if sliding else None
+    return tuple(int(window) if slides else 0 for slides in sliding)
 
 
 def check_served_context(
     architecture: str, window: int | None, scaling: RopeScaling, context_size: int, path
 ) -> str | None:
-    """Refuses a sliding window shorter than the served context (tpserve attends to every earlier
-    token), and longrope past its original context; else a line for the log where a window is set
-    but never binds, None where none is."""
+    """Refuses longrope past its original context; else a line for the log where a sliding window
+    is in force, None where none is."""
     original = scaling.original_max_position_embeddings
     if scaling.rope_type == "longrope" and context_size > original:
         # transformers switches to the long factors once a sequence outgrows the original context,
@@ -112,14 +124,11 @@ def check_served_context(
         )
     if window is None:
         return None
-    # transformers' window: a query sees the `window` latest positions, itself included, so a
-    # context of at most `window` tokens never leaves one out.
+    # transformers' window: a query sees the `window` latest positions, itself included.
     if context_size > window:
-        raise ModelFileError(
-            path,
-            f"{architecture} attends within a sliding window of {window} tokens, which tpserve does not "
-            f"implement: a served context of {context_size} would attend past it (serve --context "
-            f"{window} or less, where the window never binds)",
+        return (
+            f"{architecture} attends within a sliding window of {window} tokens on its sliding layers "
+            f"(a context of {context_size}): keys behind every window are not read"
         )
     return (
         f"{architecture}'s sliding window of {window} tokens never binds at a context of {context_size}: "

@@ -120,6 +120,8 @@ def required_names(config: ModelConfig) -> list[str]:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if config.gemma3 is not None:  # norms around the MLP too
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     moe = config.moe
     for layer in range(config.num_layers):
         names += [f"model.layers.{layer}.{leaf}" for leaf in per_layer]

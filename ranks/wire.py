@@ -41,7 +41,9 @@ __all__ = [
     "read_head",
 ]
 
-WIRE_VERSION = 4
+# 6: a span says whether every row's logits are wanted and carries its rope positions; 7: a Mixed
+# pass carries any number of prompts
+WIRE_VERSION = 7
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 128
@@ -81,7 +83,11 @@ class Span:
 
     `media`: (offset, length) runs of the span's tokens whose embeddings are image features (rank 0
     holds the features; every rank zeroes those rows, see kernels/embedding.py). `blocks`: KV blocks
-    appended to the lane's block table before the pass.
+    appended to the lane's block table before the pass. `every_row`: the pass returns the logits of
+    every token of the span, not only its last (a prompt's log probabilities, rank 0's only; every
+    rank takes part in those rows' logits gather, so every rank must know). `rope`: for a model with
+    multimodal rotary positions (ranks/mrope.py), the tokens' t, then h, then w positions
+    (3 * len(token_ids) ints), or empty: each token at its KV position plus the lane's delta.
     """
 
     lane: int
@@ -89,11 +95,14 @@ class Span:
     token_ids: tuple[int, ...]
     media: tuple[tuple[int, int], ...] = ()
     blocks: tuple[int, ...] = ()
+    every_row: bool = False
+    rope: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         object.__setattr__(self, "media", tuple((int(o), int(n)) for o, n in self.media))
         object.__setattr__(self, "blocks", tuple(self.blocks))
+        object.__setattr__(self, "rope", tuple(self.rope))
 
     def media_rows(self) -> list[int]:
         """The span's own row offsets that carry image features, in order."""
@@ -172,8 +181,9 @@ class Stop:
 
 @dataclass(frozen=True)
 class Mixed:
-    """A decode round (a Round or a Verify) and one prompt chunk (a Prefill of one span) in one
-    forward pass (the ranks vote on the chunk first, as on a Prefill)."""
+    """A decode round (a Round or a Verify) and prompts (a Prefill: whole prompts admitted this step,
+    a long prompt's next chunk) in one forward pass (the ranks vote on the prompts first, as on a
+    Prefill): a step is one message and one pass."""
 
     KIND: ClassVar[int] = 12
     round: Round | Verify
@@ -199,7 +209,8 @@ _KINDS: dict[int, type] = {
 }
 _BUNDLED = (Admit, Release, Prefill, Round, Verify, Mixed)
 _STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
-_SPAN_HEAD_SIZE = 5  # lane, start, number of tokens, number of media runs, number of blocks
+# lane, start, number of tokens, number of media runs, number of blocks, every_row, rope ints
+_SPAN_HEAD_SIZE = 7
 
 
 @dataclass(frozen=True)
@@ -297,14 +308,20 @@ def _payload(msg: Message) -> list:
     if isinstance(msg, Bundle):
         return _nested(msg.messages, _BUNDLED, "Bundle")
     if isinstance(msg, Mixed):
-        if len(msg.prefill.spans) != 1:
-            raise WireError(f"a Mixed pass takes one prompt chunk, got {len(msg.prefill.spans)}")
+        if not msg.prefill.spans:
+            raise WireError("a Mixed pass takes at least one prompt")
         return _nested((msg.round, msg.prefill), (Round, Verify, Prefill), "Mixed")
     if isinstance(msg, (Prefill, Verify)):
         payload = [len(msg.spans)]
         for span in msg.spans:
+            if len(span.rope) not in (0, 3 * len(span.token_ids)):
+                raise WireError(
+                    f"a span of {len(span.token_ids)} tokens with {len(span.rope)} rope positions"
+                )
             payload += [span.lane, span.start, len(span.token_ids), len(span.media), len(span.blocks)]
-            payload += [*span.token_ids, *(value for run in span.media for value in run), *span.blocks]
+            payload += [int(span.every_row), len(span.rope)]
+            payload += [*span.token_ids, *(value for run in span.media for value in run)]
+            payload += [*span.blocks, *span.rope]
         return payload
     if isinstance(msg, Round):
         payload = []
@@ -321,9 +338,9 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
         return Bundle(tuple(_unnested(payload, _BUNDLED, "Bundle")))
     if cls is Mixed:
         parts = _unnested(payload, (Round, Verify, Prefill), "Mixed")
-        if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or len(parts[1].spans) != 1:
+        if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or not parts[1].spans:
             raise WireError(
-                f"a Mixed pass is a round and a one-span Prefill, got {[type(p).__name__ for p in parts]}"
+                f"a Mixed pass is a round and a Prefill of its prompts, got {[type(p).__name__ for p in parts]}"
             )
         return Mixed(*parts)
     if cls in (Prefill, Verify):
@@ -370,9 +387,14 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
             raise WireError(
                 f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints"
             )
-        lane, start, num_tokens, num_media, num_blocks = payload[at : at + _SPAN_HEAD_SIZE]
+        head = payload[at : at + _SPAN_HEAD_SIZE]
+        lane, start, num_tokens, num_media, num_blocks, every_row, num_rope = head
         at += _SPAN_HEAD_SIZE
-        size = num_tokens + 2 * num_media + num_blocks
+        size = num_tokens + 2 * num_media + num_blocks + num_rope
+        if every_row not in (0, 1):
+            raise WireError(f"Prefill span {index}: every_row is {every_row}, not 0 or 1")
+        if num_rope not in (0, 3 * num_tokens):
+            raise WireError(f"Prefill span {index}: {num_rope} rope positions for {num_tokens} tokens")
         if min(num_tokens, num_media, num_blocks) < 0 or at + size > len(payload):
             raise WireError(
                 f"Prefill span {index} claims {num_tokens} tokens, {num_media} media runs and "
@@ -384,12 +406,14 @@ def _spans(payload: list[int]) -> tuple[Span, ...]:
         at += 2 * num_media
         blocks = tuple(payload[at : at + num_blocks])
         at += num_blocks
+        rope = tuple(payload[at : at + num_rope])
+        at += num_rope
         for offset, length in media:
             if offset < 0 or length <= 0 or offset + length > num_tokens:
                 raise WireError(
                     f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens"
                 )
-        spans.append(Span(lane, start, tokens, media, blocks))
+        spans.append(Span(lane, start, tokens, media, blocks, bool(every_row), rope))
     if at != len(payload):
         raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")
     return tuple(spans)

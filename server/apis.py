@@ -11,6 +11,7 @@ from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 from tpserve.server.metrics import ServingMetrics
+from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ class LocalApis:
         engine: EngineClient,
         tokenizer: Tokenizer,
         info: ServingInfo,
-        vision: VisionInput | None = None,
+        vision: VisionInput | QwenVisionInput | None = None,
     ):
         # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
         metrics = ServingMetrics(engine.stats, engine.block_stats, info.model_name)
@@ -51,6 +52,7 @@ class LocalApis:
                 tool_call_parser=config.tool_call_parser,
                 reasoning_parser=config.reasoning_parser,
                 body_timeout_s=config.http_body_timeout_s,
+                cors_origins=config.cors_origins,
             )
             limits = HttpLimits(
                 header_timeout_s=config.http_header_timeout_s,

@@ -7,7 +7,7 @@ host's single scheduling thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -64,6 +64,11 @@ class PrefillItem:
     # With `last`: the grammar mask of the token sampled (kernels/sampling.py's `allowed`), or None.
     allowed: object = None
     counts: TokenCounts | None = None  # the stream's tokens, when its sampling adjusts logits
+    # Prompt log probabilities (rank 0's Leader.prompt_logprobs), when prompt_logprobs >= 0 (that
+    # many likeliest alternatives): row k of the chunk scores prompt_targets[k], the prompt token at
+    # position start+k+1 (the chunk's next tokens, up to the prompt's end).
+    prompt_logprobs: int = -1
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,24 +125,25 @@ class Backend(Protocol):
         lanes prefilled (the failing one included); the host then runs each alone.
         """
 
-    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
+    def decode(self, items: list[DecodeItem], prompts: Sequence[PrefillItem] = ()) -> list[int]:
         """One round over the given live lanes; one sampled token per item, in order.
 
-        With `chunk`, that prompt chunk (of a lane not in the round) goes in the same forward pass,
-        so the decoding streams keep their pace while a long prompt fills; when the chunk ends its
-        prompt, the token sampled after it follows the items' tokens. Raises ChunkRefused when some
-        rank refused the chunk (then neither the chunk nor the round ran), BackendBroken when the
-        round failed: the engine cannot go on.
+        `prompts` (of lanes not in the round: whole prompts, or a long prompt's next chunk) go in
+        the same forward pass, so the decoding streams keep their pace and a step is one pass; each
+        prompt that ends (item.last) adds the token sampled after it, in order, after the items'.
+        Raises ChunkRefused when some rank refused a prompt (then nothing of the pass ran: the host
+        runs the round again without them and each prompt alone), BackendBroken when the pass
+        failed: the engine cannot go on.
         """
 
-    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem], prompts: Sequence[PrefillItem] = ()) -> list[list[int]]:
         """A decode round whose items carry draft tokens (called only when verifies_drafts).
 
         Per item, 1 + len(draft) sampled tokens, the i-th sampled after feeding the token and its
         first i drafts. The host keeps the samples up to the first that differs from the next draft;
         the lane's later positions are rewritten by the next round (which starts where the kept
-        tokens end). `chunk` as for decode (its token, when sampled, comes last, a list of one).
-        Raises ChunkRefused and BackendBroken as decode does.
+        tokens end). `prompts` as for decode (each ending prompt's token after the items', a list
+        of one). Raises ChunkRefused and BackendBroken as decode does.
         """
 
     def close(self, lane: int) -> None:

@@ -123,3 +123,12 @@ def _partial_suffix(text: str, marker: str) -> int:
 def _is_partial(text: str, tools: ToolMode) -> bool:
     """The held text is still only a prefix of a marker (it may turn back into content)."""
     return any(marker.startswith(text) and marker != text for marker in MARKERS.get(tools.parser or "", ()))
+
+
+def prompt_opens_think(tokenizer) -> bool:
+    """The template's generation prompt itself opens the <think> block (DeepSeek-R1 distills)."""
+    try:
+        prompt = tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    except Exception:  # noqa: BLE001 (a template that refuses this conversation opens nothing)
+        return False
+    return prompt.rstrip().endswith(THINK_OPEN)

@@ -58,6 +58,7 @@ class ServeConfig:
     prefix_caching: bool = _ENGINE.prefix_caching
     kv_block_size: int = _ENGINE.kv_block_size
     max_prefill_tokens: int = _ENGINE.max_prefill_tokens
+    step_tokens: int | None = _ENGINE.step_tokens  # None: auto
     batch_prefill: bool = _ENGINE.batch_prefill
     batch_invariant: bool | None = _ENGINE.batch_invariant  # None: auto
     cpu_collectives: str = _ENGINE.cpu_collectives
@@ -91,9 +92,17 @@ class ServeConfig:
     # How chat replies are read over HTTP: "" reads the family from the chat template.
     tool_call_parser: str = ""  # hermes, llama3, mistral or none
     reasoning_parser: str = ""  # qwen3 (<think> blocks), deepseek_r1 (the reply opens inside one) or none
+    # The names the model answers to (the first is the one replies carry); empty: the model
+    # directory's name. A request naming any other model is a 404.
+    served_model_name: tuple[str, ...] = ()
+    chat_template: str = ""  # a Jinja file used instead of the checkpoint's chat template
+    # Origins browsers may call the HTTP API from (CORS); "*" any; empty: no CORS headers.
+    cors_origins: tuple[str, ...] = ()
     grace_s: float = 10.0
     # The APIs, tokenizing and detokenizing in a process of their own beside rank 0's engine loop
-    # (server/front_process.py), so they never hold its interpreter; None (auto): on, unless vision.
+    # (server/front_process.py), so they never hold its interpreter. None (auto): on where the host
+    # has at least 4 CPU cores (rank 0's engine loop and the front each need cores of their own: on
+    # 2 cores bench.front_gap measured a 0.74x worse gap with it on) and never with vision; true forces it (not with vision).
     front_process: bool | None = None
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
     master: str = ""  # HOST[:PORT] of rank 0, for one process per host
@@ -122,11 +131,18 @@ _CHOICES = {
 }
 _AT_MOST = {"draft_tokens": MAX_DRAFT_TOKENS}  # a decode product holds 16 rows: the token and 15 drafts
 # Keys whose default (None) is "auto": the device's own default, decided when the rank knows it.
-_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int, "default_max_tokens": int, "front_process": bool}
+_AUTO_KINDS = {
+    "batch_invariant": bool,
+    "draft_tokens": int,
+    "default_max_tokens": int,
+    "step_tokens": int,
+    "front_process": bool,
+}
 _POSITIVE = {
     "lanes",
     "context",
     "max_prefill_tokens",
+    "step_tokens",
     "kv_block_size",
     "queue_size",
     "default_max_tokens",
@@ -148,11 +164,17 @@ def _field_types() -> dict[str, type]:
     return {f.name: _AUTO_KINDS.get(f.name, type(f.default)) for f in fields(ServeConfig)}
 
 
+_NAME_LISTS = {"served_model_name", "cors_origins"}  # tuples of strings, not of numbers
+
+
 def _coerce(key: str, value, kind: type, origin: str):
     if key in _AUTO_KINDS and str(value).lower() == "auto":
         return None
     try:
-        if kind is tuple:
+        if key in _NAME_LISTS:
+            items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+            value = tuple(str(item) for item in items)
+        elif kind is tuple:
             items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
             value = tuple(int(item) for item in items)
         elif kind is bool:

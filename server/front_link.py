@@ -239,10 +239,10 @@ class FrontLink:
             self._send(StepOut(tuple(outs), broken))
 
     def _drain(self, stream_id: int, stream: Stream) -> StreamOut | None:
-        cached, token_ids, logprobs, finished = None, [], [], None
+        prefilled, token_ids, logprobs, finished = None, [], [], None
         for event in stream.next_events(0):
             if isinstance(event, Prefilled):
-                cached = event.cached_tokens
+                prefilled = event
             elif isinstance(event, TokenDelta):  # one bare token (server/reply_text.py RawReply)
                 token_ids += event.token_ids
                 logprobs += event.logprobs or [None] * len(event.token_ids)
@@ -251,10 +251,10 @@ class FrontLink:
         if finished is not None:
             with self._cond:
                 self._streams.pop(stream_id, None)
-        if cached is None and not token_ids and finished is None:
+        if prefilled is None and not token_ids and finished is None:
             return None
         asked = any(lp is not None for lp in logprobs)
-        return StreamOut(stream_id, cached, tuple(token_ids), tuple(logprobs) if asked else (), finished)
+        return StreamOut(stream_id, prefilled, tuple(token_ids), tuple(logprobs) if asked else (), finished)
 
     def _broken(self) -> str | None:
         host = self._host

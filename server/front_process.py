@@ -51,13 +51,15 @@ def serve_front(conn: Connection) -> int:
     spec: FrontSpec = conn.recv()
     info = spec.info
     return_large_frees_to_the_system()
-    tokenizer = Tokenizer.from_model_dir(spec.model_dir)
+    # The chat template rank 0's config names (--chat-template), as an in-process daemon reads it.
+    tokenizer = Tokenizer.from_model_dir(spec.model_dir, chat_template=spec.config.chat_template or None)
     engine = RemoteEngine(
         conn,
         tokenizer.decode,
         spec.eos_ids,
         HostStats(queued=0, lanes_busy=0, room_used=0, num_lanes=info.num_lanes, room=info.room),
         BlockStats(0, 0, 0, 0, 0, 0, 0, 1),
+        detokenize_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
     engine.start()
     apis = LocalApis(spec.config, engine, tokenizer, info)

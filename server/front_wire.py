@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.server.requests import Finished, GenerationRequest, TokenLogprob
+from tpserve.server.requests import Finished, GenerationRequest, Prefilled, TokenLogprob
 
 # ---- the engine process -> the front ----
 
@@ -31,7 +31,8 @@ class StreamOut:
     """One stream's news in one step, in order: its Prefilled (cached tokens), tokens, Finished."""
 
     stream_id: int
-    cached_tokens: int | None  # not None: the prompt is in the KV cache (sent once)
+    # Not None: the prompt is in the KV cache (sent once), with its log probabilities when asked.
+    prefilled: Prefilled | None
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob | None, ...]  # one per token id, or () when none were asked
     finished: Finished | None

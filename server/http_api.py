@@ -24,35 +24,36 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tpserve.server.api_key import UNAUTHENTICATED, key_matches
-from tpserve.server.chat_reply import THINK_OPEN, ChatReply, thinks
+from tpserve.server.api_key import key_matches
+from tpserve.server.chat_reply import ChatReply, prompt_opens_think, thinks
 from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.http_body import BodyRefused, read_json_object
-from tpserve.server.http_errors import error_json, param_of, status_of
+from tpserve.server.http_errors import (
+    HttpRefusal,
+    error_json,
+    http_exception,
+    refusal_response,
+    status_of,
+    unauthorized_response,
+)
 from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_choices import cancel_all, total_usage
 from tpserve.server.openai_reply import FINISH_REASONS, TOOL_CALLS, ReplyShape
-from tpserve.server.openai_request import FieldRefused, OpenAIRequest, parse_chat, parse_completion
-from tpserve.server.requests import ERROR, STOP, Event, Finished, TokenDelta, Usage
+from tpserve.server.openai_request import OpenAIRequest, parse_chat, parse_completion
+from tpserve.server.requests import ERROR, STOP, Event, Finished, Prefilled, TokenDelta, Usage
 from tpserve.server.submitter import Submitter
 from tpserve.server.tool_calls import parser_for_template
 from tpserve.server.validation import RequestRefused
 
 EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
 MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
-
-
-class HttpRefusal(Exception):
-    """A request refused before it reaches the Submitter: an HTTP status and the message."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 class OpenAIApi:
@@ -66,19 +67,23 @@ class OpenAIApi:
         tool_call_parser: str = "",
         reasoning_parser: str = "",
         body_timeout_s: float = 30.0,
+        cors_origins: tuple[str, ...] = (),
     ):
-        """The parsers: "" reads the family from the chat template, "none" turns it off."""
+        """The parsers: "" reads the family from the chat template, "none" turns it off.
+        cors_origins: the origins browsers may call from ("*": any), answered by Starlette's CORS."""
+        self._cors_origins = cors_origins
         self._submitter = submitter
         self._body_timeout_s = body_timeout_s
         self._api_key = api_key
-        self._model = submitter.info.model_name
+        self._model = submitter.info.model_name  # what replies name; requests may name any alias
+        self._model_names = submitter.info.model_names
         # How chat replies are read: the tool-call family and <think> reasoning.
         template = submitter.tokenizer.chat_template
         parser = tool_call_parser or parser_for_template(template)
         self._tool_parser = None if parser == "none" else parser
         self._thinks = reasoning_parser != "none" if reasoning_parser else thinks(template)
         self._starts_thinking = reasoning_parser == "deepseek_r1" or (
-            self._thinks and _prompt_opens_think(submitter.tokenizer)
+            self._thinks and prompt_opens_think(submitter.tokenizer)
         )
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
@@ -96,8 +101,14 @@ class OpenAIApi:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
         ]
-        handlers = {HTTPException: _http_exception}
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
+        handlers = {HTTPException: http_exception}
+        middleware = []
+        if self._cors_origins:
+            cors = {"allow_origins": list(self._cors_origins), "allow_methods": ["*"], "allow_headers": ["*"]}
+            middleware.append(Middleware(CORSMiddleware, **cors))
+        return Starlette(
+            routes=routes, exception_handlers=handlers, lifespan=self._lifespan, middleware=middleware
+        )
 
     @asynccontextmanager
     async def _lifespan(self, app) -> AsyncIterator[None]:
@@ -115,20 +126,22 @@ class OpenAIApi:
     async def metrics(self, request: Request) -> Response:
         """The Prometheus page, behind the key when one is set (the metrics port has no key check)."""
         if not self._authorized(request):
-            return _unauthorized()
+            return unauthorized_response()
         return Response(self._submitter.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
-            return _unauthorized()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+            return unauthorized_response()
+        return JSONResponse(
+            {"object": "list", "data": [self._model_card(name) for name in self._model_names]}
+        )
 
     async def model(self, request: Request) -> Response:
         if not self._authorized(request):
-            return _unauthorized()
-        if request.path_params["model_id"] != self._model:
-            return _refusal(self._unknown_model(request.path_params["model_id"]))
-        return JSONResponse(self._model_card())
+            return unauthorized_response()
+        if request.path_params["model_id"] not in self._model_names:
+            return refusal_response(self._unknown_model(request.path_params["model_id"]))
+        return JSONResponse(self._model_card(request.path_params["model_id"]))
 
     async def tokenize(self, request: Request) -> Response:
         return await self._answer(request, tokenize_reply)
@@ -142,16 +155,16 @@ class OpenAIApi:
     async def _answer(self, request: Request, reply: Callable[[Submitter, dict], dict]) -> Response:
         """A route answered at once from the body (tokenizing runs on a worker thread)."""
         if not self._authorized(request):
-            return _unauthorized()
+            return unauthorized_response()
         try:
             body = await read_json_object(request, self._body_timeout_s)
             return JSONResponse(
                 await anyio.to_thread.run_sync(reply, self._submitter, body, limiter=self._limiter)
             )
         except (HttpRefusal, RequestRefused) as refusal:
-            return _refusal(refusal)
+            return refusal_response(refusal)
         except BodyRefused as refusal:
-            return _refusal(HttpRefusal(refusal.status, refusal.message))
+            return refusal_response(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
             return Response(status_code=499)
 
@@ -165,12 +178,12 @@ class OpenAIApi:
 
     async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
         if not self._authorized(request):
-            return _unauthorized()
+            return unauthorized_response()
         streams: list[Stream] = []
         refused: Response | None = None
         try:
             parsed = parse(await read_json_object(request, self._body_timeout_s))
-            if parsed.model is not None and parsed.model != self._model:
+            if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
             for choice in parsed.choices:  # one stream per choice, in choice order
                 streams.append(
@@ -178,9 +191,9 @@ class OpenAIApi:
                 )
         except (HttpRefusal, RequestRefused) as refusal:
             cancel_all(streams)
-            refused = _refusal(refusal)
+            refused = refusal_response(refusal)
         except BodyRefused as refusal:
-            refused = _refusal(HttpRefusal(refusal.status, refusal.message))
+            refused = refusal_response(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
             cancel_all(streams)
             refused = Response(status_code=499)
@@ -197,6 +210,8 @@ class OpenAIApi:
             return_token_ids=parsed.return_token_ids,
             logprobs=parsed.generate.HasField("logprobs"),
             token_text=self._token_text,
+            echo_logprobs=parsed.echo_logprobs,
+            prompt_logprobs=parsed.prompt_logprobs,
         )
         # Per choice, the parser of tool calls and reasoning, where the chat can have either.
         replies: list[ChatReply | None] = [None] * len(streams)
@@ -224,22 +239,27 @@ class OpenAIApi:
         token_ids: list[list[int]] = [[] for _ in streams]
         logprobs: list[list] = [[] for _ in streams]
         ended: dict[int, Finished] = {}
+        prefilled: dict[int, Prefilled] = {}
         async for index, event in self._events(streams, request):
-            if isinstance(event, TokenDelta):
+            if isinstance(event, Prefilled):
+                prefilled[index] = event
+            elif isinstance(event, TokenDelta):
                 texts[index].append(event.text)
                 token_ids[index] += event.token_ids
                 logprobs[index] += event.logprobs
             elif isinstance(event, Finished):
                 refusal = self._failure(event)
                 if refusal is not None:
-                    return _refusal(refusal)  # leaving _events cancels the other choices
+                    return refusal_response(refusal)  # leaving _events cancels the other choices
                 ended[index] = event
         if len(ended) < len(streams):
             return Response(status_code=499)  # the client went away; its streams are cancelled
         choices = []
         for i, reply in enumerate(replies):
             text = "".join(texts[i])
-            choice = shape.choice(i, text, token_ids[i], ended[i].reason, logprobs[i])
+            choice = shape.with_prompt(
+                shape.choice(i, text, token_ids[i], ended[i].reason, logprobs[i]), prefilled.get(i)
+            )
             if reply is not None:
                 choice["message"], called = reply.whole(text)
                 if called and ended[i].reason == STOP:
@@ -272,12 +292,16 @@ class OpenAIApi:
         for index, echo in enumerate(echoes):
             if shape.chat:
                 yield _sse(shape.first_chunk(index))
-            elif echo:
+            elif echo and not shape.wants_prompt:
                 yield _sse(shape.chunk(echo, index=index))
         usages: dict[int, Usage] = {}
         async for index, event in self._events(streams, None):
             reply = replies[index]
-            if isinstance(event, TokenDelta) and reply is not None:
+            if isinstance(event, Prefilled) and shape.wants_prompt:  # the echo waits for its logprobs
+                chunk = shape.chunk(echoes[index], index=index)
+                chunk["choices"][0] = shape.with_prompt(chunk["choices"][0], event)
+                yield _sse(chunk)
+            elif isinstance(event, TokenDelta) and reply is not None:
                 for delta in reply.push(event.text):
                     yield _sse(shape.delta_chunk(delta, index=index))
             elif isinstance(event, TokenDelta):
@@ -356,18 +380,20 @@ class OpenAIApi:
         return key_matches(request.headers.getlist("authorization"), self._api_key)
 
     def _prompt_text(self, choice) -> str:
-        """A choice's prompt as text, for echo (token-id prompts decoded)."""
+        """A choice's prompt as text, for echo (token-id prompts decoded, special tokens kept: the
+        echo shows the prompt that ran, as vLLM's does)."""
         if choice.HasField("prompt"):
             return choice.prompt
-        return self._submitter.tokenizer.decode(list(choice.prompt_token_ids))
+        return self._submitter.tokenizer.decode(list(choice.prompt_token_ids), skip_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
-        return self._submitter.tokenizer.decode([token_id])
+        """One token's text in log probabilities: a special token by its name (as OpenAI's show)."""
+        return self._submitter.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _model_card(self) -> dict:
+    def _model_card(self, name: str) -> dict:
         info = self._submitter.info
         return {
-            "id": self._model,
+            "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "tpserve",
@@ -380,39 +406,5 @@ class OpenAIApi:
         return HttpRefusal(404, message, param="model", code="model_not_found")
 
 
-def _prompt_opens_think(tokenizer) -> bool:
-    """The template's generation prompt itself opens the <think> block (DeepSeek-R1 distills)."""
-    try:
-        prompt = tokenizer.render_chat([{"role": "user", "content": "hi"}])
-    except Exception:  # noqa: BLE001 (a template that refuses this conversation opens nothing)
-        return False
-    return prompt.rstrip().endswith(THINK_OPEN)
-
-
 def _sse(value: dict) -> str:
     return f"data: {json.dumps(value, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _refusal(refusal: HttpRefusal | RequestRefused) -> JSONResponse:
-    if isinstance(refusal, HttpRefusal):
-        body = error_json(refusal.status, refusal.message, param=refusal.param, code=refusal.code)
-        return JSONResponse(body, status_code=refusal.status)
-    status = status_of(refusal.code)
-    param = refusal.param if isinstance(refusal, FieldRefused) else param_of(refusal.message)
-    body = error_json(status, refusal.message, param=param, code=refusal.code.name.lower())
-    return JSONResponse(body, status_code=status)
-
-
-def _unauthorized() -> JSONResponse:
-    body = error_json(401, UNAUTHENTICATED, code="invalid_api_key")
-    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-
-
-async def _http_exception(request: Request, error: HTTPException) -> JSONResponse:
-    """Unknown paths (404) and methods (405) answer as OpenAI errors too."""
-    message = {
-        404: f"no route {request.url.path}",
-        405: f"{request.method} is not allowed on {request.url.path}",
-    }
-    body = error_json(error.status_code, message.get(error.status_code, str(error.detail)))
-    return JSONResponse(body, status_code=error.status_code, headers=error.headers)

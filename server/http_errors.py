@@ -9,6 +9,13 @@ from __future__ import annotations
 import re
 
 import grpc
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from tpserve.server.api_key import UNAUTHENTICATED
+from tpserve.server.openai_fields import FieldRefused
+from tpserve.server.validation import RequestRefused
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -60,3 +67,36 @@ def error_json(status: int, message: str, *, param: str | None = None, code: str
             "code": code,
         }
     }
+
+
+class HttpRefusal(Exception):
+    """A request refused before it reaches the Submitter: an HTTP status and the message."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def refusal_response(refusal: HttpRefusal | RequestRefused) -> JSONResponse:
+    if isinstance(refusal, HttpRefusal):
+        body = error_json(refusal.status, refusal.message, param=refusal.param, code=refusal.code)
+        return JSONResponse(body, status_code=refusal.status)
+    status = status_of(refusal.code)
+    param = refusal.param if isinstance(refusal, FieldRefused) else param_of(refusal.message)
+    body = error_json(status, refusal.message, param=param, code=refusal.code.name.lower())
+    return JSONResponse(body, status_code=status)
+
+
+def unauthorized_response() -> JSONResponse:
+    body = error_json(401, UNAUTHENTICATED, code="invalid_api_key")
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def http_exception(request: Request, error: HTTPException) -> JSONResponse:
+    """Unknown paths (404) and methods (405) answer as OpenAI errors too."""
+    message = {
+        404: f"no route {request.url.path}",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }
+    body = error_json(error.status_code, message.get(error.status_code, str(error.detail)))
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)

@@ -36,6 +36,7 @@ from tpserve.server.requests import CANCELLED, ERROR
 log = logging.getLogger(__name__)
 
 MAX_JOINT_PROMPTS = 16  # the most prompts one prefill_many pass takes (the Backend contract)
+MIN_CHUNK_BESIDE = 16  # one row tile: a long prompt beside a full decode round still moves on
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,16 @@ class BlockWait:
     job: Job
 
 
-Outcome = FirstToken | Ended | Chunking | BlockWait
+@dataclass(frozen=True)
+class Riding:
+    """The job's whole prompt goes in this step's decode round, in the same pass (`item`, its blocks
+    covered): the step stays one message and one pass; its first token comes with the round's."""
+
+    job: Job
+    item: PrefillItem
+
+
+Outcome = FirstToken | Ended | Chunking | BlockWait | Riding
 
 
 class Admission:
@@ -80,10 +90,14 @@ class Admission:
         lanes: LaneTable,
         *,
         batch_prefill: bool,
+        step_tokens: int | None = None,
     ):
+        """step_tokens: the rows a decode round and the chunk riding in it carry together (None: no
+        cap, a whole max_prefill_tokens chunk)."""
         self._backend = backend
         self._lanes = lanes
         self._max_prefill_tokens = backend.max_prefill_tokens
+        self._step_tokens = step_tokens
         batches = batch_prefill and backend.batches_prompts
         # Halved whenever the backend refuses a pass (returns None): it said it cannot take that many.
         self._joint_prompts_cap = MAX_JOINT_PROMPTS if batches else 1
@@ -151,9 +165,10 @@ class Admission:
                 break
         return num_taken, limit - num_tokens
 
-    def launch(self, jobs: list[Job], chunking: Job | None) -> list[Outcome]:
-        """Set up the taken jobs and launch them: short prompts in one joint pass when two or more,
-        the rest alone. `chunking`: the job whose prompt goes in chunks now, if any."""
+    def launch(self, jobs: list[Job], chunking: Job | None, beside_round: bool = False) -> list[Outcome]:
+        """Set up the taken jobs and launch them. `beside_round` (streams are decoding): each whole
+        prompt rides in this step's decode round (Riding); else short prompts go in one joint pass
+        when two or more, the rest alone. `chunking`: the job whose prompt goes in chunks now, if any."""
         outcomes: list[Outcome] = []
         ready = []
         for job in jobs:
@@ -162,6 +177,19 @@ class Admission:
                 ready.append(job)
             else:
                 outcomes.append(refusal)
+        if beside_round:
+            for job in ready:
+                if job.cancel_requested or self._needs_chunks(job):
+                    continue
+                item = self._whole_prompt(job)
+                outcomes.append(BlockWait(job) if item is None else Riding(job, item))
+            ready = [job for job in ready if job.cancel_requested or self._needs_chunks(job)]
+        return outcomes + self.run_now(ready, chunking)
+
+    def run_now(self, ready: list[Job], chunking: Job | None) -> list[Outcome]:
+        """Launch jobs that are set up in passes of their own: short prompts in one joint pass when
+        two or more, the rest alone, a long one in chunks (or every chunk now while another chunks)."""
+        outcomes: list[Outcome] = []
         # A job taken as short can turn out long when its restore failed: it launches alone. Jobs
         # whose restores failed can also be short each and too long together: the joint pass takes
         # them while they fit in one pass, the rest go alone.
@@ -187,6 +215,13 @@ class Admission:
             else:
                 outcomes.append(self._prefill_all_chunks(job))
         return outcomes
+
+    def run_alone(self, jobs: list[Job]) -> list[Outcome]:
+        """Each whole prompt in a pass of its own (after a pass with them was refused)."""
+        return [
+            Ended(job, CANCELLED) if job.cancel_requested else self._prefill(job, self._whole_prompt(job))
+            for job in jobs
+        ]
 
     def _setup(self, job: Job) -> Ended | None:
         """Lane, shared prefix and first blocks. None when the job is ready, else how it ended."""
@@ -250,11 +285,11 @@ class Admission:
         outcome = self._prefill(job, item)
         return [] if outcome is None else [outcome]
 
-    def _next_chunk(self, job: Job) -> PrefillItem | None:
-        """None when the chunk's blocks are not free."""
+    def _next_chunk(self, job: Job, size: int | None = None) -> PrefillItem | None:
+        """The next `size` tokens (max_prefill_tokens unless said); None when their blocks are not free."""
         feed = job.feed_ids
         start = job.num_prefilled
-        chunk = feed[start : start + self._max_prefill_tokens]
+        chunk = feed[start : start + (size or self._max_prefill_tokens)]
         if not self._lanes.cover(job, start + len(chunk)):
             return None
         last = start + len(chunk) == len(feed)
@@ -268,6 +303,7 @@ class Admission:
             self._lanes.new_blocks(job),
             job.allowed_tokens() if last else None,
             job.counts,
+            *_prompt_rows(job, start, len(chunk)),
         )
 
     def _whole_prompt(self, job: Job) -> PrefillItem | None:
@@ -285,6 +321,7 @@ class Admission:
             self._lanes.new_blocks(job),
             job.allowed_tokens(),
             job.counts,
+            *_prompt_rows(job, start, len(job.feed_ids) - start),
         )
 
     def _prefill(self, job: Job, item: PrefillItem | None) -> Outcome | None:
@@ -297,12 +334,17 @@ class Admission:
             return Ended(job, ERROR, f"prefill failed: {error}")
         return self.prefilled(job, item, token)
 
-    def chunk_beside_round(self, job: Job) -> PrefillItem | BlockWait | Ended:
-        """The chunking job's next chunk, to ride with this step's decode round (the scheduler runs
-        it, then reports with `prefilled`); BlockWait while its blocks are not free."""
+    def chunk_beside_round(self, job: Job, num_rows: int) -> PrefillItem | BlockWait | Ended:
+        """The chunking job's next chunk, to ride with this step's decode round of `num_rows` rows
+        (the scheduler runs it, then reports with `prefilled`); BlockWait while its blocks are not
+        free. The chunk takes what the step's token budget leaves after the round: a pass costs
+        about its rows, so the decoders' next token comes about as soon as without it."""
         if job.cancel_requested:
             return Ended(job, CANCELLED)
-        item = self._next_chunk(job)
+        size = self._max_prefill_tokens
+        if self._step_tokens is not None:
+            size = min(size, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
+        item = self._next_chunk(job, size)
         return BlockWait(job) if item is None else item
 
     def prefilled(self, job: Job, item: PrefillItem, token: int | None) -> Outcome | None:
@@ -344,3 +386,12 @@ class Admission:
         if num_wanted == 0 or (num_free >= num_wanted and free_blocks >= wanted_blocks):
             return None
         return max(background, key=lambda job: job.admitted_seq)
+
+
+def _prompt_rows(job: Job, start: int, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+    """PrefillItem's prompt_logprobs and prompt_targets for a pass over feed_ids[start:start+num_tokens]:
+    the prompt tokens each row scores, when the job gathers its prompt's log probabilities."""
+    if not job.gathers_prompt_logprobs:
+        return -1, ()
+    prompt = job.request.prompt_ids
+    return job.request.prompt_logprobs, tuple(prompt[start + 1 : min(start + num_tokens + 1, len(prompt))])

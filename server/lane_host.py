@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.server.backend import Backend, check_backend
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
@@ -50,13 +51,25 @@ class LaneHost:
         max_draft_tokens: int = 0,
         draft_rows: int = 16,
         logprobs: Callable[[int, int], TokenLogprob | None] | None = None,
+        step_tokens: int | None = None,
+        profile: StepProfile | NoProfile | None = None,
+        prompt_logprobs: Callable[[int], dict[int, TokenLogprob]] | None = None,
+        detokenize_special: Callable[[Sequence[int]], str] | None = None,
         on_step: Callable[[], None] | None = None,
     ):
         """logprobs(lane, position): the backend's log probability of the token its last pass
         sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none.
         detokenize None: streams carry bare tokens, no text and no stop strings (the front process
-        makes the text, server/front_link.py). on_step: called on the scheduling thread after each
-        step (the front link sends what a step produced in one message)."""
+        makes the text, server/front_link.py, with or without special tokens). on_step: called on
+        the scheduling thread after each step (the front link sends what a step produced in one
+        message).
+        step_tokens: the rows one decode round and the prompt chunk riding in it carry (None: no
+        cap; ranks/settings.py says why one). profile: the step timers (ranks/step_profile.py),
+        when measured.
+        prompt_logprobs(lane): the prompt log probabilities the lane's passes gathered, by position
+        (rank 0's Leader.prompt_logprobs); None: requests asking for them get none.
+        detokenize_special: the text of ids with special tokens kept, for requests that set
+        skip_special_tokens false; None: such requests are refused (unless the front makes the text)."""
         check_backend(backend)
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -64,13 +77,14 @@ class LaneHost:
                 f"(num_lanes {backend.num_lanes}, max_prefill_tokens {backend.max_prefill_tokens})"
             )
         self._detokenize = detokenize
+        self._detokenize_special = detokenize_special
         self._eos_ids = frozenset(eos_ids)
         self._clock = clock
         self._room = backend.room
         self._context_size = backend.context_size
         self._state = HostState(queue_size, clock)
         self._lanes = LaneTable(backend, prefix_caching=prefix_caching)
-        admission = Admission(backend, self._lanes, batch_prefill=batch_prefill)
+        admission = Admission(backend, self._lanes, batch_prefill=batch_prefill, step_tokens=step_tokens)
         # Draft tokens (server/drafts.py) when asked for and the backend can check them.
         speculates = max_draft_tokens > 0 and backend.verifies_drafts
         if max_draft_tokens > 0 and not speculates:
@@ -85,7 +99,9 @@ class LaneHost:
             clock=clock,
             drafter=self.drafter,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             on_broken=on_broken,
+            profile=profile or NoProfile(),
         )
         self._thread = SchedulerThread(backend, self._state, self._scheduler, on_step=on_step)
 
@@ -100,10 +116,16 @@ class LaneHost:
     def submit(self, request: GenerationRequest) -> Stream:
         """Queue a request. Raises QueueFull, HostUnavailable, or ValueError for a request that cannot run."""
         reserve = reserve_for(request, self._context_size)
+        # No detokenizer: bare tokens, the front keeps or drops special tokens in its text.
+        detokenize = self._detokenize
+        if detokenize is not None and not request.skip_special_tokens:
+            detokenize = self._detokenize_special
+            if detokenize is None:
+                raise ValueError("this server cannot keep special tokens in a reply's text")
         job = Job(
             request,
             reserve=reserve,
-            detokenize=self._detokenize,
+            detokenize=detokenize,
             submitted_at=self._clock(),
             cancel=self._state.cancel,
             eos_ids=self._eos_ids,

@@ -101,6 +101,12 @@ class Job:
         return self.request.sampling.logprobs >= 0
 
     @property
+    def gathers_prompt_logprobs(self) -> bool:
+        """The request asks for its prompt's log probabilities and has not had them yet: its prompt
+        passes return every row, and none of its prompt comes from the cache."""
+        return self.request.prompt_logprobs >= 0 and not self.prefilled_sent
+
+    @property
     def next_token_position(self) -> int:
         """Where the next sampled token goes (its log probability is keyed by it)."""
         return len(self.request.prompt_ids) + len(self.produced)

@@ -15,10 +15,11 @@ import logging
 import threading
 from collections.abc import Callable
 
+from tpserve.ranks.step_profile import NoProfile, StepProfile
 from tpserve.server.backend import Backend, BackendBroken, ChunkRefused, DecodeItem, PrefillItem, attempt
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
-from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome
+from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED, ERROR, Prefilled, TokenLogprob
@@ -39,6 +40,8 @@ class Scheduler:
         drafter: Drafter | None,
         logprobs: Callable[[int, int], TokenLogprob | None] | None,
         on_broken: Callable[[str], None] | None,
+        profile: StepProfile | NoProfile,
+        prompt_logprobs: Callable[[int], dict[int, TokenLogprob]] | None = None,
     ):
         self._backend = backend
         self._state = state
@@ -48,15 +51,20 @@ class Scheduler:
         self._clock = clock
         self._drafter = drafter
         self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
         self._on_broken = on_broken
+        self._profile = profile
         self._step_lock = threading.Lock()
         self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
+        self._riding: list[Riding] = []  # whole prompts that go in this step's decode round
         self.num_preempted = 0  # streams that gave up their lane for want of KV blocks (read by stats)
 
     def step(self) -> bool:
         """One scheduling iteration. False when there was nothing it could do."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError("step() is already running on another thread")
+        ran = False
+        self._profile.begin_step()
         try:
             if self._state.broken_reason is not None:
                 return False
@@ -64,11 +72,13 @@ class Scheduler:
                 changed = self._end_cancelled()
                 if not self._state.stopping:
                     changed = self._admit() or changed
-                return self._decode_round() or changed
+                ran = self._decode_round() or changed
+                return ran
             except BackendBroken as error:
                 self.latch_broken(str(error))
                 return False
         finally:
+            self._profile.end_step(ran)
             self._step_lock.release()
 
     def _end_cancelled(self) -> bool:
@@ -89,21 +99,30 @@ class Scheduler:
                 self._yield_lane(victim)
                 changed = True
                 continue
-            jobs, budget = self._take_jobs(budget)
+            beside = self._decoding()
+            jobs, budget = self._take_jobs(budget, self._admission.max_joint_prompts - len(self._riding))
             if not jobs:
                 break
             changed = True
-            self._apply(self._admission.launch(jobs, self._chunking))
+            self._apply(self._admission.launch(jobs, self._chunking, beside_round=beside))
         return changed
 
-    def _take_jobs(self, budget: int | None) -> tuple[list[Job], int | None]:
-        """Pop the head jobs Admission takes; with the step's prompt budget left after them."""
+    def _decoding(self) -> bool:
+        """Whether a stream decodes this step: then whole prompts ride in its round's pass."""
+        riding = {id(ride.job) for ride in self._riding}
+        return any(
+            job.produced and job is not self._chunking and id(job) not in riding for job in self.lanes.jobs()
+        )
+
+    def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
+        """Pop the head jobs Admission takes (at most `most`); with the step's prompt budget left
+        after them."""
         num_free = self.lanes.num_free
-        if not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
+        if most < 1 or not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
             return [], budget
         free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
         return self._state.pop_chosen(
-            min(self._admission.max_joint_prompts, num_free),
+            min(most, num_free),
             lambda head: self._admission.num_to_take(head, free_blocks, budget, self._chunking),
         )
 
@@ -128,6 +147,7 @@ class Scheduler:
         then continues exactly where it left off."""
         if job is self._chunking:
             self._chunking = None
+        self._unride(job)
         self.lanes.close(job)
         if not self._state.requeue(job):
             self._end(job, CANCELLED)
@@ -147,6 +167,9 @@ class Scheduler:
     def _newest(jobs: list[Job]) -> Job:
         """The stream preempted first: background before foreground, then the last admitted."""
         return max(jobs, key=lambda job: (job.background, job.admitted_seq))
+
+    def _unride(self, job: Job) -> None:
+        self._riding = [ride for ride in self._riding if ride.job is not job]
 
     def _prefill_chunk(self) -> bool:
         """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
@@ -170,17 +193,26 @@ class Scheduler:
                 case BlockWait(job):
                     if job is not self._chunking:  # the chunking job waits a step for its blocks
                         self._give_up_lane(job)
+                case Riding():
+                    self._riding.append(outcome)
 
     def _decode_round(self) -> bool:
-        """One decode round over every live stream, the long prompt's next chunk in the same pass
-        (alone when no stream decodes). True when anything ran."""
+        """One decode round over every live stream, with the whole prompts admitted this step and
+        the long prompt's next chunk in the same pass (those alone when no stream decodes). True
+        when anything ran."""
         self._end_cancelled()
         live = self._cover_live()
+        riding, self._riding = self._riding, []
         if not live:
-            return self._prefill_chunk()
-        chunk = self._next_chunk()
-        drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
+            ran = bool(riding)
+            if riding:
+                self._apply(self._admission.run_now([ride.job for ride in riding], self._chunking))
+            return self._prefill_chunk() or ran
+        with self._profile.part("drafts"):
+            drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
+        chunk = self._next_chunk(sum(1 + len(draft) for draft in drafts))  # its blocks before drafts'
         drafts = [self._covered_draft(job, draft) for job, draft in zip(live, drafts)]
+        self._profile.decoded(len(live), len(live) + sum(map(len, drafts)))
         items = [
             DecodeItem(
                 job.lane,
@@ -194,44 +226,58 @@ class Scheduler:
             )
             for job, draft in zip(live, drafts)
         ]
-        samples, error = self._run_round(items, drafts, chunk)
-        if isinstance(error, ChunkRefused):  # nothing ran: the prompt fails alone, the round goes again
-            self._end(self._chunking, ERROR, f"prefill failed: {error}")
-            chunk = None
-            samples, error = self._run_round(items, drafts, None)
+        prompts = [(ride.job, ride.item) for ride in riding]
+        if chunk is not None:
+            prompts.insert(0, (self._chunking, chunk))
+        samples, error = self._run_round(items, drafts, [item for _, item in prompts])
+        refused = isinstance(error, ChunkRefused)
+        if refused:  # nothing ran: the round goes again alone, then each prompt alone (below)
+            samples, error = self._run_round(items, drafts, [])
         if error is not None:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
-        chunk_token = None
-        if chunk is not None and chunk.last:
-            chunk_token = samples.pop()[0] if samples and len(samples) == len(items) + 1 else None
+        prompt_tokens = iter([] if refused else [tokens[0] for tokens in samples[len(items) :]])
+        samples = samples[: len(items)]
         if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
             raise BackendBroken(
                 f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
             )
         for job in live:
             self.lanes.sent(job)
-        for job, draft, tokens in zip(live, drafts, samples):
-            for token in self._drafter.kept(job, draft, tokens) if draft else tokens:
-                self._take_token(job, token)
-                if job.lane is None:  # the reply ended: later tokens are not part of it
-                    break
-        if chunk is not None:
-            outcome = self._admission.prefilled(self._chunking, chunk, chunk_token)
+        with self._profile.part("tokens"):
+            for job, draft, tokens in zip(live, drafts, samples):
+                for token in self._drafter.kept(job, draft, tokens) if draft else tokens:
+                    self._take_token(job, token)
+                    if job.lane is None:  # the reply ended: later tokens are not part of it
+                        break
+        if refused:
+            self._alone_after_refusal(chunk, [ride.job for ride in riding])
+            return True
+        for job, item in prompts:
+            token = next(prompt_tokens, None) if item.last else None
+            outcome = self._admission.prefilled(job, item, token)
             self._apply([] if outcome is None else [outcome])
         return True
 
-    def _run_round(self, items: list[DecodeItem], drafts, chunk: PrefillItem | None):
-        """(samples per item, and the chunk's [token] last when it ended its prompt; the error)."""
+    def _alone_after_refusal(self, chunk: PrefillItem | None, riding: list[Job]) -> None:
+        """Some rank refused a prompt beside the round (nothing of that pass ran): each runs alone,
+        so only the refused one fails."""
+        if chunk is not None and self._chunking is not None:
+            self._apply(self._admission.prefill_chunk(self._chunking))
+        self._apply(self._admission.run_alone(riding))
+
+    def _run_round(self, items: list[DecodeItem], drafts, prompts: list[PrefillItem]):
+        """(samples per item, then [token] per prompt that ended; the error)."""
         if any(drafts):
-            return attempt(self._backend.decode_drafts, items, chunk)
-        tokens, error = attempt(self._backend.decode, items, chunk)
+            return attempt(self._backend.decode_drafts, items, prompts)
+        tokens, error = attempt(self._backend.decode, items, prompts)
         return (None if error is not None else [[token] for token in tokens]), error
 
-    def _next_chunk(self) -> PrefillItem | None:
-        """The chunking job's next chunk for this round; None when there is none or it waits."""
+    def _next_chunk(self, num_rows: int) -> PrefillItem | None:
+        """The chunking job's next chunk for this round of `num_rows` rows; None when there is none
+        or it waits."""
         if self._chunking is None:
             return None
-        got = self._admission.chunk_beside_round(self._chunking)
+        got = self._admission.chunk_beside_round(self._chunking, num_rows)
         if isinstance(got, PrefillItem):
             return got
         self._apply([got])
@@ -241,8 +287,9 @@ class Scheduler:
         """The streams this round decodes, each with a block for the position it writes. When too few
         blocks are free, streams are preempted, the newest first (background before foreground),
         until the rest fit: a stream that needs a block never fails, it waits in the queue."""
-        live = [job for job in self.lanes.jobs() if job is not self._chunking]
-        holders = [*live, *([self._chunking] if self._chunking is not None else [])]
+        riding = [ride.job for ride in self._riding]
+        live = [job for job in self.lanes.jobs() if job is not self._chunking and job not in riding]
+        holders = [*live, *riding, *([self._chunking] if self._chunking is not None else [])]
         while True:
             wanted = sum(self.lanes.blocks_missing(job, job.next_position + 1) for job in live)
             if self.lanes.blocks.can_allocate(wanted) or not holders:
@@ -266,8 +313,16 @@ class Scheduler:
     def _first_token(self, job: Job, token: int) -> None:
         if not job.prefilled_sent:
             job.prefilled_sent = True
-            job.stream.put(Prefilled(cached_tokens=job.cached_tokens))
+            rows = self._prompt_rows(job)
+            job.stream.put(Prefilled(job.cached_tokens, rows, job.request.prompt_ids if rows else ()))
         self._take_token(job, token)
+
+    def _prompt_rows(self, job: Job) -> tuple[TokenLogprob, ...]:
+        """The log probabilities of the prompt's tokens after its first, when the request asks."""
+        if job.request.prompt_logprobs < 0 or self._prompt_logprobs is None or job.lane is None:
+            return ()
+        found = self._prompt_logprobs(job.lane)
+        return tuple(found[p] for p in range(1, len(job.request.prompt_ids)) if p in found)
 
     def _take_token(self, job: Job, token: int) -> None:
         logprob = None
@@ -290,6 +345,7 @@ class Scheduler:
         """Close the job's lane if it holds one, then send Finished."""
         if job is self._chunking:
             self._chunking = None  # no more of its chunks go
+        self._unride(job)
         if job.lane is not None:
             self.lanes.close(job)
         self._state.finish(job, reason, error)
@@ -303,6 +359,7 @@ class Scheduler:
         if forget_lanes:
             self.lanes.forget_all()
             self._chunking = None
+            self._riding = []
         for job in jobs:
             self._state.finish(job, ERROR, f"engine broken: {reason}")
         if self._on_broken is not None:

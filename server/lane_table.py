@@ -51,7 +51,9 @@ class LaneTable:
 
     def _shareable(self, job: Job) -> list[bytes]:
         # A prompt shares whole blocks, and always computes at least its last token (whose logits
-        # sample the next one).
+        # sample the next one). A prompt whose log probabilities are asked for computes every token.
+        if job.gathers_prompt_logprobs:
+            return []
         return self._keys(job, (len(job.feed_ids) - 1) // self.blocks.block_size)
 
     def cached_prefix(self, job: Job) -> tuple[int, int]:

@@ -83,17 +83,19 @@ FIELDS: dict[str, Field] = {
     "min_tokens": _honoured(),  # vLLM
     "stop_token_ids": _honoured(),  # vLLM
     "include_stop_str_in_output": _honoured(),  # vLLM
-    "skip_special_tokens": _refused(True),  # vLLM
+    "skip_special_tokens": _honoured(),  # vLLM
     "n": _honoured(),
     "best_of": _refused(1, apis=(COMPLETION,)),
-    "echo": _honoured((COMPLETION,)),  # not with logprobs (refused by name: prompt logprobs)
+    "echo": _honoured((COMPLETION,)),  # with logprobs: the prompt's tokens' log probabilities too
     "suffix": _refused("", apis=(COMPLETION,)),
-    "prompt_logprobs": _refused(),  # vLLM
+    "prompt_logprobs": _honoured(),  # vLLM
     "allowed_token_ids": _refused(),  # vLLM
     "bad_words": _refused([]),  # vLLM
     "use_beam_search": _refused(False),  # vLLM
     "length_penalty": _refused(1, 1.0),  # vLLM, beam search only
-    "spaces_between_special_tokens": _refused(True),  # vLLM
+    # vLLM: a fast tokenizer's decoder joins special tokens as it joins any (vLLM's fast
+    # detokenizer ignores the field too), so false changes nothing either.
+    "spaces_between_special_tokens": _no_effect(),
     "truncate_prompt_tokens": _refused(),  # vLLM
     "logits_processors": _refused([]),  # vLLM
     "return_tokens_as_token_ids": _refused(False),  # vLLM

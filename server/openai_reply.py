@@ -8,7 +8,8 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from tpserve.server.requests import CANCELLED, LENGTH, STOP, TokenLogprob, Usage
+from tpserve.server.openai_prompt_logprobs import echoed_logprobs, vllm_prompt_logprobs
+from tpserve.server.requests import CANCELLED, LENGTH, STOP, Prefilled, TokenLogprob, Usage
 
 TOOL_CALLS = "tool_calls"  # the reply ended in tool calls (a chat's finish reason only)
 FINISH_REASONS = {STOP: "stop", LENGTH: "length", CANCELLED: "cancelled", TOOL_CALLS: "tool_calls"}
@@ -34,12 +35,16 @@ class ReplyShape:
         return_token_ids: bool,
         logprobs: bool = False,
         token_text: Callable[[int], str] = str,
+        echo_logprobs: bool = False,
+        prompt_logprobs: bool = False,
     ):
         self.chat = chat
         self.model = model
         self.return_token_ids = return_token_ids
         self.logprobs = logprobs  # the request asked for them
         self._token_text = token_text  # one token id's text, for the logprobs' `token` fields
+        self.echo_logprobs = echo_logprobs  # the prompt's log probabilities lead a completion's
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs list
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
 
@@ -79,6 +84,7 @@ class ReplyShape:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+            choice["prompt_logprobs"] = None  # vLLM's field, always present (with_prompt fills it)
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
@@ -125,6 +131,23 @@ class ReplyShape:
         """stream_options.include_usage: a last piece with no choices, only the usage."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._object(kind, []), "usage": usage_json(usage)}
+
+    @property
+    def wants_prompt(self) -> bool:
+        """The reply shows the prompt's log probabilities (read from the stream's Prefilled)."""
+        return self.echo_logprobs or self.prompt_logprobs
+
+    def with_prompt(self, choice: dict, prefilled: Prefilled | None) -> dict:
+        """A choice (or a streamed chunk's) with the prompt's log probabilities, where asked."""
+        if prefilled is None or not self.wants_prompt:
+            return choice
+        if self.echo_logprobs:
+            choice["logprobs"] = echoed_logprobs(prefilled, choice.get("logprobs"), self._token_text)
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prefilled, self._token_text)
+            if self.return_token_ids:
+                choice["prompt_token_ids"] = list(prefilled.prompt_ids)
+        return choice
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict | None:
         """OpenAI's shape: chat's `content` entries, or the completions API's parallel lists."""

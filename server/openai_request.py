@@ -36,6 +36,10 @@ class OpenAIRequest:
     return_token_ids: bool  # token_ids in each choice (an extension, as vLLM's)
     tools: ToolMode | None = None  # how a chat reply's tool calls are read (server/tool_calls.py)
     echo: bool = False  # completions: each choice's text begins with its prompt's
+    # Where the prompt's log probabilities go: with echo and logprobs, in front of the reply's
+    # (OpenAI's legacy lists); with vLLM's prompt_logprobs, in their own `prompt_logprobs` list.
+    echo_logprobs: bool = False
+    prompt_logprobs: bool = False
     num_per_prompt: int = 1  # n: choices i * n .. i * n + n - 1 answer prompt i
 
     @property
@@ -77,12 +81,11 @@ def parse_completion(body: dict) -> OpenAIRequest:
     if body.get("logprobs") is not None:
         request.logprobs = _int32("logprobs", body["logprobs"])
     echo = _flag(body, "echo")
-    if echo and request.HasField("logprobs"):
-        # The prompt's own log probabilities need the logits of every prompt row, which the
-        # engine's prefill does not return yet.
-        raise FieldRefused("echo", "echo with logprobs is not supported by this server")
+    echo_logprobs = echo and request.HasField("logprobs")
+    if echo_logprobs:  # lm-eval's loglikelihood: the prompt's tokens scored as the reply's
+        request.prompt_logprobs = request.logprobs
     parsed = _finish(body, request, chat=False, more_prompts=prompts[1:])
-    return replace(parsed, echo=echo)
+    return replace(parsed, echo=echo, echo_logprobs=echo_logprobs)
 
 
 def _prompt(prompt, where: str) -> str | list[int]:
@@ -115,7 +118,17 @@ def _finish(
         request.seed = _seed(body["seed"])
     request.stop.extend(_stop(body.get("stop")))
     _add_adjustments(body, request)
+    asks_prompt_logprobs = body.get("prompt_logprobs") is not None
+    if asks_prompt_logprobs:
+        count = _int32("prompt_logprobs", body["prompt_logprobs"])
+        request.prompt_logprobs = (
+            max(count, request.prompt_logprobs) if request.HasField("prompt_logprobs") else count
+        )
     request.ignore_eos = _flag(body, "ignore_eos")
+    skip = body.get("skip_special_tokens")
+    if skip is not None and not isinstance(skip, bool):
+        raise FieldRefused("skip_special_tokens", "skip_special_tokens must be true or false")
+    request.keep_special_tokens = skip is False
     constraint = constraint_from(body)
     if constraint is not None:
         request.constraint.CopyFrom(constraint)
@@ -142,6 +155,7 @@ def _finish(
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_flag(body, "return_token_ids"),
+        prompt_logprobs=asks_prompt_logprobs,
     )
 
 

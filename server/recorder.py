@@ -24,6 +24,7 @@ forgotten, never closed, and the process exits); every line is flushed as writte
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -81,19 +82,19 @@ class RecordingBackend:
                 self._write_prefill(item, token)
         return tokens
 
-    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
-        tokens = self._inner.decode(items, chunk)
+    def decode(self, items: list[DecodeItem], prompts: Sequence[PrefillItem] = ()) -> list[int]:
+        tokens = self._inner.decode(items, prompts)
         for item, token in zip(items, tokens):
             step = {"step": "decode", "position": item.position, "fed": item.token_id, "sampled": token}
             self._write(item.lane, self._with_features(item.lane, step))
-        self._write_chunk(chunk, tokens[len(items) :])
+        self._write_prompts(prompts, tokens[len(items) :])
         return tokens
 
-    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem], prompts: Sequence[PrefillItem] = ()) -> list[list[int]]:
         """A Verify, written as the decode steps of the samples the stream keeps (count_kept): the
         very lines plain decoding writes, so a run with drafts records what one without does."""
-        samples = self._inner.decode_drafts(items, chunk)
-        self._write_chunk(chunk, [token for tokens in samples[len(items) :] for token in tokens])
+        samples = self._inner.decode_drafts(items, prompts)
+        self._write_prompts(prompts, [token for tokens in samples[len(items) :] for token in tokens])
         for item, tokens in zip(items, samples):
             features = self._inner.draft_top_logits(item.lane)
             fed = (item.token_id, *item.draft)
@@ -121,10 +122,12 @@ class RecordingBackend:
     def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
         return self._inner.draft_top_logits(lane)
 
-    def _write_chunk(self, chunk: PrefillItem | None, tokens: list[int]) -> None:
-        """A prompt chunk that rode with a decode round, written as after its own prefill."""
-        if chunk is not None:
-            self._write_prefill(chunk, tokens[0] if tokens else None)
+    def _write_prompts(self, prompts: Sequence[PrefillItem], tokens: list[int]) -> None:
+        """The prompts that rode with a decode round, each written as after its own prefill
+        (`tokens`: one per prompt that ended, in order)."""
+        ended = iter(tokens)
+        for item in prompts:
+            self._write_prefill(item, next(ended) if item.last else None)
 
     def _write_prefill(self, item: PrefillItem, token: int | None) -> None:
         step: dict = {"step": "prefill", "start": item.start, "token_ids": list(item.token_ids)}

@@ -45,7 +45,6 @@ from tpserve.server.requests import (
     GenerationRequest,
     HostStats,
     HostUnavailable,
-    Prefilled,
     QueueFull,
     Usage,
 )
@@ -77,9 +76,9 @@ class RemoteReply:
         self._ended = False  # the reply's last token came: what follows is the engine running on
 
     def apply(self, out: StreamOut) -> None:
-        if out.cached_tokens is not None:
-            self._cached_tokens = out.cached_tokens
-            self.stream.put(Prefilled(out.cached_tokens))
+        if out.prefilled is not None:
+            self._cached_tokens = out.prefilled.cached_tokens
+            self.stream.put(out.prefilled)  # with the prompt's log probabilities, when asked
         for index, token_id in enumerate(out.token_ids):
             if self._ended:
                 break
@@ -120,10 +119,14 @@ class RemoteEngine:
         eos_ids: frozenset[int],
         stats: HostStats,
         block_stats: BlockStats,
+        detokenize_special: Callable[[Sequence[int]], str] | None = None,
     ):
-        """stats, block_stats: what metrics read until the engine's first answer (and once it is gone)."""
+        """stats, block_stats: what metrics read until the engine's first answer (and once it is gone).
+        detokenize_special: the text with special tokens kept, for requests that set
+        skip_special_tokens false; None: such requests are refused, as the lane host refuses them."""
         self._conn = conn
         self._detokenize = detokenize
+        self._detokenize_special = detokenize_special
         self._eos_ids = frozenset(eos_ids)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -146,8 +149,11 @@ class RemoteEngine:
         """As LaneHost.submit: raises QueueFull, HostUnavailable, or ValueError."""
         if self._broken is not None:
             raise HostUnavailable(f"the engine is broken: {self._broken}")
+        detokenize = self._detokenize if request.skip_special_tokens else self._detokenize_special
+        if detokenize is None:
+            raise ValueError("this server cannot keep special tokens in a reply's text")
         stream_id = next(self._ids)
-        reply = RemoteReply(request, self._detokenize, self._eos_ids, lambda: self._cancel(stream_id))
+        reply = RemoteReply(request, detokenize, self._eos_ids, lambda: self._cancel(stream_id))
         grammar = request.grammar
         message = Submit(stream_id, replace(request, grammar=None), None if grammar is None else grammar.text)
         with self._lock:

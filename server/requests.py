@@ -52,6 +52,9 @@ class PromptImage:
     num_tokens: int
     key: int
     features: object = field(compare=False, repr=False)
+    # A Qwen-VL image's merged grid (rows, columns): its tokens' multimodal rotary positions
+    # (ranks/mrope.py); None for a model whose rotary is 1-D.
+    grid: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,10 @@ class GenerationRequest:
     # stop strings still end it earlier.
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # a matched stop string's text ends the reply's text
+    # >= 0: the log probability of each prompt token after the first and that many likeliest
+    # alternatives, sent with Prefilled (the prompt is then computed whole, never from the cache).
+    prompt_logprobs: int = -1
+    skip_special_tokens: bool = True  # false: special tokens (role markers, EOS) stay in the text
 
     def cache_ids(self) -> tuple[int, ...]:
         """The prompt as the prompt cache keys it: each image's positions hold its key, not the
@@ -111,6 +118,10 @@ class Prefilled:
     """The prompt is in the KV cache (sent once per stream, before its first token)."""
 
     cached_tokens: int
+    # When the request set prompt_logprobs: one per prompt token after the first, in order, and
+    # the prompt's token ids (the first has no log probability).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,15 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
     def _response(self, event, context) -> serving_pb2.GenerateResponse:
         if isinstance(event, Prefilled):
-            return serving_pb2.GenerateResponse(prefilled=True, cached_tokens=event.cached_tokens)
+            return serving_pb2.GenerateResponse(
+                prefilled=True,
+                cached_tokens=event.cached_tokens,
+                prompt_logprobs=_as_protos(event.prompt_logprobs),
+                prompt_token_ids=event.prompt_ids,
+            )
         if isinstance(event, TokenDelta):
             return serving_pb2.GenerateResponse(
-                token_ids=event.token_ids, text=event.text, logprobs=_logprobs(event)
+                token_ids=event.token_ids, text=event.text, logprobs=_as_protos(event.logprobs)
             )
         refusal = self._submitter.broke_mid_reply(event)
         if refusal is not None:
@@ -117,14 +122,14 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         )
 
 
-def _logprobs(event: TokenDelta) -> list[serving_pb2.TokenLogprob]:
+def _as_protos(logprobs) -> list[serving_pb2.TokenLogprob]:
     return [
         serving_pb2.TokenLogprob(
             token_id=lp.token_id,
             logprob=lp.logprob,
             top=[serving_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
         )
-        for lp in event.logprobs
+        for lp in logprobs
     ]
 
 

@@ -24,3 +24,8 @@ class ServingInfo:
     max_images: int = 4  # with --vision: image parts per request, bytes and pixels per image
     max_image_bytes: int = 10 << 20
     max_image_pixels: int = 4096 * 4096
+    model_aliases: tuple[str, ...] = ()  # more names the model answers to over HTTP
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)

@@ -143,6 +143,8 @@ class Submitter:
             stop_token_ids=tuple(request.stop_token_ids),
             min_tokens=request.min_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else -1,
+            skip_special_tokens=not request.keep_special_tokens,
         )
         try:
             return self.lane_host.submit(job)
@@ -254,7 +256,7 @@ class Submitter:
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         if self.vision is None:
             return ids, []
-        return self.vision.expand(ids, num_images)
+        return self.vision.expand(ids, num_images, *_media_parts(messages))
 
 
 def _media_parts(messages) -> tuple[list, list[str]]:

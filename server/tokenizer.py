@@ -65,7 +65,8 @@ class Tokenizer:
                 raise ModelFileError(source, f"chat template does not parse: {error}") from error
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> Tokenizer:
+    def from_model_dir(cls, path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
+        """`chat_template`: a Jinja file used instead of the checkpoint's template (--chat-template)."""
         model_dir = Path(path)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -108,7 +109,11 @@ class Tokenizer:
             eos_ids=eos_ids,
             bos_id=bos_id,
             add_bos=bool(add_bos) and bos_id is not None,
-            chat_template=_chat_template(model_dir, tokenizer_config),
+            chat_template=(
+                _template_file(chat_template)
+                if chat_template
+                else _chat_template(model_dir, tokenizer_config)
+            ),
             special_tokens=special_tokens,
             source=str(model_dir),
         )
@@ -152,13 +157,14 @@ class Tokenizer:
         """The text of one token id (such as a vision model's image token), as the vocabulary has it."""
         return self._backend.id_to_token(token_id) or f"<token {token_id}>"
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids` with special tokens (BOS, EOS, role markers) left out.
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` with special tokens (BOS, EOS, role markers) left out, unless
+        skip_special_tokens is false.
 
         A prefix that ends inside a multi-byte character decodes with U+FFFD at the end: text
         streamed in pieces must hold such a tail back until the character completes.
         """
-        return self._backend.decode(list(ids), skip_special_tokens=True)
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def chat_template(self) -> str:
@@ -280,3 +286,10 @@ def _ids(value: Any) -> list[int]:
 def _first_id(value: Any) -> int | None:
     ids = _ids(value)
     return ids[0] if ids else None
+
+
+def _template_file(path: str | Path) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise ModelFileError(path, f"the chat template cannot be read: {error.strerror or error}") from None

@@ -223,6 +223,10 @@ def _check_sampling(request, limits: Limits) -> None:
         raise _invalid(f"seed must be below 2**63 (got {request.seed})")
     if request.HasField("logprobs") and not 0 <= request.logprobs <= limits.max_logprobs:
         raise _invalid(f"logprobs must be from 0 to {limits.max_logprobs} (got {request.logprobs})")
+    if request.HasField("prompt_logprobs") and not 0 <= request.prompt_logprobs <= limits.max_logprobs:
+        raise _invalid(
+            f"prompt_logprobs must be from 0 to {limits.max_logprobs} (got {request.prompt_logprobs})"
+        )
 
 
 def _check_stop(stop: Sequence[str], limits: Limits) -> None:

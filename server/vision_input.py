@@ -43,10 +43,13 @@ class VisionInput:
         tower = load_vision_tower(model_dir, config.vision, dtype, device)
         return cls(tower, Preprocessor.from_model_dir(model_dir), image_token)
 
-    def expand(self, ids: Sequence[int], num_images: int) -> tuple[list[int], list[int]]:
+    def expand(
+        self, ids: Sequence[int], num_images: int, media: Sequence = (), wheres: Sequence[str] = ()
+    ) -> tuple[list[int], list[int]]:
         """Template token ids with one image token per image -> the prompt with each widened to
         tokens_per_image, and the images' offsets in it. Refuses when the counts disagree (the text
-        itself held the image token, or the template wrote none)."""
+        itself held the image token, or the template wrote none). `media` and `wheres` (the parts
+        and where they sit) are not read: every image takes the same count here."""
         found = [index for index, token in enumerate(ids) if token == self.image_token_id]
         if len(found) != num_images:
             raise RequestRefused(

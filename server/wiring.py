@@ -15,6 +15,7 @@ from tpserve.ranks.leader import Leader
 from tpserve.ranks.local_ranks import local_rank0
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime
+from tpserve.ranks.step_profile import profile_from_environment
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.recorder import RecordingBackend
 from tpserve.server.tokenizer import Tokenizer
@@ -33,6 +34,7 @@ def build_lane_host(
     """makes_text False: streams carry bare tokens, the front process makes the text (and
     on_step, the front link's, sends each step's tokens in one message)."""
     settings = runtime.settings  # as the rank started: "auto" decided for its device
+    profile = profile_from_environment()  # off unless bench/step_profile.py asks for the timers
     leader = Leader(
         runtime.engine,
         runtime.channel,
@@ -41,6 +43,7 @@ def build_lane_host(
         max_prefill_tokens=settings.max_prefill_tokens,
         batches_prompts=settings.batch_prefill,
         record_features=bool(record_dir),
+        profile=profile,
     )
     backend = RecordingBackend(leader, record_dir) if record_dir else leader
     host = LaneHost(
@@ -56,6 +59,10 @@ def build_lane_host(
         max_draft_tokens=settings.draft_tokens if settings.batch_invariant else 0,
         draft_rows=ROW_TILE,
         logprobs=leader.logprobs,  # the leader's own, past the recorder: only rank 0 has logits
+        step_tokens=settings.step_tokens,
+        profile=profile,
+        prompt_logprobs=leader.prompt_logprobs,
+        detokenize_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
         on_step=on_step,
     )
     return host, leader

@@ -112,6 +112,7 @@ class FakeBackend:
         self.num_verifies = 0
         self.num_idles = 0
         self.joint_passes: list[int] = []  # sizes of the prefill_many passes that went through
+        self.beside_round: list[int] = []  # prompts (whole ones, a chunk) that went in a decode round's pass
         self.refused_passes: list[int] = []
         self.failed_passes: list[int] = []
         self.decode_sizes: list[int] = []
@@ -194,9 +195,9 @@ class FakeBackend:
         self.joint_passes.append(len(items))
         return [self._sample(lane, item.sampling) for item, lane in zip(items, lanes)]
 
-    def decode(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[int]:
+    def decode(self, items: list[DecodeItem], prompts: Sequence[PrefillItem] = ()) -> list[int]:
         self._call()
-        chunk_lane = self._check_chunk(items, chunk)
+        prompt_lanes = self._check_prompts(items, prompts)
         if self.break_after_decodes is not None and self.num_decodes >= self.break_after_decodes:
             self.broken = True
             raise BackendBroken("fake: the decode round failed (a rank was lost)")
@@ -216,38 +217,47 @@ class FakeBackend:
             self._extend(item.lane, item.blocks)
             self._feed(lane, (item.token_id,))
             tokens.append(self._sample(lane, item.sampling))
-        chunk_token = self._feed_chunk(chunk_lane, chunk)
-        return tokens if chunk_token is None else [*tokens, chunk_token]
+        return [*tokens, *self._feed_prompts(prompt_lanes, prompts)]
 
-    def _check_chunk(self, items: list[DecodeItem], chunk: PrefillItem | None) -> _Lane | None:
-        """A chunk beside a round: checked as a prefill is, and refused (nothing of the round
-        runs) when poisoned, as the engine's vote refuses it."""
-        if chunk is None:
-            return None
-        if chunk.lane in {item.lane for item in items}:
-            self._misuse(f"a chunk on lane {chunk.lane}, which the round decodes")
-        lane = self._check_prefill(chunk, max_tokens=self.max_prefill_tokens)
-        if self._first_token_of(lane, chunk) in self.poisoned_prompts:
-            raise ChunkRefused(f"lane {chunk.lane}: the engine refused the prompt chunk")
-        return lane
+    def _check_prompts(self, items: list[DecodeItem], prompts: Sequence[PrefillItem]) -> list[_Lane]:
+        """Prompts beside a round: each checked as a prefill is, at most 16 whole ones and a chunk,
+        and all refused (nothing of the round runs) when one is poisoned, as the engine's vote
+        refuses them."""
+        lanes = [item.lane for item in items]
+        if len({*lanes, *(prompt.lane for prompt in prompts)}) != len(lanes) + len(prompts):
+            self._misuse(f"prompts on lanes {[p.lane for p in prompts]} beside a round over {lanes}")
+        if len(prompts) > 17:
+            self._misuse(f"{len(prompts)} prompts beside a round (at most 16 and a chunk)")
+        checked = [self._check_prefill(prompt, max_tokens=self.max_prefill_tokens) for prompt in prompts]
+        poisoned = any(
+            self._first_token_of(lane, p) in self.poisoned_prompts for lane, p in zip(checked, prompts)
+        )
+        if poisoned or len(prompts) > self.max_batch_streams:
+            raise ChunkRefused(f"lanes {[p.lane for p in prompts]}: the engine refused a prompt")
+        if prompts:
+            self.beside_round.append(len(prompts))
+        return checked
 
-    def _feed_chunk(self, lane: _Lane | None, chunk: PrefillItem | None) -> int | None:
-        if chunk is None:
-            return None
-        self.num_prefills += 1
-        self.timeline.append(("prefill", len(chunk.token_ids)))
-        self._extend(chunk.lane, chunk.blocks)
-        self._feed(lane, chunk.token_ids)
-        return self._sample(lane, chunk.sampling) if chunk.last else None
+    def _feed_prompts(self, lanes: list[_Lane], prompts: Sequence[PrefillItem]) -> list[int]:
+        """The prompts' sampled tokens, one per prompt that ends, in order."""
+        tokens = []
+        for lane, prompt in zip(lanes, prompts):
+            self.num_prefills += 1
+            self.timeline.append(("prefill", len(prompt.token_ids)))
+            self._extend(prompt.lane, prompt.blocks)
+            self._feed(lane, prompt.token_ids)
+            if prompt.last:
+                tokens.append(self._sample(lane, prompt.sampling))
+        return tokens
 
-    def decode_drafts(self, items: list[DecodeItem], chunk: PrefillItem | None = None) -> list[list[int]]:
+    def decode_drafts(self, items: list[DecodeItem], prompts: Sequence[PrefillItem] = ()) -> list[list[int]]:
         """A decode round whose items carry drafts: a token sampled after each fed token. The lane
         then keeps what the host keeps (up to the first sample that differs from the next draft), so
         the next round finds it where the engine's cut would leave it."""
         self._call()
         if not self.verifies_drafts:
             self._misuse("decode_drafts on a backend that does not verify drafts")
-        chunk_lane = self._check_chunk(items, chunk)
+        prompt_lanes = self._check_prompts(items, prompts)
         self.num_verifies += 1
         self.timeline.append(("verify", sum(1 + len(item.draft) for item in items)))
         out = []
@@ -268,8 +278,7 @@ class FakeBackend:
             self._rewind(lane, item.position + num_kept)
             lane.pending, lane.num_samples = samples[num_kept - 1], num_samples
             out.append(samples)
-        chunk_token = self._feed_chunk(chunk_lane, chunk)
-        return out if chunk_token is None else [*out, [chunk_token]]
+        return [*out, *([token] for token in self._feed_prompts(prompt_lanes, prompts))]
 
     def close(self, lane: int) -> None:
         self._call()

@@ -25,6 +25,7 @@ from tiny_models import write_tiny_model
 
 from tpserve.kernels.attention_kernels import choose_attention, kv_dtype
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.ranks.errors import ChunkRefused
 from tpserve.ranks.kv_store import kv_bytes_per_token
 from tpserve.ranks.settings import EngineSettings
 from tpserve.server.lane_host import LaneHost
@@ -173,6 +174,34 @@ def watch_joint_passes(leader) -> Iterator[JointPasses]:
 
 
 @contextmanager
+def watch_prompts_beside_rounds(leader) -> Iterator[JointPasses]:
+    """Notes every decode round that carries prompts (the real call runs), accepted or refused."""
+    seen = JointPasses()
+    inner = {name: getattr(leader, name) for name in ("decode", "decode_drafts")}
+
+    def watching(name):
+        def watched(items, prompts=()):
+            try:
+                out = inner[name](items, prompts)
+            except ChunkRefused:
+                seen.passes.append(JointPass([tuple(p.token_ids) for p in prompts], False))
+                raise
+            if prompts:
+                seen.passes.append(JointPass([tuple(p.token_ids) for p in prompts], True))
+            return out
+
+        return watched
+
+    for name in inner:
+        setattr(leader, name, watching(name))
+    try:
+        yield seen
+    finally:
+        for name in inner:
+            delattr(leader, name)
+
+
+@contextmanager
 def watch_opens(leader) -> Iterator[list[int]]:
     """Notes every lane the host opens: how many lanes are open right after it (the real call runs)."""
     lanes_open: list[int] = []
@@ -276,6 +305,32 @@ class TestSharedPair:
             again = run_together(pair.host, REQUESTS[:3])
         assert joint.accepted and all(p.accepted for p in joint.passes)
         assert again == [solo[r] for r in REQUESTS[:3]]
+        assert_nothing_held(pair.host)
+
+    def test_prompts_ride_in_a_decode_round_and_a_refused_one_fails_alone(self, pair, solo):
+        long = request(range(150, 170), 120, GREEDY)  # decodes while the others arrive
+        (long_alone,) = run_alone(pair.host, [long])
+        poisoned = request((7, 8, POISON, 9), 6, GREEDY)
+        with watch_prompts_beside_rounds(pair.leader) as beside:
+            early = submit_together(pair.host, [long])
+            events = [read_until_token(early[0])]
+            # The three whole prompts go in the long stream's round, refused there (the follower
+            # refuses POISON), then each alone.
+            late = submit_together(pair.host, [REQUESTS[1], poisoned, REQUESTS[2]])
+            replies = [read_reply(early[0], events[0])] + [read_reply(stream) for stream in late]
+        refused = [p for p in beside.passes if not p.accepted]
+        assert refused and poisoned.prompt_ids in refused[0].prompts and len(refused[0].prompts) == 3
+        assert replies[2].reason == ERROR and replies[2].token_ids == () and "refused" in replies[2].error
+        assert [replies[i] for i in (0, 1, 3)] == [long_alone, solo[REQUESTS[1]], solo[REQUESTS[2]]]
+        assert_nothing_held(pair.host)
+        # Both ranks still agree on every lane: two prompts ride in one round and are exact.
+        with watch_prompts_beside_rounds(pair.leader) as beside:
+            early = submit_together(pair.host, [long])
+            events = [read_until_token(early[0])]
+            late = submit_together(pair.host, [REQUESTS[1], REQUESTS[5]])
+            again = [read_reply(early[0], events[0])] + [read_reply(stream) for stream in late]
+        assert beside.accepted and max(beside.accepted) == 2, "both rode in one decode round"
+        assert again == [long_alone, solo[REQUESTS[1]], solo[REQUESTS[5]]]
         assert_nothing_held(pair.host)
 
     def test_cancelled_streams_leave_the_others_exact(self, pair, solo):

@@ -72,10 +72,10 @@ class SlowBackend(FakeBackend):
         self.gate = threading.Event()
         self.gate.set()
 
-    def decode(self, items, chunk=None):
+    def decode(self, items, prompts=()):
         self.gate.wait(WAIT_S)  # bounded, so a test that forgets to open it fails instead of hanging
         time.sleep(self.decode_delay_s)
-        return super().decode(items, chunk)
+        return super().decode(items, prompts)
 
 
 def broken_backend() -> FakeBackend:

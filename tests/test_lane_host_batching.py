@@ -58,7 +58,8 @@ def test_a_pass_too_big_for_the_backend_falls_back_alone_and_later_passes_take_w
     assert backend.refused_passes == [4] and backend.num_prefills == 4 and backend.joint_passes == []
     later = requests_from([13, 16, 19, 22])
     assert run_requests(host, later) == [backend.solo_reply(r) for r in later]
-    assert backend.joint_passes == [2, 2] and backend.refused_passes == [4]
+    # Two in a joint pass; the other two ride in those two's first decode round, as one pass holds.
+    assert backend.joint_passes == [2] and backend.beside_round == [2] and backend.refused_passes == [4]
     backend.assert_clean()
 
 
@@ -81,18 +82,15 @@ def test_a_pass_that_raises_leaves_no_participant_prefilled_and_solo_retries_suc
     backend = FakeBackend(batched=True, num_lanes=4)
     backend.raise_in_pass_at = where
     host = make_host(backend)
-    unrelated = make_request([30, 31], 14, ignore_eos=True, seed=4)
-    streams = [host.submit(unrelated)]
-    host.step()
-    host.step()
+    # Nothing decodes (else the prompts would ride in its round): a joint pass of their own.
     joint = requests_from([1, 5, 9])
-    streams += [host.submit(request) for request in joint]
+    streams = [host.submit(request) for request in joint]
     host.step()
     assert backend.failed_passes == [3]
     # The solo retries start at position 0 on each lane; the fake flags any leftover state.
-    assert backend.num_prefills == 1 + 3 and backend.misuse == []
+    assert backend.num_prefills == 3 and backend.misuse == []
     replies = run_all(host, streams)
-    assert replies == [backend.solo_reply(r) for r in [unrelated, *joint]]
+    assert replies == [backend.solo_reply(r) for r in joint]
     backend.assert_clean()
 
 
@@ -141,8 +139,11 @@ def test_a_prompt_that_needs_chunks_is_never_put_in_a_joint_pass():
         *requests_from([9, 13]),
     ]
     replies = run_requests(make_host(backend), requests)
-    assert backend.joint_passes == [2, 2]
-    assert backend.num_prefills == 3
+    # The first two in a joint pass; the long one's three chunks and the last two ride in decode
+    # rounds (a chunk is never part of a joint pass of whole prompts).
+    assert backend.joint_passes == [2] and backend.beside_round == [1, 3, 1]
+    prefills = [size for kind, size in backend.timeline if kind == "prefill"]
+    assert prefills == [6, 8, 8, 3, 3, 4], "chunks of 8, 8 and 4; the last two whole, beside the second"
     assert replies == [backend.solo_reply(r) for r in requests]
     backend.assert_clean()
 

@@ -165,6 +165,41 @@ def test_a_long_prompts_chunks_ride_with_the_decode_rounds():
     backend.assert_clean()
 
 
+def test_a_chunk_beside_a_round_takes_what_the_step_token_budget_leaves():
+    # step_tokens 20: beside 3 decoding streams a chunk is 17 tokens, not the 64 a pass may take, so
+    # the decoders' rounds stay about their own size; alone (nothing decoding) it goes 64 at a time.
+    backend = FakeBackend(num_lanes=4, max_prefill_tokens=64, context_size=256, room=1024)
+    host = make_host(backend, step_tokens=20)
+    decoders = [request_of(3 * i, 3, 40) for i in range(3)]
+    streams = [host.submit(request) for request in decoders]
+    host.step()
+    long = request_of(9, 100, 4)
+    streams.append(host.submit(long))
+    replies = run_all(host, streams)
+    after = backend.timeline[backend.timeline.index(("decode", 3)) :]
+    beside = [
+        size for before, (kind, size) in zip(after, after[1:]) if kind == "prefill" and before[0] == "decode"
+    ]
+    assert beside[:5] == [17] * 5 and sum(beside) == 100
+    assert replies == [*(backend.solo_reply(request) for request in decoders), backend.solo_reply(long)]
+    backend.assert_clean()
+
+
+def test_a_chunk_beside_a_full_round_still_moves_on():
+    # A budget the decode rows already fill: the chunk still gets one row tile (16) a round.
+    backend = FakeBackend(num_lanes=3, max_prefill_tokens=64, context_size=256, room=1024)
+    host = make_host(backend, step_tokens=2)
+    decoders = [request_of(3 * i, 3, 60) for i in range(2)]
+    streams = [host.submit(request) for request in decoders]
+    host.step()
+    long = request_of(9, 72, 4)  # longer than one pass: it goes in chunks
+    streams.append(host.submit(long))
+    replies = run_all(host, streams)
+    sizes = [size for kind, size in backend.timeline if kind == "prefill" and size != 3]
+    assert sizes == [16, 16, 16, 16, 8]
+    assert replies[-1] == backend.solo_reply(long)
+
+
 def test_a_refused_chunk_beside_a_round_fails_its_request_alone():
     backend = FakeBackend(num_lanes=2, max_prefill_tokens=8)
     backend.poisoned_prompts = {37}

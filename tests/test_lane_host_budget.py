@@ -52,7 +52,8 @@ def test_a_burst_goes_in_joint_passes_of_what_one_pass_holds():
     host = LaneHost(backend, detokenize=fake_detokenize, eos_ids=EOS_IDS)
     requests = burst(8)
     replies = run_all(host, [host.submit(request) for request in requests])
-    assert backend.joint_passes == [3, 3, 2] and backend.num_prefills == 0
+    # The first three in a joint pass; the rest ride in the decode rounds, one pass's worth a step.
+    assert backend.joint_passes == [3] and backend.beside_round == [3, 2]
     assert_solo(backend, requests, replies)
     backend.assert_clean()
 
@@ -85,6 +86,6 @@ def test_a_prompt_of_a_whole_pass_still_goes_first_in_its_step():
     replies = run_all(host, streams)
     assert backend.timeline[0] == ("prefill", MAX_PREFILL_TOKENS)
     assert backend.timeline[1][0] == "decode", "the rest of the burst waits for the next step"
-    assert backend.joint_passes == [2]
+    assert backend.beside_round == [2], "then rides in the next step's decode round"
     assert_solo(backend, [whole, *short], replies)
     backend.assert_clean()

@@ -26,11 +26,11 @@ class GatedFake(FakeBackend):
         self.gate = threading.Event()
         self.in_decode = threading.Event()
 
-    def decode(self, items, chunk=None):
+    def decode(self, items, prompts=()):
         self.in_decode.set()
         if not self.gate.wait(TIMEOUT_S):
             raise TimeoutError("the test never opened the gate")
-        return super().decode(items, chunk)
+        return super().decode(items, prompts)
 
 
 def request_for(client, number):

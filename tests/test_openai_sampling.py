@@ -247,7 +247,7 @@ def test_a_list_of_prompts_gets_a_choice_each_in_order_streamed_or_whole(client)
     assert usage.completion_tokens == 36 and usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def test_echo_prepends_the_prompt_and_echo_with_logprobs_is_refused_by_name(client):
+def test_echo_prepends_the_prompt_and_echo_with_logprobs_scores_it(client):
     plain = client.completions.create(
         model=None, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
     )
@@ -255,12 +255,14 @@ def test_echo_prepends_the_prompt_and_echo_with_logprobs_is_refused_by_name(clie
         model=None, prompt=PROMPT, max_tokens=5, echo=True, extra_body={"ignore_eos": True}
     )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=None, prompt=PROMPT, max_tokens=5, echo=True, logprobs=1)
-    assert (raised.value.body["param"], raised.value.body["message"]) == (
-        "echo",
-        "echo with logprobs is not supported by this server",
+    scored = client.completions.create(
+        model=None, prompt=PROMPT, max_tokens=5, echo=True, logprobs=1, extra_body={"ignore_eos": True}
     )
+    logprobs = scored.choices[
+        0
+    ].logprobs  # the prompt's tokens, then the reply's (tests/test_prompt_logprobs.py)
+    assert "".join(logprobs.tokens) == scored.choices[0].text == echoed.choices[0].text
+    assert logprobs.token_logprobs[0] is None and all(v is not None for v in logprobs.token_logprobs[1:])
 
 
 def test_the_http_port_serves_vllms_metric_names_beside_tpserves(daemon, client):

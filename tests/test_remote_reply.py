@@ -32,7 +32,7 @@ def in_process(request: GenerationRequest, tokens: list[int]) -> tuple[list, str
 def through_the_front(request: GenerationRequest, tokens: list[int], finished: Finished | None):
     cancels = []
     reply = RemoteReply(request, letters, frozenset({EOS}), lambda: cancels.append(True))
-    reply.apply(StreamOut(1, 3, tuple(tokens), (), None))
+    reply.apply(StreamOut(1, Prefilled(3), tuple(tokens), (), None))
     if finished is not None:
         reply.apply(StreamOut(1, None, (), (), finished))
     return reply.stream.next_events(0), cancels

@@ -112,13 +112,11 @@ def test_a_live_sliding_window_is_read_from_the_config(case):
     assert parse_model_config(raw).sliding_window == window
 
 
-def test_a_window_shorter_than_the_context_is_refused_naming_model_feature_and_window():
-    with pytest.raises(ModelFileError) as refused:
-        check_served_context("MistralForCausalLM", 16, RopeScaling(), 64, "/models/m")
-    assert str(refused.value) == (
-        "/models/m: MistralForCausalLM attends within a sliding window of 16 tokens, which tpserve does "
-        "not implement: a served context of 64 would attend past it (serve --context 16 or less, where "
-        "the window never binds)"
+def test_a_window_in_force_is_logged_naming_model_and_window():
+    note = check_served_context("MistralForCausalLM", 16, RopeScaling(), 64, "/models/m")
+    assert note == (
+        "MistralForCausalLM attends within a sliding window of 16 tokens on its sliding layers (a context "
+        "of 64): keys behind every window are not read"
     )
     note = check_served_context("MistralForCausalLM", 4096, RopeScaling(), 4096, "/models/m")
     assert note == (
@@ -128,9 +126,33 @@ def test_a_window_shorter_than_the_context_is_refused_naming_model_feature_and_w
     assert check_served_context("MistralForCausalLM", None, RopeScaling(), 1 << 20, "/models/m") is None
 
 
-def test_loading_a_windowed_model_for_a_longer_context_is_refused(tmp_path):
+def test_a_windowed_model_loads_for_a_context_past_its_window(tmp_path):
     model_dir = write_tiny_model(tmp_path / "m", "mistral", overrides={"sliding_window": 16})
-    with pytest.raises(ModelFileError, match="sliding window of 16 tokens"):
-        load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64)
-    model = load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=16)
-    assert model.config.sliding_window == 16
+    model = load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64)
+    assert model.config.sliding_window == 16 and model.config.windows == (16, 16)
+
+
+LAYER_WINDOWS = {
+    "mistral": (config_of("MistralForCausalLM", sliding_window=16), (16, 16)),
+    "qwen2-on": (
+        config_of("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=32, max_window_layers=1),
+        (0, 32),
+    ),
+    "qwen2.5": (config_of("Qwen2ForCausalLM", use_sliding_window=False, sliding_window=32768), ()),
+    "qwen3-layers": (
+        config_of("Qwen3ForCausalLM", layer_types=["full_attention", "sliding_attention"], sliding_window=8),
+        (0, 8),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_WINDOWS))
+def test_each_layers_window_is_read_from_the_config(case):
+    raw, windows = LAYER_WINDOWS[case]
+    assert parse_model_config(raw).windows == windows
+
+
+def test_layer_types_of_another_length_than_the_layers_are_refused():
+    raw = config_of("Qwen3ForCausalLM", layer_types=["sliding_attention"], sliding_window=8)
+    with pytest.raises(ModelFileError, match="layer_types names 1 layers of 2"):
+        parse_model_config(raw)

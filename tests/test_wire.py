@@ -11,6 +11,7 @@ from tpserve.ranks.wire import (
     HEAD_SIZE,
     INLINE_SIZE,
     MAX_PAYLOAD_SIZE,
+    WIRE_VERSION,
     Admit,
     Bundle,
     Idle,
@@ -35,7 +36,8 @@ token_ids = st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=200).
 
 @st.composite
 def spans(draw):
-    """A span, with media runs inside its tokens (image positions) now and then."""
+    """A span, with media runs inside its tokens (image positions) and multimodal rotary positions
+    (three per token) now and then."""
     tokens = draw(token_ids)
     runs, at = [], 0
     while at < len(tokens) and draw(st.booleans()):
@@ -43,7 +45,9 @@ def spans(draw):
         length = draw(st.integers(min_value=1, max_value=len(tokens) - offset))
         runs.append((offset, length))
         at = offset + length
-    return Span(draw(counts), draw(counts), tokens, tuple(runs), draw(block_lists))
+    rope = draw(st.lists(counts, min_size=3 * len(tokens), max_size=3 * len(tokens))) if runs else ()
+    every_row = draw(st.booleans())
+    return Span(draw(counts), draw(counts), tokens, tuple(runs), draw(block_lists), every_row, tuple(rope))
 
 
 block_lists = st.lists(counts, max_size=6).map(tuple)
@@ -62,7 +66,7 @@ mixed = st.builds(
         st.builds(Round, steps=st.lists(steps, max_size=16).map(tuple)),
         st.builds(Verify, spans=st.lists(spans(), max_size=8).map(tuple)),
     ),
-    prefill=st.builds(Prefill, spans=st.tuples(spans())),
+    prefill=st.builds(Prefill, spans=st.lists(spans(), min_size=1, max_size=17).map(tuple)),
 )
 messages = st.one_of(
     bundled,
@@ -88,7 +92,8 @@ def test_a_long_packed_prefill_goes_in_the_overflow():
     msg = Prefill(tuple(Span(lane, 17 * lane, tuple(range(lane, lane + 500))) for lane in range(16)))
     tensor = encode(msg, seq=9)
     head = read_head(tensor[:HEAD_SIZE])
-    assert head.payload_size == 1 + 16 * (5 + 500)  # lane, start, tokens, media runs, blocks
+    # lane, start, tokens, media runs, blocks, every_row, rope ints
+    assert head.payload_size == 1 + 16 * (7 + 500)
     assert head.overflow_size == head.payload_size - INLINE_SIZE
     assert decode(tensor) == msg
 
@@ -147,7 +152,7 @@ def _tampered(msg, index, value):
     "tensor, problem",
     [
         (_tampered(Idle(), 0, 12345), "bad magic"),
-        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), "wire version 5"),
+        (_tampered(Idle(), 0, encode(Idle())[0].item() + 1), f"wire version {WIRE_VERSION + 1}"),
         (_tampered(Idle(), 1, 77), "unknown message kind 77"),
         (_tampered(Idle(), 2, -4), "negative sequence"),
         (_tampered(Idle(), 3, MAX_PAYLOAD_SIZE + 1), "payload size"),
@@ -157,13 +162,15 @@ def _tampered(msg, index, value):
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 7, 9), "claims 9 tokens"),
         (_tampered(Prefill((Span(0, 0, (5, 6)),)), 4, 2), "runs past"),
         (
-            _tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 6),
+            _tampered(Prefill((Span(0, 0, (5, 6)),)), 3, 8),
             "claims 2 tokens, 0 media runs and 0 blocks; the payload has 0",
         ),
         (
-            _tampered(Prefill((Span(0, 0, (5, 6), ((0, 1),)),)), 13, 3),
+            _tampered(Prefill((Span(0, 0, (5, 6), ((0, 1),)),)), 15, 3),
             r"media run \(0, 3\) outside its 2 tokens",
         ),
+        (_tampered(Prefill((Span(0, 0, (5, 6)),)), 10, 2), "every_row is 2, not 0 or 1"),
+        (_tampered(Prefill((Span(0, 0, (5, 6)),)), 11, 5), "5 rope positions for 2 tokens"),
         (_tampered(Prefill(()), 3, 0), "starts with its number of spans"),
         (_tampered(Prefill(()), 4, -1), "-1 spans"),
         (encode(Idle())[: HEAD_SIZE - 1], f"holds {HEAD_SIZE} ints"),

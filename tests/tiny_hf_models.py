@@ -41,6 +41,46 @@ FAMILIES = {
             "long_factor": [4.0] * 8,
         },
     ),
+    # sliding windows of 8 tokens (tests/test_sliding_window.py): Mistral's on every layer, Qwen2's
+    # from max_window_layers on, Qwen3's where layer_types says so
+    "mistral-window": lambda **kw: transformers.MistralConfig(**(SMALL | {"sliding_window": 8} | kw)),
+    "qwen2-window": lambda **kw: transformers.Qwen2Config(
+        **(SMALL | {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1} | kw)
+    ),
+    "qwen3-window": lambda **kw: transformers.Qwen3Config(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "head_dim": 16,
+                "sliding_window": 8,
+                "use_sliding_window": True,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            }
+            | kw
+        )
+    ),
+    # Gemma 3 text: local layers (window 8, base 10k) around a global one (base 1M, positions
+    # scaled linearly by 2), query_pre_attn_scalar unlike head_dim, the final logits soft-capped
+    "gemma3": lambda **kw: transformers.Gemma3TextConfig(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "head_dim": 16,
+                "query_pre_attn_scalar": 24,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "final_logit_softcapping": 30.0,
+                "tie_word_embeddings": True,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                },
+            }
+            | kw
+        )
+    ),
     "mixtral": lambda **kw: transformers.MixtralConfig(
         **(SMALL | {"num_local_experts": 8, "num_experts_per_tok": 2} | kw)
     ),

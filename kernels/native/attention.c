@@ -1,10 +1,14 @@
 /* Attention of packed spans over the KV pool, each row's arithmetic fixed by the code.
  *
- * A row (one query head of one token at position p) attends to its lane's keys 0..p in that order:
+ * A row (one query head of one token at position p) attends to its lane's keys lo..p in that order,
+ * lo = 0, or p - window + 1 in a sliding-window layer (the `window` latest keys, its own included):
  *   scores  s_j = dot(q, k_j) * scale      dot: 16 partial sums by d mod 16, then a fixed tree
- *   weights w_j = exp(s_j - max_j s_j)     exp: the polynomial below, elementwise
- *   total       = sum_j w_j                 16 partial sums by j mod 16, then the tree
- *   out         = (sum_j w_j v_j) / total   added in key order, j = 0 first
+ *   weights w_j = exp(s_j - m)             m = max(max_j s_j, sink); exp: the polynomial below
+ *   total       = sum_j w_j (+ exp(sink - m))  16 partial sums by (j - lo) mod 16, then the tree,
+ *                                              then the head's sink term where it has one
+ *   out         = (sum_j w_j v_j) / total   added in key order, j = lo first
+ * A sink (gpt-oss) is a per-head learned logit in the softmax's denominator that attends to no value.
+ * Keys before lo are never read: a window's blocks wholly behind every row of a span cost nothing.
  * Every step is written elementwise with explicit fmaf, and the build turns off contraction
  * (-ffp-contract=off), so a vector lane and the scalar tail round alike. Nothing depends on the
  * other rows of the pass, how the pass is cut into spans, or which rows share a block: a row has the
@@ -119,30 +123,35 @@ static inline float dot(const float *restrict a, const float *restrict b, int di
     return tree_of(acc);
 }
 
-/* The rest of a row's softmax from key j on, the partial sums so far in part (j a multiple of W). */
-static float softmax_tail(float *restrict row, int j, int n, float m, float *part) {
+/* The rest of a row's softmax from key j on, the partial sums so far in part (j a multiple of W); the
+ * sink's term (where sink is not -inf) added after the tree. */
+static float softmax_tail(float *restrict row, int j, int n, float m, float *part, float sink) {
     for (; j < n; j++) {
         row[j] = exp_one(row[j] - m);
         part[j % W] += row[j];
     }
-    return tree_of(part);
+    float total = tree_of(part);
+    return sink == -INFINITY ? total : total + exp_one(sink - m);
 }
 
-/* Each path's three steps for a row block. scores: out[j] = dot(row, key j) * scale for j < n.
- * softmax: a row's n scores become w_j = exp(s_j - max s); returns their total, 16 partial sums by
- * j mod 16 closed by the tree (the maximum is exact whichever order finds it, and a zero's sign
- * there cannot change a w_j). values: out[r] = (sum_j w[r][j] v_j, keys 0 .. n[r] - 1 in order,
- * from zero) / total[r], for rows whose key counts n[] rise, key j's value found through runs from
+/* Each path's three steps for a row block. scores: out[j] = dot(row, key j) * scale for lo <= j < n.
+ * softmax: a row's n scores (from its first key) become w_j = exp(s_j - m), m the maximum of them
+ * and the sink (-inf: none); returns their total, 16 partial sums by j mod 16 closed by the tree,
+ * then the sink's term (the maximum is exact whichever order finds it, and a zero's sign there
+ * cannot change a w_j). values: out[r] = (sum_j w[r][j] v_j, keys lo[r] .. n[r] - 1 in order, from
+ * zero) / total[r], for rows whose lo[] and n[] rise, lo[last] <= n[0] (the rows share keys
+ * lo[last] .. n[0] - 1), key j's value found through runs from
  * v_head (the head's slot 0), as scores finds key j from `keys`: each path loops over the runs itself,
  * so that a run of a block's keys costs a pointer, not a call. */
 typedef struct {
     void (*widen)(const _Float16 *from, int64_t n, float *to); /* float16 keys or values to float32 */
     /* keys and v_head are float16 where half (a path with value_chunk reads them so itself, for
      * head_dim a multiple of value_chunk; else they are widened to float32 first) */
-    void (*scores)(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim, float scale,
-                   float *out);
-    float (*softmax)(float *row, int n);
-    void (*values)(int num_rows, const float *const *w, const int *n, const float *total, const kv_run *runs,
+    void (*scores)(const float *row, const kv_run *runs, const void *keys, int half, int lo, int n, int head_dim,
+                   float scale, float *out);
+    float (*softmax)(float *row, int n, float sink);
+    void (*values)(int num_rows, const float *const *w, const int *lo, const int *n, const float *total,
+                   const kv_run *runs,
                    const void *v_head, int half, int head_dim, float *const *out);
     int value_chunk; /* floats of a value row values() takes at once; 0: float32 only */
 } path_steps;
@@ -159,33 +168,46 @@ static inline float score(const float *row, const void *keys, int half, int64_t 
     return dot(row, key, head_dim) * scale;
 }
 
-static void scores_plain(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim,
-                         float scale, float *out) {
-    for (const kv_run *run = runs; run->first < n; run++) {
-        int64_t count = n - run->first < run->count ? n - run->first : run->count;
-        for (int64_t j = 0; j < count; j++) out[run->first + j] = score(row, keys, half, run->slot + j, head_dim, scale);
+/* The part of a run that keys lo .. n - 1 cover: its keys first + j0 .. first + j1 - 1. */
+#define RUN_PART(run, lo, n, j0, j1)                                                                    \
+    int64_t j0 = (lo) > (run)->first ? (lo) - (run)->first : 0;                                          \
+    int64_t j1 = (n) - (run)->first < (run)->count ? (n) - (run)->first : (run)->count
+
+static void scores_plain(const float *row, const kv_run *runs, const void *keys, int half, int lo, int n,
+                         int head_dim, float scale, float *out) {
+    for (const kv_run *run = run_of(runs, lo); run->first < n; run++) {
+        RUN_PART(run, lo, n, j0, j1);
+        for (int64_t j = j0; j < j1; j++) out[run->first + j] = score(row, keys, half, run->slot + j, head_dim, scale);
     }
 }
 
-static float softmax_plain(float *row, int n) {
+static float softmax_plain(float *row, int n, float sink) {
     float m = row[0], part[W] = {0};
     for (int t = 1; t < n; t++) m = row[t] > m ? row[t] : m;
-    return softmax_tail(row, 0, n, m, part);
+    m = sink > m ? sink : m;
+    return softmax_tail(row, 0, n, m, part, sink);
 }
 
-static void values_plain(int num_rows, const float *const *w, const int *n, const float *total,
+static void values_plain(int num_rows, const float *const *w, const int *lo, const int *n, const float *total,
                          const kv_run *runs, const void *values, int half, int head_dim, float *const *out) {
     const float *v_head = values; /* half is 0 here: value_chunk 0 */
     (void)half;
     for (int r = 0; r < num_rows; r++) {
         float *o = out[r];
         memset(o, 0, sizeof(float) * head_dim);
-        FOR_KEYS(runs, 0, n[r], j, at, 0) {
+        FOR_KEYS(runs, lo[r], n[r], j, at, 0) {
             const float *v = v_head + at;
             for (int d = 0; d < head_dim; d++) o[d] = fmaf(w[r][j], v[d], o[d]);
         }
         for (int d = 0; d < head_dim; d++) o[d] /= total[r];
     }
+}
+
+/* How many of the first `most` rows (lo[] and n[] rising) a values step takes together: rows whose
+ * windows all reach the first row's last key (lo[last] <= n[0]), so that they share keys. */
+static inline int rows_sharing(const int *lo, const int *n, int most) {
+    while (most > 1 && lo[most - 1] > n[0]) most--;
+    return most;
 }
 
 #if X86
@@ -257,10 +279,10 @@ A512 static void widen_512(const _Float16 *from, int64_t n, float *to) {
     widen_plain(from + i, n - i, to + i);
 }
 
-A512 static void scores_512(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim,
-                            float scale, float *out) {
-    for (const kv_run *run = runs; run->first < n; run++) {
-        int64_t count = n - run->first < run->count ? n - run->first : run->count, j = 0;
+A512 static void scores_512(const float *row, const kv_run *runs, const void *keys, int half, int lo, int n,
+                            int head_dim, float scale, float *out) {
+    for (const kv_run *run = run_of(runs, lo); run->first < n; run++) {
+        RUN_PART(run, lo, n, j, count);
         float *o = out + run->first;
         for (; j + 16 <= count; j += 16) {
             int64_t at = (run->slot + j) * head_dim;
@@ -271,13 +293,14 @@ A512 static void scores_512(const float *row, const kv_run *runs, const void *ke
     }
 }
 
-A512 static float softmax_512(float *row, int n) {
+A512 static float softmax_512(float *row, int n, float sink) {
     float m = row[0], part[W];
     int j = 0;
     __m512 top = _mm512_set1_ps(row[0]);
     for (; j + W <= n; j += W) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
     m = _mm512_reduce_max_ps(top);
     for (; j < n; j++) m = row[j] > m ? row[j] : m;
+    m = sink > m ? sink : m;
     __m512 sums = _mm512_setzero_ps();
     for (j = 0; j + W <= n; j += W) {
         __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(m)));
@@ -285,18 +308,23 @@ A512 static float softmax_512(float *row, int n) {
         sums = _mm512_add_ps(sums, w);
     }
     _mm512_storeu_ps(part, sums);
-    return softmax_tail(row, j, n, m, part);
+    return softmax_tail(row, j, n, m, part, sink);
 }
 
 /* values for R rows (a constant at each call, so that acc stays in registers), 64 floats from d0. */
-A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, const float *total,
+A512 INLINE void values_by_64(const int R, const float *const *w, const int *lo, const int *n, const float *total,
                               const kv_run *runs, const void *v_head, const int half, int head_dim, int d0,
                               float *const *out) {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int r = 0; r < R - 1; r++) /* the earlier tokens' own keys, before the window of the last */
+        FOR_KEYS(runs, lo[r], lo[R - 1], jr, v, d0) {
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][jr]), load16(v_head, v + 16 * c, half), acc[r][c]);
+        }
     const kv_run *tail = R > 1 ? run_of(runs, n[0]) : runs; /* where the later rows' own keys begin */
-    FOR_KEYS(runs, 0, n[0], j, v, d0) { /* keys every row sees */
+    FOR_KEYS(runs, lo[R - 1], n[0], j, v, d0) { /* keys every row sees */
         for (int c = 0; c < 4; c++) {
             __m512 vc = load16(v_head, v + 16 * c, half);
             for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), vc, acc[r][c]);
@@ -313,16 +341,17 @@ A512 INLINE void values_by_64(const int R, const float *const *w, const int *n, 
 }
 
 /* R and half constants at each call, so that acc stays in registers and the loads are one kind. */
-#define VALUES_512(R, HALF) values_by_64(R, w + r0, n + r0, total + r0, runs, v_head, HALF, head_dim, d0, out + r0)
+#define VALUES_512(R, HALF) \
+    values_by_64(R, w + r0, lo + r0, n + r0, total + r0, runs, v_head, HALF, head_dim, d0, out + r0)
 
-A512 static void values_512(int num_rows, const float *const *w, const int *n, const float *total,
+A512 static void values_512(int num_rows, const float *const *w, const int *lo, const int *n, const float *total,
                             const kv_run *runs, const void *v_head, int half, int head_dim, float *const *out) {
     if (head_dim % 64) { /* half is 0 here (value_chunk) */
-        values_plain(num_rows, w, n, total, runs, v_head, 0, head_dim, out);
+        values_plain(num_rows, w, lo, n, total, runs, v_head, 0, head_dim, out);
         return;
     }
-    for (int r0 = 0; r0 < num_rows; r0 += 4) {
-        int R = num_rows - r0 < 4 ? num_rows - r0 : 4;
+    for (int r0 = 0, R; r0 < num_rows; r0 += R) {
+        R = rows_sharing(lo + r0, n + r0, num_rows - r0 < 4 ? num_rows - r0 : 4);
         for (int d0 = 0; d0 < head_dim; d0 += 64) {
             if (half) {
                 if (R == 4) VALUES_512(4, 1);
@@ -408,10 +437,10 @@ A256 INLINE void scores_by_8(const float *row, const void *keys, int64_t at, con
     _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
 }
 
-A256 static void scores_256(const float *row, const kv_run *runs, const void *keys, int half, int n, int head_dim,
-                            float scale, float *out) {
-    for (const kv_run *run = runs; run->first < n; run++) {
-        int64_t count = n - run->first < run->count ? n - run->first : run->count, j = 0;
+A256 static void scores_256(const float *row, const kv_run *runs, const void *keys, int half, int lo, int n,
+                            int head_dim, float scale, float *out) {
+    for (const kv_run *run = run_of(runs, lo); run->first < n; run++) {
+        RUN_PART(run, lo, n, j, count);
         float *o = out + run->first;
         for (; j + 8 <= count; j += 8) {
             int64_t at = (run->slot + j) * head_dim;
@@ -422,7 +451,7 @@ A256 static void scores_256(const float *row, const kv_run *runs, const void *ke
     }
 }
 
-A256 static float softmax_256(float *row, int n) {
+A256 static float softmax_256(float *row, int n, float sink) {
     float m = row[0], part[W], lanes[8];
     int j = 0;
     __m256 top = _mm256_set1_ps(row[0]);
@@ -430,6 +459,7 @@ A256 static float softmax_256(float *row, int n) {
     _mm256_storeu_ps(lanes, top);
     for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
     for (; j < n; j++) m = row[j] > m ? row[j] : m;
+    m = sink > m ? sink : m;
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (j = 0; j + W <= n; j += W) {
         __m256 w0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(m)));
@@ -441,18 +471,23 @@ A256 static float softmax_256(float *row, int n) {
     }
     _mm256_storeu_ps(part, lo);
     _mm256_storeu_ps(part + 8, hi);
-    return softmax_tail(row, j, n, m, part);
+    return softmax_tail(row, j, n, m, part, sink);
 }
 
 /* values for R rows (a constant at each call), 32 floats from d0. */
-A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, const float *total,
+A256 INLINE void values_by_32(const int R, const float *const *w, const int *lo, const int *n, const float *total,
                               const kv_run *runs, const void *v_head, const int half, int head_dim, int d0,
                               float *const *out) {
     __m256 acc[3][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int r = 0; r < R - 1; r++)
+        FOR_KEYS(runs, lo[r], lo[R - 1], jr, v, d0) {
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][jr]), load8(v_head, v + 8 * c, half), acc[r][c]);
+        }
     const kv_run *tail = R > 1 ? run_of(runs, n[0]) : runs;
-    FOR_KEYS(runs, 0, n[0], j, v, d0) {
+    FOR_KEYS(runs, lo[R - 1], n[0], j, v, d0) {
         for (int c = 0; c < 4; c++) {
             __m256 vc = load8(v_head, v + 8 * c, half);
             for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][j]), vc, acc[r][c]);
@@ -468,16 +503,17 @@ A256 INLINE void values_by_32(const int R, const float *const *w, const int *n, 
             _mm256_storeu_ps(out[r] + d0 + 8 * c, _mm256_div_ps(acc[r][c], _mm256_set1_ps(total[r])));
 }
 
-#define VALUES_256(R, HALF) values_by_32(R, w + r0, n + r0, total + r0, runs, v_head, HALF, head_dim, d0, out + r0)
+#define VALUES_256(R, HALF) \
+    values_by_32(R, w + r0, lo + r0, n + r0, total + r0, runs, v_head, HALF, head_dim, d0, out + r0)
 
-A256 static void values_256(int num_rows, const float *const *w, const int *n, const float *total,
+A256 static void values_256(int num_rows, const float *const *w, const int *lo, const int *n, const float *total,
                             const kv_run *runs, const void *v_head, int half, int head_dim, float *const *out) {
     if (head_dim % 32) { /* half is 0 here (value_chunk) */
-        values_plain(num_rows, w, n, total, runs, v_head, 0, head_dim, out);
+        values_plain(num_rows, w, lo, n, total, runs, v_head, 0, head_dim, out);
         return;
     }
-    for (int r0 = 0; r0 < num_rows; r0 += 3) {
-        int R = num_rows - r0 < 3 ? num_rows - r0 : 3;
+    for (int r0 = 0, R; r0 < num_rows; r0 += R) {
+        R = rows_sharing(lo + r0, n + r0, num_rows - r0 < 3 ? num_rows - r0 : 3);
         for (int d0 = 0; d0 < head_dim; d0 += 32) {
             if (half) {
                 if (R == 3) VALUES_256(3, 1);
@@ -530,12 +566,14 @@ int tp_attention_path(int path) {
  * q: [T, num_kv_heads * group, head_dim], row stride q_stride floats per token;
  * keys, values: [num_kv_heads, slots, head_dim] (head stride head_stride elements), float32, or
  * float16 where kv_half (read so by a vector path, else each span widened once, exactly, to float32);
+ * window: a row at position p sees keys p - window + 1 .. p (0: keys 0 .. p); sinks: NULL, or a logit
+ * per query head [num_kv_heads * group] in every row's softmax denominator;
  * out: [T, num_kv_heads * group, head_dim] contiguous (it may be q itself: a row block reads its
  * rows of q before it writes its rows of out). Returns 0, or -1 if out of memory. */
 int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const void *values,
                       int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
                       const int64_t *spans, int num_spans, const int64_t *blocks, int64_t block_size,
-                      float scale, float *out) {
+                      int64_t window, const float *sinks, float scale, float *out) {
     if (chosen_path < 0) tp_attention_path(-1);
     const path_steps *steps = &PATHS[chosen_path];
     int64_t max_keys = 1;
@@ -563,12 +601,13 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
         int64_t length = spans[4 * s + 3];
         runs_of(blocks + table, block_size, start + length, runs);
         kv_run whole[2] = {{0, start + length, 0}, {start + length, SENTINEL_COUNT, 0}};
+        int64_t seen = window && start + 1 > window ? start + 1 - window : 0; /* the span's first key */
         const kv_run *key_runs = widen ? whole : runs;
         for (int h = 0; h < num_kv_heads; h++) {
             int64_t at = h * head_stride;
             const void *k_head = (const char *)keys + at * element, *v_head = (const char *)values + at * element;
             if (widen) {
-                for (const kv_run *run = runs; run->first < start + length; run++) {
+                for (const kv_run *run = run_of(runs, seen); run->first < start + length; run++) {
                     int64_t from = at + run->slot * head_dim, num = run->count * head_dim;
                     steps->widen((const _Float16 *)keys + from, num, wide + run->first * head_dim);
                     steps->widen((const _Float16 *)values + from, num, wide + (max_keys + run->first) * head_dim);
@@ -584,18 +623,20 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
                  * it sees keys 0 .. first + t */
                 const float *w[MAX_ROWS];
                 float *o[MAX_ROWS], totals[MAX_ROWS];
-                int n[MAX_ROWS];
+                int lo[MAX_ROWS], n[MAX_ROWS];
                 for (int r = 0; r < num_rows; r++) {
                     int64_t token = offset + t0 + r / group, head = h * group + r % group;
-                    float *row_scores = scores + r * max_keys;
+                    float *row_scores = scores + r * max_keys; /* key j's score at j */
                     n[r] = (int)(first + r / group + 1);
-                    steps->scores(q + token * q_stride + head * head_dim, key_runs, k_head, half, n[r], head_dim,
-                                  scale, row_scores);
-                    totals[r] = steps->softmax(row_scores, n[r]);
+                    lo[r] = window && n[r] > window ? (int)(n[r] - window) : 0;
+                    steps->scores(q + token * q_stride + head * head_dim, key_runs, k_head, half, lo[r], n[r],
+                                  head_dim, scale, row_scores);
+                    float sink = sinks ? sinks[head] : -INFINITY;
+                    totals[r] = steps->softmax(row_scores + lo[r], n[r] - lo[r], sink);
                     w[r] = row_scores;
                     o[r] = out + (token * num_heads + head) * head_dim;
                 }
-                steps->values(num_rows, w, n, totals, key_runs, v_head, half, head_dim, o);
+                steps->values(num_rows, w, lo, n, totals, key_runs, v_head, half, head_dim, o);
             }
         }
     }
@@ -631,14 +672,15 @@ static void store_row(const float *restrict row, int head_dim, int kv_half, void
  * q, k, v: [T, heads, head_dim] rows of token stride q_stride, k_stride, v_stride (views of the
  * fused product); cos, sin: [T, head_dim]; slots: [num_real] pool slots (kernels/attention.py
  * kv_slots: each token's through its span's block table) of the pass's real tokens (rows past them
- * are padding, neither stored nor attended); spans, blocks: as tp_span_attention reads them. head_dim
+ * are padding, neither stored nor attended); spans, blocks, window, sinks: as tp_span_attention reads
+ * them. head_dim
  * is at most MAX_HEAD_DIM. */
 int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                            const float *v, int64_t v_stride, const float *cos, const float *sin,
                            const int64_t *slots, int64_t num_real, void *pool_k, void *pool_v,
                            int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
                            const int64_t *spans, int num_spans, const int64_t *blocks, int64_t block_size,
-                           float scale, float *out) {
+                           int64_t window, const float *sinks, float scale, float *out) {
     int num_heads = num_kv_heads * group;
     size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
     float rotated[MAX_HEAD_DIM];
@@ -655,5 +697,6 @@ int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int
         }
     }
     return tp_span_attention(out, (int64_t)num_heads * head_dim, pool_k, pool_v, head_stride, kv_half,
-                             num_kv_heads, group, head_dim, spans, num_spans, blocks, block_size, scale, out);
+                             num_kv_heads, group, head_dim, spans, num_spans, blocks, block_size, window, sinks,
+                             scale, out);
 }

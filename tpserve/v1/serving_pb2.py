@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tpserve/v1/serving.proto\x12\ntpserve.v1\"(\n\x05Media\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"I\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05media\x18\x02 \x01(\x0b\x32\x11.tpserve.v1.MediaH\x00\x42\x06\n\x04kind\"\x91\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\x05parts\x18\x03 \x03(\x0b\x32\x17.tpserve.v1.ContentPart\x12\x17\n\x0ftool_calls_json\x18\n \x01(\t\x12\x14\n\x0ctool_call_id\x18\x0b \x01(\t\x12\x0c\n\x04name\x18\x0c \x01(\t\"\xf3\x06\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\nbackground\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x1e \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x1f \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18  \x01(\x02H\n\x88\x01\x01\x12>\n\nlogit_bias\x18! \x03(\x0b\x32*.tpserve.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\" \x01(\x05H\x0b\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18# \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18$ \x01(\x08\x12*\n\nconstraint\x18( \x01(\x0b\x32\x16.tpserve.v1.Constraint\x12\x12\n\ntools_json\x18) \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18* \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.tpserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9f\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\"\n\x15time_to_first_token_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x42\x18\n\x16_time_to_first_token_s\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.tpserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xeb\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tprefilled\x18\x03 \x01(\x08\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.tpserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.tpserve.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\"X\n\x0fTokenizeRequest\x12\x11\n\x04text\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.ChatMessageB\x07\n\x05_text\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x11\n\tnum_lanes\x18\x03 \x01(\x05\x12\x14\n\x0c\x63ontext_size\x18\x04 \x01(\x05\x12\x0c\n\x04room\x18\x05 \x01(\x03\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x0e\n\x06vision\x18\x08 \x01(\x08\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\t \x01(\x05*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xd4\x01\n\x07Serving\x12G\n\x08Generate\x12\x1b.tpserve.v1.GenerateRequest\x1a\x1c.tpserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.tpserve.v1.TokenizeRequest\x1a\x1c.tpserve.v1.TokenizeResponse\x12\x39\n\x04Info\x12\x17.tpserve.v1.InfoRequest\x1a\x18.tpserve.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tpserve/v1/serving.proto\x12\ntpserve.v1\"(\n\x05Media\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"I\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05media\x18\x02 \x01(\x0b\x32\x11.tpserve.v1.MediaH\x00\x42\x06\n\x04kind\"\x91\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\x05parts\x18\x03 \x03(\x0b\x32\x17.tpserve.v1.ContentPart\x12\x17\n\x0ftool_calls_json\x18\n \x01(\t\x12\x14\n\x0ctool_call_id\x18\x0b \x01(\t\x12\x0c\n\x04name\x18\x0c \x01(\t\"\xc2\x07\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\nbackground\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x1e \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x1f \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18  \x01(\x02H\n\x88\x01\x01\x12>\n\nlogit_bias\x18! \x03(\x0b\x32*.tpserve.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\" \x01(\x05H\x0b\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18# \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18$ \x01(\x08\x12*\n\nconstraint\x18( \x01(\x0b\x32\x16.tpserve.v1.Constraint\x12\x12\n\ntools_json\x18) \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18* \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18+ \x01(\x05H\x0c\x88\x01\x01\x12\x1b\n\x13keep_special_tokens\x18, \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.tpserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9f\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\"\n\x15time_to_first_token_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x42\x18\n\x16_time_to_first_token_s\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.tpserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb8\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tprefilled\x18\x03 \x01(\x08\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.tpserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.tpserve.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x05\"X\n\x0fTokenizeRequest\x12\x11\n\x04text\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.ChatMessageB\x07\n\x05_text\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x11\n\tnum_lanes\x18\x03 \x01(\x05\x12\x14\n\x0c\x63ontext_size\x18\x04 \x01(\x05\x12\x0c\n\x04room\x18\x05 \x01(\x03\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x0e\n\x06vision\x18\x08 \x01(\x08\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\t \x01(\x05*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xd4\x01\n\x07Serving\x12G\n\x08Generate\x12\x1b.tpserve.v1.GenerateRequest\x1a\x1c.tpserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.tpserve.v1.TokenizeRequest\x1a\x1c.tpserve.v1.TokenizeResponse\x12\x39\n\x04Info\x12\x17.tpserve.v1.InfoRequest\x1a\x18.tpserve.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2261
-  _globals['_FINISHREASON']._serialized_end=2410
+  _globals['_FINISHREASON']._serialized_start=2417
+  _globals['_FINISHREASON']._serialized_end=2566
   _globals['_MEDIA']._serialized_start=40
   _globals['_MEDIA']._serialized_end=80
   _globals['_CONTENTPART']._serialized_start=82
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=158
   _globals['_CHATMESSAGE']._serialized_end=303
   _globals['_GENERATEREQUEST']._serialized_start=306
-  _globals['_GENERATEREQUEST']._serialized_end=1189
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=966
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1014
-  _globals['_CONSTRAINT']._serialized_start=1192
-  _globals['_CONSTRAINT']._serialized_end=1336
-  _globals['_CHOICELIST']._serialized_start=1338
-  _globals['_CHOICELIST']._serialized_end=1367
-  _globals['_USAGE']._serialized_start=1370
-  _globals['_USAGE']._serialized_end=1529
-  _globals['_TOKENLOGPROB']._serialized_start=1531
-  _globals['_TOKENLOGPROB']._serialized_end=1617
-  _globals['_TOPLOGPROB']._serialized_start=1619
-  _globals['_TOPLOGPROB']._serialized_end=1666
-  _globals['_GENERATERESPONSE']._serialized_start=1669
-  _globals['_GENERATERESPONSE']._serialized_end=1904
-  _globals['_TOKENIZEREQUEST']._serialized_start=1906
-  _globals['_TOKENIZEREQUEST']._serialized_end=1994
-  _globals['_TOKENIZERESPONSE']._serialized_start=1996
-  _globals['_TOKENIZERESPONSE']._serialized_end=2053
-  _globals['_INFOREQUEST']._serialized_start=2055
-  _globals['_INFOREQUEST']._serialized_end=2068
-  _globals['_INFORESPONSE']._serialized_start=2071
-  _globals['_INFORESPONSE']._serialized_end=2258
-  _globals['_SERVING']._serialized_start=2413
-  _globals['_SERVING']._serialized_end=2625
+  _globals['_GENERATEREQUEST']._serialized_end=1268
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1025
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1073
+  _globals['_CONSTRAINT']._serialized_start=1271
+  _globals['_CONSTRAINT']._serialized_end=1415
+  _globals['_CHOICELIST']._serialized_start=1417
+  _globals['_CHOICELIST']._serialized_end=1446
+  _globals['_USAGE']._serialized_start=1449
+  _globals['_USAGE']._serialized_end=1608
+  _globals['_TOKENLOGPROB']._serialized_start=1610
+  _globals['_TOKENLOGPROB']._serialized_end=1696
+  _globals['_TOPLOGPROB']._serialized_start=1698
+  _globals['_TOPLOGPROB']._serialized_end=1745
+  _globals['_GENERATERESPONSE']._serialized_start=1748
+  _globals['_GENERATERESPONSE']._serialized_end=2060
+  _globals['_TOKENIZEREQUEST']._serialized_start=2062
+  _globals['_TOKENIZEREQUEST']._serialized_end=2150
+  _globals['_TOKENIZERESPONSE']._serialized_start=2152
+  _globals['_TOKENIZERESPONSE']._serialized_end=2209
+  _globals['_INFOREQUEST']._serialized_start=2211
+  _globals['_INFOREQUEST']._serialized_end=2224
+  _globals['_INFORESPONSE']._serialized_start=2227
+  _globals['_INFORESPONSE']._serialized_end=2414
+  _globals['_SERVING']._serialized_start=2569
+  _globals['_SERVING']._serialized_end=2781
 # @@protoc_insertion_point(module_scope)

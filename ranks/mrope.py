@@ -1,0 +1,92 @@
+"""Multimodal rotary positions (Qwen2.5-VL's mrope): every text position is three, (t, h, w).
+
+A text token's three are equal; an image's tokens take (start, start + row, start + column) over
+its merged grid, and the text after it continues from start + max(rows, columns) (transformers'
+get_rope_index). The rotary frequencies are split into mrope_section runs (t, h, w) and each run
+is turned by its own axis, in both halves of the head.
+
+Rank 0 works out a prompt's positions (`prompt_positions`) and sends them with its spans
+(ranks/wire.py Span.rope): the followers never see the images. After a prompt every position is
+its KV position plus the lane's delta (the last prompt token's largest + 1 - the prompt's length),
+which each rank keeps per lane (ranks/engine.py): decode steps travel as they always have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tpserve.kernels.rotary import Rotary
+
+
+def media_positions(start: int, grid: tuple[int, int], frames: int = 1, interval: float = 1.0):
+    """The (t, h, w) lists of one image's (or video's) merged grid (rows, columns) from `start`."""
+    rows, cols = grid
+    t, h, w = [], [], []
+    for frame in range(frames):
+        for row in range(rows):
+            for col in range(cols):
+                t.append(start + int(frame * interval))
+                h.append(start + row)
+                w.append(start + col)
+    return t, h, w
+
+
+def prompt_positions(length: int, media: Sequence[tuple[int, tuple[int, int]]]) -> list[list[int]]:
+    """A prompt's [t, h, w] position lists. media: (offset, merged (rows, columns)) per image, in
+    prompt order, each taking rows * columns tokens from its offset."""
+    axes: list[list[int]] = [[], [], []]
+    at = position = 0
+    for offset, (rows, cols) in media:
+        for axis in axes:
+            axis.extend(range(position, position + offset - at))
+        position += offset - at
+        for axis, values in zip(axes, media_positions(position, (rows, cols))):
+            axis.extend(values)
+        position += max(rows, cols)
+        at = offset + rows * cols
+    for axis in axes:
+        axis.extend(range(position, position + length - at))
+    return axes
+
+
+def chunk_rope(images, start: int, num_tokens: int) -> tuple[int, ...]:
+    """A prompt chunk's rope positions as a Span carries them (its t's, then h's, then w's), for the
+    prompt's images (offset, num_tokens, grid: merged (rows, columns), in prompt order); () where
+    no image has a grid (a 1-D rotary, or a prompt without images). A chunk past the prompt's end (a
+    resumed reply) continues the text positions."""
+    media = [(image.offset, image.grid) for image in images if image.grid is not None]
+    if not media:
+        return ()
+    axes = prompt_positions(start + num_tokens, media)
+    return tuple(p for axis in axes for p in axis[start : start + num_tokens])
+
+
+def rope_delta(last: Sequence[int], position: int) -> int:
+    """A lane's delta from its last prompt token's (t, h, w) and that token's KV position."""
+    return max(last) + 1 - (position + 1)
+
+
+class MRotary(Rotary):
+    """The tables of Rotary, read per axis: positions [3, T] (t, h, w) or [T] (all three equal)."""
+
+    def __init__(self, section: Sequence[int], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        half = self.cos.shape[-1] // 2
+        axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])  # [half]
+        self.axis = torch.cat([axis, axis]).to(self.cos.device)  # which axis turns each column
+        if self.axis.numel() != 2 * half:
+            raise ValueError(f"mrope_section {list(section)} does not sum to head_dim / 2 ({half})")
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().tables(positions, dtype)
+        half = self.cos.shape[-1] // 2
+        columns = torch.arange(self.axis.numel(), device=self.cos.device)
+        picked = positions[self.axis].T  # [T, D]: each column's own axis position
+        # Row-major copies: the native kernels read the tables' memory as [T, D].
+        cos = self.cos[picked, columns].unsqueeze(1).to(dtype).contiguous()
+        sin = self.sin[picked, columns].unsqueeze(1).to(dtype).contiguous()
+        sin[..., :half] = -sin[..., :half]
+        return cos, sin

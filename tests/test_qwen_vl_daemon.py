@@ -1,0 +1,147 @@
+"""--vision through the real two-rank daemon on a tiny Qwen2.5-VL: a chat with an image gives
+transformers' own greedy tokens, in prompt passes and cache blocks of 16 that cut the image; the same
+image hits the prompt cache and another never does; replies beside images equal their solo runs;
+broken image bytes and a sliver of an image fail their own request only."""
+
+from __future__ import annotations
+
+import io
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from daemon import read_reply, running_daemon
+from grpc_health.v1 import health_pb2
+from jinja2 import Template
+from PIL import Image
+from tiny_llava import block_image
+from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, MERGE, write_tiny_qwen_vl
+from tokenizers import Tokenizer
+
+from tpserve.v1 import serving_pb2
+
+MAX_TOKENS = 6
+SIZE = (61, 83)  # a 14x10 patch grid: 35 image positions in windows cut by the edges
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model_dir = write_tiny_qwen_vl(tmp_path_factory.mktemp("qwen-vl-model"))
+    args = (
+        "--vision",
+        "--context",
+        "256",
+        "--lanes",
+        "4",
+        "--max-prefill-tokens",
+        "16",
+        "--kv-block-size",
+        "16",
+        "--max-image-bytes",
+        "8192",
+        "--max-image-pixels",
+        "16384",
+    )
+    with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("qwen-vl-logs"), *args) as daemon:
+        daemon.model_dir = model_dir
+        yield daemon
+
+
+def ask(image: bytes | None, text: str = "what is in this picture", **fields) -> serving_pb2.GenerateRequest:
+    request = serving_pb2.GenerateRequest(max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+    message = request.messages.add(role="user")
+    if image is not None:
+        message.parts.add(media=serving_pb2.Media(mime_type="image/png", data=image))
+    message.parts.add(text=text)
+    return request
+
+
+def generate(daemon, request):
+    return read_reply(daemon.stub.Generate(request, timeout=120))
+
+
+def transformers_greedy(model_dir: str, image: bytes, text: str) -> list[int]:
+    """transformers' own greedy reply to the same chat: the template, each image pad widened to its
+    merged grid, the processor's pixels."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    inputs = Qwen2VLImageProcessorPil.from_pretrained(model_dir)(
+        images=Image.open(io.BytesIO(image)), return_tensors="pt"
+    )
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    ids = tokenizer.encode(rendered, add_special_tokens=False).ids
+    at = ids.index(IMAGE_TOKEN_ID)
+    num = int(inputs["image_grid_thw"][0].prod()) // MERGE**2
+    ids = torch.tensor([ids[:at] + [IMAGE_TOKEN_ID] * num + ids[at + 1 :]])
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"],
+            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_an_image_chat_gives_transformers_greedy_tokens(served):
+    image, text = block_image(11, SIZE), "what is in this picture"
+    reply = generate(served, ask(image, text))
+    assert reply.ok, reply.details
+    assert reply.token_ids == transformers_greedy(served.model_dir, image, text)
+
+
+def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):
+    question = "what is in this picture, the quick brown fox or the lazy dog?"
+    first = generate(served, ask(block_image(21, SIZE), question))
+    again = generate(served, ask(block_image(21, SIZE), question))
+    other = generate(served, ask(block_image(22, SIZE), question))
+    assert first.ok and again.ok and other.ok
+    image_end = 4 + 35  # "<|im_start|>user\n<|vision_start|>" then the image
+    assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
+    assert again.token_ids == first.token_ids
+    assert other.last.usage.cached_tokens < 16  # at most the block of text before it
+    assert other.token_ids != first.token_ids
+
+
+def test_replies_beside_images_equal_their_solo_runs(served):
+    requests = [
+        ask(block_image(31, SIZE)),
+        ask(None, "hello world"),
+        ask(block_image(32, (130, 20)), "the lazy dog", temperature=0.9, seed=7),
+        ask(block_image(31, SIZE), "the quick brown fox"),
+    ]
+    solo = [generate(served, request) for request in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda request: generate(served, request), requests))
+    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
+    assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
+
+
+def test_broken_and_sliver_images_fail_their_own_request_only(served):
+    rng = random.Random(5)
+    good = block_image(51, SIZE)
+    for _ in range(20):
+        data = bytearray(good)
+        for _ in range(rng.randrange(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(1, len(data))]
+        reply = generate(served, ask(bytes(data)))
+        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
+    sliver = io.BytesIO()
+    Image.new("RGB", (1, 250)).save(sliver, format="PNG")
+    refused = generate(served, ask(sliver.getvalue()))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 200 times as long as it is wide" in refused.details
+    assert served.health() == health_pb2.HealthCheckResponse.SERVING
+    assert generate(served, ask(good)).ok
