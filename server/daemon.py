@@ -1,8 +1,8 @@
 """Rank 0's daemon: the leader, the lane host, the gRPC server and the HTTP API, from start to exit code.
 
-The APIs run in the front process (server/front_process.py, through server/front_link.py) unless
-front_process is off (then here, server/apis.py); either way they begin stopping, drain and stop
-in the same order.
+The APIs run in the front process (server/front_process.py, through server/front_link.py) when
+front_process is on (auto: 4+ CPU cores and no vision, uses_front_process), else here
+(server/apis.py); either way they begin stopping, drain and stop in the same order.
 
 Exit codes: 0 after a graceful stop (SIGTERM or SIGINT: admission stops, live streams get the
 grace period, the rest end cancelled, the followers get Stop); 1 when the engine broke or a
