@@ -71,12 +71,13 @@ class _Peer:
     def beat(self) -> None:
         self._send(_BEAT)
 
-    def close(self) -> None:
-        """Say BYE and close (idempotent)."""
+    def close(self, bye: bool = True) -> None:
+        """Say BYE (unless told not to: the peer then takes the close for a loss) and close (idempotent)."""
         if self.closing:
             return
         self.closing = True
-        self._send(_BYE)
+        if bye:
+            self._send(_BYE)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -187,10 +188,18 @@ class LivenessHub:
 
     def close(self) -> None:
         """Say BYE to every follower (after Stop) and close the links."""
+        self._close(bye=True)
+
+    def sever(self) -> None:
+        """Close the links with no BYE: every follower takes it for rank 0's end and exits 1 now, not
+        after dead_after_s (rank 0 is leaving without Stop while its followers are well)."""
+        self._close(bye=False)
+
+    def _close(self, bye: bool) -> None:
         if self._beater is not None:
             self._beater.stop()
         for peer in self._peers.values():
-            peer.close()
+            peer.close(bye)
         self._listener.close()
 
 

@@ -99,6 +99,11 @@ class ServeConfig:
     # Origins browsers may call the HTTP API from (CORS); "*" any; empty: no CORS headers.
     cors_origins: tuple[str, ...] = ()
     grace_s: float = 10.0
+    # The APIs, tokenizing and detokenizing in a process of their own beside rank 0's engine loop
+    # (server/front_process.py), so they never hold its interpreter. None (auto): on where the host
+    # has at least 4 CPU cores (rank 0's engine loop and the front each need cores of their own: on
+    # 2 cores bench.front_gap measured a 0.74x worse gap with it on) and never with vision; true forces it (not with vision).
+    front_process: bool | None = None
     rank: int = -1  # -1: from torchrun's environment (or 0 when run alone)
     master: str = ""  # HOST[:PORT] of rank 0, for one process per host
 
@@ -126,7 +131,13 @@ _CHOICES = {
 }
 _AT_MOST = {"draft_tokens": MAX_DRAFT_TOKENS}  # a decode product holds 16 rows: the token and 15 drafts
 # Keys whose default (None) is "auto": the device's own default, decided when the rank knows it.
-_AUTO_KINDS = {"batch_invariant": bool, "draft_tokens": int, "default_max_tokens": int, "step_tokens": int}
+_AUTO_KINDS = {
+    "batch_invariant": bool,
+    "draft_tokens": int,
+    "default_max_tokens": int,
+    "step_tokens": int,
+    "front_process": bool,
+}
 _POSITIVE = {
     "lanes",
     "context",
@@ -231,6 +242,10 @@ def load_config(
     problem = key_problem(config.api_key)
     if problem is not None:
         raise ConfigError(f"api_key: {problem} (the key itself is not shown)")
+    if config.front_process and config.vision:
+        raise ConfigError(
+            "front_process: the front process reads no images yet; with vision set it to auto or false"
+        )
     if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:
         raise ConfigError("refuse_token_on_rank: give two numbers, a rank and a token id")
     return config

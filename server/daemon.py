@@ -1,5 +1,9 @@
 """Rank 0's daemon: the leader, the lane host, the gRPC server and the HTTP API, from start to exit code.
 
+The APIs run in the front process (server/front_process.py, through server/front_link.py) when
+front_process is on (auto: 4+ CPU cores and no vision, uses_front_process), else here
+(server/apis.py); either way they begin stopping, drain and stop in the same order.
+
 Exit codes: 0 after a graceful stop (SIGTERM or SIGINT: admission stops, live streams get the
 grace period, the rest end cancelled, the followers get Stop); 1 when the engine broke or a
 follower was lost (every live stream failed with UNAVAILABLE first), so a supervisor restarts both
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -20,28 +25,27 @@ from tpserve.ranks.loader import DTYPES
 from tpserve.ranks.qwen_vision_config import QwenVisionConfig
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
+from tpserve.server.apis import LocalApis
 from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
+from tpserve.server.front_link import FrontLink
+from tpserve.server.front_wire import FrontSpec
 from tpserve.server.generation_defaults import generation_defaults
-from tpserve.server.grpc_server import GrpcServer
+from tpserve.server.grammar import Grammars
 from tpserve.server.heap import return_large_frees_to_the_system
-from tpserve.server.http_api import OpenAIApi
-from tpserve.server.http_connections import HttpLimits
-from tpserve.server.http_server import HttpServer
 from tpserve.server.lane_host import LaneHost
-from tpserve.server.metrics import ServingMetrics
 from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.serving_info import ServingInfo
-from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.vision_input import VisionInput
-from tpserve.server.wiring import build_lane_host
+from tpserve.server.wiring import build_lane_host, eos_ids_of
 
 log = logging.getLogger(__name__)
 
 BROKEN_FLUSH_S = 2.0  # a broken daemon answers "the engine is broken" this long before it exits
 FLUSH_S = 1.0  # for the last messages of ended streams to reach their clients
 STOP_MARGIN_S = 10.0  # past grace_s, for the last messages and Stop to the followers
+FRONT_MIN_CPUS = 4  # front_process auto: the engine loop and the front each with cores of their own
 
 
 def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> int:
@@ -49,16 +53,28 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
     broken = threading.Event()
     return_large_frees_to_the_system()
     tokenizer = Tokenizer.from_model_dir(settings.model_dir, chat_template=config.chat_template or None)
+    info = _serving_info(config, runtime, settings)
+    front = None
+    if uses_front_process(config):
+        # The APIs, tokenizing and the text in a process of their own (server/front_process.py);
+        # a front that goes away fails the lane host, so both ranks exit 1.
+        spec = FrontSpec(config, info, settings.model_dir, eos_ids_of(runtime, tokenizer))
+        grammars = Grammars(tokenizer.backend_json, tokenizer.vocab_size, tokenizer.eos_ids)
+        front = FrontLink(spec, grammars, on_lost=lambda reason: host.fail(reason))
     host, leader = build_lane_host(
         runtime,
         tokenizer,
         queue_size=config.queue_size,
         record_dir=config.record,
         on_broken=lambda reason: broken.set(),
+        makes_text=front is None,
+        on_step=front.step_done if front is not None else None,
     )
-    info = _serving_info(config, runtime, settings)
-    vision = _vision_input(config, runtime, settings, tokenizer)
-    server, http = _build_apis(config, host, tokenizer, info, vision)
+    if front is not None:
+        front.attach(host)
+        apis = front
+    else:
+        apis = LocalApis(config, host, tokenizer, info, _vision_input(config, runtime, settings, tokenizer))
     if not config.api_key and not _is_loopback(config.host):
         log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
     if config.api_key and config.metrics_port:
@@ -67,17 +83,30 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         signal.signal(signum, lambda *_: stop.set())
     host.start()
     try:
-        http_port, port = _start_apis(server, http)
+        http_port, port = apis.start()
     except BaseException:
         # A port already taken, say: the followers hear Stop now instead of noticing, after
         # leader_dead_after_s, that rank 0 went away.
-        _stop_unserved(host, leader, http, runtime)
+        _stop_unserved(host, leader, apis, runtime)
         raise
-    _log_serving(config, info, port, http_port)
+    _log_serving(config, info, port, http_port, front)
     _watch_followers(host, runtime, stop, broken)
     if broken.is_set():
-        return _exit_broken(stop, server, http)
-    return _stop_gracefully(config, host, leader, server, http, runtime, broken)
+        code = _exit_broken(stop, apis)
+        if front is not None and front.lost is not None and runtime.liveness is not None:
+            runtime.liveness.sever()  # the followers are well: they exit 1 now, not at their timeout
+        return code
+    return _stop_gracefully(config, host, leader, apis, runtime, broken)
+
+
+def uses_front_process(config: ServeConfig, cpu_count: int | None = None) -> bool:
+    """front_process auto: on where the host has FRONT_MIN_CPUS cores or more, never with --vision
+    (the front reads no images yet). On fewer, the front's interpreter takes the core rank 0's
+    engine loop needs: bench.front_gap on 2 cores measured a stream's gap 0.74x worse with it."""
+    if config.front_process is not None:
+        return config.front_process
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return cores >= FRONT_MIN_CPUS and not config.vision
 
 
 def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSettings) -> ServingInfo:
@@ -114,17 +143,11 @@ def _vision_input(
     )
 
 
-def _start_apis(server: GrpcServer, http: HttpServer | None) -> tuple[int | None, int]:
-    """Both APIs' ports (HTTP's None when off). HTTP first: gRPC health turning SERVING then means
-    both APIs answer."""
-    http_port = http.start() if http is not None else None
-    port = server.start()
-    return http_port, port
-
-
-def _log_serving(config: ServeConfig, info: ServingInfo, port: int, http_port: int | None) -> None:
+def _log_serving(
+    config: ServeConfig, info: ServingInfo, port: int, http_port: int | None, front: FrontLink | None
+) -> None:
     log.info(
-        "serving %s on %s:%d, HTTP %s (tp=%d, %d lanes, room %d tokens)",
+        "serving %s on %s:%d, HTTP %s (tp=%d, %d lanes, room %d tokens, APIs %s)",
         info.model_name,
         config.host,
         port,
@@ -132,6 +155,7 @@ def _log_serving(config: ServeConfig, info: ServingInfo, port: int, http_port: i
         config.tp,
         config.lanes,
         info.room,
+        "in this process" if front is None else f"in front process {front.pid}",
     )
 
 
@@ -145,64 +169,21 @@ def _watch_followers(
             host.fail(lost)  # ends every stream now; its on_broken sets `broken`
 
 
-def _exit_broken(stop: threading.Event, server: GrpcServer, http: HttpServer | None) -> int:
+def _exit_broken(stop: threading.Event, apis: LocalApis | FrontLink) -> int:
     log.error("the engine broke; ending every stream and exiting so a supervisor restarts both ranks")
     # The live streams already failed with UNAVAILABLE; for a moment longer new requests hear why
     # (the engine is broken) instead of finding the port closed. The lane host is not joined: its
     # thread may sit in a collective with a lost follower until the timeout.
     stop.wait(BROKEN_FLUSH_S)
-    server.stop(grace_s=FLUSH_S)
-    if http is not None:
-        http.stop(grace_s=FLUSH_S)
+    apis.stop(grace_s=FLUSH_S)
     return 1
-
-
-def _build_apis(
-    config: ServeConfig, host: LaneHost, tokenizer: Tokenizer, info: ServingInfo, vision: VisionInput | None
-) -> tuple[GrpcServer, HttpServer | None]:
-    """The gRPC server and (when it has a port) the HTTP API, neither started yet."""
-    # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
-    submitter = Submitter(
-        host, tokenizer, info, ServingMetrics(host.stats, host.block_stats, info.model_name), vision
-    )
-    server = GrpcServer(
-        host,
-        tokenizer,
-        info,
-        port=config.port,
-        host=config.host,
-        metrics_port=config.metrics_port or None,
-        queue_size=config.queue_size,
-        submitter=submitter,
-        api_key=config.api_key,
-    )
-    http = None
-    if config.http_port:
-        api = OpenAIApi(
-            submitter,
-            api_key=config.api_key,
-            queue_size=config.queue_size,
-            tool_call_parser=config.tool_call_parser,
-            reasoning_parser=config.reasoning_parser,
-            body_timeout_s=config.http_body_timeout_s,
-            cors_origins=config.cors_origins,
-        )
-        limits = HttpLimits(
-            header_timeout_s=config.http_header_timeout_s,
-            body_timeout_s=config.http_body_timeout_s,
-            keep_alive_s=config.http_keep_alive_s,
-            max_connections=config.http_max_connections,
-        )
-        http = HttpServer(api.app(), host=config.host, port=config.http_port, limits=limits)
-    return server, http
 
 
 def _stop_gracefully(
     config: ServeConfig,
     host: LaneHost,
     leader: Leader,
-    server: GrpcServer,
-    http: HttpServer | None,
+    apis: LocalApis | FrontLink,
     runtime: RankRuntime,
     broken: threading.Event,
 ) -> int:
@@ -214,11 +195,9 @@ def _stop_gracefully(
     )
     # Admission closes first with a clear refusal; the gRPC server stays up while the lane host
     # drains, so live streams keep flowing, then it gets a moment to send their last messages.
-    server.begin_stopping()
+    apis.begin_stopping()
     stopped = host.stop(grace_s=config.grace_s)
-    server.stop(grace_s=FLUSH_S)
-    if http is not None:
-        http.stop(grace_s=FLUSH_S)
+    apis.stop(grace_s=FLUSH_S)
     if not stopped:
         log.error("the followers cannot be told to stop: a pass with them never ended")
         return 1
@@ -250,9 +229,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _stop_unserved(host: LaneHost, leader: Leader, http: HttpServer | None, runtime: RankRuntime) -> None:
-    if http is not None:
-        http.stop(grace_s=0)
+def _stop_unserved(host: LaneHost, leader: Leader, apis: LocalApis | FrontLink, runtime: RankRuntime) -> None:
+    apis.stop(grace_s=0)
     host.stop(grace_s=0)
     try:
         leader.stop()

@@ -89,6 +89,11 @@ class Grammars:
                 )
             return self._llg_tokenizer
 
+    def rebuild(self, text: str) -> Grammar:
+        """A grammar another process compiled (and checked), for this process's matchers: the front
+        process compiles, the engine's scheduling thread runs the matcher on each kept token."""
+        return Grammar(text, self._tokenizer)
+
     def compile(self, constraint) -> Grammar:
         """A tpserve.v1 Constraint -> Grammar; GrammarRefused naming what does not compile."""
         kind = constraint.WhichOneof("kind")

@@ -17,8 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tpserve.server.api_key import ApiKeyInterceptor
+from tpserve.server.engine_client import EngineClient
 from tpserve.server.grpc_calls import CallGuard
-from tpserve.server.lane_host import LaneHost
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.servicer import ServingServicer
 from tpserve.server.serving_info import ServingInfo
@@ -36,7 +36,7 @@ SPARE_WORKERS = 8  # beyond every call that may run, for refusing the calls past
 class GrpcServer:
     def __init__(
         self,
-        lane_host: LaneHost,
+        lane_host: EngineClient,
         tokenizer: Tokenizer,
         info: ServingInfo,
         *,

@@ -41,7 +41,7 @@ class LaneHost:
         self,
         backend: Backend,
         *,
-        detokenize: Callable[[Sequence[int]], str],
+        detokenize: Callable[[Sequence[int]], str] | None,
         eos_ids: frozenset[int],
         queue_size: int = 64,
         clock: Callable[[], float] = time.monotonic,
@@ -55,16 +55,21 @@ class LaneHost:
         profile: StepProfile | NoProfile | None = None,
         prompt_logprobs: Callable[[int], dict[int, TokenLogprob]] | None = None,
         detokenize_special: Callable[[Sequence[int]], str] | None = None,
+        on_step: Callable[[], None] | None = None,
     ):
         """logprobs(lane, position): the backend's log probability of the token its last pass
         sampled there (rank 0's Leader.logprobs), for requests whose sampling asks; None: none.
+        detokenize None: streams carry bare tokens, no text and no stop strings (the front process
+        makes the text, server/front_link.py, with or without special tokens). on_step: called on
+        the scheduling thread after each step (the front link sends what a step produced in one
+        message).
         step_tokens: the rows one decode round and the prompt chunk riding in it carry (None: no
         cap; ranks/settings.py says why one). profile: the step timers (ranks/step_profile.py),
         when measured.
         prompt_logprobs(lane): the prompt log probabilities the lane's passes gathered, by position
         (rank 0's Leader.prompt_logprobs); None: requests asking for them get none.
         detokenize_special: the text of ids with special tokens kept, for requests that set
-        skip_special_tokens false; None: such requests are refused."""
+        skip_special_tokens false; None: such requests are refused (unless the front makes the text)."""
         check_backend(backend)
         if backend.num_lanes < 1 or backend.max_prefill_tokens < 1:
             raise ValueError(
@@ -98,18 +103,25 @@ class LaneHost:
             on_broken=on_broken,
             profile=profile or NoProfile(),
         )
-        self._thread = SchedulerThread(backend, self._state, self._scheduler)
+        self._thread = SchedulerThread(backend, self._state, self._scheduler, on_step=on_step)
 
     @property
     def broken(self) -> bool:
         return self._state.broken_reason is not None
 
+    @property
+    def broken_reason(self) -> str | None:
+        return self._state.broken_reason
+
     def submit(self, request: GenerationRequest) -> Stream:
         """Queue a request. Raises QueueFull, HostUnavailable, or ValueError for a request that cannot run."""
         reserve = reserve_for(request, self._context_size)
-        detokenize = self._detokenize if request.skip_special_tokens else self._detokenize_special
-        if detokenize is None:
-            raise ValueError("this server cannot keep special tokens in a reply's text")
+        # No detokenizer: bare tokens, the front keeps or drops special tokens in its text.
+        detokenize = self._detokenize
+        if detokenize is not None and not request.skip_special_tokens:
+            detokenize = self._detokenize_special
+            if detokenize is None:
+                raise ValueError("this server cannot keep special tokens in a reply's text")
         job = Job(
             request,
             reserve=reserve,

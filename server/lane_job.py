@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 from tpserve.kernels.token_counts import TokenCounts
 from tpserve.server.lane_stream import Stream
-from tpserve.server.requests import LENGTH, STOP, GenerationRequest, TokenDelta, TokenLogprob, Usage
-from tpserve.server.text_stream import TextOut, TextStream
+from tpserve.server.reply_text import RawReply, ReplyText, ends_reply
+from tpserve.server.requests import GenerationRequest, TokenLogprob, Usage
 
 
 def reserve_for(request: GenerationRequest, context_size: int) -> int:
@@ -35,7 +35,7 @@ class Job:
         request: GenerationRequest,
         *,
         reserve: int,
-        detokenize: Callable[[Sequence[int]], str],
+        detokenize: Callable[[Sequence[int]], str] | None,
         submitted_at: float,
         cancel: Callable[[Job], None],
         eos_ids: frozenset[int] = frozenset(),
@@ -44,11 +44,12 @@ class Job:
         self._cache_prompt = request.cache_ids()
         self.reserve = reserve  # the most KV tokens its lane can reach: prompt + max_tokens, capped
         self.stream = Stream(lambda: cancel(self))
-        self.text = TextStream(
-            detokenize,
-            request.stop,
-            context_ids=request.prompt_ids,
-            include_stop=request.include_stop_str_in_output,
+        # detokenize None: the front process makes the text (server/front_process.py); the stream
+        # sends bare tokens and stop strings are the front's to match.
+        self.reply = (
+            RawReply(request, self.stream.put)
+            if detokenize is None
+            else ReplyText(request, detokenize, self.stream.put)
         )
         # The tokens rank 0's logit adjustments read (penalties, logit_bias, min_tokens), kept here
         # with the stream so they follow it across lanes.
@@ -57,8 +58,6 @@ class Job:
             barred = request.stop_token_ids + (() if request.ignore_eos else tuple(eos_ids))
             self.counts = TokenCounts(request.prompt_ids, min_tokens=request.min_tokens, barred=barred)
         self.produced: list[int] = []  # every sampled token, sent or held back
-        self.logprobs: list[TokenLogprob | None] = []  # per produced token, when the request asks
-        self._num_tokens_sent = 0
         self.lane: int | None = None
         self.blocks: list[int] = []  # its lane's block table in the host's book (lane_table.py)
         self.num_blocks_sent = 0  # how many of them the backend's table holds (the rest go with a pass)
@@ -123,28 +122,13 @@ class Job:
         self.produced.append(token_id)
         if self.counts is not None:
             self.counts.add(token_id)
-        if self.wants_logprobs:
-            self.logprobs.append(logprob)
         if self.first_token_at is None:
             self.first_token_at = now
-        ends = token_id in self.request.stop_token_ids or (
-            token_id in eos_ids and not self.request.ignore_eos
-        )
-        if ends:
-            self._send(self.text.finish())
-            self._send_stop_tokens()
-            return STOP
-        if self.matcher is not None and token_id not in eos_ids:
+        ends = ends_reply(self.request, token_id, eos_ids)
+        if not ends and self.matcher is not None and token_id not in eos_ids:
             # An EOS kept under ignore_eos leaves the grammar where it was (complete).
             self.matcher.accept(token_id)
-        self._send(self.text.push(token_id))
-        if self.text.stopped:
-            self._send_stop_tokens()
-            return STOP
-        if len(self.produced) >= self.request.max_tokens:
-            self._send(self.text.finish())
-            return LENGTH
-        return None
+        return self.reply.take(token_id, logprob if self.wants_logprobs else None, ends)
 
     def usage(self, now: float) -> Usage:
         first = None if self.first_token_at is None else self.first_token_at - self.submitted_at
@@ -155,18 +139,3 @@ class Job:
             time_to_first_token_s=first,
             total_s=now - self.submitted_at,
         )
-
-    def _send_stop_tokens(self) -> None:
-        """The tokens that ended the reply (an EOS token, a stop string's tokens): their ids, with no
-        text, so a reply's token ids are the tokens usage counts."""
-        unsent = tuple(self.produced[self._num_tokens_sent :])
-        if unsent:
-            self._send(TextOut(unsent, ""))
-
-    def _send(self, out: TextOut) -> None:
-        if not out:
-            return
-        # Released tokens are the next of `produced`, in order (text_stream.py).
-        start, self._num_tokens_sent = self._num_tokens_sent, self._num_tokens_sent + len(out.token_ids)
-        logprobs = self.logprobs[start : self._num_tokens_sent] if self.wants_logprobs else []
-        self.stream.put(TokenDelta(out.token_ids, out.text, tuple(lp for lp in logprobs if lp is not None)))

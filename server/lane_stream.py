@@ -20,6 +20,7 @@ class Stream:
         self._events: deque[Event] = deque()
         self._finished: Finished | None = None
         self._final_read = False
+        self._listener: Callable[[], None] | None = None
 
     @property
     def finished(self) -> Finished | None:
@@ -35,6 +36,19 @@ class Stream:
                 self._finished = event
             self._events.append(event)
             self._cond.notify_all()
+            listener = self._listener
+        if listener is not None:
+            listener()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (outside the stream's lock, on the putting thread) after every event from
+        now on, and once now if events wait: a reader of many streams (server/front_link.py) learns
+        which have news without a thread per stream."""
+        with self._cond:
+            self._listener = listener
+            waiting = bool(self._events)
+        if waiting:
+            listener()
 
     def next_event(self, timeout: float | None) -> Event | None:
         """The next event, or None after `timeout` seconds without one (or once Finished was read)."""

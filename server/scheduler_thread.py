@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from tpserve.server.backend import Backend, BackendBroken
 from tpserve.server.host_state import HostState
@@ -23,8 +24,15 @@ JOIN_MARGIN_S = 5.0  # stop() waits this long past the grace period for the sche
 
 
 class SchedulerThread:
-    def __init__(self, backend: Backend, state: HostState, scheduler: Scheduler):
+    def __init__(
+        self,
+        backend: Backend,
+        state: HostState,
+        scheduler: Scheduler,
+        on_step: Callable[[], None] | None = None,
+    ):
         self._backend = backend
+        self._on_step = on_step or (lambda: None)
         self._state = state
         self._scheduler = scheduler
         self._stop_deadline = 0.0
@@ -45,7 +53,9 @@ class SchedulerThread:
                 if stopping:
                     self._drain()
                     return
-                if not self._scheduler.step():
+                stepped = self._scheduler.step()
+                self._on_step()
+                if not stepped:
                     self._going_idle()
                     self._state.wait_for_wake(IDLE_WAIT_S)
         except BaseException as error:
@@ -96,6 +106,7 @@ class SchedulerThread:
         lanes = self._scheduler.lanes
         while lanes.num_busy and self._state.broken_reason is None and time.monotonic() < self._stop_deadline:
             self._scheduler.step()
+            self._on_step()
         if self._state.broken_reason is not None:
             return
         try:

@@ -15,9 +15,9 @@ import time
 import grpc
 
 from tpserve.ranks.errors import UserError
+from tpserve.server.engine_client import EngineClient
 from tpserve.server.grammar import Grammars
 from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
-from tpserve.server.lane_host import LaneHost
 from tpserve.server.lane_stream import Stream
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.prompt_size import max_prompt_bytes
@@ -58,13 +58,14 @@ NO_MEDIA_MODEL = "this server's model reads no image or video inputs"
 class Submitter:
     def __init__(
         self,
-        lane_host: LaneHost,
+        lane_host: EngineClient,
         tokenizer: Tokenizer,
         info: ServingInfo,
         metrics: ServingMetrics | None = None,
         vision: VisionInput | None = None,
     ):
-        """`vision`: the model's image reader, on a server started with --vision for a vision model."""
+        """lane_host: the lane host here, or the front process's RemoteEngine (server/engine_client.py).
+        `vision`: the model's image reader, on a server started with --vision for a vision model."""
         self.lane_host = lane_host
         self.tokenizer = tokenizer
         self.info = info

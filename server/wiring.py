@@ -28,7 +28,11 @@ def build_lane_host(
     queue_size: int = 64,
     record_dir: str = "",
     on_broken: Callable[[str], None] | None = None,
+    makes_text: bool = True,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[LaneHost, Leader]:
+    """makes_text False: streams carry bare tokens, the front process makes the text (and
+    on_step, the front link's, sends each step's tokens in one message)."""
     settings = runtime.settings  # as the rank started: "auto" decided for its device
     profile = profile_from_environment()  # off unless bench/step_profile.py asks for the timers
     leader = Leader(
@@ -44,8 +48,8 @@ def build_lane_host(
     backend = RecordingBackend(leader, record_dir) if record_dir else leader
     host = LaneHost(
         backend,
-        detokenize=tokenizer.decode,
-        eos_ids=tokenizer.eos_ids | frozenset(runtime.config.eos_token_ids),
+        detokenize=tokenizer.decode if makes_text else None,
+        eos_ids=eos_ids_of(runtime, tokenizer),
         queue_size=queue_size,
         batch_prefill=settings.batch_prefill,
         on_broken=on_broken,
@@ -59,8 +63,14 @@ def build_lane_host(
         profile=profile,
         prompt_logprobs=leader.prompt_logprobs,
         detokenize_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        on_step=on_step,
     )
     return host, leader
+
+
+def eos_ids_of(runtime: RankRuntime, tokenizer: Tokenizer) -> frozenset[int]:
+    """The tokens that end a reply: the tokenizer's and the model config's."""
+    return tokenizer.eos_ids | frozenset(runtime.config.eos_token_ids)
 
 
 @dataclass

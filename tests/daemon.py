@@ -39,6 +39,7 @@ DAEMON_VOCAB_SIZE = 259
 START_TIMEOUT_S = 120.0  # two torch processes starting on a busy two-core machine
 EXIT_TIMEOUT_S = 30.0
 POLL_S = 0.05
+FRONT_MODULE = "tpserve.server.front_process"
 
 
 def one_lane_args(context: int) -> tuple[str, ...]:
@@ -242,6 +243,17 @@ class Daemon:
             workers = [pid for pid in descendants_of(launcher.pid) if "tpserve.cli" in cmdline(pid)]
             found = {environ_rank(pid): proc_of(pid) for pid in workers}
         return {rank: proc for rank, proc in found.items() if rank is not None and proc is not None}
+
+    def front(self) -> Proc | None:
+        """Rank 0's front process (the APIs, server/front_process.py), or None when it runs none."""
+        self.track()
+        fronts = [
+            proc
+            for process in self.launched.values()
+            for pid in descendants_of(process.pid)
+            if FRONT_MODULE in cmdline(pid) and (proc := proc_of(pid)) is not None
+        ]
+        return fronts[0] if fronts else None
 
     def signal(self, rank: int, signum: int) -> Proc:
         proc = self.ranks()[rank]

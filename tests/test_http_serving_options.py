@@ -1,6 +1,7 @@
 """How the HTTP API is served, against the real two-rank daemon on loopback: several served model
 names (--served-model-name), a chat template file in place of the checkpoint's (--chat-template),
-CORS origins (--cors-origins), and vLLM's skip_special_tokens: false.
+CORS origins (--cors-origins), and vLLM's skip_special_tokens: false; each with the APIs in rank 0's
+process and in the front process (server/front_process.py), which must serve them the same.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endf
 ORIGIN = "http://dashboard.example"
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+@pytest.fixture(scope="module", params=["false", "true"], ids=["in-process", "front-process"])
+def daemon(tmp_path_factory, request):
     model_dir = write_daemon_model(tmp_path_factory.mktemp("options-model"))
     template = tmp_path_factory.mktemp("options-template") / "chat.jinja"
     template.write_text(TEMPLATE)
     args = ("--context", "256", "--lanes", "2", "--served-model-name", "tiny,tiny-alias")
-    args += ("--chat-template", str(template), "--cors-origins", ORIGIN)
+    args += ("--chat-template", str(template), "--cors-origins", ORIGIN, "--front-process", request.param)
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("options-logs"), *args) as served:
+        assert (served.front() is not None) == (request.param == "true")
         yield served
 
 
