@@ -17,6 +17,16 @@ from typing import ClassVar
 
 import torch
 
+from tpserve.ranks.wire_spans import (
+    Span,
+    Step,
+    WireError,
+    spans_from,
+    spans_payload,
+    steps_from,
+    steps_payload,
+)
+
 __all__ = [
     "HEAD_SIZE",
     "INLINE_SIZE",
@@ -54,10 +64,6 @@ MAX_PAYLOAD_SIZE = 1 << 24
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-class WireError(ValueError):
-    """A message that cannot be encoded, or a tensor that is not a well-formed message."""
-
-
 # One frozen dataclass per kind, each spelled out (STYLE 3): that they look alike is the wire's
 # shape (a KIND and a few ints), not logic written twice.
 
@@ -78,38 +84,6 @@ class Admit:
 
 
 @dataclass(frozen=True)
-class Span:
-    """Prompt tokens for positions start..start+len(token_ids)-1 of `lane`.
-
-    `media`: (offset, length) runs of the span's tokens whose embeddings are image features (rank 0
-    holds the features; every rank zeroes those rows, see kernels/embedding.py). `blocks`: KV blocks
-    appended to the lane's block table before the pass. `every_row`: the pass returns the logits of
-    every token of the span, not only its last (a prompt's log probabilities, rank 0's only; every
-    rank takes part in those rows' logits gather, so every rank must know). `rope`: for a model with
-    multimodal rotary positions (ranks/mrope.py), the tokens' t, then h, then w positions
-    (3 * len(token_ids) ints), or empty: each token at its KV position plus the lane's delta.
-    """
-
-    lane: int
-    start: int
-    token_ids: tuple[int, ...]
-    media: tuple[tuple[int, int], ...] = ()
-    blocks: tuple[int, ...] = ()
-    every_row: bool = False
-    rope: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "token_ids", tuple(self.token_ids))
-        object.__setattr__(self, "media", tuple((int(o), int(n)) for o, n in self.media))
-        object.__setattr__(self, "blocks", tuple(self.blocks))
-        object.__setattr__(self, "rope", tuple(self.rope))
-
-    def media_rows(self) -> list[int]:
-        """The span's own row offsets that carry image features, in order."""
-        return [offset + k for offset, length in self.media for k in range(length)]
-
-
-@dataclass(frozen=True)
 class Prefill:
     """One packed prefill pass over one or several streams (the ranks vote after)."""
 
@@ -118,19 +92,6 @@ class Prefill:
 
     def __post_init__(self):
         object.__setattr__(self, "spans", tuple(self.spans))
-
-
-@dataclass(frozen=True)
-class Step:
-    """Feed `token_id` at `position` of `lane`, `blocks` appended to its block table first."""
-
-    lane: int
-    position: int
-    token_id: int
-    blocks: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "blocks", tuple(self.blocks))
 
 
 @dataclass(frozen=True)
@@ -208,9 +169,6 @@ _KINDS: dict[int, type] = {
     cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, Bundle, Mixed)
 }
 _BUNDLED = (Admit, Release, Prefill, Round, Verify, Mixed)
-_STEP_HEAD_SIZE = 4  # lane, position, token id, number of blocks
-# lane, start, number of tokens, number of media runs, number of blocks, every_row, rope ints
-_SPAN_HEAD_SIZE = 7
 
 
 @dataclass(frozen=True)
@@ -312,22 +270,9 @@ def _payload(msg: Message) -> list:
             raise WireError("a Mixed pass takes at least one prompt")
         return _nested((msg.round, msg.prefill), (Round, Verify, Prefill), "Mixed")
     if isinstance(msg, (Prefill, Verify)):
-        payload = [len(msg.spans)]
-        for span in msg.spans:
-            if len(span.rope) not in (0, 3 * len(span.token_ids)):
-                raise WireError(
-                    f"a span of {len(span.token_ids)} tokens with {len(span.rope)} rope positions"
-                )
-            payload += [span.lane, span.start, len(span.token_ids), len(span.media), len(span.blocks)]
-            payload += [int(span.every_row), len(span.rope)]
-            payload += [*span.token_ids, *(value for run in span.media for value in run)]
-            payload += [*span.blocks, *span.rope]
-        return payload
+        return spans_payload(msg.spans)
     if isinstance(msg, Round):
-        payload = []
-        for step in msg.steps:
-            payload += [step.lane, step.position, step.token_id, len(step.blocks), *step.blocks]
-        return payload
+        return steps_payload(msg.steps)
     if isinstance(msg, Admit):
         return [msg.lane, msg.num_cached, *msg.blocks]
     return [getattr(msg, field.name) for field in fields(msg)]
@@ -344,9 +289,9 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
             )
         return Mixed(*parts)
     if cls in (Prefill, Verify):
-        return cls(_spans(payload))
+        return cls(spans_from(payload))
     if cls is Round:
-        return Round(_steps(payload))
+        return Round(steps_from(payload))
     if cls is Admit:
         if len(payload) < 2:
             raise WireError(
@@ -357,66 +302,6 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
     if len(payload) != num_fields:
         raise WireError(f"a {cls.__name__} payload holds {num_fields} ints, got {len(payload)}")
     return cls(*payload)
-
-
-def _steps(payload: list[int]) -> tuple[Step, ...]:
-    steps, at = [], 0
-    while at < len(payload):
-        if at + _STEP_HEAD_SIZE > len(payload):
-            raise WireError(f"Round step {len(steps)} runs past the payload's {len(payload)} ints")
-        lane, position, token_id, num_blocks = payload[at : at + _STEP_HEAD_SIZE]
-        at += _STEP_HEAD_SIZE
-        if num_blocks < 0 or at + num_blocks > len(payload):
-            raise WireError(
-                f"Round step {len(steps)} claims {num_blocks} blocks; the payload has {len(payload) - at} ints left"
-            )
-        steps.append(Step(lane, position, token_id, tuple(payload[at : at + num_blocks])))
-        at += num_blocks
-    return tuple(steps)
-
-
-def _spans(payload: list[int]) -> tuple[Span, ...]:
-    if not payload:
-        raise WireError("a Prefill payload starts with its number of spans, got nothing")
-    num_spans, at = payload[0], 1
-    if num_spans < 0:
-        raise WireError(f"a Prefill with {num_spans} spans")
-    spans = []
-    for index in range(num_spans):
-        if at + _SPAN_HEAD_SIZE > len(payload):
-            raise WireError(
-                f"Prefill span {index} of {num_spans} runs past the payload's {len(payload)} ints"
-            )
-        head = payload[at : at + _SPAN_HEAD_SIZE]
-        lane, start, num_tokens, num_media, num_blocks, every_row, num_rope = head
-        at += _SPAN_HEAD_SIZE
-        size = num_tokens + 2 * num_media + num_blocks + num_rope
-        if every_row not in (0, 1):
-            raise WireError(f"Prefill span {index}: every_row is {every_row}, not 0 or 1")
-        if num_rope not in (0, 3 * num_tokens):
-            raise WireError(f"Prefill span {index}: {num_rope} rope positions for {num_tokens} tokens")
-        if min(num_tokens, num_media, num_blocks) < 0 or at + size > len(payload):
-            raise WireError(
-                f"Prefill span {index} claims {num_tokens} tokens, {num_media} media runs and "
-                f"{num_blocks} blocks; the payload has {len(payload) - at} ints left"
-            )
-        tokens = tuple(payload[at : at + num_tokens])
-        at += num_tokens
-        media = tuple((payload[at + 2 * i], payload[at + 2 * i + 1]) for i in range(num_media))
-        at += 2 * num_media
-        blocks = tuple(payload[at : at + num_blocks])
-        at += num_blocks
-        rope = tuple(payload[at : at + num_rope])
-        at += num_rope
-        for offset, length in media:
-            if offset < 0 or length <= 0 or offset + length > num_tokens:
-                raise WireError(
-                    f"Prefill span {index}: media run ({offset}, {length}) outside its {num_tokens} tokens"
-                )
-        spans.append(Span(lane, start, tokens, media, blocks, bool(every_row), rope))
-    if at != len(payload):
-        raise WireError(f"a Prefill payload has {len(payload) - at} ints after its {num_spans} spans")
-    return tuple(spans)
 
 
 def _as_int64(value) -> int:

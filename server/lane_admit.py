@@ -178,12 +178,11 @@ class Admission:
             else:
                 outcomes.append(refusal)
         if beside_round:
-            for job in ready:
-                if job.cancel_requested or self._needs_chunks(job):
-                    continue
+            riding = [job for job in ready if not job.cancel_requested and not self._needs_chunks(job)]
+            for job in riding:
                 item = self._whole_prompt(job)
                 outcomes.append(BlockWait(job) if item is None else Riding(job, item))
-            ready = [job for job in ready if job.cancel_requested or self._needs_chunks(job)]
+            ready = [job for job in ready if job not in riding]
         return outcomes + self.run_now(ready, chunking)
 
     def run_now(self, ready: list[Job], chunking: Job | None) -> list[Outcome]:

@@ -109,9 +109,9 @@ class Scheduler:
 
     def _decoding(self) -> bool:
         """Whether a stream decodes this step: then whole prompts ride in its round's pass."""
-        riding = {id(ride.job) for ride in self._riding}
+        riding = [ride.job for ride in self._riding]
         return any(
-            job.produced and job is not self._chunking and id(job) not in riding for job in self.lanes.jobs()
+            job.produced and job is not self._chunking and job not in riding for job in self.lanes.jobs()
         )
 
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
