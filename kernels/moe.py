@@ -10,10 +10,32 @@ of the intermediate dimension, so its sum is a row-parallel partial like the den
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.linear import linear
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's: gate clamped above at limit, up to [-limit, limit]; (up + 1) * gate * sigmoid(alpha
+    * gate), in transformers' order of operations."""
+    gate = gate.clamp(max=limit)  # [n, I]
+    up = up.clamp(min=-limit, max=limit)
+    # The sigmoid runs in a view whose rows lie apart (a row stride of I + 1): the CPU's loop then
+    # takes each row alone, its vector part and scalar tail the same at any number of rows. On a
+    # contiguous [n, I] the loop would run over n * I elements at once, the scalar tail (whose exp
+    # rounds unlike the vector one) falling on other elements as n changes: a row's bits would
+    # depend on the rows beside it. Clamps, sums and products round alike either way.
+    sigmoid = torch.empty(gate.shape[0], gate.shape[1] + 1, dtype=gate.dtype, device=gate.device)[:, :-1]
+    torch.mul(gate, alpha, out=sigmoid).sigmoid_()
+    return (up + 1) * (gate * sigmoid)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,6 +48,21 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights, experts
 
 
+def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the k largest logits [T, E], softmaxed among themselves in float32."""
+    top, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top.float(), dim=-1), experts
+
+
+def routed_bias(weights: torch.Tensor, experts: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
+    """Sum over each row's k chosen experts of weight * that expert's bias: [T, hidden] float32.
+    biases: [E, hidden]. Added in the route's slot order, one slot at a time: a row's own order."""
+    out = weights[:, 0:1] * biases[experts[:, 0]].float()
+    for slot in range(1, experts.shape[1]):
+        out = out + weights[:, slot : slot + 1] * biases[experts[:, slot]].float()
+    return out
+
+
 def expert_sum(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -34,18 +71,23 @@ def expert_sum(
     downs: list,
     row_tile: int,
     held: range | None = None,
+    gate_up_biases: list | None = None,
+    glu: Callable = silu_glu,
 ) -> torch.Tensor:
     """x: [T, hidden]; weights, experts: [T, k] (route's). gate_ups[e]: [2*I, hidden] (gate rows
     then up rows), downs[e]: [hidden, I]. Returns sum over each row's k experts, in increasing
-    expert index, of weight * down(silu(gate) * up): [T, hidden] float32. held: the experts summed
-    (expert parallelism's share, bench/moe_split.py); None: every expert, each in its slice."""
+    expert index, of weight * down(glu(gate, up)): [T, hidden] float32. held: the experts summed
+    (expert parallelism's share, bench/moe_split.py); None: every expert, each in its slice.
+    gate_up_biases[e]: [2*I] added to gate and up (gpt-oss; a down bias is added once, after the
+    pieces' sums are reduced: routed_bias)."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     # One loop step per expert some row chose (not per token): the rows routed to it, gathered.
     for expert in torch.unique(experts).tolist():  # sorted: the fixed order of each row's sum
         if held is not None and expert not in held:
             continue
         rows, slots = (experts == expert).nonzero(as_tuple=True)  # a row chooses an expert once
-        gate, up = linear(x[rows], gate_ups[expert], None, row_tile).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, downs[expert], None, row_tile)  # [n, hidden]
+        bias = gate_up_biases[expert] if gate_up_biases is not None else None
+        gate, up = linear(x[rows], gate_ups[expert], bias, row_tile).chunk(2, dim=-1)
+        y = linear(glu(gate, up), downs[expert], None, row_tile)  # [n, hidden]
         out.index_add_(0, rows, y.float() * weights[rows, slots].unsqueeze(1))
     return out

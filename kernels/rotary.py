@@ -46,8 +46,10 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -
     def correction_dim(num_rotations: float) -> float:
         return (head_dim * math.log(old_context / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), head_dim - 1)
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
     extrapolation = 1 - ramp.clamp(0, 1)
     interpolated = inv_freq / s.factor

@@ -28,6 +28,9 @@ with `bits: 4`, `version: gemm`, `zero_point: true` and a group_size (or -1). Re
 bits, activation order, the marlin format, GPTQModel's per-module `dynamic`, other AWQ versions, AWQ
 without zero points. Their quantized modules are the ones with a `qweight`. An older GPTQ checkpoint
 may declare its scheme in AutoGPTQ's quantize_config.json instead (ranks/model_config.py reads it).
+
+Also `quant_method: mxfp4` (gpt-oss's experts, ranks/mxfp4.py): dequantized at load; which tensors
+it covers is read off the checkpoint (`*_blocks` beside `*_scales`), not `modules_to_not_convert`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ METHOD = "compressed-tensors"
 GPTQ = "gptq"
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point less one, v2 as it is
 AWQ = "awq"
+MXFP4 = "mxfp4"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
 # Sections of a compressed-tensors config whose presence changes what the stored numbers mean.
 UNSUPPORTED_SECTIONS = ("transform_config",)
@@ -87,10 +91,12 @@ def parse_quantization_config(raw, path: str | Path) -> CheckpointQuantization |
         return _parse_gptq(raw, refuse)
     if method == AWQ:
         return _parse_awq(raw, refuse)
+    if method == MXFP4:  # e2m1 values, a power-of-two scale per 32
+        return CheckpointQuantization((MXFP4,), (MXFP4,), ("group 32",), MXFP4, 32)
     if method != METHOD:
         raise refuse(
             f"quant_method {method!r} is not supported "
-            f"(supported: {METHOD} int8, int4 and fp8; {GPTQ} and {AWQ} int4)"
+            f"(supported: {METHOD} int8, int4 and fp8; {GPTQ} and {AWQ} int4; {MXFP4})"
         )
     for section in UNSUPPORTED_SECTIONS:
         if raw.get(section):

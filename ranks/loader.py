@@ -10,12 +10,15 @@ from tpserve.kernels.collectives import Collectives
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.model_gemma3 import Gemma3Model
+from tpserve.ranks.model_gpt_oss import GptOssModel
 from tpserve.ranks.settings import DTYPE_NAMES
 from tpserve.ranks.sharding import pieces_of_rank
 from tpserve.ranks.unsupported import check_served_context
 from tpserve.ranks.weights import read_rank_weights
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # name -> torch dtype
+# Families whose decoder differs from the Llama-style one (ranks/model.py) beyond its pieces' shape.
+FAMILY_MODELS = {"gemma3": Gemma3Model, "gpt_oss": GptOssModel}
 
 
 def load_rank_model(
@@ -38,7 +41,7 @@ def load_rank_model(
     )
     pieces = pieces_of_rank(config, tp_rank, tp_size)
     weights = read_rank_weights(model_dir, config, pieces, dtype, device)
-    family = Gemma3Model if config.gemma3 is not None else TPModel  # the decoder's own file
+    family = FAMILY_MODELS.get(config.family, TPModel)  # the decoder's own file
     return family(
         config,
         weights,

@@ -144,11 +144,19 @@ class TPModel:
             ]
             for layer in range(config.num_layers)
         ]
-        moe = config.moe  # a sparse layer's router, None for a dense layer
+        moe, replicated = config.moe, weights.replicated  # a sparse layer's router, None for a dense layer
         self.routers = [
-            Router(moe, weights.replicated[moe.router_name(layer)]) if moe and moe.is_sparse(layer) else None
+            Router(
+                moe,
+                replicated[moe.router_name(layer)],
+                replicated[moe.router_bias_name(layer)] if moe.biased else None,
+            )
+            if moe and moe.is_sparse(layer)
+            else None
             for layer in range(config.num_layers)
         ]
+        # [layer][local piece]: the sink logits of the piece's query heads [Hq_piece] (gpt-oss's)
+        self.layer_sinks: list[list[torch.Tensor]] | None = None
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         head_format = served_as(quantize).head
         self.head = [pack_weight(w[head_name], head_format, self.dtype) for w in weights.pieces]
@@ -188,7 +196,7 @@ class TPModel:
         for pieces in self.layers:
             for layer in pieces:
                 held += [w for w in (layer.w_qkv, layer.b_qkv, layer.w_o) if w is not None]
-                held += layer.mlp_products()
+                held += layer.mlp_products() + (layer.experts.biases() if layer.experts else [])
         unique = {id(w): w for w in held}.values()
         return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in unique)
 
@@ -216,10 +224,10 @@ class TPModel:
         return self._reduce(out)
 
     def _attention(
-        self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms, window: int
+        self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms, window: int, sinks=None
     ) -> torch.Tensor:
         # window: the layer's sliding window (0: it sees every earlier token); a sliding layer
-        # rotates by the family's local rotary where it has one
+        # rotates by the family's local rotary where it has one; sinks: [Hq_piece] or None
         cfg, num_rows = self.config, x.shape[0]
         rotary, tables = self.rotary, plan.rotary
         if window and self.local_rotary is not None:
@@ -245,6 +253,7 @@ class TPModel:
                 plan.attention,
                 self.scale,
                 window,
+                sinks,
             )
             return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
         heads = qkv.view(num_rows, num_q + 2 * num_kv, cfg.head_dim)  # q heads, k heads, v heads
@@ -258,7 +267,7 @@ class TPModel:
         v = heads[:, num_q + num_kv :]
         real = plan.num_tokens
         write_kv(pool_k, pool_v, k[:real] if plan.padding else k, v[:real] if plan.padding else v, plan.slots)
-        attended = self.attention.attend(q, pool_k, pool_v, plan.attention, self.scale, window)
+        attended = self.attention.attend(q, pool_k, pool_v, plan.attention, self.scale, window, sinks)
         return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
 
     def _mlp(self, layer: PieceLayer, x: torch.Tensor, plan: PassPlan, routes) -> torch.Tensor:
@@ -318,8 +327,9 @@ class TPModel:
                 self.replicated[prefix + "self_attn.k_norm.weight"],
             )
         window = self.config.windows[index] if self.config.windows else 0
+        sinks = self.layer_sinks[index] if self.layer_sinks else [None] * len(pieces)
         attended = (
-            self._attention(layer, x, plan, *kv.layer(local, index), qk_norms, window)
+            self._attention(layer, x, plan, *kv.layer(local, index), qk_norms, window, sinks[local])
             for local, layer in enumerate(pieces)
             if layer.num_kv_heads
         )

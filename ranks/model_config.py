@@ -28,6 +28,8 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     # local and global layers, GeGLU, four norms a layer (ranks/model_gemma3.py)
     "Gemma3ForCausalLM": "gemma3",
+    # attention sinks, sliding and full layers, biased experts (ranks/model_gpt_oss.py)
+    "GptOssForCausalLM": "gpt_oss",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # A vision-language checkpoint's text_config names its decoder by model_type only.
@@ -69,6 +71,8 @@ class ModelConfig:
     windows: tuple[int, ...] = ()  # each layer's window, 0 for a full-attention layer (() none slides)
     moe: MoeConfig | None = None  # a mixture of experts' routing shape
     gemma3: Gemma3Shape | None = None  # Gemma 3's own keys (ranks/model_gemma3.py)
+    o_bias: bool = False  # a bias on o_proj (gpt-oss), added once after the reduce
+    sinks: bool = False  # a sink logit per query head in every softmax (gpt-oss)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -208,6 +212,8 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        o_bias=family == "gpt_oss" and bool(raw.get("attention_bias", False)),
+        sinks=family == "gpt_oss",
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -248,5 +254,9 @@ def parse_rope_scaling(raw: dict | None, path: str | Path) -> RopeScaling:
         raise ModelFileError(
             path, f"unsupported rope scaling {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
         )
+    if rope_type == "yarn":  # DeepSeek's and others' yarn variants
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if raw.get(key) is not None:
+                raise ModelFileError(path, f"yarn's {key} {raw[key]!r} is not implemented")
     fields = {k: raw[k] for k in RopeScaling.__dataclass_fields__ if k in raw and k != "rope_type"}
     return RopeScaling(rope_type=rope_type, **fields)

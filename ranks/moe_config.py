@@ -4,6 +4,11 @@ Mixtral (every layer sparse, experts under `block_sparse_moe.experts.N.w1/w3/w2`
 (experts under `mlp.experts.N.gate_proj/up_proj/down_proj`, dense layers where `mlp_only_layers` or
 `decoder_sparse_step` say so). Both route by a softmax over every expert, keep the top k, and
 Mixtral (always) or Qwen3-MoE (where `norm_topk_prob`) renormalises the k weights to sum to one.
+gpt-oss stores every layer's experts stacked (`mlp.experts.gate_up_proj` [E, hidden, 2I], gate and
+up columns interleaved, `down_proj` [E, I, hidden], biases beside them; MXFP4 as `*_blocks` and
+`*_scales`: ranks/stacked_experts.py reads each expert's part under the names below); its router
+(`mlp.router`, with a bias) keeps the k largest logits and softmaxes those, and its experts' GLU is
+clamped (ClampedSwiglu).
 """
 
 from __future__ import annotations
@@ -14,8 +19,20 @@ from pathlib import Path
 
 from tpserve.ranks.errors import ModelFileError
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
-_EXPERT_NAME = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(\w+)\.weight$")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+_EXPERT_NAME = re.compile(
+    r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(\w+)\.(weight|bias)$"
+)
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # transformers' GptOssConfig defaults
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert GLU: gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
 
 
 @dataclass(frozen=True)
@@ -27,23 +44,44 @@ class MoeConfig:
     sparse_layers: tuple[int, ...]  # layers whose MLP is the experts (the others are dense)
     prefix: str  # "mlp." (Qwen3-MoE) or "block_sparse_moe." (Mixtral)
     leaves: tuple[str, str, str]  # the gate, up and down projections' names
+    router: str = "gate"  # the router's module name ("router": gpt-oss's)
+    # gpt-oss: biases on the router and every expert projection, the top k logits softmaxed (not
+    # the top k of a softmax over all), the clamped GLU; experts stacked in the checkpoint
+    biased: bool = False
+    swiglu: ClampedSwiglu | None = None  # None: SwiGLU's silu(gate) * up
+    stacked: bool = False  # every expert in one tensor a projection (ranks/stacked_experts.py)
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
 
     def router_name(self, layer: int) -> str:
-        return f"model.layers.{layer}.{self.prefix}gate.weight"  # [num_experts, hidden]
+        return f"model.layers.{layer}.{self.prefix}{self.router}.weight"  # [num_experts, hidden]
+
+    def router_bias_name(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.prefix}{self.router}.bias"  # [num_experts] (biased only)
+
+    def down_bias_name(self, layer: int) -> str:
+        """Every expert's down bias [num_experts, hidden] (biased only): added once, after the
+        pieces' partial sums are reduced, so it is whole on every rank."""
+        return f"model.layers.{layer}.{self.prefix}experts.down_proj_bias"
 
     def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Expert `expert`'s gate [I, hidden], up [I, hidden] and down [hidden, I] in layer `layer`."""
         stem = f"model.layers.{layer}.{self.prefix}experts.{expert}."
         return tuple(stem + leaf + ".weight" for leaf in self.leaves)
 
-    def expert_shape(self, name: str, hidden_size: int) -> tuple[int, int] | None:
-        """An expert weight's shape, None where `name` is no expert's."""
+    def expert_bias_names(self, layer: int, expert: int) -> tuple[str, str]:
+        """Expert `expert`'s gate and up biases [I] each (biased only)."""
+        stem = f"model.layers.{layer}.{self.prefix}experts.{expert}."
+        return tuple(stem + leaf + ".bias" for leaf in self.leaves[:2])
+
+    def expert_shape(self, name: str, hidden_size: int) -> tuple[int, ...] | None:
+        """An expert weight's (or bias's) shape, None where `name` is no expert's."""
         match = _EXPERT_NAME.match(name)
         if match is None:
             return None
+        if match.group(2) == "bias":
+            return (self.expert_size,)
         down = match.group(1) == self.leaves[2]
         return (hidden_size, self.expert_size) if down else (self.expert_size, hidden_size)
 
@@ -65,6 +103,17 @@ def parse_moe_config(raw: dict, family: str, num_layers: int, path: str | Path) 
     top_k = count("num_experts_per_tok", raw.get("num_experts_per_tok"))
     if top_k > num_experts:
         raise ModelFileError(path, f"num_experts_per_tok {top_k} is more than the {num_experts} experts")
+    if family == "gpt_oss":
+        alpha, limit = raw.get("swiglu_alpha", GPT_OSS_ALPHA), raw.get("swiglu_limit", GPT_OSS_LIMIT)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (alpha, limit)):
+            raise ModelFileError(
+                path, f"swiglu_alpha {alpha!r} and swiglu_limit {limit!r} must be positive numbers"
+            )
+        return MoeConfig(
+            num_experts, top_k, count("intermediate_size", raw.get("intermediate_size")), False,
+            tuple(range(num_layers)), "mlp.", ("gate_proj", "up_proj", "down_proj"), "router", True,
+            ClampedSwiglu(float(alpha), float(limit)), stacked=True,
+        )  # fmt: skip
     if family == "mixtral":
         return MoeConfig(
             num_experts, top_k, count("intermediate_size", raw.get("intermediate_size")), True,

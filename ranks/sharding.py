@@ -35,6 +35,8 @@ SHARDING_TABLE: dict[str, tuple[Split, str | None]] = {
     "self_attn.v_proj.weight": (Split.COLUMN, "kv_heads"),
     "self_attn.v_proj.bias": (Split.COLUMN, "kv_heads"),
     "self_attn.o_proj.weight": (Split.ROW, "q_heads"),
+    "self_attn.o_proj.bias": (Split.REPLICATED, None),  # added once, after the reduce (gpt-oss)
+    "self_attn.sinks": (Split.REPLICATED, None),  # [Hq]: each piece takes its heads' (gpt-oss)
     "self_attn.q_norm.weight": (Split.REPLICATED, None),
     "self_attn.k_norm.weight": (Split.REPLICATED, None),
     "mlp.gate_proj.weight": (Split.COLUMN, "intermediate"),
@@ -50,6 +52,13 @@ SHARDING_TABLE: dict[str, tuple[Split, str | None]] = {
     "block_sparse_moe.experts.E.w1.weight": (Split.COLUMN, "expert_intermediate"),
     "block_sparse_moe.experts.E.w3.weight": (Split.COLUMN, "expert_intermediate"),
     "block_sparse_moe.experts.E.w2.weight": (Split.ROW, "expert_intermediate"),
+    # gpt-oss's (ranks/stacked_experts.py): the router's bias, the gate and up biases cut as their
+    # rows are, the down biases whole (added once, after the reduce)
+    "mlp.router.weight": (Split.REPLICATED, None),
+    "mlp.router.bias": (Split.REPLICATED, None),
+    "mlp.experts.E.gate_proj.bias": (Split.COLUMN, "expert_intermediate"),
+    "mlp.experts.E.up_proj.bias": (Split.COLUMN, "expert_intermediate"),
+    "mlp.experts.down_proj_bias": (Split.REPLICATED, None),
     "input_layernorm.weight": (Split.REPLICATED, None),
     "post_attention_layernorm.weight": (Split.REPLICATED, None),
     "pre_feedforward_layernorm.weight": (Split.REPLICATED, None),  # Gemma 3's MLP norms

@@ -23,7 +23,6 @@ REFUSED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
     "Qwen3_5MoeForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
     "Qwen3_5MoeForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
-    "GptOssForCausalLM": "attention sinks, alternating sliding-window layers and MXFP4 experts",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
     "Glm4MoeForCausalLM": "its mixture of experts with a shared expert",
 }
@@ -70,7 +69,7 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
             refuse(f"{key} {raw[key]!r} (only {'GeGLU' if gemma3 else 'SwiGLU'}'s {activations[0]} is)")
     if raw.get("mlp_bias"):
         refuse("mlp_bias (biases on gate, up and down)")
-    if family != "qwen2" and raw.get("attention_bias"):
+    if family not in ("qwen2", "gpt_oss") and raw.get("attention_bias"):  # gpt-oss: o_proj's too
         refuse("attention_bias (transformers puts a bias on o_proj too)")
     rope = raw.get("rope_parameters") or {}
     partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))

@@ -23,6 +23,7 @@ from tpserve.ranks.int4_tensors import StoredInt4, holds_int4
 from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
+from tpserve.ranks.stacked_experts import StoredExpertPart, stacked_part
 
 
 @dataclass
@@ -78,8 +79,13 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     expert = config.moe.expert_shape(name, config.hidden_size) if config.moe else None
     if expert is not None:
         return expert
-    if config.moe and name.endswith(config.moe.prefix + "gate.weight"):  # the router
-        return (config.moe.num_experts, config.hidden_size)
+    moe = config.moe
+    if moe and name.endswith(f"{moe.prefix}{moe.router}.weight"):  # the router
+        return (moe.num_experts, config.hidden_size)
+    if moe and name.endswith(f"{moe.prefix}{moe.router}.bias"):
+        return (moe.num_experts,)
+    if moe and name.endswith("experts.down_proj_bias"):  # every expert's (gpt-oss)
+        return (moe.num_experts, config.hidden_size)
     key = name.rsplit(".", 2)
     leaf = ".".join(key[-2:])
     q_width = config.num_heads * config.head_dim
@@ -94,6 +100,7 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
         "v_proj.weight": (kv_width, config.hidden_size),
         "v_proj.bias": (kv_width,),
         "o_proj.weight": (config.hidden_size, q_width),
+        "self_attn.sinks": (config.num_heads,),
         "q_norm.weight": (config.head_dim,),
         "k_norm.weight": (config.head_dim,),
         "gate_proj.weight": (config.intermediate_size, config.hidden_size),
@@ -120,6 +127,8 @@ def required_names(config: ModelConfig) -> list[str]:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    per_layer += ["self_attn.o_proj.bias"] if config.o_bias else []
+    per_layer += ["self_attn.sinks"] if config.sinks else []
     if config.gemma3 is not None:  # norms around the MLP too
         per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     moe = config.moe
@@ -129,8 +138,10 @@ def required_names(config: ModelConfig) -> list[str]:
             names += [f"model.layers.{layer}.{leaf}" for leaf in dense]
             continue
         names.append(moe.router_name(layer))
+        names += [moe.router_bias_name(layer), moe.down_bias_name(layer)] if moe.biased else []
         for expert in range(moe.num_experts):
             names += moe.expert_names(layer, expert)
+            names += moe.expert_bias_names(layer, expert) if moe.biased else ()
     return names
 
 
@@ -143,7 +154,7 @@ def read_rank_weights(
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(files.values()))}
         for name in required_names(config):
-            tensor = _stored_tensor(model_dir, config, files, handles, name)
+            tensor = _stored_tensor(model_dir, config, files, handles, name, dtype)
             if tensor.shape != expected_shape(config, name):
                 raise ModelFileError(
                     tensor.path,
@@ -175,14 +186,18 @@ class StoredFloat:
 
 
 def _stored_tensor(
-    model_dir: Path, config: ModelConfig, files: dict[str, Path], handles: dict, name: str
-) -> StoredFloat | StoredInt8 | StoredInt4 | StoredGptq | StoredFp8 | StoredBlocks:
+    model_dir: Path, config: ModelConfig, files: dict[str, Path], handles: dict, name: str, dtype
+) -> StoredFloat | StoredInt8 | StoredInt4 | StoredGptq | StoredFp8 | StoredBlocks | StoredExpertPart:
     """`name`'s tensor in the checkpoint: float, or (a compressed-tensors checkpoint's quantized
     layer, a weight_scale beside it) int8, int4 or fp8, or a GPTQ or AWQ checkpoint's int4 (a
-    qweight in its place), or (a GGUF import's) blocks."""
+    qweight in its place), or (a GGUF import's) blocks, or one expert's part of stacked experts
+    (float or MXFP4, decoded to dtype)."""
+    stacked = stacked_part(config, name)
+    if stacked is not None:
+        return StoredExpertPart(handles, files, config, stacked, dtype)
     fused = fused_part(config, name)
     if fused is not None and stored_name(files, name) is None and stored_name(files, fused[0]) is not None:
-        whole = _stored_tensor(model_dir, config, files, handles, fused[0])
+        whole = _stored_tensor(model_dir, config, files, handles, fused[0], dtype)
         return StoredRows(whole, *fused)
     scheme = config.quantization
     packed = PACKED_INT4.get((scheme.method, scheme.formats[0])) if scheme else None

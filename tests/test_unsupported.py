@@ -34,7 +34,6 @@ REFUSED = {
         config_of("Qwen3_5ForCausalLM"),
         "hybrid linear-attention (Gated DeltaNet) layers not implemented",
     ),
-    "gpt-oss": (config_of("GptOssForCausalLM"), "GptOssForCausalLM is not supported: attention sinks"),
     "unknown": (config_of("FooForCausalLM"), "unsupported architecture ['FooForCausalLM'] (supported: Llama"),
     "linear-layers": (
         config_of("Qwen3ForCausalLM", layer_types=["linear_attention", "full_attention"]),

@@ -101,6 +101,32 @@ FAMILIES = {
             | kw
         )
     ),
+    # gpt-oss: sliding (window 8) and full layers, sinks, biases, 4 experts top 2 of an odd width
+    # (18: 9 + 9 a piece), yarn over an original context of 64 (max 256: factor 4)
+    "gpt-oss": lambda **kw: transformers.GptOssConfig(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "head_dim": 16,
+                "intermediate_size": 18,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 4.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 64,
+                },
+            }
+            | kw
+        )
+    ),
 }
 
 
@@ -114,7 +140,8 @@ def write_hf_model(out_dir: str | Path, family: str, seed: int = 0, **overrides)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
-            if param.dim() == 1:  # norms' weights
+            # norms' weights near one (gpt-oss's biases and sinks drawn as the weights are)
+            if param.dim() == 1 and ("norm" in name or family != "gpt-oss"):
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(noise * (1.0 if "embed_tokens" in name else 0.2))
