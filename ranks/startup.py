@@ -147,7 +147,9 @@ def describe_serving(kinds: tuple[str, ...], quantize: str) -> str:
     said = [f"its {' and '.join(stored)} layers served as stored"] if stored else []
     if dequantized:
         said.append(f"its {' and '.join(dequantized)} layers dequantized to float32")
-    also = "them and to " if dequantized else ""
+    if "mxfp4" in kinds:  # gpt-oss's experts (ranks/mxfp4.py)
+        said.append("its mxfp4 experts dequantized exactly to dtype")
+    also = "them and to " if dequantized or "mxfp4" in kinds else ""
     return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"
 
 

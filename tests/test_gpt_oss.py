@@ -50,6 +50,12 @@ def test_gpt_oss_tp2_equals_tp1_and_batched_equals_solo(pool, tmp_path):
     check_tp2_equals_tp1_and_batched_equals_solo(pool, model_dir, "none")
 
 
+def test_int4_gpt_oss_experts_tp2_equal_tp1_and_batched_equals_solo(pool, tmp_path):
+    # every expert's slices (and the attention's) in 4-bit blocks, the biases beside them in float
+    model_dir = str(write_hf_model(tmp_path / "gpt-oss", "gpt-oss", intermediate_size=64))
+    check_tp2_equals_tp1_and_batched_equals_solo(pool, model_dir, "int4")
+
+
 def test_mxfp4_decodes_every_code_and_scale_as_the_spec_says():
     # byte 0x21: low nibble 1 (0.5) is element 0, high nibble 2 (1.0) element 1; 0xFE: -4, -6
     codes = torch.tensor(
