@@ -25,7 +25,7 @@ class Router:
     def route(self, x: torch.Tensor, num_real: int, row_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [rows, hidden], the first num_real real (the rest a pass's padding, not routed)."""
         logits = linear(x[:num_real], self.weight, self.bias, row_tile)  # [T, num_experts]
-        if self.moe.biased:  # gpt-oss: a softmax over the k largest logits
+        if self.moe.softmax_top_logits:  # gpt-oss: a softmax over the k largest logits
             return route_top_logits(logits, self.moe.num_experts_per_tok)
         return route(logits, self.moe.num_experts_per_tok, self.moe.normalize_top_k)
 

@@ -48,6 +48,7 @@ class MoeConfig:
     # gpt-oss: biases on the router and every expert projection, the top k logits softmaxed (not
     # the top k of a softmax over all), the clamped GLU; experts stacked in the checkpoint
     biased: bool = False
+    softmax_top_logits: bool = False
     swiglu: ClampedSwiglu | None = None  # None: SwiGLU's silu(gate) * up
     stacked: bool = False  # every expert in one tensor a projection (ranks/stacked_experts.py)
 
@@ -111,8 +112,9 @@ def parse_moe_config(raw: dict, family: str, num_layers: int, path: str | Path) 
             )
         return MoeConfig(
             num_experts, top_k, count("intermediate_size", raw.get("intermediate_size")), False,
-            tuple(range(num_layers)), "mlp.", ("gate_proj", "up_proj", "down_proj"), "router", True,
-            ClampedSwiglu(float(alpha), float(limit)), stacked=True,
+            tuple(range(num_layers)), "mlp.", ("gate_proj", "up_proj", "down_proj"), router="router",
+            biased=True, softmax_top_logits=True, swiglu=ClampedSwiglu(float(alpha), float(limit)),
+            stacked=True,
         )  # fmt: skip
     if family == "mixtral":
         return MoeConfig(

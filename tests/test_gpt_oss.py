@@ -158,7 +158,12 @@ def test_a_gpt_oss_20b_config_reads_its_layers_experts_and_rope():
         and moe.num_experts_per_tok == 4
         and moe.expert_size == BASE["intermediate_size"]
     )
-    assert moe.biased and moe.stacked and (moe.swiglu.alpha, moe.swiglu.limit) == (1.702, 7.0)
+    assert (
+        moe.biased
+        and moe.stacked
+        and moe.softmax_top_logits
+        and (moe.swiglu.alpha, moe.swiglu.limit) == (1.702, 7.0)
+    )
     assert config.rope_theta == 150000 and config.rope_scaling.rope_type == "yarn"
     assert not config.rope_scaling.truncate and config.rope_scaling.factor == 32.0
     with pytest.raises(ModelFileError, match="yarn's mscale 1.0 is not implemented"):
