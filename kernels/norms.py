@@ -18,11 +18,15 @@ from tpserve.kernels import native
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [T, D], weight: [D]. One fused call in float32; otherwise the reference's order: normalise
-    # in float32, round to the input's dtype, then scale.
+    # in float32, round to the input's dtype, then scale (Llama's); or, where the weight is float32
+    # beside rows in another dtype (Gemma 3's and gpt-oss's norms: ranks/weights.py keeps them),
+    # scale in float32 and round once at the end, as those families' norms do.
     if x.dtype == torch.float32:
         if x.device.type == "cpu" and weight.dtype == torch.float32 and _native() is not None:
             return _rms_norm_natively(x, weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps)
+    if weight.dtype == torch.float32:
+        return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 

@@ -133,8 +133,7 @@ class TPModel:
         self.pieces = pieces
         self.tp_rank, self.tp_size, self.collectives = tp_rank, tp_size, collectives
         self.replicated = weights.replicated
-        first = next(iter(weights.replicated.values()))
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device = weights.dtype, next(iter(weights.replicated.values())).device
         self.layers = [
             [
                 PieceLayer(

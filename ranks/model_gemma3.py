@@ -32,11 +32,12 @@ class Gemma3Model(TPModel):
     def __init__(self, config, weights, pieces, **options):
         super().__init__(config, weights, pieces, **options)
         gemma = config.gemma3
-        # Every norm's weight w becomes its factor 1 + w once (computed in float32, as the
-        # reference's forward computes it), so the shared RMSNorm scales by it.
+        # Every norm's weight w becomes its factor 1 + w once, in float32 as the reference's forward
+        # computes it (and keeps it: the shared RMSNorm then scales before rounding to a narrower
+        # dtype, as Gemma 3's does).
         for name, weight in self.replicated.items():
             if name.endswith("norm.weight"):
-                self.replicated[name] = (1.0 + weight.float()).to(weight.dtype)
+                self.replicated[name] = 1.0 + weight.float()
         self.local_rotary = Rotary(
             config.head_dim, gemma.local_theta, RopeScaling(), options["max_positions"], self.device
         )

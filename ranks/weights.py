@@ -32,9 +32,11 @@ class RankWeights:
     # One per local piece; a weight an int8 checkpoint ships in int8 is its Int8Values, one an
     # imported GGUF or an int4 checkpoint keeps in blocks its BlockValues.
     pieces: list[dict[str, torch.Tensor | Int8Values | BlockValues]] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32  # the model's (some families keep their norms in float32)
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names
+FLOAT32_NORMS = ("gemma3", "gpt_oss")
 # (quant_method, format) -> the reader of its qweight and the rest
 PACKED_INT4 = {(GPTQ, "gptq"): StoredGptq, (GPTQ, "gptq_v2"): StoredGptqV2, (AWQ, "gemm"): StoredAwq}
 
@@ -150,7 +152,7 @@ def read_rank_weights(
 ) -> RankWeights:
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    weights = RankWeights(pieces=[{} for _ in pieces])
+    weights = RankWeights(pieces=[{} for _ in pieces], dtype=dtype)
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(files.values()))}
         for name in required_names(config):
@@ -162,13 +164,21 @@ def read_rank_weights(
                 )
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
-                weights.replicated[name] = _owned(tensor.read(), device, dtype)
+                kept = torch.float32 if _float32_norm(config, name) else dtype
+                weights.replicated[name] = _owned(tensor.read(), device, kept)
                 continue
             for local, piece in enumerate(pieces):
                 start, end = piece_range(config, piece, unit)
                 part = tensor.read(start, end, columns=split is Split.ROW)
                 weights.pieces[local][name] = _owned(part, device, dtype)
     return weights
+
+
+def _float32_norm(config: ModelConfig, name: str) -> bool:
+    """A norm weight kept in float32 whatever the dtype: the families whose norms scale in float32
+    and round once (transformers' Gemma3RMSNorm, and GptOssRMSNorm, whose weights it keeps in
+    float32), which kernels/norms.py does for a float32 weight."""
+    return config.family in FLOAT32_NORMS and name.endswith("norm.weight")
 
 
 class StoredFloat:

@@ -104,16 +104,20 @@ def _tp2(ctx, model_dir, dtype, choice, quantize="none"):
     return run_streams(model_dir, ctx.rank, 2, dtype, world_collectives(ctx, choice), quantize=quantize)
 
 
-def check_tp2_equals_tp1_and_batched_equals_solo(pool, model_dir: str, quantize: str) -> None:
+def check_tp2_equals_tp1_and_batched_equals_solo(
+    pool, model_dir: str, quantize: str, dtype: str = "float32"
+) -> None:
     """The model's streams at tp=2 (on `pool`) have tp=1's tokens and logits bit for bit, and each
     stream of the batch the logits of its solo run."""
     torch.set_num_threads(1)
-    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, quantize=quantize)
-    pair_logits, pair_tokens = pool.run(_tp2, model_dir, "float32", "gloo", quantize, timeout_s=120)[0]
+    solo_logits, solo_tokens = run_streams(model_dir, 0, 1, dtype, quantize=quantize)
+    pair_logits, pair_tokens = pool.run(_tp2, model_dir, dtype, "gloo", quantize, timeout_s=120)[0]
     assert pair_tokens == solo_tokens
     assert torch.equal(pair_logits, solo_logits)
     for lane, (prompt, sampling) in enumerate(zip(PROMPTS, SAMPLINGS)):
-        alone, _ = run_streams(model_dir, 0, 1, prompts=[prompt], samplings=[sampling], quantize=quantize)
+        alone, _ = run_streams(
+            model_dir, 0, 1, dtype, prompts=[prompt], samplings=[sampling], quantize=quantize
+        )
         assert torch.equal(solo_logits[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
 
 
