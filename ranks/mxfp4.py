@@ -7,12 +7,18 @@ with the even index in the low nibble; `*_scales` uint8 [..., rows, cols / 32].
 
 Every value is some m * 2^k with m of at most two significant bits, so its float32 product is exact
 (or infinite: a scale past 2^125); it reaches the engine's dtype unrounded or is refused.
+
+The same values are also five-bit blocks (GGUF's Q5_0 layout, kernels/q5_linear.py) without a
+rounding: q = 2 m + 16 in 4..28, d = 2^(k - 1), and the minimum -16 d; so `int4` serves MXFP4
+experts as stored, 6 bits a weight with float16 scales (float32 where a scale is out of its range).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tpserve.kernels.block_weights import holds_in_half
+from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.errors import ModelFileError
 
 BLOCK = 32  # values sharing a scale
@@ -61,3 +67,18 @@ def dequantize_mxfp4(
             where, f"MXFP4 values out of {dtype}'s exact range (a scale too large or too small)"
         )
     return out.view(scales.shape[0], -1)
+
+
+def mxfp4_as_five_bit(blocks: torch.Tensor, scales: torch.Tensor) -> BlockValues | None:
+    """blocks: uint8 [rows, G, 16]; scales: uint8 [rows, G] (already checked by dequantize_mxfp4) ->
+    the same values as 5-bit blocks, q [rows, G * 32] and d, m [rows, G]; None where a minimum is
+    past float32 (a scale of 2^125 or more)."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long().view(scales.shape[0], -1)
+    q = (2 * e2m1_values()[codes] + 16).to(torch.uint8)  # 2 m + 16: whole, 4..28
+    d = scale_values()[scales.long()] / 2  # 2^(k - 1), exact (2^-128 is a float32 subnormal)
+    m = d * -16
+    if not bool(torch.isfinite(m).all()):
+        return None
+    if holds_in_half(d) and holds_in_half(m):
+        d, m = d.half(), m.half()
+    return BlockValues(q, d, m, bits=5)
