@@ -148,8 +148,12 @@ def describe_serving(kinds: tuple[str, ...], quantize: str) -> str:
     if dequantized:
         said.append(f"its {' and '.join(dequantized)} layers dequantized to float32")
     if "mxfp4" in kinds:  # gpt-oss's experts (ranks/mxfp4.py)
-        said.append("its mxfp4 experts dequantized exactly to dtype")
-    also = "them and to " if dequantized or "mxfp4" in kinds else ""
+        said.append(
+            "its mxfp4 experts served as stored, in 5-bit blocks"
+            if quantize == "int4"
+            else "its mxfp4 experts dequantized exactly to dtype"
+        )
+    also = "them and to " if dequantized or ("mxfp4" in kinds and quantize != "int4") else ""
     return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"
 
 
