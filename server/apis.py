@@ -44,6 +44,7 @@ class LocalApis:
             queue_size=config.queue_size,
             submitter=submitter,
             api_key=config.api_key,
+            metrics_need_key=config.metrics_need_key,
         )
         self.http = None
         if config.http_port:

@@ -75,6 +75,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_need_key: bool = False  # the metrics port needs api_key too (as /metrics on the HTTP port does)
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` beside gRPC; 0: none
     # The HTTP API's connections (server/http_connections.py): a request's head and its body must
     # each arrive within their timeout, an idle kept-alive connection closes, and past
