@@ -107,6 +107,7 @@ KERNELS = (
     "q5f_linear",
     "q8_linear",
     "q6_linear",
+    "beat",  # not a kernel: the liveness link's beats (ranks/beats.py)
 )
 
 

@@ -7,7 +7,9 @@ doorbell just ahead of its next message. A collective with a timeout would trip 
 spell, and a store wait has no such limit, so while rank 0 is idle its heartbeat thread (started by
 the first Idle, ended by Stop or close) pushes a beat into each follower's queue every heartbeat_s;
 a follower that hears nothing for `leader_dead_after_s` (rank 0 dead or hung, while the store lives
-on in torchrun's agent) or loses the store raises LeaderLost.
+on in torchrun's agent) or loses the store raises LeaderLost. That beat is a Python thread's, which a
+call holding rank 0's GIL starves; so a follower told to `trust_leader_link` (the liveness link,
+beaten natively: ranks/liveness.py) waits on while that link says rank 0 lives.
 
 Messages and votes are the same collective, an all-reduce (SUM) of HEAD_SIZE int64s: a message is
 rank 0's head with the followers adding zeros, a vote is every rank's [VOTE_MAGIC, seq, ok]. So a
@@ -98,6 +100,7 @@ class Channel:
         self._stop_heartbeat = threading.Event()
         # Rank 0: set by the heartbeat thread when an idle follower stops answering.
         self.lost_follower: str | None = None
+        self._leader_alive: Callable[[], bool] | None = None
         self._store = self._own_store(store)
 
     # --- rank 0 -------------------------------------------------------------------------------
@@ -192,6 +195,12 @@ class Channel:
             self._idle_seq = seq
         return msg
 
+    def trust_leader_link(self, alive: Callable[[], bool]) -> None:
+        """A follower: while idle, a late heartbeat is no loss as long as alive() (rank 0's liveness
+        link, which learns a lost rank 0 itself) says rank 0 still beats."""
+        self._require(self.rank != 0, "trust_leader_link", "a follower")
+        self._leader_alive = alive
+
     # --- inside -------------------------------------------------------------------------------
 
     def _own_store(self, store: dist.Store) -> dist.Store:
@@ -229,6 +238,14 @@ class Channel:
                     f"(rank 0 or the launcher that serves it is gone): {gist_of(err)}",
                 ) from err
             except dist.DistError as err:
+                if self._leader_alive is not None and self._leader_alive():
+                    log.warning(
+                        "rank %d: no idle heartbeat from rank 0 within %gs, but its liveness link "
+                        "beats (its interpreter is busy): waiting on",
+                        self.rank,
+                        self.leader_dead_after_s,
+                    )
+                    continue
                 raise self._break(
                     LeaderLost,
                     f"rank {self.rank}: no heartbeat nor doorbell from rank 0 within "

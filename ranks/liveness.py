@@ -6,7 +6,10 @@ waits out its whole timeout, and a follower idle on the store can wait on it lon
 socket read with a timeout is bounded. A peer whose process ended closes its end (end of file here
 within milliseconds); a cut link, a host gone or a hung peer shows as silence for `dead_after_s`.
 A rank that leaves on purpose (after Stop) says BYE first, so its peer does not take the close for
-a loss. Rank 0 learns a loss as `lost` (the daemon fails every stream and exits non-zero); a
+a loss. The beats are sent and read on a native thread (ranks/beats.py), so a call that holds the
+GIL for longer than dead_after_s (a tokenizer on a huge prompt) is no loss; an interpreter that runs
+no Python at all for stall_after_s (120 s, or 4 x dead_after_s if longer) stops them, so a peer hung
+for good is still found, within stall_after_s + dead_after_s. Rank 0 learns a loss as `lost` (the daemon fails every stream and exits non-zero); a
 follower calls `on_lost`, which by default ends the process with exit code 1 whatever its main
 thread is waiting on.
 
@@ -16,7 +19,6 @@ connection per follower rank, with that token, and then closes its listening soc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -27,14 +29,16 @@ import threading
 import time
 from collections.abc import Callable
 
+from tpserve.ranks.beats import ENDED, LIVE, SILENT, stall_after, start_beats
+
 __all__ = ["LeaderWatch", "LivenessHub", "beat_interval", "exit_on_lost"]
 
 log = logging.getLogger(__name__)
 
-_BEAT, _BYE = b".", b"B"
 _HELLO = struct.Struct("<q16s")  # follower rank, token
 _WELCOME = b"W"
 TOKEN_BYTES = 16
+CHECK_IN_S = 1.0  # how often a link's watcher checks in with its beats (well within stall_after_s)
 
 
 def beat_interval(dead_after_s: float) -> float:
@@ -53,102 +57,73 @@ def exit_on_lost(message: str) -> None:
 
 
 class _Peer:
-    """One end of the link: a thread reading beats (silence or end of file is a loss unless the
-    peer said BYE), and beats sent by whoever calls beat()."""
+    """One end of the link: its beats (ranks/beats.py) and a thread that waits for the link to end
+    (end of file, silence, an error) and reports it as a loss unless the peer said BYE. The thread
+    is what checks in with the beats: an interpreter that runs no Python for stall_after_s stops
+    them."""
 
-    def __init__(self, sock: socket.socket, name: str, dead_after_s: float, on_lost: Callable[[str], None]):
-        sock.settimeout(dead_after_s)
-        self.sock = sock
+    def __init__(
+        self,
+        sock: socket.socket,
+        name: str,
+        dead_after_s: float,
+        on_lost: Callable[[str], None],
+        stall_after_s: float | None = None,
+    ):
+        stall_after_s = stall_after(dead_after_s) if stall_after_s is None else stall_after_s
         self.name = name
         self.dead_after_s = dead_after_s
-        self.leaving = False  # the peer said BYE
+        self.ended: str | None = None  # why the link ended, once it did
         self.closing = False  # this end is closing
         self._on_lost = on_lost
-        self._send_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name=f"liveness-{name}", daemon=True)
-        self._reader.start()
-
-    def beat(self) -> None:
-        self._send(_BEAT)
+        self._beats = start_beats(sock, beat_interval(dead_after_s), dead_after_s, stall_after_s)
+        self._watcher = threading.Thread(target=self._watch, name=f"liveness-{name}", daemon=True)
+        self._watcher.start()
 
     def close(self, bye: bool = True) -> None:
         """Say BYE (unless told not to: the peer then takes the close for a loss) and close (idempotent)."""
         if self.closing:
             return
         self.closing = True
-        if bye:
-            self._send(_BYE)
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        self._beats.close(bye)
+        self._watcher.join(timeout=5 * CHECK_IN_S)
+        if not self._watcher.is_alive():
+            self._beats.free()
 
-    def _send(self, what: bytes) -> None:
-        # On failure the reader notices the loss (silence or end of file) and reports it.
-        with self._send_lock, contextlib.suppress(OSError):
-            self.sock.sendall(what)
-
-    def _read(self) -> None:
-        heard = time.monotonic()
-        while True:
-            try:
-                data = self.sock.recv(64)
-            except TimeoutError:
-                self._lost(
-                    f"no heartbeat from {self.name} for {time.monotonic() - heard:.1f}s "
-                    f"(dead_after_s {self.dead_after_s:g}: the link is down, its host gone or it hung)"
-                )
-                return
-            except ConnectionResetError:  # closed with our beats unread: it ended too
-                data = b""
-            except OSError as error:
-                self._lost(f"the liveness link to {self.name} failed: {error}")
-                return
-            if not data:
-                self._lost(f"{self.name} closed the liveness link (its process ended)")
-                return
-            heard = time.monotonic()
-            if _BYE in data:
-                self.leaving = True
-
-    def _lost(self, message: str) -> None:
-        if not (self.closing or self.leaving):
+    def _watch(self) -> None:
+        state = LIVE
+        while state == LIVE:
+            state = self._beats.wait(CHECK_IN_S)
+        if state == SILENT:
+            message = (
+                f"no heartbeat from {self.name} for {self._beats.silent_s():.1f}s "
+                f"(dead_after_s {self.dead_after_s:g}: the link is down, its host gone or it hung)"
+            )
+        elif state == ENDED:
+            message = f"{self.name} closed the liveness link (its process ended)"
+        else:
+            message = f"the liveness link to {self.name} failed: {os.strerror(self._beats.error())}"
+        self.ended = message
+        if not (self.closing or self._beats.leaving()):
             self._on_lost(message)
-
-
-class _Beater:
-    """Calls beat() on the peers every beat_s until stopped."""
-
-    def __init__(self, peers: Callable[[], list[_Peer]], beat_s: float):
-        self._peers = peers
-        self._beat_s = beat_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="liveness-beat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._beat_s):
-            for peer in self._peers():
-                peer.beat()
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class LivenessHub:
     """Rank 0's end: listens on `host` (the master address), one link per follower."""
 
-    def __init__(self, host: str, world_size: int, dead_after_s: float):
+    def __init__(self, host: str, world_size: int, dead_after_s: float, stall_after_s: float | None = None):
         self.world_size = world_size
         self.dead_after_s = dead_after_s
+        self.stall_after_s = stall_after_s  # None: stall_after(dead_after_s)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.lost: str | None = None  # why a follower is lost, once one is
         self._peers: dict[int, _Peer] = {}
         self._listener = socket.create_server((host, 0), backlog=world_size)
         self.port = self._listener.getsockname()[1]
-        self._beater: _Beater | None = None
 
     def accept_followers(self, timeout_s: float) -> None:
-        """Wait up to timeout_s for every follower's link; then stop listening and start beating."""
+        """Wait up to timeout_s for every follower's link (each beats from its arrival); then stop
+        listening."""
         deadline = time.monotonic() + timeout_s
         try:
             while len(self._peers) < self.world_size - 1:
@@ -165,7 +140,6 @@ class LivenessHub:
                 self._greet(sock, deadline)
         finally:
             self._listener.close()
-        self._beater = _Beater(lambda: list(self._peers.values()), beat_interval(self.dead_after_s))
 
     def _greet(self, sock: socket.socket, deadline: float) -> None:
         sock.settimeout(max(0.1, deadline - time.monotonic()))
@@ -179,7 +153,10 @@ class LivenessHub:
             sock.close()
             return
         sock.sendall(_WELCOME)
-        self._peers[rank] = _Peer(sock, f"rank {rank}", self.dead_after_s, self._follower_lost)
+        sock.settimeout(None)
+        self._peers[rank] = _Peer(
+            sock, f"rank {rank}", self.dead_after_s, self._follower_lost, self.stall_after_s
+        )
 
     def _follower_lost(self, message: str) -> None:
         if self.lost is None:
@@ -196,8 +173,6 @@ class LivenessHub:
         self._close(bye=False)
 
     def _close(self, bye: bool) -> None:
-        if self._beater is not None:
-            self._beater.stop()
         for peer in self._peers.values():
             peer.close(bye)
         self._listener.close()
@@ -216,6 +191,7 @@ class LeaderWatch:
         dead_after_s: float,
         timeout_s: float,
         on_lost: Callable[[str], None] = exit_on_lost,
+        stall_after_s: float | None = None,
     ):
         what = f"rank {rank}: rank 0's liveness link at {host}:{port}"
         try:
@@ -225,12 +201,17 @@ class LeaderWatch:
                 raise ConnectionError("refused")
         except (OSError, ConnectionError) as error:
             raise ConnectionError(f"{what} did not take this rank: {error}") from None
-        self._peer = _Peer(sock, "rank 0", dead_after_s, lambda message: on_lost(f"rank {rank}: {message}"))
-        self._beater = _Beater(lambda: [self._peer], beat_interval(dead_after_s))
+        sock.settimeout(None)
+        self._peer = _Peer(
+            sock, "rank 0", dead_after_s, lambda message: on_lost(f"rank {rank}: {message}"), stall_after_s
+        )
+
+    def alive(self) -> bool:
+        """Rank 0 still beats on the link (the channel's idle wait asks, ranks/channel.py)."""
+        return self._peer.ended is None
 
     def close(self) -> None:
         """Say BYE to rank 0 (after Stop) and close."""
-        self._beater.stop()
         self._peer.close()
 
 

@@ -240,6 +240,8 @@ def start_rank(
     )
     # Last, once nothing can refuse any more: the heartbeat between rank 0 and each follower.
     liveness = watch_peers(store, rank, world_size, host, settings)
+    if isinstance(liveness, LeaderWatch):
+        channel.trust_leader_link(liveness.alive)
     return RankRuntime(
         rank, world_size, config, engine, channel, kv_budget, store, settings, device, liveness
     )

@@ -31,7 +31,9 @@ class LocalApis:
     ):
         # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
         metrics = ServingMetrics(engine.stats, engine.block_stats, info.model_name)
-        submitter = Submitter(engine, tokenizer, info, metrics, vision)
+        submitter = Submitter(
+            engine, tokenizer, info, metrics, vision, max_unread_tokens=config.max_unread_tokens
+        )
         self.server = GrpcServer(
             engine,
             tokenizer,
@@ -42,6 +44,7 @@ class LocalApis:
             queue_size=config.queue_size,
             submitter=submitter,
             api_key=config.api_key,
+            metrics_need_key=config.metrics_need_key,
         )
         self.http = None
         if config.http_port:
@@ -59,6 +62,7 @@ class LocalApis:
                 body_timeout_s=config.http_body_timeout_s,
                 keep_alive_s=config.http_keep_alive_s,
                 max_connections=config.http_max_connections,
+                write_stall_s=config.http_write_stall_s,
             )
             self.http = HttpServer(api.app(), host=config.host, port=config.http_port, limits=limits)
 

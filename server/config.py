@@ -75,6 +75,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_need_key: bool = False  # the metrics port needs api_key too (as /metrics on the HTTP port does)
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host` beside gRPC; 0: none
     # The HTTP API's connections (server/http_connections.py): a request's head and its body must
     # each arrive within their timeout, an idle kept-alive connection closes, and past
@@ -83,6 +84,12 @@ class ServeConfig:
     http_body_timeout_s: float = 30.0
     http_keep_alive_s: float = 5.0
     http_max_connections: int = 1024
+    # A connection whose client reads nothing while a reply waits to be written is closed after
+    # this (server/http_connections.py).
+    http_write_stall_s: float = 30.0
+    # A reply is cancelled once more tokens than this wait unread, beyond what its connection holds
+    # (a client that stopped reading): gRPC ends the call RESOURCE_EXHAUSTED (server/lane_stream.py).
+    max_unread_tokens: int = 1024
     api_key: str = field(default="", repr=False)  # "": anyone may call; else Bearer KEY on both APIs
     vision: bool = False  # read image parts (a vision-language model only)
     max_images: int = 4  # with --vision: image parts per request
@@ -154,6 +161,8 @@ _POSITIVE = {
     "http_body_timeout_s",
     "http_keep_alive_s",
     "http_max_connections",
+    "http_write_stall_s",
+    "max_unread_tokens",
     "max_images",
     "max_image_bytes",
     "max_image_pixels",

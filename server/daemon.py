@@ -77,8 +77,10 @@ def serve_rank0(config: ServeConfig, runtime: RankRuntime, settings: EngineSetti
         apis = LocalApis(config, host, tokenizer, info, _vision_input(config, runtime, settings, tokenizer))
     if not config.api_key and not _is_loopback(config.host):
         log.warning("serving %s with no api_key: anyone who can reach it may use it", config.host)
-    if config.api_key and config.metrics_port:
-        log.warning("the metrics port has no key check; /metrics on the HTTP port needs the key")
+    if config.api_key and config.metrics_port and not config.metrics_need_key:
+        log.warning(
+            "the metrics port has no key check (metrics_need_key adds it); /metrics on the HTTP port needs the key"
+        )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     host.start()

@@ -116,3 +116,13 @@ def _checked_each(requests: Iterator, context) -> Iterator:
         if isinstance(request, Undecodable):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         yield request
+
+
+def end_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """End a server call now with this status, from any thread: for a call whose own thread is stuck
+    in a send to a client that stopped reading. grpc's public cancel() ends it CANCELLED with no
+    words; its call object cancels with a status (the client reads it after what it has buffered)."""
+    context._rpc_event.call.cancel(_CYGRPC_CODES[code], details)
+
+
+_CYGRPC_CODES = {code: code.value[0] for code in grpc.StatusCode}

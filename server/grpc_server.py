@@ -48,6 +48,7 @@ class GrpcServer:
         health_poll_s: float = 0.2,
         submitter: Submitter | None = None,
         api_key: str = "",
+        metrics_need_key: bool = False,
     ):
         """port 0 picks a free port (read it from `port` after start).
 
@@ -68,6 +69,7 @@ class GrpcServer:
         self._submitter = submitter
         self._servicer = ServingServicer(submitter)
         self._api_key = api_key
+        self._metrics_need_key = metrics_need_key  # the metrics port checks api_key too
         self._health = health.HealthServicer()
         self._health_poll_s = health_poll_s
         # Each Generate holds a worker thread while its request waits or streams, so the pool must
@@ -107,7 +109,8 @@ class GrpcServer:
         self._watcher.start()
         log.info("gRPC serving %s on port %d", SERVICE_NAME, port)
         if self.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.metrics_port, self._host)
+            key = self._api_key if self._metrics_need_key else None
+            self.metrics_port = self.metrics.serve(self.metrics_port, self._host, key)
             log.info("Prometheus metrics on port %d", self.metrics_port)
         return port
 

@@ -1,5 +1,5 @@
 """The HTTP API's connections under uvicorn's h11 protocol, with what uvicorn leaves out: TCP_NODELAY,
-a deadline for each request's head, and a bound on open connections.
+a deadline for each request's head, a bound on open connections, and an end to a stalled write.
 
 - TCP_NODELAY: asyncio sets it only on sockets created with proto IPPROTO_TCP, and a listening
   socket from socket.create_server has proto 0; without it a reply's second write (uvicorn writes
@@ -10,6 +10,10 @@ a deadline for each request's head, and a bound on open connections.
   a response, so a connection that sends nothing, or a byte at a time, was held for ever (slow
   loris). Dribbling bytes does not move the deadline.
 - Past `max_connections` open connections a new one gets a 503 error object and is closed.
+- A client that stops reading: once the reply's bytes fill the socket and asyncio's buffer (its
+  high-water mark, 64 KiB), uvicorn pauses the app's writes; a connection paused for
+  `write_stall_s` is aborted (its stream is then cancelled as for any disconnect). The reply
+  generates no further meanwhile past max_unread_tokens (server/lane_stream.py).
 
 Idle kept-alive connections close after `keep_alive_s` (uvicorn's timeout_keep_alive); a body that
 stalls is the app's to time out (server/http_body.py), since only the app reads it.
@@ -39,6 +43,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0  # for a request's whole body, once its head arrived
     keep_alive_s: float = 5.0  # an idle kept-alive connection closes after this
     max_connections: int = 1024  # open at once; more are answered 503 and closed
+    write_stall_s: float = 30.0  # a connection whose writes stay paused (client not reading) this long closes
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -47,6 +52,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._write_stall: asyncio.TimerHandle | None = None
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -65,7 +71,27 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        self._disarm_write_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.limits.write_stall_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_write_stall()
+
+    def _disarm_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _write_stalled(self) -> None:
+        self._write_stall = None
+        log.info("closed an HTTP connection whose client read nothing for %g s", self.limits.write_stall_s)
+        self.transport.abort()  # close() would wait for the unread bytes to drain
 
     def _arm_head_deadline(self) -> None:
         if self._head_deadline is None and not self.transport.is_closing():

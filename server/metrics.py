@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpserve.server.kv_blocks import BlockStats
+from tpserve.server.metrics_port import serve_metrics
 from tpserve.server.vllm_metrics import VllmMetrics
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -181,11 +182,16 @@ class ServingMetrics:
         """The text exposition format, as a scrape would see it."""
         return generate_latest(self.registry)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serves /metrics over HTTP on its own port (0 picks a free one); returns the bound port."""
+    def serve(self, port: int, host: str = "0.0.0.0", api_key: str | None = None) -> int:
+        """Serves /metrics over HTTP on its own port (0 picks a free one); returns the bound port.
+        api_key: None serves anyone (prometheus_client's server); a string serves behind that key
+        ("" still anyone) on server/metrics_port.py's."""
         if self._http_server is not None:
             raise RuntimeError("metrics are already being served")
-        self._http_server, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        if api_key is None:
+            self._http_server, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        else:
+            self._http_server, self._http_thread = serve_metrics(self.render, port, host, api_key)
         return self._http_server.server_port
 
     def stop(self, timeout_s: float = 5.0) -> None:

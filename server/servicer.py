@@ -3,7 +3,9 @@
 Checking, tokenizing and submitting belong to the Submitter (server/submitter.py), which the HTTP
 API shares; this relays the stream's events as GenerateResponse messages. A client that cancels,
 disconnects or runs past its deadline cancels its stream, so its lane is freed at the host's next
-boundary. A stream ended by a broken engine fails with UNAVAILABLE (a stream's own error ends with
+boundary. A client that stops reading blocks its call's sends once the connection's buffers fill;
+past max_unread_tokens more its stream cancels itself and the call ends RESOURCE_EXHAUSTED at once,
+from the thread that put the token (the call's own thread is stuck in the send), freeing it. A stream ended by a broken engine fails with UNAVAILABLE (a stream's own error ends with
 finish reason ERROR instead). Nothing is decided here.
 """
 
@@ -13,7 +15,10 @@ import logging
 import time
 from collections.abc import Iterator
 
+import grpc
+
 from tpserve.ranks.version import VERSION
+from tpserve.server.grpc_calls import end_call
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.requests import CANCELLED, ERROR, LENGTH, STOP, Finished, Prefilled, TokenDelta
 from tpserve.server.serving_info import ServingInfo
@@ -36,6 +41,7 @@ FINISH_REASONS = {
 class ServingServicer(serving_pb2_grpc.ServingServicer):
     def __init__(self, submitter: Submitter, *, poll_s: float = 0.25, cancel_grace_s: float = 10.0):
         self._submitter = submitter
+        self._overflow_message = submitter.unread_overflow
         self._poll_s = poll_s  # how often a quiet stream looks at whether its client is still there
         self._cancel_grace_s = cancel_grace_s  # how long a cancelled stream waits for its Finished
 
@@ -50,6 +56,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         # already ended before we got here.
         if not context.add_callback(stream.cancel):
             stream.cancel()
+        stream.on_overflow(
+            lambda: end_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED, self._overflow_message)
+        )
         yield from self._relay(stream, context)
 
     def _relay(self, stream: Stream, context) -> Iterator[serving_pb2.GenerateResponse]:
@@ -73,6 +82,8 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                         last_delta_at = self._submitter.count_delta(event, last_delta_at)
                     elif isinstance(event, Finished):
                         finished = event
+                        if stream.overflowed:  # end_call has ended the call already, or is about to
+                            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._overflow_message)
                     yield response
         finally:
             if finished is None:

@@ -9,6 +9,7 @@ Nothing protocol-specific lives here.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -53,6 +54,13 @@ ENGINE_BROKEN = "the engine is broken; the server must be restarted"
 ENGINE_BROKE_MID_REPLY = "the engine broke during this reply; the server must be restarted"
 STOPPING = "the server is stopping"
 NO_MEDIA_MODEL = "this server's model reads no image or video inputs"
+UNREAD_OVERFLOW = (
+    "the client stopped reading: more than {limit} tokens of this reply waited unread "
+    "(max_unread_tokens), so it was cancelled"
+)
+DEFAULT_MAX_UNREAD_TOKENS = 1024
+
+log = logging.getLogger(__name__)
 
 
 class Submitter:
@@ -63,10 +71,14 @@ class Submitter:
         info: ServingInfo,
         metrics: ServingMetrics | None = None,
         vision: VisionInput | None = None,
+        max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS,
     ):
         """lane_host: the lane host here, or the front process's RemoteEngine (server/engine_client.py).
-        `vision`: the model's image reader, on a server started with --vision for a vision model."""
+        `vision`: the model's image reader, on a server started with --vision for a vision model.
+        max_unread_tokens: a stream is cancelled once more tokens than this wait unread, beyond what
+        its connection holds (server/lane_stream.py)."""
         self.lane_host = lane_host
+        self.max_unread_tokens = max_unread_tokens
         self.tokenizer = tokenizer
         self.info = info
         self.vision = vision
@@ -98,13 +110,27 @@ class Submitter:
         """A checked, tokenized GenerateRequest on the lane host; RequestRefused when it will not run
         (counted in the metrics)."""
         try:
-            return self._submit(request)
+            stream = self._submit(request)
         except RequestRefused as refusal:
             self.metrics.count_outcome(refusal.code.name.lower())
             raise
         finally:
             if request.ByteSize() >= LARGE_REQUEST_BYTES:  # memory back to its baseline (server/heap.py)
                 give_back_free_memory()
+        stream.bound_unread(self.max_unread_tokens)
+        stream.on_overflow(self._count_overflow)
+        return stream
+
+    @property
+    def unread_overflow(self) -> str:
+        """What a client whose stream bound_unread cancelled is told."""
+        return UNREAD_OVERFLOW.format(limit=self.max_unread_tokens)
+
+    def _count_overflow(self) -> None:
+        # Counted as the client's going away once its API gives up on the stream, like a disconnect.
+        log.warning(
+            "cancelled a reply whose client stopped reading (max_unread_tokens %d)", self.max_unread_tokens
+        )
 
     def _submit(self, request) -> Stream:
         # A broken engine is the news a client can act on (the server needs a restart), so it

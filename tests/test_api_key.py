@@ -19,6 +19,7 @@ from test_grpc_api import run_command
 from tpserve import bench, client
 from tpserve.server.api_key import UNAUTHENTICATED
 from tpserve.server.config import ConfigError, load_config
+from tpserve.server.metrics import ServingMetrics
 from tpserve.v1 import serving_pb2
 
 KEY = "s3cret-key-for-tests"
@@ -134,6 +135,22 @@ def test_metrics_on_the_http_port_need_the_key(daemon):
         assert httpx.get(url, headers=headers(authorization), timeout=30).status_code == 401
     page = httpx.get(url, headers=headers(f"Bearer {KEY}"), timeout=30)
     assert page.status_code == 200 and "tpserve_requests_total" in page.text
+
+
+def test_with_metrics_need_key_the_metrics_port_needs_it_too():
+    metrics = ServingMetrics()
+    port = metrics.serve(0, "127.0.0.1", KEY)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        for authorization in WRONG_KEYS:
+            response = httpx.get(url, headers=headers(authorization), timeout=30)
+            assert response.status_code == 401 and response.json()["error"]["message"] == UNAUTHENTICATED
+        twice = httpx.Headers([("authorization", f"Bearer {KEY}")] * 2)
+        assert httpx.get(url, headers=twice, timeout=30).status_code == 401
+        page = httpx.get(url, headers=headers(f"Bearer {KEY}"), timeout=30)
+        assert page.status_code == 200 and "tpserve_requests_total" in page.text
+    finally:
+        metrics.stop()
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from multiproc import RankPool, run_ranks
 
 from tpserve.ranks.channel import Channel, ChannelBroken, LeaderLost
+from tpserve.ranks.liveness import LeaderWatch, LivenessHub
 from tpserve.ranks.model_group import exercise
 from tpserve.ranks.wire import (
     Admit,
@@ -127,6 +129,58 @@ def test_an_idle_follower_outlasts_the_group_timeout_without_spinning(pool):
     assert msg == Release(lane=3)
     assert wall_s > IDLE_S - 0.5
     assert cpu_s / wall_s < 0.05, f"the idle follower used {cpu_s:.2f}s of CPU in {wall_s:.1f}s"
+
+
+def _idle_rank0_holds_its_gil(ctx, trusted: bool):
+    """Rank 0 idles, then holds its GIL past leader_dead_after_s (its heartbeat thread starves), as a
+    tokenizer call on a huge prompt did; the follower waits on the doorbell beside a liveness link."""
+    channel = _channel(ctx)
+    if ctx.rank == 0:
+        hub = LivenessHub("127.0.0.1", 2, LEADER_DEAD_AFTER_S)
+        ctx.store.set(f"test/liveness-{trusted}", f"{hub.port}:{hub.token.hex()}")
+        hub.accept_followers(timeout_s=10)
+        channel.send(Idle())
+        ctypes.PyDLL(None).sleep(3 * int(LEADER_DEAD_AFTER_S))  # ctypes.PyDLL keeps the GIL
+        try:
+            channel.send(Release(lane=3))
+            ok = channel.vote(True)
+        except ChannelBroken:  # the follower took rank 0 for lost and left the channel
+            ok = False
+        channel.close()
+        ctx.store.wait([f"test/follower-done-{trusted}"])
+        hub.close()
+        return ok, hub.lost
+    port, token = ctx.store.get(f"test/liveness-{trusted}").decode().split(":")
+    lost = []
+    watch = LeaderWatch(
+        "127.0.0.1", int(port), bytes.fromhex(token), rank=1, dead_after_s=LEADER_DEAD_AFTER_S,
+        timeout_s=10, on_lost=lost.append,
+    )  # fmt: skip
+    if trusted:
+        channel.trust_leader_link(watch.alive)
+    assert channel.receive() == Idle()
+    try:
+        msg = channel.receive()
+    except LeaderLost as err:
+        msg = str(err)
+    else:
+        channel.vote(True)
+    watch.close()
+    ctx.store.set(f"test/follower-done-{trusted}", "1")
+    return msg, lost
+
+
+def test_an_idle_follower_outlasts_rank0_holding_its_gil_while_the_liveness_link_beats(pool):
+    (ok, rank0_lost), (msg, follower_lost) = pool.run(_idle_rank0_holds_its_gil, True, timeout_s=60)
+    assert (msg, follower_lost, ok, rank0_lost) == (Release(lane=3), [], True, None)
+
+
+def test_without_the_liveness_link_a_starved_heartbeat_loses_rank0():
+    """The same without trust_leader_link: what the follower did before the link beat natively."""
+    # Fresh ranks: rank 0's send then times out in a collective the follower left, which would
+    # leave the pool's group out of step.
+    _, (msg, _) = run_ranks(_idle_rank0_holds_its_gil, args=(False,), pg_timeout_s=PG_TIMEOUT_S)
+    assert msg.startswith("rank 1: no heartbeat nor doorbell from rank 0 within 2s")
 
 
 def _leader_dies_while_follower_idles(ctx):

@@ -1,7 +1,8 @@
 """The HTTP server's connections (server/http_connections.py), on a real uvicorn over loopback with a
 small app: TCP_NODELAY on every accepted socket, a request head's deadline (a silent or dribbling
-client is closed, a prompt one served), kept-alive connections closed when idle, and the bound on
-open connections answered with a 503 error object."""
+client is closed, a prompt one served), kept-alive connections closed when idle, the bound on
+open connections answered with a 503 error object, and a client that stops reading a stream cut off
+at the write-stall timeout while one that reads gets it whole."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import httpx
 import pytest
 from daemon import wait_until
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 
-LIMITS = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=1.0, max_connections=4)
+LIMITS = HttpLimits(
+    header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=1.0, max_connections=4, write_stall_s=1.0
+)
+STREAM_CHUNKS = 400  # 400 x 1.3 KB: more than a small receive buffer and asyncio's 64 KiB hold
 CLOSE_WITHIN_S = 30.0  # generous: the close is due after 1 s, on a busy machine
 
 
@@ -26,9 +30,17 @@ async def hello(request):
     return JSONResponse({"hello": "world"})
 
 
+async def stream(request):
+    async def chunks():
+        for index in range(STREAM_CHUNKS):
+            yield f"{index:04d}" + "x" * 1300 + "\n"
+
+    return StreamingResponse(chunks())
+
+
 @pytest.fixture
 def server():
-    http = HttpServer(Starlette(routes=[Route("/hello", hello)]), limits=LIMITS)
+    http = HttpServer(Starlette(routes=[Route("/hello", hello), Route("/stream", stream)]), limits=LIMITS)
     http.start()
     try:
         yield http
@@ -100,3 +112,23 @@ def test_past_the_connection_limit_a_new_one_gets_a_503_error_object(server):
         sock.close()
     wait_until(lambda: not accepted_sockets(server), "the held connections to close", 10)
     assert httpx.get(f"http://127.0.0.1:{server.port}/hello", timeout=10).status_code == 200
+
+
+def test_a_client_that_stops_reading_is_cut_off_at_the_write_stall_timeout(server):
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)  # keeps the server's send buffer small
+    stalled.settimeout(CLOSE_WITHIN_S)
+    stalled.connect(("127.0.0.1", server.port))
+    stalled.sendall(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+    wait_until(lambda: accepted_sockets(server), "the connection", CLOSE_WITHIN_S)
+    wait_until(lambda: not accepted_sockets(server), "the stalled connection to close", CLOSE_WITHIN_S)
+    received = b""
+    try:
+        while chunk := stalled.recv(65536):
+            received += chunk
+    except ConnectionResetError:  # aborted, its unsent bytes dropped
+        pass
+    assert received.startswith(b"HTTP/1.1 200 ") and f"{STREAM_CHUNKS - 1:04d}".encode() not in received
+    with httpx.Client(timeout=CLOSE_WITHIN_S) as client:  # a client that reads gets it whole
+        assert client.get(f"http://127.0.0.1:{server.port}/stream").text.count("\n") == STREAM_CHUNKS

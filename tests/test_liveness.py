@@ -1,19 +1,31 @@
 """The liveness link (ranks/liveness.py) in one process over loopback: beats keep both ends quiet, a
-peer that ends is noticed at once, a silent one after dead_after_s, BYE is not a loss, and rank 0
-takes each follower rank once, with the token, and then listens no more."""
+peer that ends is noticed at once, a silent one after dead_after_s, BYE is not a loss, a call that
+holds the GIL past dead_after_s is no loss but an interpreter stuck past stall_after_s is, and rank
+0 takes each follower rank once, with the token, and then listens no more. The peers that end or
+fall silent are plain sockets speaking the link's greeting, as a killed or cut-off rank would."""
 
 from __future__ import annotations
 
+import ctypes
 import socket
+import struct
 import threading
 import time
 
 import pytest
 from daemon import wait_until
 
+from tpserve.ranks.beats import ENDED, LIVE, PythonBeats
 from tpserve.ranks.liveness import LeaderWatch, LivenessHub
 
 DEAD_AFTER_S = 1.5  # beats every 0.3 s: a busy machine's stalls stay well within it
+HELLO = struct.Struct("<q16s")  # the link's greeting as a follower sends it: its rank, the token
+
+
+def hold_the_gil(seconds: int) -> None:
+    """Sleep in C without releasing the GIL (ctypes.PyDLL keeps it), as a long tokenizer call does:
+    no Python thread of this process runs meanwhile."""
+    ctypes.PyDLL(None).sleep(seconds)
 
 
 class Lost:
@@ -27,8 +39,8 @@ class Lost:
         self.message, self.at = message, time.monotonic()
 
 
-def linked(world_size: int = 2) -> tuple[LivenessHub, list[LeaderWatch], list[Lost]]:
-    hub = LivenessHub("127.0.0.1", world_size, DEAD_AFTER_S)
+def linked(world_size: int = 2, hub_stall_after_s=None) -> tuple[LivenessHub, list[LeaderWatch], list[Lost]]:
+    hub = LivenessHub("127.0.0.1", world_size, DEAD_AFTER_S, hub_stall_after_s)
     watches, losses = [], []
 
     def connect(rank: int) -> None:
@@ -66,10 +78,13 @@ def test_beats_keep_both_ends_quiet_and_bye_is_not_a_loss():
 
 
 def test_a_follower_whose_process_ends_is_noticed_at_once():
-    hub, (watch,), _ = linked()
+    hub = LivenessHub("127.0.0.1", 2, DEAD_AFTER_S)
+    follower = socket.create_connection(("127.0.0.1", hub.port), timeout=5)
+    follower.sendall(HELLO.pack(1, hub.token))
+    hub.accept_followers(timeout_s=5)
+    assert follower.recv(1) == b"W"
     closed_at = time.monotonic()
-    watch._beater.stop()
-    watch._peer.sock.close()  # no BYE: as the kernel closes a killed process's socket
+    follower.close()  # no BYE: as the kernel closes a killed process's socket
     wait_until(lambda: hub.lost is not None, "rank 0 to notice", DEAD_AFTER_S)
     assert "rank 1 closed the liveness link" in hub.lost
     assert time.monotonic() - closed_at < DEAD_AFTER_S / 2
@@ -77,14 +92,65 @@ def test_a_follower_whose_process_ends_is_noticed_at_once():
 
 
 def test_a_silent_rank_0_is_noticed_after_dead_after_s():
-    hub, (watch,), (lost,) = linked()
-    hub._beater.stop()  # alive but silent, as behind a cut link
-    silent_at = time.monotonic()
+    silent: list[socket.socket] = []
+
+    def welcome_then_fall_silent(listener: socket.socket) -> None:
+        sock = listener.accept()[0]
+        sock.recv(HELLO.size)
+        sock.sendall(b"W")  # welcomed, then alive but silent, as behind a cut link
+        silent.append(sock)
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        rank0 = threading.Thread(target=welcome_then_fall_silent, args=(listener,), daemon=True)
+        rank0.start()
+        lost = Lost()
+        watch = LeaderWatch(
+            "127.0.0.1", listener.getsockname()[1], b"t" * 16, rank=1, dead_after_s=DEAD_AFTER_S,
+            timeout_s=5, on_lost=lost,
+        )  # fmt: skip
+        silent_at = time.monotonic()
+        rank0.join(5)
     wait_until(lambda: lost.message is not None, "the follower to notice", 3 * DEAD_AFTER_S)
     assert lost.message.startswith("rank 1: no heartbeat from rank 0 for")
     assert DEAD_AFTER_S * 0.5 <= lost.at - silent_at <= DEAD_AFTER_S * 2
+    assert not watch.alive()
+    watch.close()
+    silent[0].close()
+
+
+def test_holding_the_gil_past_dead_after_s_is_no_loss():
+    """The issue's case: a tokenizer call held rank 0's GIL for 10-28 s and the follower, hearing
+    no beat for leader_dead_after_s, exited. The beats run on a native thread now."""
+    hub, (watch,), (lost,) = linked()
+    hold_the_gil(3 * int(DEAD_AFTER_S + 0.5))
+    time.sleep(DEAD_AFTER_S)  # a loss during the hold is reported as soon as Python runs again
+    assert hub.lost is None and lost.message is None and watch.alive()
     watch.close()
     hub.close()
+
+
+def test_an_interpreter_stuck_past_stall_after_s_stops_its_beats():
+    """A beat proves the interpreter ran lately: rank 0's beats stop once its Python has not
+    checked in for stall_after_s (here 0.5 s), so a rank hung for good is still found."""
+    hub, (watch,), (lost,) = linked(hub_stall_after_s=0.5)
+    hold_the_gil(2 * int(DEAD_AFTER_S + 0.5))  # past 0.5 + DEAD_AFTER_S
+    wait_until(lambda: lost.message is not None, "the follower to notice", 3 * DEAD_AFTER_S)
+    assert lost.message.startswith("rank 1: no heartbeat from rank 0 for")
+    watch.close()
+    hub.close()
+
+
+def test_python_beats_where_no_compiler_works_keep_the_same_rules():
+    ends = [PythonBeats(sock, DEAD_AFTER_S / 5, DEAD_AFTER_S) for sock in socket.socketpair()]
+    time.sleep(2 * DEAD_AFTER_S)
+    assert [end.wait(0) for end in ends] == [LIVE, LIVE]
+    ends[0].close(bye=True)
+    assert ends[1].wait(DEAD_AFTER_S) == ENDED and ends[1].leaving()
+    left = [PythonBeats(sock, DEAD_AFTER_S / 5, DEAD_AFTER_S) for sock in socket.socketpair()]
+    left[0].close(bye=False)
+    assert left[1].wait(DEAD_AFTER_S) == ENDED and not left[1].leaving()
+    ends[1].close(bye=False)
+    left[1].close(bye=False)
 
 
 def test_a_wrong_token_is_refused_and_a_rank_once_taken_stays_taken():
