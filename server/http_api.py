@@ -2,7 +2,7 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (whole, or server-sent events with
 `stream: true`), GET /v1/models, GET /v1/models/{id}, vLLM's POST /tokenize and /detokenize and
-GET /version (server/http_tokenize.py), GET /metrics (Prometheus, tpserve's series and vLLM's names,
+GET /tokenizer_info and /version (server/http_tokenize.py), SageMaker's POST /invocations, GET /metrics (Prometheus, tpserve's series and vLLM's names,
 behind the API key like the rest) and GET /health (open without the API key).
 Starlette because it is the small ASGI core FastAPI itself is built on: requests are checked by
 hand against the gRPC wording (server/openai_request.py), so FastAPI's pydantic layer would only
@@ -38,13 +38,17 @@ from tpserve.server.http_errors import (
     refusal_response,
     unauthorized_response,
 )
-from tpserve.server.http_relay import Relay
-from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
-from tpserve.server.lane_stream import Stream
+from tpserve.server.http_relay import Relay, StreamUsage
+from tpserve.server.http_tokenize import (
+    detokenize_reply,
+    tokenize_reply,
+    tokenizer_info_reply,
+    version_reply,
+)
 from tpserve.server.openai_choices import cancel_all
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import OpenAIRequest, parse_chat, parse_completion
-from tpserve.server.submitter import Submitter
+from tpserve.server.submitter import Submitted, Submitter
 from tpserve.server.tool_calls import parser_for_template
 from tpserve.server.validation import RequestRefused
 
@@ -96,6 +100,8 @@ class OpenAIApi:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            Route("/invocations", self.invocations, methods=["POST"]),
         ]
         handlers = {HTTPException: http_exception}
         middleware = []
@@ -149,6 +155,11 @@ class OpenAIApi:
     async def version(self, request: Request) -> Response:
         return JSONResponse(version_reply())
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return unauthorized_response()
+        return JSONResponse(tokenizer_info_reply(self._submitter))
+
     async def _answer(self, request: Request, reply: Callable[[Submitter, dict], dict]) -> Response:
         """A route answered at once from the body (tokenizing runs on a worker thread)."""
         if not self._authorized(request):
@@ -171,28 +182,36 @@ class OpenAIApi:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
 
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's route (vLLM serves it too): a body with messages is a chat, any other a completion."""
+
+        def parse(body: dict) -> OpenAIRequest:
+            return parse_chat(body, self._tool_parser) if "messages" in body else parse_completion(body)
+
+        return await self._generate(request, parse)
+
     # --- generating -----------------------------------------------------------------------------
 
     async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
         if not self._authorized(request):
             return unauthorized_response()
-        streams: list[Stream] = []
+        submitted: list[Submitted] = []
         refused: Response | None = None
         try:
             parsed = parse(await read_json_object(request, self._body_timeout_s))
             if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
             for choice in parsed.choices:  # one stream per choice, in choice order
-                streams.append(
+                submitted.append(
                     await anyio.to_thread.run_sync(self._submit_choice, choice, limiter=self._limiter)
                 )
         except (HttpRefusal, RequestRefused) as refusal:
-            cancel_all(streams)
+            cancel_all([s.stream for s in submitted])
             refused = refusal_response(refusal)
         except BodyRefused as refusal:
             refused = refusal_response(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
-            cancel_all(streams)
+            cancel_all([s.stream for s in submitted])
             refused = Response(status_code=499)
         if refused is not None:
             # Past the refusal's traceback and the parsed body, a big prompt's copies are gone: the
@@ -211,24 +230,30 @@ class OpenAIApi:
             prompt_logprobs=parsed.prompt_logprobs,
         )
         # Per choice, the parser of tool calls and reasoning, where the chat can have either.
-        replies: list[ChatReply | None] = [None] * len(streams)
+        replies: list[ChatReply | None] = [None] * len(submitted)
         if parsed.chat and (parsed.tools is not None or self._thinks):
-            replies = [ChatReply(parsed.tools, self._thinks, self._starts_thinking) for _ in streams]
-        echoes = [self._prompt_text(choice) if parsed.echo else "" for choice in parsed.choices]
+            replies = [ChatReply(parsed.tools, self._thinks, self._starts_thinking) for _ in submitted]
+        echo = _echoed_message if parsed.chat else self._prompt_text
+        echoes = [echo(choice) if parsed.echo else "" for choice in parsed.choices]
         if parsed.stream:
             events = self._relay.server_sent_events(
-                streams, shape, parsed.include_usage, echoes, parsed.num_per_prompt, replies
+                submitted,
+                shape,
+                StreamUsage(parsed.include_usage, parsed.continuous_usage),
+                echoes,
+                parsed.num_per_prompt,
+                replies,
             )
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self._relay.whole(request, streams, shape, echoes, parsed.num_per_prompt, replies)
+        return await self._relay.whole(request, submitted, shape, echoes, parsed.num_per_prompt, replies)
 
-    def _submit_choice(self, choice) -> Stream:
-        """Submitter.submit on a worker thread. A refusal leaves without its traceback: the worker
+    def _submit_choice(self, choice) -> Submitted:
+        """Submitter.submit_sized on a worker thread. A refusal leaves without its traceback: the worker
         thread may hold the exception until its next job, and the traceback's frames would hold the
         request (a big prompt, megabytes) with it."""
         try:
-            return self._submitter.submit(choice)
+            return self._submitter.submit_sized(choice)
         except RequestRefused as refusal:
             raise refusal.with_traceback(None) from None
 
@@ -262,3 +287,13 @@ class OpenAIApi:
     def _unknown_model(self, name: str) -> HttpRefusal:
         message = f"the model {name!r} does not exist; this server serves {self._model!r}"
         return HttpRefusal(404, message, param="model", code="model_not_found")
+
+
+def _echoed_message(choice) -> str:
+    """vLLM's chat echo: the last message's text, where the reply continues in that message's role
+    (an assistant's, or any with add_generation_prompt false); else nothing."""
+    last = choice.messages[-1]
+    generation_prompt = not choice.HasField("add_generation_prompt") or choice.add_generation_prompt
+    if generation_prompt and last.role != "assistant":
+        return ""
+    return last.content or "".join(part.text for part in last.parts)

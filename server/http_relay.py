@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
@@ -21,11 +22,21 @@ from tpserve.server.http_errors import error_json, refusal_response, status_of
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_choices import total_usage
 from tpserve.server.openai_reply import FINISH_REASONS, TOOL_CALLS, ReplyShape
+from tpserve.server.openai_stream_choice import ChoiceChunks
 from tpserve.server.requests import ERROR, STOP, Event, Finished, Prefilled, TokenDelta, Usage
-from tpserve.server.submitter import Submitter
+from tpserve.server.submitter import Submitted, Submitter
 from tpserve.server.validation import RequestRefused
 
 MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """stream_options: a last chunk with the request's usage, and (vLLM's continuous_usage_stats)
+    every chunk with its choice's usage so far."""
+
+    include: bool = False
+    continuous: bool = False
 
 
 class Relay:
@@ -37,99 +48,137 @@ class Relay:
     async def whole(
         self,
         request: Request,
-        streams: list[Stream],
+        submitted: list[Submitted],
         shape: ReplyShape,
         echoes: list[str],
         n: int,
         replies: list[ChatReply | None],
     ) -> Response:
         texts = [[echo] for echo in echoes]
-        token_ids: list[list[int]] = [[] for _ in streams]
-        logprobs: list[list] = [[] for _ in streams]
+        token_ids: list[list[int]] = [[] for _ in submitted]
+        logprobs: list[list] = [[] for _ in submitted]
         ended: dict[int, Finished] = {}
         prefilled: dict[int, Prefilled] = {}
-        async for index, event in self.events(streams, request):
-            if isinstance(event, Prefilled):
-                prefilled[index] = event
-            elif isinstance(event, TokenDelta):
-                texts[index].append(event.text)
-                token_ids[index] += event.token_ids
-                logprobs[index] += event.logprobs
-            elif isinstance(event, Finished):
-                refusal = self.failure(event)
-                if refusal is not None:
-                    return refusal_response(refusal)  # leaving _events cancels the other choices
-                ended[index] = event
-        if len(ended) < len(streams):
+        async for index, events in self.events([s.stream for s in submitted], request):
+            for event in events:
+                if isinstance(event, Prefilled):
+                    prefilled[index] = event
+                elif isinstance(event, TokenDelta):
+                    texts[index].append(event.text)
+                    token_ids[index] += event.token_ids
+                    logprobs[index] += event.logprobs
+                elif isinstance(event, Finished):
+                    refusal = self.failure(event)
+                    if refusal is not None:
+                        return refusal_response(refusal)  # leaving events cancels the other choices
+                    ended[index] = event
+        if len(ended) < len(submitted):
             return Response(status_code=499)  # the client went away; its streams are cancelled
         choices = []
         for i, reply in enumerate(replies):
             text = "".join(texts[i])
-            choice = shape.with_prompt(
-                shape.choice(i, text, token_ids[i], ended[i].reason, logprobs[i]), prefilled.get(i)
-            )
+            choice = shape.choice(i, text, token_ids[i], ended[i].reason, logprobs[i])
+            if shape.return_token_ids and not shape.chat:
+                choice["prompt_token_ids"] = list(submitted[i].prompt_ids)
+            choice = shape.with_prompt(choice, prefilled.get(i))
             if reply is not None:
                 choice["message"], called = reply.whole(text)
                 if called and ended[i].reason == STOP:
                     choice["finish_reason"] = FINISH_REASONS[TOOL_CALLS]
             choices.append(choice)
-        return JSONResponse(
-            shape.whole_of(choices, total_usage([ended[i].usage for i in range(len(streams))], n))
-        )
+        whole = shape.whole_of(choices, total_usage([ended[i].usage for i in range(len(submitted))], n))
+        if shape.return_token_ids and shape.chat:  # one prompt for every choice of a chat
+            whole["prompt_token_ids"] = list(submitted[0].prompt_ids)
+        return JSONResponse(whole)
 
     async def server_sent_events(
         self,
-        streams: list[Stream],
+        submitted: list[Submitted],
         shape: ReplyShape,
-        include_usage: bool,
+        usage: StreamUsage,
         echoes: list[str],
         n: int,
         replies: list[ChatReply | None],
     ) -> AsyncIterator[str]:
-        # Starlette cancels this generator when the client disconnects; _events then cancels the
+        # Starlette cancels this generator when the client disconnects; events then cancels the
         # streams, so their lanes are freed at the host's next boundary.
+        outs = [
+            ChoiceChunks(
+                s.prompt_ids,
+                s.max_tokens,
+                continuous_usage=usage.continuous,
+                return_token_ids=shape.return_token_ids,
+                chat=shape.chat,
+            )
+            for s in submitted
+        ]
         for index, echo in enumerate(echoes):
             if shape.chat:
-                yield _sse(shape.first_chunk(index))
+                yield _sse(outs[index].now(shape.first_chunk(index)))
+                if echo:
+                    yield _sse(outs[index].now(shape.delta_chunk({"content": echo}, index=index)))
             elif echo and not shape.wants_prompt:
-                yield _sse(shape.chunk(echo, index=index))
+                yield _sse(outs[index].now(shape.chunk(echo, index=index)))
         usages: dict[int, Usage] = {}
-        async for index, event in self.events(streams, None):
-            reply = replies[index]
+        async for index, events in self.events([s.stream for s in submitted], None):
+            sending, refusal = self._chunks(index, events, shape, outs[index], replies[index], echoes, usages)
+            for chunk in sending:
+                yield _sse(chunk)
+            if refusal is not None:
+                yield _sse(error_json(status_of(refusal.code), refusal.message))
+                break
+        else:
+            if usage.include:
+                yield _sse(shape.usage_chunk(total_usage([usages[i] for i in sorted(usages)], n)))
+        yield "data: [DONE]\n\n"
+
+    def _chunks(
+        self,
+        index: int,
+        events: list[Event],
+        shape: ReplyShape,
+        out: ChoiceChunks,
+        reply: ChatReply | None,
+        echoes: list[str],
+        usages: dict[int, Usage],
+    ) -> tuple[list[dict], RequestRefused | None]:
+        """One read of choice `index`'s stream as the chunks to send now, and the refusal it ended in."""
+        sending: list[dict] = []
+        for event in events:
             if isinstance(event, Prefilled) and shape.wants_prompt:  # the echo waits for its logprobs
                 chunk = shape.chunk(echoes[index], index=index)
                 chunk["choices"][0] = shape.with_prompt(chunk["choices"][0], event)
-                yield _sse(chunk)
-            elif isinstance(event, TokenDelta) and reply is not None:
-                for delta in reply.push(event.text):
-                    yield _sse(shape.delta_chunk(delta, index=index))
+                sending += out.add(chunk)
             elif isinstance(event, TokenDelta):
-                if event.text or event.logprobs or shape.return_token_ids:
-                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs, index=index))
+                out.count(len(event.token_ids))
+                if reply is not None:
+                    for delta in reply.push(event.text):
+                        sending += out.add(shape.delta_chunk(delta, index=index))
+                elif event.text or event.logprobs or shape.return_token_ids:
+                    sending += out.add(
+                        shape.chunk(event.text, event.token_ids, logprobs=event.logprobs, index=index)
+                    )
             elif isinstance(event, Finished):
                 refusal = self.failure(event)
                 if refusal is not None:
-                    yield _sse(error_json(status_of(refusal.code), refusal.message))
-                    break
+                    return sending, refusal
                 reason = event.reason
                 if reply is not None:
                     deltas, called = reply.finish()
                     for delta in deltas:
-                        yield _sse(shape.delta_chunk(delta, index=index))
+                        sending += out.add(shape.delta_chunk(delta, index=index))
                     reason = TOOL_CALLS if called and reason == STOP else reason
-                yield _sse(shape.chunk("", reason=reason, index=index))
+                sending += out.finish(shape.chunk("", reason=reason, index=index), event.usage)
                 usages[index] = event.usage
-        else:
-            if include_usage:
-                yield _sse(shape.usage_chunk(total_usage([usages[i] for i in sorted(usages)], n)))
-        yield "data: [DONE]\n\n"
+                return sending, None
+        return sending + out.end_read(), None
 
     async def events(
         self, streams: list[Stream], request: Request | None
-    ) -> AsyncIterator[tuple[int, Event]]:
-        """(choice index, event) of every stream up to its Finished, read on a worker thread; a
-        client that goes away (seen through `request`, or by this generator being cancelled)
-        cancels every stream not yet finished."""
+    ) -> AsyncIterator[tuple[int, list[Event]]]:
+        """(choice index, the events of one read) of every stream up to its Finished, read on a
+        worker thread; a client that goes away (seen through `request`, or by this generator being
+        cancelled) cancels every stream not yet finished."""
         finished = [False] * len(streams)
         last_delta_at: list[float | None] = [None] * len(streams)
         # One stream waits the whole poll; several share it, each waited on briefly in turn.
@@ -140,19 +189,18 @@ class Relay:
                 events = await anyio.to_thread.run_sync(
                     streams[index].next_events, wait_s, limiter=self._limiter
                 )
-                for event in merge_deltas(events):
-                    finished[index] = finished[index] or isinstance(event, Finished)
-                    if isinstance(event, TokenDelta):
-                        last_delta_at[index] = self._submitter.count_delta(event, last_delta_at[index])
-                    yield index, event
+                reads = [(index, events)]
                 for other in range(index + 1, len(streams)):  # the others' events so far, no wait
-                    if finished[other]:
-                        continue
-                    for event in merge_deltas(streams[other].next_events(0)):
-                        finished[other] = finished[other] or isinstance(event, Finished)
+                    if not finished[other]:
+                        reads.append((other, streams[other].next_events(0)))
+                for at, events in reads:
+                    events = merge_deltas(events)
+                    for event in events:
+                        finished[at] = finished[at] or isinstance(event, Finished)
                         if isinstance(event, TokenDelta):
-                            last_delta_at[other] = self._submitter.count_delta(event, last_delta_at[other])
-                        yield other, event
+                            last_delta_at[at] = self._submitter.count_delta(event, last_delta_at[at])
+                    if events:
+                        yield at, events
                 if request is not None and not all(finished) and await request.is_disconnected():
                     return
         finally:
