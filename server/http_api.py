@@ -2,25 +2,23 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (whole, or server-sent events with
 `stream: true`), GET /v1/models, GET /v1/models/{id}, vLLM's POST /tokenize and /detokenize and
-GET /version (server/http_tokenize.py), GET /metrics (Prometheus, tpserve's series and vLLM's names,
+GET /tokenizer_info and /version (server/http_tokenize.py), SageMaker's POST /invocations, GET /metrics (Prometheus, tpserve's series and vLLM's names,
 behind the API key like the rest) and GET /health (open without the API key).
 Starlette because it is the small ASGI core FastAPI itself is built on: requests are checked by
 hand against the gRPC wording (server/openai_request.py), so FastAPI's pydantic layer would only
 add a second, differently worded set of refusals. A client that disconnects cancels its stream.
 
-The lane host's streams are read on worker threads (a Stream's wait blocks), one per live reply at
-a time; the pool is sized like the gRPC server's so a queued request is never stuck behind it.
+Each choice's stream is read and answered by server/http_relay.py, on worker threads from one pool
+sized like the gRPC server's, so a queued request is never stuck behind it.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
 import anyio.to_thread
-import grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,24 +34,25 @@ from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.http_body import BodyRefused, read_json_object
 from tpserve.server.http_errors import (
     HttpRefusal,
-    error_json,
     http_exception,
     refusal_response,
-    status_of,
     unauthorized_response,
 )
-from tpserve.server.http_tokenize import detokenize_reply, tokenize_reply, version_reply
-from tpserve.server.lane_stream import Stream, merge_deltas
-from tpserve.server.openai_choices import cancel_all, total_usage
-from tpserve.server.openai_reply import FINISH_REASONS, TOOL_CALLS, ReplyShape
+from tpserve.server.http_relay import Relay, StreamUsage
+from tpserve.server.http_tokenize import (
+    detokenize_reply,
+    tokenize_reply,
+    tokenizer_info_reply,
+    version_reply,
+)
+from tpserve.server.openai_choices import cancel_all
+from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import OpenAIRequest, parse_chat, parse_completion
-from tpserve.server.requests import ERROR, STOP, Event, Finished, Prefilled, TokenDelta, Usage
-from tpserve.server.submitter import Submitter
+from tpserve.server.submitter import Submitted, Submitter
 from tpserve.server.tool_calls import parser_for_template
 from tpserve.server.validation import RequestRefused
 
 EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
-MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
 
 
 class OpenAIApi:
@@ -88,6 +87,7 @@ class OpenAIApi:
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
         self._limiter: anyio.CapacityLimiter | None = None
+        self._relay: Relay | None = None
 
     def app(self) -> Starlette:
         routes = [
@@ -100,6 +100,8 @@ class OpenAIApi:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            Route("/invocations", self.invocations, methods=["POST"]),
         ]
         handlers = {HTTPException: http_exception}
         middleware = []
@@ -114,6 +116,7 @@ class OpenAIApi:
     async def _lifespan(self, app) -> AsyncIterator[None]:
         # Created on the server's event loop, where anyio can tell which loop it is.
         self._limiter = anyio.CapacityLimiter(self._num_threads)
+        self._relay = Relay(self._submitter, self._poll_s, self._limiter)
         yield
 
     # --- routes ---------------------------------------------------------------------------------
@@ -152,6 +155,11 @@ class OpenAIApi:
     async def version(self, request: Request) -> Response:
         return JSONResponse(version_reply())
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return unauthorized_response()
+        return JSONResponse(tokenizer_info_reply(self._submitter))
+
     async def _answer(self, request: Request, reply: Callable[[Submitter, dict], dict]) -> Response:
         """A route answered at once from the body (tokenizing runs on a worker thread)."""
         if not self._authorized(request):
@@ -174,28 +182,36 @@ class OpenAIApi:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
 
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's route (vLLM serves it too): a body with messages is a chat, any other a completion."""
+
+        def parse(body: dict) -> OpenAIRequest:
+            return parse_chat(body, self._tool_parser) if "messages" in body else parse_completion(body)
+
+        return await self._generate(request, parse)
+
     # --- generating -----------------------------------------------------------------------------
 
     async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
         if not self._authorized(request):
             return unauthorized_response()
-        streams: list[Stream] = []
+        submitted: list[Submitted] = []
         refused: Response | None = None
         try:
             parsed = parse(await read_json_object(request, self._body_timeout_s))
             if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
             for choice in parsed.choices:  # one stream per choice, in choice order
-                streams.append(
+                submitted.append(
                     await anyio.to_thread.run_sync(self._submit_choice, choice, limiter=self._limiter)
                 )
         except (HttpRefusal, RequestRefused) as refusal:
-            cancel_all(streams)
+            cancel_all([s.stream for s in submitted])
             refused = refusal_response(refusal)
         except BodyRefused as refusal:
             refused = refusal_response(HttpRefusal(refusal.status, refusal.message))
         except ClientDisconnect:
-            cancel_all(streams)
+            cancel_all([s.stream for s in submitted])
             refused = Response(status_code=499)
         if refused is not None:
             # Past the refusal's traceback and the parsed body, a big prompt's copies are gone: the
@@ -214,165 +230,32 @@ class OpenAIApi:
             prompt_logprobs=parsed.prompt_logprobs,
         )
         # Per choice, the parser of tool calls and reasoning, where the chat can have either.
-        replies: list[ChatReply | None] = [None] * len(streams)
+        replies: list[ChatReply | None] = [None] * len(submitted)
         if parsed.chat and (parsed.tools is not None or self._thinks):
-            replies = [ChatReply(parsed.tools, self._thinks, self._starts_thinking) for _ in streams]
-        echoes = [self._prompt_text(choice) if parsed.echo else "" for choice in parsed.choices]
+            replies = [ChatReply(parsed.tools, self._thinks, self._starts_thinking) for _ in submitted]
+        echo = _echoed_message if parsed.chat else self._prompt_text
+        echoes = [echo(choice) if parsed.echo else "" for choice in parsed.choices]
         if parsed.stream:
-            events = self._server_sent_events(
-                streams, shape, parsed.include_usage, echoes, parsed.num_per_prompt, replies
+            events = self._relay.server_sent_events(
+                submitted,
+                shape,
+                StreamUsage(parsed.include_usage, parsed.continuous_usage),
+                echoes,
+                parsed.num_per_prompt,
+                replies,
             )
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self._whole(request, streams, shape, echoes, parsed.num_per_prompt, replies)
+        return await self._relay.whole(request, submitted, shape, echoes, parsed.num_per_prompt, replies)
 
-    async def _whole(
-        self,
-        request: Request,
-        streams: list[Stream],
-        shape: ReplyShape,
-        echoes: list[str],
-        n: int,
-        replies: list[ChatReply | None],
-    ) -> Response:
-        texts = [[echo] for echo in echoes]
-        token_ids: list[list[int]] = [[] for _ in streams]
-        logprobs: list[list] = [[] for _ in streams]
-        ended: dict[int, Finished] = {}
-        prefilled: dict[int, Prefilled] = {}
-        async for index, event in self._events(streams, request):
-            if isinstance(event, Prefilled):
-                prefilled[index] = event
-            elif isinstance(event, TokenDelta):
-                texts[index].append(event.text)
-                token_ids[index] += event.token_ids
-                logprobs[index] += event.logprobs
-            elif isinstance(event, Finished):
-                refusal = self._failure(event)
-                if refusal is not None:
-                    return refusal_response(refusal)  # leaving _events cancels the other choices
-                ended[index] = event
-        if len(ended) < len(streams):
-            return Response(status_code=499)  # the client went away; its streams are cancelled
-        choices = []
-        for i, reply in enumerate(replies):
-            text = "".join(texts[i])
-            choice = shape.with_prompt(
-                shape.choice(i, text, token_ids[i], ended[i].reason, logprobs[i]), prefilled.get(i)
-            )
-            if reply is not None:
-                choice["message"], called = reply.whole(text)
-                if called and ended[i].reason == STOP:
-                    choice["finish_reason"] = FINISH_REASONS[TOOL_CALLS]
-            choices.append(choice)
-        return JSONResponse(
-            shape.whole_of(choices, total_usage([ended[i].usage for i in range(len(streams))], n))
-        )
-
-    def _submit_choice(self, choice) -> Stream:
-        """Submitter.submit on a worker thread. A refusal leaves without its traceback: the worker
+    def _submit_choice(self, choice) -> Submitted:
+        """Submitter.submit_sized on a worker thread. A refusal leaves without its traceback: the worker
         thread may hold the exception until its next job, and the traceback's frames would hold the
         request (a big prompt, megabytes) with it."""
         try:
-            return self._submitter.submit(choice)
+            return self._submitter.submit_sized(choice)
         except RequestRefused as refusal:
             raise refusal.with_traceback(None) from None
-
-    async def _server_sent_events(
-        self,
-        streams: list[Stream],
-        shape: ReplyShape,
-        include_usage: bool,
-        echoes: list[str],
-        n: int,
-        replies: list[ChatReply | None],
-    ) -> AsyncIterator[str]:
-        # Starlette cancels this generator when the client disconnects; _events then cancels the
-        # streams, so their lanes are freed at the host's next boundary.
-        for index, echo in enumerate(echoes):
-            if shape.chat:
-                yield _sse(shape.first_chunk(index))
-            elif echo and not shape.wants_prompt:
-                yield _sse(shape.chunk(echo, index=index))
-        usages: dict[int, Usage] = {}
-        async for index, event in self._events(streams, None):
-            reply = replies[index]
-            if isinstance(event, Prefilled) and shape.wants_prompt:  # the echo waits for its logprobs
-                chunk = shape.chunk(echoes[index], index=index)
-                chunk["choices"][0] = shape.with_prompt(chunk["choices"][0], event)
-                yield _sse(chunk)
-            elif isinstance(event, TokenDelta) and reply is not None:
-                for delta in reply.push(event.text):
-                    yield _sse(shape.delta_chunk(delta, index=index))
-            elif isinstance(event, TokenDelta):
-                if event.text or event.logprobs or shape.return_token_ids:
-                    yield _sse(shape.chunk(event.text, event.token_ids, logprobs=event.logprobs, index=index))
-            elif isinstance(event, Finished):
-                refusal = self._failure(event)
-                if refusal is not None:
-                    yield _sse(error_json(status_of(refusal.code), refusal.message))
-                    break
-                reason = event.reason
-                if reply is not None:
-                    deltas, called = reply.finish()
-                    for delta in deltas:
-                        yield _sse(shape.delta_chunk(delta, index=index))
-                    reason = TOOL_CALLS if called and reason == STOP else reason
-                yield _sse(shape.chunk("", reason=reason, index=index))
-                usages[index] = event.usage
-        else:
-            if include_usage:
-                yield _sse(shape.usage_chunk(total_usage([usages[i] for i in sorted(usages)], n)))
-        yield "data: [DONE]\n\n"
-
-    async def _events(
-        self, streams: list[Stream], request: Request | None
-    ) -> AsyncIterator[tuple[int, Event]]:
-        """(choice index, event) of every stream up to its Finished, read on a worker thread; a
-        client that goes away (seen through `request`, or by this generator being cancelled)
-        cancels every stream not yet finished."""
-        finished = [False] * len(streams)
-        last_delta_at: list[float | None] = [None] * len(streams)
-        # One stream waits the whole poll; several share it, each waited on briefly in turn.
-        wait_s = self._poll_s if len(streams) == 1 else min(self._poll_s, MULTI_STREAM_WAIT_S)
-        try:
-            while not all(finished):
-                index = finished.index(False)
-                events = await anyio.to_thread.run_sync(
-                    streams[index].next_events, wait_s, limiter=self._limiter
-                )
-                for event in merge_deltas(events):
-                    finished[index] = finished[index] or isinstance(event, Finished)
-                    if isinstance(event, TokenDelta):
-                        last_delta_at[index] = self._submitter.count_delta(event, last_delta_at[index])
-                    yield index, event
-                for other in range(index + 1, len(streams)):  # the others' events so far, no wait
-                    if finished[other]:
-                        continue
-                    for event in merge_deltas(streams[other].next_events(0)):
-                        finished[other] = finished[other] or isinstance(event, Finished)
-                        if isinstance(event, TokenDelta):
-                            last_delta_at[other] = self._submitter.count_delta(event, last_delta_at[other])
-                        yield other, event
-                if request is not None and not all(finished) and await request.is_disconnected():
-                    return
-        finally:
-            for stream, done in zip(streams, finished):
-                if not done:
-                    stream.cancel()
-                    self._submitter.count_gone()
-
-    def _failure(self, event: Finished) -> RequestRefused | None:
-        """How a reply that ended in an error answers (counting every ending in the metrics): a
-        broken engine as UNAVAILABLE (503), this stream's own failure as INTERNAL (500); None for
-        replies that ended well. OpenAI's finish reasons have no word for an error."""
-        refusal = self._submitter.broke_mid_reply(event)
-        if refusal is not None:
-            return refusal
-        self._submitter.count_finished(event)
-        if event.reason == ERROR:
-            return RequestRefused(grpc.StatusCode.INTERNAL, event.error or "the reply failed")
-        return None
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -406,5 +289,11 @@ class OpenAIApi:
         return HttpRefusal(404, message, param="model", code="model_not_found")
 
 
-def _sse(value: dict) -> str:
-    return f"data: {json.dumps(value, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def _echoed_message(choice) -> str:
+    """vLLM's chat echo: the last message's text, where the reply continues in that message's role
+    (an assistant's, or any with add_generation_prompt false); else nothing."""
+    last = choice.messages[-1]
+    generation_prompt = not choice.HasField("add_generation_prompt") or choice.add_generation_prompt
+    if generation_prompt and last.role != "assistant":
+        return ""
+    return last.content or "".join(part.text for part in last.parts)

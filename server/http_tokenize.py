@@ -1,4 +1,5 @@
-"""vLLM's tokenizer routes on the HTTP API: POST /tokenize, POST /detokenize, and GET /version.
+"""vLLM's tokenizer routes on the HTTP API: POST /tokenize, POST /detokenize, GET /tokenizer_info
+and GET /version.
 
 The request and reply shapes are vLLM's (`prompt` or `messages` in, `count`, `max_model_len` and
 `tokens` out; `tokens` in, `prompt` out), so its clients and tests read them; the checks and their
@@ -6,6 +7,8 @@ wording are gRPC's Tokenize ones (a TokenizeRequest is built and run by the same
 """
 
 from __future__ import annotations
+
+import json
 
 from tpserve.ranks.version import VERSION
 from tpserve.server.openai_fields import FieldRefused
@@ -15,7 +18,7 @@ from tpserve.server.validation import check_token_ids
 from tpserve.v1 import serving_pb2
 
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt")
-TOKENIZE_FIELDS += ("return_token_strs",)
+TOKENIZE_FIELDS += ("continue_final_message", "tools", "chat_template_kwargs", "return_token_strs")
 DETOKENIZE_FIELDS = ("model", "tokens")
 
 
@@ -28,15 +31,26 @@ def tokenize_reply(submitter: Submitter, body: dict) -> dict:
         request.text = body["prompt"]
     if body.get("messages") is not None:
         add_messages(request, body["messages"])
-    for name in ("add_special_tokens", "add_generation_prompt"):  # vLLM's defaults, which Tokenize uses
-        if body.get(name) not in (None, True):
-            raise FieldRefused(name, f"{name} is not supported by this server")
+    for name in ("add_special_tokens", "add_generation_prompt", "continue_final_message"):
+        if body.get(name) is not None:
+            if not isinstance(body[name], bool):
+                raise FieldRefused(name, f"{name} must be true or false")
+            setattr(request, name, body[name])
+    if body.get("tools") is not None:
+        if not isinstance(body["tools"], list):
+            raise FieldRefused("tools", "tools must be a list of tools")
+        request.tools_json = json.dumps(body["tools"])
+    if body.get("chat_template_kwargs") is not None:
+        if not isinstance(body["chat_template_kwargs"], dict):
+            raise FieldRefused("chat_template_kwargs", "chat_template_kwargs must be an object")
+        request.chat_template_kwargs_json = json.dumps(body["chat_template_kwargs"])
     token_ids = submitter.tokenize(request)
     reply = {"count": len(token_ids), "max_model_len": submitter.info.context_size, "tokens": token_ids}
     strs = body.get("return_token_strs")
     if strs is not None and not isinstance(strs, bool):
         raise FieldRefused("return_token_strs", "return_token_strs must be true or false")
-    reply["token_strs"] = [submitter.tokenizer.decode([t]) for t in token_ids] if strs else None
+    # Each token as the vocabulary spells it (transformers' convert_ids_to_tokens, as vLLM's).
+    reply["token_strs"] = [submitter.tokenizer.token_text(t) for t in token_ids] if strs else None
     return reply
 
 
@@ -49,6 +63,18 @@ def detokenize_reply(submitter: Submitter, body: dict) -> dict:
         raise FieldRefused("tokens", "tokens must be a list of token ids")
     check_token_ids(tokens, submitter.tokenizer.vocab_size, "tokens")
     return {"prompt": submitter.tokenizer.decode(tokens)}
+
+
+def tokenizer_info_reply(submitter: Submitter) -> dict:
+    """vLLM's GET /tokenizer_info: what a client needs to tokenize as this server does (the class
+    transformers loads a tokenizer.json with, the special tokens, the chat template, the context)."""
+    tokenizer = submitter.tokenizer
+    info = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": tokenizer.add_bos}
+    info.update(tokenizer.special_tokens)
+    info["model_max_length"] = submitter.info.context_size
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
 
 
 def version_reply() -> dict:

@@ -96,7 +96,8 @@ FIELDS: dict[str, Field] = {
     # vLLM: a fast tokenizer's decoder joins special tokens as it joins any (vLLM's fast
     # detokenizer ignores the field too), so false changes nothing either.
     "spaces_between_special_tokens": _no_effect(),
-    "truncate_prompt_tokens": _refused(),  # vLLM
+    "truncate_prompt_tokens": _honoured(),  # vLLM: the prompt's last N tokens run
+    "truncation_side": _honoured(),  # vLLM: "right" keeps the first N instead
     "logits_processors": _refused([]),  # vLLM
     "return_tokens_as_token_ids": _refused(False),  # vLLM
     "add_special_tokens": _refused(),  # vLLM: this server tokenizes as the model's tokenizer does
@@ -106,8 +107,8 @@ FIELDS: dict[str, Field] = {
     "kv_transfer_params": _refused(),  # vLLM
     "vllm_xargs": _refused(),  # vLLM
     # --- chat only ---
-    "add_generation_prompt": _refused(True, apis=(CHAT,)),  # vLLM
-    "continue_final_message": _refused(False, apis=(CHAT,)),  # vLLM
+    "add_generation_prompt": _honoured((CHAT,)),  # vLLM
+    "continue_final_message": _honoured((CHAT,)),  # vLLM: the reply continues the last message
     "chat_template": _refused(apis=(CHAT,)),  # vLLM
     "documents": _refused(apis=(CHAT,)),  # vLLM
     "mm_processor_kwargs": _refused(apis=(CHAT,)),  # vLLM
@@ -146,7 +147,7 @@ FIELDS: dict[str, Field] = {
 
 
 # A name whose meaning differs on chat: vLLM's chat echo repeats the last message.
-CHAT_FIELDS: dict[str, Field] = {"echo": _refused(False, apis=(CHAT,))}
+CHAT_FIELDS: dict[str, Field] = {"echo": _honoured((CHAT,))}
 
 
 def check_fields(body: dict, api: str) -> None:

@@ -68,9 +68,14 @@ class ReplyShape:
         return self.whole_of([self.choice(0, text, token_ids, reason, logprobs)], usage)
 
     def whole_of(self, choices: list[dict], usage: Usage) -> dict:
-        """The whole reply: its choices (in index order) and the request's usage."""
+        """The whole reply: its choices (in index order) and the request's usage; a chat's prompt
+        log probabilities beside its choices (one prompt for them all, where vLLM puts them)."""
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._object(kind, choices), "usage": usage_json(usage)}
+        whole = {**self._object(kind, choices), "usage": usage_json(usage)}
+        if self.chat:
+            prompt_rows = [choice.pop("prompt_logprobs", None) for choice in choices]
+            whole["prompt_logprobs"] = prompt_rows[0] if prompt_rows else None
+        return whole
 
     def choice(
         self, index: int, text: str, token_ids: list[int], reason: str, logprobs: Sequence[TokenLogprob] = ()

@@ -35,12 +35,16 @@ class OpenAIRequest:
     include_usage: bool  # a last streamed chunk with the usage (stream_options.include_usage)
     return_token_ids: bool  # token_ids in each choice (an extension, as vLLM's)
     tools: ToolMode | None = None  # how a chat reply's tool calls are read (server/tool_calls.py)
-    echo: bool = False  # completions: each choice's text begins with its prompt's
+    # Completions: each choice's text begins with its prompt's; chat (vLLM's): with the last
+    # message's, where the reply continues its role.
+    echo: bool = False
     # Where the prompt's log probabilities go: with echo and logprobs, in front of the reply's
     # (OpenAI's legacy lists); with vLLM's prompt_logprobs, in their own `prompt_logprobs` list.
     echo_logprobs: bool = False
     prompt_logprobs: bool = False
     num_per_prompt: int = 1  # n: choices i * n .. i * n + n - 1 answer prompt i
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk's usage so far.
+    continuous_usage: bool = False
 
     @property
     def generate(self) -> serving_pb2.GenerateRequest:
@@ -59,11 +63,14 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> OpenAIRequest:
         raise FieldRefused("top_logprobs", "top_logprobs needs logprobs: true")
     if wants_logprobs:
         request.logprobs = num_top or 0
+    if body.get("add_generation_prompt") is not None:
+        request.add_generation_prompt = _flag(body, "add_generation_prompt")
+    request.continue_final_message = _flag(body, "continue_final_message")
     parsed = _finish(body, request, chat=True)
     tools = None
     for choice in parsed.choices:  # every choice's request offers the same tools
         tools = add_tools(body, choice, tool_parser)
-    return replace(parsed, tools=tools)
+    return replace(parsed, tools=tools, echo=_flag(body, "echo"))
 
 
 def parse_completion(body: dict) -> OpenAIRequest:
@@ -125,6 +132,7 @@ def _finish(
             max(count, request.prompt_logprobs) if request.HasField("prompt_logprobs") else count
         )
     request.ignore_eos = _flag(body, "ignore_eos")
+    _add_truncation(body, request)
     skip = body.get("skip_special_tokens")
     if skip is not None and not isinstance(skip, bool):
         raise FieldRefused("skip_special_tokens", "skip_special_tokens must be true or false")
@@ -144,6 +152,7 @@ def _finish(
     if options is not None and not stream:
         raise FieldRefused("stream_options", "stream_options needs stream: true")  # as OpenAI refuses it
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    continuous = _flag(options or {}, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     n = 1 if body.get("n") is None else _int32("n", body["n"])
     if n < 1:
         raise FieldRefused("n", f"n must be at least 1 (got {n})")
@@ -154,6 +163,7 @@ def _finish(
         model=model,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=include_usage and continuous,
         return_token_ids=_flag(body, "return_token_ids"),
         prompt_logprobs=asks_prompt_logprobs,
     )
@@ -168,9 +178,10 @@ def _add_adjustments(body: dict, request: serving_pb2.GenerateRequest) -> None:
     if bias is not None:
         if not isinstance(bias, dict):
             raise FieldRefused("logit_bias", "logit_bias must be an object of token ids and biases")
+        bad = [key for key in bias if not (isinstance(key, str) and key.lstrip("-").isdigit())]
+        if bad:  # every bad key named at once, so one correction fixes the request
+            raise FieldRefused("logit_bias", f"logit_bias keys {', '.join(map(repr, bad))} are not token ids")
         for key, value in bias.items():
-            if not (isinstance(key, str) and key.lstrip("-").isdigit()):
-                raise FieldRefused("logit_bias", f"logit_bias key {key!r} is not a token id")
             request.logit_bias[_int32("logit_bias", int(key))] = _number(f"logit_bias[{key}]", value)
     if body.get("min_tokens") is not None:
         request.min_tokens = _int32("min_tokens", body["min_tokens"])
@@ -180,6 +191,16 @@ def _add_adjustments(body: dict, request: serving_pb2.GenerateRequest) -> None:
             raise FieldRefused("stop_token_ids", "stop_token_ids must be a list of token ids")
         request.stop_token_ids.extend(_int32("stop_token_ids", token) for token in stop_ids)
     request.include_stop_str_in_output = _flag(body, "include_stop_str_in_output")
+
+
+def _add_truncation(body: dict, request: serving_pb2.GenerateRequest) -> None:
+    """vLLM's truncate_prompt_tokens and truncation_side ("left", its default, or "right")."""
+    if body.get("truncate_prompt_tokens") is not None:
+        request.truncate_prompt_tokens = _int32("truncate_prompt_tokens", body["truncate_prompt_tokens"])
+    side = body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise FieldRefused("truncation_side", f'truncation_side must be "left" or "right" (got {side!r})')
+    request.truncate_right = side == "right"
 
 
 def add_messages(request, messages) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -45,6 +46,7 @@ from tpserve.server.validation import (
     message_texts,
     sampling_from,
     tokenize_kind,
+    truncated,
 )
 from tpserve.server.vision_input import VisionInput
 from tpserve.v1 import serving_pb2
@@ -61,6 +63,20 @@ UNREAD_OVERFLOW = (
 DEFAULT_MAX_UNREAD_TOKENS = 1024
 
 log = logging.getLogger(__name__)
+
+
+def _invalid_argument(message: str) -> RequestRefused:
+    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request on the lane host: its stream, and the prompt and budget it runs with (what an
+    OpenAI reply reports per chunk and where its last token falls)."""
+
+    stream: Stream
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
 
 
 class Submitter:
@@ -109,6 +125,10 @@ class Submitter:
     def submit(self, request) -> Stream:
         """A checked, tokenized GenerateRequest on the lane host; RequestRefused when it will not run
         (counted in the metrics)."""
+        return self.submit_sized(request).stream
+
+    def submit_sized(self, request) -> Submitted:
+        """submit, with the prompt's token ids (truncated, where asked) and the reply's budget."""
         try:
             stream = self._submit(request)
         except RequestRefused as refusal:
@@ -132,7 +152,7 @@ class Submitter:
             "cancelled a reply whose client stopped reading (max_unread_tokens %d)", self.max_unread_tokens
         )
 
-    def _submit(self, request) -> Stream:
+    def _submit(self, request) -> Submitted:
         # A broken engine is the news a client can act on (the server needs a restart), so it
         # comes first, also while the broken daemon is on its way out.
         if self.lane_host.broken:
@@ -149,6 +169,14 @@ class Submitter:
             boundaries = self.chat_boundaries(request.messages, prompt_ids)
         else:
             prompt_ids = list(request.prompt_token_ids)
+        if request.HasField("truncate_prompt_tokens"):
+            cut = truncated(request, prompt_ids, self.limits)
+            if offsets and len(cut) < len(prompt_ids):
+                raise _invalid_argument("truncate_prompt_tokens cannot cut a prompt with image inputs")
+            # A kept chat boundary moves with the prompt's dropped head (or goes, if cut off).
+            dropped = 0 if request.truncate_right else len(prompt_ids) - len(cut)
+            boundaries = tuple(b - dropped for b in boundaries if 0 < b - dropped < len(cut))
+            prompt_ids = cut
         max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
         grammar = self.grammars.compile(request.constraint) if request.HasField("constraint") else None
         check_min_tokens(request, max_tokens)
@@ -173,7 +201,7 @@ class Submitter:
             skip_special_tokens=not request.keep_special_tokens,
         )
         try:
-            return self.lane_host.submit(job)
+            return Submitted(self.lane_host.submit(job), job.prompt_ids, max_tokens)
         except QueueFull as error:
             raise RequestRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, QUEUE_FULL) from error
         except HostUnavailable as error:
@@ -225,10 +253,12 @@ class Submitter:
     def _tokenize(self, request) -> list[int]:
         if tokenize_kind(request) == "text":
             check_prompt_size([request.text], "text", self.limits)
-            return self.tokenizer.encode(request.text)
+            special = not request.HasField("add_special_tokens") or request.add_special_tokens
+            return self.tokenizer.encode(request.text, add_bos=None if special else False)
         check_prompt_size(message_texts(request.messages), "messages' text", self.limits)
         check_messages(request.messages, self.limits)
-        return self.encode_chat(request.messages)
+        add_bos = request.add_special_tokens  # unset: false for a chat, as vLLM's /tokenize has it
+        return self._encode_chat(request.messages, **template_inputs(request), add_bos=add_bos)[0]
 
     def chat_boundaries(self, messages, prompt_ids: list[int]) -> tuple[int, ...]:
         """Where later chats are likely to share this one's prefix: the end of a leading system
@@ -253,7 +283,14 @@ class Submitter:
         return self._encode_chat(messages, add_generation_prompt)[0]
 
     def _encode_chat(
-        self, messages, add_generation_prompt: bool = True, *, tools=None, template_kwargs=None
+        self,
+        messages,
+        add_generation_prompt: bool = True,
+        *,
+        tools=None,
+        template_kwargs=None,
+        continue_final_message: bool = False,
+        add_bos: bool = False,
     ) -> tuple[list[int], list[int]]:
         """The token ids and where each image's positions start."""
         num_images = sum(part.HasField("media") for message in messages for part in message.parts)
@@ -277,6 +314,8 @@ class Submitter:
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 template_kwargs=template_kwargs,
+                continue_final_message=continue_final_message,
+                add_bos=add_bos,
             )
         except UserError as error:  # the template refused the conversation, or there is none
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error

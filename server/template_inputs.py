@@ -16,7 +16,13 @@ RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_toke
 
 
 def template_inputs(request) -> dict:
-    """tools and template_kwargs for Tokenizer.encode_chat (None where the request sets none)."""
+    """tools, template_kwargs (None where the request sets none), add_generation_prompt and
+    continue_final_message for Tokenizer.encode_chat, from a GenerateRequest or TokenizeRequest."""
+    generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+    if request.continue_final_message and generation_prompt:
+        raise _invalid(
+            "continue_final_message needs add_generation_prompt: false (the reply continues the last message)"
+        )
     tools = _json(request.tools_json, "tools", list) if request.tools_json else None
     kwargs = None
     if request.chat_template_kwargs_json:
@@ -24,7 +30,12 @@ def template_inputs(request) -> dict:
         reserved = sorted(set(kwargs) & set(RESERVED))
         if reserved:
             raise _invalid(f"chat_template_kwargs may not set {', '.join(reserved)}")
-    return {"tools": tools, "template_kwargs": kwargs}
+    return {
+        "tools": tools,
+        "template_kwargs": kwargs,
+        "add_generation_prompt": generation_prompt,
+        "continue_final_message": request.continue_final_message,
+    }
 
 
 def tool_fields(message) -> dict:

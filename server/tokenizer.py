@@ -148,10 +148,19 @@ class Tokenizer:
         *,
         tools: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        add_bos: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered conversation. No BOS is added: templates write their own."""
-        text = self.render_chat(messages, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
-        return self.encode(text, add_bos=False)
+        """Token ids of the rendered conversation. No BOS is added (templates write their own)
+        unless add_bos (vLLM's add_special_tokens), and then only where the model adds one."""
+        text = self.render_chat(
+            messages,
+            add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+            continue_final_message=continue_final_message,
+        )
+        return self.encode(text, add_bos=None if add_bos else False)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token id (such as a vision model's image token), as the vocabulary has it."""
@@ -167,6 +176,11 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, unk_token and pad_token as tokenizer_config.json names them (those set)."""
+        return dict(self._special_tokens)
+
+    @property
     def chat_template(self) -> str:
         """The chat template's source ("" without one): which tool-call and reasoning formats the
         model writes is read from it."""
@@ -179,13 +193,15 @@ class Tokenizer:
         *,
         tools: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The conversation as the prompt text the model was trained on. `tools` and the extra
-        `template_kwargs` (enable_thinking, ...) reach the template as transformers passes them."""
+        `template_kwargs` (enable_thinking, ...) reach the template as transformers passes them;
+        continue_final_message leaves the last message open (its end-of-turn marker cut off)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         try:
-            return self._template.render(
+            text = self._template.render(
                 **(template_kwargs or {}),
                 messages=[dict(message) for message in messages],
                 tools=tools,
@@ -194,6 +210,19 @@ class Tokenizer:
             )
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template refused the messages: {error}") from error
+        return _left_open(text, messages[-1]) if continue_final_message else text
+
+
+def _left_open(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat cut right after the final message's text, so a reply continues it (what
+    the template closes the turn with goes), as transformers' continue_final_message cuts it."""
+    content = final.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    for piece in (content, content.strip()):
+        if piece and piece in text:
+            return text[: text.rindex(piece) + len(piece)]
+    raise ChatTemplateError("continue_final_message: the template does not write the final message's text")
 
 
 class _GenerationBlock(jinja2.ext.Extension):

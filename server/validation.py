@@ -227,6 +227,12 @@ def _check_sampling(request, limits: Limits) -> None:
         raise _invalid(
             f"prompt_logprobs must be from 0 to {limits.max_logprobs} (got {request.prompt_logprobs})"
         )
+    if request.HasField("truncate_prompt_tokens") and not (
+        request.truncate_prompt_tokens >= 1 or request.truncate_prompt_tokens == -1
+    ):
+        raise _invalid(
+            f"truncate_prompt_tokens must be 1 or more, or -1 (got {request.truncate_prompt_tokens})"
+        )
 
 
 def _check_stop(stop: Sequence[str], limits: Limits) -> None:
@@ -260,6 +266,17 @@ def sampling_from(request, fresh_seed: int, defaults: SamplingParams = TPSERVE_D
         ),
         logit_bias=tuple(sorted(request.logit_bias.items())),
     )
+
+
+def truncated(request, prompt_ids: list[int], limits: Limits) -> list[int]:
+    """The prompt cut to truncate_prompt_tokens (-1: the context size), its first tokens dropped, or
+    its last with truncate_right; the whole prompt when unset."""
+    if not request.HasField("truncate_prompt_tokens"):
+        return prompt_ids
+    keep = limits.context_size if request.truncate_prompt_tokens == -1 else request.truncate_prompt_tokens
+    if len(prompt_ids) <= keep:
+        return prompt_ids
+    return prompt_ids[:keep] if request.truncate_right else prompt_ids[len(prompt_ids) - keep :]
 
 
 def max_tokens_for(request, num_prompt_tokens: int, limits: Limits) -> int:
