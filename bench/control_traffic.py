@@ -47,8 +47,10 @@ class WatchedChannel:
         self.sent: Counter[str] = Counter()
         self.kinds: Counter[str] = Counter()  # message kinds, inside Bundles too
         self.votes = 0
+        self.votes_per_message: list[int] = []  # votes taken after each message, before the next
 
     def send(self, msg) -> None:
+        self.votes_per_message.append(0)
         self.sent[type(msg).__name__] += 1
         for inner in getattr(msg, "messages", (msg,)):
             self.kinds[type(inner).__name__] += 1
@@ -56,6 +58,7 @@ class WatchedChannel:
 
     def vote(self, ok: bool) -> bool:
         self.votes += 1
+        self.votes_per_message[-1] += 1
         return self._channel.vote(ok)
 
     def __getattr__(self, name):
@@ -97,6 +100,7 @@ def run_traffic(
         "decode_rounds": num_rounds,
         "messages_per_round": sent / num_rounds,
         "votes_per_round": watched.votes / num_rounds,
+        "most_votes_in_a_step": max(watched.votes_per_message, default=0),
         "extra_messages_per_request": (sent - num_rounds) / num_requests,
         "votes_per_request": watched.votes / num_requests,
         "completion_tokens": sum(len(r.token_ids) for r in records),
@@ -126,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "votes",
             "messages / round",
             "votes / round",
+            "most votes / step",
             "extra messages / request",
             "votes / request",
         ),
@@ -135,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["votes"],
                 report["messages_per_round"],
                 report["votes_per_round"],
+                report["most_votes_in_a_step"],
                 report["extra_messages_per_request"],
                 report["votes_per_request"],
             )

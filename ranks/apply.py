@@ -1,9 +1,12 @@
 """Applies one wire message to this rank's engine: the same code on rank 0 and on the followers.
 
-Messages whose application can fail are voted on before anything changes (an all-reduce of an
-ok flag on the control channel), so a refusal anywhere leaves every rank as it was. A prefill
-votes on its checks before the forward pass: once the pass's collectives start, a failure cannot
-be rolled back and latches the engine broken instead.
+A prompt's first pass (a whole prompt, or its first chunk) is voted on before anything changes (an
+all-reduce of an ok flag on the control channel), so a refusal anywhere leaves every rank as it
+was; the vote comes before the forward pass because once its collectives start, a failure cannot
+be rolled back and latches the engine broken instead. A pass that opens no prompt (decode steps, a
+long prompt's later chunks) rides on lanes every rank already holds identically and is not voted
+on: at most one vote a step, none per chunk. Every rank derives whether a pass is voted from its
+lanes (Engine.first_pass), which are the same on every rank by construction.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
         return None
     if isinstance(msg, Prefill):
         spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]
-        if not channel.vote(engine.check(spans) and not engine.refuses(spans)):
+        if engine.first_pass(spans) and not channel.vote(engine.check(spans) and not engine.refuses(spans)):
             raise VotedDown("prefill refused by some rank")
         every_row = [s.every_row for s in msg.spans]
         rope = [s.rope for s in msg.spans] if any(s.rope for s in msg.spans) else None
@@ -53,7 +56,8 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
         ]
         prompts = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.prefill.spans]
         engine.drop_unkept_drafts(steps)  # the same on every rank, whatever the vote: drafts it did not keep
-        if not channel.vote(engine.check([*steps, *prompts]) and not engine.refuses(prompts)):
+        voted = engine.first_pass(prompts)
+        if voted and not channel.vote(engine.check([*steps, *prompts]) and not engine.refuses(prompts)):
             raise VotedDown("a prompt beside a decode round refused by some rank")
         spans = msg.prefill.spans
         media_rows = [s.media_rows() for s in spans] if any(s.media for s in spans) else None

@@ -31,6 +31,7 @@ class Lane:
     length: int = 0  # tokens whose KV is computed (positions 0..length-1)
     drafts_from: int = 0  # after a Verify: where its drafts begin (a later round may drop them); 0: none
     rope_delta: int = 0  # multimodal rotary: a token's (t, h, w) past its prompt's rope (ranks/mrope.py)
+    passed: bool = False  # a pass has written its KV: its prompt's first pass, the one voted on, is done
 
 
 class EngineError(RuntimeError):
@@ -128,8 +129,16 @@ class Engine:
             seen.add(lane)
         return True
 
+    def first_pass(self, spans) -> bool:
+        """Whether any span is its lane's first pass (a prompt's first chunk, or the whole prompt):
+        only such a pass is voted on (ranks/apply.py). A later chunk or a decode step rides on what
+        every rank already holds, sound by construction, so it costs no vote. A lane not open counts
+        as first, so check() refuses it by vote."""
+        return any(lane not in self.lanes or not self.lanes[lane].passed for lane, *_ in spans)
+
     def refuses(self, spans) -> bool:
-        """A fault drill: this rank refuses any prompt holding `refuse_token` (tests of rollback)."""
+        """A fault drill: this rank refuses any prompt holding `refuse_token` (tests of rollback),
+        when asked: at a prompt's first pass, the one voted on."""
         return self.refuse_token is not None and any(self.refuse_token in span[2] for span in spans)
 
     def forward(
@@ -249,6 +258,7 @@ class Engine:
             state = self.lanes[lane]
             state.length += len(tokens)
             state.drafts_from = 0
+            state.passed = True
             if multimodal and rope is not None and rope[index]:
                 state.rope_delta = rope_delta([axis[-1] for axis in axes[index]], state.length - 1)
         return logits

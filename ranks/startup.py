@@ -40,6 +40,7 @@ from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.model_group import open_model_group
 from tpserve.ranks.network import check_interface, name_interface
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
+from tpserve.ranks.probe_mixed import probe_mixed_pass
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.unsupported import check_served_context
 
@@ -168,14 +169,22 @@ def agree_on_attention(model, rank: int, group) -> None:
     log.info("rank %d: attention kernel: %s", rank, model.attention.name)
 
 
-def check_invariance(model, rank: int, group, kv_type: torch.dtype, drill: bool = False) -> None:
-    """The start-up probe on every rank, then a vote: one rank's failure stops them all."""
+def check_invariance(
+    model, rank: int, group, kv_type: torch.dtype, block_size: int, timeout_s: float, drill: bool = False
+) -> None:
+    """The start-up probe on every rank, then a vote: one rank's failure stops them all. The mixed
+    pass runs on every rank whatever the products gave (its collectives pair up); the first failure
+    is the one told."""
     log.info("rank %d: checking batch invariance on %s", rank, describe_machine())
     failure = None
     try:
         probe_model(model, product=shape_dependent_linear if drill else linear, kv_type=kv_type)
     except ProbeFailure as error:
         failure = str(error)
+    try:
+        probe_mixed_pass(model, kv_type, block_size, timeout_s)
+    except ProbeFailure as error:
+        failure = failure or str(error)
     passed = torch.tensor([failure is None], dtype=torch.int64)
     dist.all_reduce(passed, op=dist.ReduceOp.MIN, group=group)
     if failure is not None:
@@ -332,7 +341,15 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
         agree_on_attention(model, rank, control)
     kv_type = kv_dtype(settings.kv_dtype, model.attention, DTYPES[settings.dtype])
     if settings.batch_invariant:
-        check_invariance(model, rank, control, kv_type, drill=settings.shape_dependent_on_rank == rank)
+        check_invariance(
+            model,
+            rank,
+            control,
+            kv_type,
+            settings.kv_block_size,
+            settings.collective_timeout_s,
+            drill=settings.shape_dependent_on_rank == rank,
+        )
     return model, kv_type
 
 

@@ -52,8 +52,8 @@ __all__ = [
 ]
 
 # 6: a span says whether every row's logits are wanted and carries its rope positions; 7: a Mixed
-# pass carries any number of prompts
-WIRE_VERSION = 7
+# pass carries any number of prompts; 8: only a prompt's first pass is voted on (ranks/apply.py)
+WIRE_VERSION = 8
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 128
@@ -85,7 +85,8 @@ class Admit:
 
 @dataclass(frozen=True)
 class Prefill:
-    """One packed prefill pass over one or several streams (the ranks vote after)."""
+    """One packed prefill pass over one or several streams (voted on when it holds a prompt's first
+    pass, ranks/apply.py)."""
 
     KIND: ClassVar[int] = 2
     spans: tuple[Span, ...]
@@ -143,8 +144,8 @@ class Stop:
 @dataclass(frozen=True)
 class Mixed:
     """A decode round (a Round or a Verify) and prompts (a Prefill: whole prompts admitted this step,
-    a long prompt's next chunk) in one forward pass (the ranks vote on the prompts first, as on a
-    Prefill): a step is one message and one pass."""
+    a long prompt's next chunk) in one forward pass (voted on first when a prompt starts in it, as a
+    Prefill): a step is one message, one pass and at most one vote."""
 
     KIND: ClassVar[int] = 12
     round: Round | Verify

@@ -3,8 +3,8 @@
 Three steps per job, as in the design: take it off the queue when its first pass's KV blocks are
 free, set it up (a lane, with the shared blocks of its prompt's cached prefix: kv_blocks.py), launch
 it (its own prefill, chunks of a long prompt between decode rounds, or one prefill_many with other
-jobs). A refusal or failure ends that job alone and
-frees what it held; only BackendBroken goes further (the host latches broken).
+jobs). A refusal or failure ends that job alone and frees what it held; only BackendBroken goes
+further (the host latches broken).
 
 Admission decides and runs the passes; it never touches the host's lock, queue or streams. Each call
 returns what happened (the jobs to take, the stream to yield, outcomes: a first token, an end, a
@@ -136,20 +136,22 @@ class Admission:
         return blocks.blocks_for(end) - hit // blocks.block_size + num_idle
 
     def num_to_take(
-        self, head: Sequence[Job], free_blocks: int, budget: int | None, chunking: Job | None
+        self, head: Sequence[Job], free_blocks: int, budget: int | None, chunking: Job | None, riding=()
     ) -> tuple[int, int]:
         """How many of the queue's head jobs to take: one, or several for one joint pass, only what
         fits in `head` (as many as lanes are free), `free_blocks` (each job's first pass) and `budget`
         (prompt tokens this step may still prefill; None: the step's first pass, which takes at
         least one job and at most one pass's worth). Returns that number and the budget left after
         them (a long prompt's chunks are not counted: they go one a step). No long prompt is taken
-        while `chunking`. A job whose blocks are not free waits, and so do the jobs behind it."""
-        num_tokens = 0
+        while `chunking`. A job whose blocks are not free waits, and the jobs behind it; so does one
+        whose next uncached prefix block `chunking`, `riding` (this step's round) or a job taken
+        before it computes: it shares that block once computed."""
+        num_tokens = num_taken = 0
         limit = self._max_prefill_tokens if budget is None else budget
-        num_taken = 0
+        computing = [*([chunking] if chunking is not None else []), *riding]
         for job in head:
             needed = self.first_pass_blocks(job)
-            if needed > free_blocks:
+            if needed > free_blocks or self._lanes.shares_uncomputed(job, computing):
                 break
             new_tokens = self._expected_new_tokens(job)
             long = new_tokens > self._max_prefill_tokens
@@ -160,6 +162,7 @@ class Admission:
                 break
             num_tokens += new_tokens
             num_taken += 1
+            computing.append(job)
             free_blocks -= needed
             if long:
                 break

@@ -123,7 +123,9 @@ class Scheduler:
         free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
         return self._state.pop_chosen(
             min(most, num_free),
-            lambda head: self._admission.num_to_take(head, free_blocks, budget, self._chunking),
+            lambda head: self._admission.num_to_take(
+                head, free_blocks, budget, self._chunking, [ride.job for ride in self._riding]
+            ),
         )
 
     def _blocks_wanted(self) -> int:

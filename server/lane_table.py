@@ -62,6 +62,24 @@ class LaneTable:
         num_found, num_idle = self.blocks.find(self._shareable(job))
         return num_found * self.blocks.block_size, num_idle
 
+    def shares_uncomputed(self, job: Job, computing: list[Job]) -> bool:
+        """Whether a job of `computing` (whose prompts go in a pass now or in later chunks) will
+        compute the next full block of `job`'s prompt that is not cached yet: `job` then waits to
+        share it rather than compute a copy (SGLang's in-batch prefix check; vLLM's prefix caching
+        shares only what is computed). Keys chain their parents, so one equal key means the whole
+        prefix up to it is equal. Changes nothing."""
+        keys = self._shareable(job)
+        num_found, _ = self.blocks.find(keys)
+        if not self.blocks.prefix_caching or num_found == len(keys):
+            return False
+        size = self.blocks.block_size
+        return any(
+            len(other.feed_ids) >= (num_found + 1) * size
+            and self._keys(other, num_found + 1)[num_found] == keys[num_found]
+            for other in computing
+            if other is not job
+        )
+
     def open(self, job: Job, num_tokens: int) -> None:
         """Give `job` the lowest free lane with the shared blocks of its prompt's cached prefix and
         blocks for the rest of its first `num_tokens` positions (which the caller made sure are free:

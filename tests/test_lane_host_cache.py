@@ -44,10 +44,24 @@ def test_sixteen_chats_with_one_system_prompt_hold_one_copy_of_it():
     replies = run_all(host, streams)
     unshared = 16 * backend.block_size * -(-(len(SYSTEM) + 3 + 20) // backend.block_size)
     print(f"KV tokens held at the peak: {peak}; without sharing: {unshared}")
-    # The first prompt goes in chunks; the others share each chunk's blocks as soon as it is computed.
+    # The first prompt goes in chunks; the others wait for its blocks rather than compute copies
+    # of those not computed yet (their own tokens would fit one pass once the first chunk is cached).
     assert replies[0].finished.usage.cached_tokens == 0
-    assert all(r.finished.usage.cached_tokens >= 64 for r in replies[1:])
-    assert peak <= unshared - 14 * len(SYSTEM), "at most two copies of the system prompt"
+    assert [r.finished.usage.cached_tokens for r in replies[1:]] == [80] * 15
+    assert peak <= unshared - 15 * len(SYSTEM), "one copy of the system prompt"
+    assert replies == [backend.solo_reply(r) for r in requests]
+    backend.assert_clean()
+
+
+def test_short_prompts_arriving_together_wait_for_the_first_ones_prefix_blocks():
+    # Each fits one pass, and nothing is cached yet: one joint pass over all four would compute four
+    # copies of the system prompt. The first goes alone; the rest share its blocks in the next pass
+    # (riding in the first one's decode round).
+    backend = FakeBackend(num_lanes=4, room=4096, max_prefill_tokens=512, batched=True)
+    host = make_host(backend)
+    requests = [chat(i) for i in range(4)]
+    replies = run_all(host, [host.submit(r) for r in requests])
+    assert [r.finished.usage.cached_tokens for r in replies] == [0, 80, 80, 80]
     assert replies == [backend.solo_reply(r) for r in requests]
     backend.assert_clean()
 

@@ -1,0 +1,87 @@
+"""Control traffic on the real two-rank engine: a step is one message with at most one vote, and
+only a pass that starts a prompt is voted on, so a long prompt's later chunks riding beside the
+decode round cost no vote (issue 29: nothing extra per admitted request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from test_engine_pair import (
+    GREEDY,
+    REQUESTS,
+    pair_settings,
+    read_reply,
+    read_until_token,
+    request,
+    run_alone,
+    submit_together,
+)
+from tiny_models import write_tiny_model
+
+from tpserve.ranks.wire import Bundle, Mixed, Prefill
+from tpserve.server.wiring import local_engine
+
+
+@dataclass
+class Sent:
+    msg: object  # the message rank 0 sent (a Bundle's last message: the pass)
+    votes: int = 0  # votes rank 0 took before its next message
+
+
+class WatchedChannel:
+    """Rank 0's channel, noting each message it sends and the votes taken after it."""
+
+    def __init__(self, channel):
+        self._channel = channel
+        self.sent: list[Sent] = []
+
+    def send(self, msg) -> None:
+        self.sent.append(Sent(msg.messages[-1] if isinstance(msg, Bundle) else msg))
+        self._channel.send(msg)
+
+    def vote(self, ok: bool) -> bool:
+        self.sent[-1].votes += 1
+        return self._channel.vote(ok)
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+
+def prompt_starts(msg) -> list[int]:
+    """Where each prompt span of a pass starts ([] for a pass with no prompt)."""
+    prefill = msg.prefill if isinstance(msg, Mixed) else msg
+    return [span.start for span in prefill.spans] if isinstance(prefill, Prefill) else []
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("votes") / "llama", "llama"))
+
+
+def test_a_long_prompts_later_chunks_beside_the_round_cost_no_vote(model_dir):
+    decoding = request(range(150, 170), 40, GREEDY)
+    long = request([i * 11 % 290 + 3 for i in range(150)], 8, GREEDY)  # over max_prefill_tokens 48
+    batch = [decoding, long, REQUESTS[1], REQUESTS[2]]
+    # A small pass budget: the long prompt goes in several chunks beside the decode round.
+    with local_engine(pair_settings(model_dir, step_tokens=32)) as engine:
+        alone = run_alone(engine.host, batch)
+        watched = WatchedChannel(engine.leader.channel)
+        engine.leader.channel = watched
+        early = submit_together(engine.host, batch[:1])
+        events = read_until_token(early[0])
+        late = submit_together(engine.host, batch[1:])
+        replies = [read_reply(early[0], events)] + [read_reply(stream) for stream in late]
+        engine.leader.channel = watched._channel
+    assert replies == alone
+    passes = [sent for sent in watched.sent if prompt_starts(sent.msg)]
+    later_chunks = [sent for sent in passes if min(prompt_starts(sent.msg)) > 0]  # no prefix cache
+    print(
+        f"{len(watched.sent)} messages, {sum(s.votes for s in watched.sent)} votes; "
+        f"{len(later_chunks)} later chunks beside the round"
+    )
+    assert len(later_chunks) >= 2 and all(isinstance(sent.msg, Mixed) for sent in later_chunks)
+    # A pass that starts a prompt is voted on once (so a refusal still rolls back); nothing else is.
+    assert [sent.votes for sent in watched.sent] == [
+        int(sent in passes and min(prompt_starts(sent.msg)) == 0) for sent in watched.sent
+    ]
