@@ -3,7 +3,10 @@
 - native: kernels/native_attention.py, one C call per layer, batch-invariant; CPUs, float32, where
   a C compiler builds it.
 - tiled: kernels/tiled_attention.py, fixed-shape BLAS products, batch-invariant on any device.
-- spans: kernels/attention.py, SDPA a span at a time: fast, not batch-invariant.
+- paged: kernels/paged_attention.py, FlashInfer's paged kernels through the block tables, one call
+  per layer for every span; GPUs where FlashInfer is installed, float16 or bfloat16, not
+  batch-invariant.
+- spans: kernels/attention.py, SDPA a span at a time: fast, not batch-invariant; the fallback.
 Every rank of a group must serve with the same one (ranks/startup.py agrees on it).
 """
 
@@ -21,6 +24,13 @@ from tpserve.kernels.native_attention import (
     native_attention,
     native_unavailable,
     rotate_store_attend,
+)
+from tpserve.kernels.paged_attention import (
+    FLASHINFER_DTYPES,
+    FlashInfer,
+    PagedPlan,
+    flashinfer_module,
+    paged_attention,
 )
 from tpserve.kernels.tiled_attention import TiledPlan, tiled_attention
 
@@ -56,11 +66,23 @@ SPANS = AttentionKernel(
 )
 
 
+def paged_kernel(backend: FlashInfer | None) -> AttentionKernel:
+    """The paged kernel on `backend` (None: its SDPA fallback through the same tables)."""
+
+    def plan(spans, group, num_slots, block_size, device, *_):
+        return PagedPlan(spans, num_slots, block_size, device, backend)
+
+    return AttentionKernel("paged" if backend else "paged-sdpa", plan, paged_attention)
+
+
 def choose_attention(
     batch_invariant: bool, head_dim: int, group: int, dtype: torch.dtype, device
 ) -> AttentionKernel:
     """The fastest kernel that keeps the exactness asked for on this device."""
     if not batch_invariant:
+        module = flashinfer_module() if torch.device(device).type == "cuda" else None
+        if module is not None and dtype in FLASHINFER_DTYPES:
+            return paged_kernel(FlashInfer(module, device))
         return SPANS
     why_not = native_unavailable(head_dim, group, dtype, device)
     if why_not is None:

@@ -36,6 +36,9 @@ class DeviceFacts:
     torch_version: tuple[int, int, int]
     cuda_version: tuple[int, int, int]  # (0, 0, 0) on the CPU
     nccl_version: tuple[int, int, int]  # (0, 0, 0) on the CPU
+    # the GPU's compute capability (9, 0 for an H100, 12, 1 for a GB10): ranks on different GPU
+    # generations would run different kernels; (0, 0) on the CPU
+    capability: tuple[int, int] = (0, 0)
 
 
 def nvidia_gpu_present() -> bool:
@@ -95,6 +98,7 @@ def device_facts(device: torch.device) -> DeviceFacts:
         torch_version=version_numbers(torch.__version__),
         cuda_version=version_numbers(torch.version.cuda) if gpu else (0, 0, 0),
         nccl_version=_nccl_version() if gpu else (0, 0, 0),
+        capability=tuple(torch.cuda.get_device_capability(device)) if gpu else (0, 0),
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.kernels.attention import SpanView
+from tpserve.kernels.device_sampling import greedy_ids
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.model import TPModel
@@ -160,11 +161,15 @@ class Engine:
         rotary positions (t..., h..., w...) or () (ranks/wire.py Span.rope)."""
         return self._pass(spans, every_row, media_rows, media, rope)
 
-    def decode_round(self, steps: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
+    def decode_round(
+        self, steps: list[tuple[int, int, tuple[int, ...]]], *, greedy: bool = False
+    ) -> torch.Tensor | None:
         """One token per lane: (lane, position, (token,), new blocks), as forward. A lane a Verify left longer
-        than `position` is first cut back to it: the drafts the host did not keep are dropped."""
+        than `position` is first cut back to it: the drafts the host did not keep are dropped.
+        greedy: every row's argmax, taken on the device ([lanes] int64: kernels/device_sampling.py,
+        for a round that greedy_on_device says needs nothing else of its logits), instead of the logits."""
         self.drop_unkept_drafts(steps)
-        return self._pass(steps, every_row=False)
+        return self._pass(steps, every_row=False, greedy=greedy)
 
     def verify(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
         """A decode round with drafts: (lane, position, (token, *drafts), new blocks), with the logits of every
@@ -211,8 +216,11 @@ class Engine:
             if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
                 state.length = start
 
-    def _pass(self, spans, every_row, media_rows=None, media=None, rope=None) -> torch.Tensor | None:
-        """every_row: one flag for the pass or one per span (a span's rows' logits, or its last's)."""
+    def _pass(
+        self, spans, every_row, media_rows=None, media=None, rope=None, greedy: bool = False
+    ) -> torch.Tensor | None:
+        """every_row: one flag for the pass or one per span (a span's rows' logits, or its last's);
+        greedy: the rows' argmax ids instead of their logits, only the ids copied to the host."""
         spans = self._spans(spans)
         every_row = every_row if isinstance(every_row, list) else [every_row] * len(spans)
         if not self.check(spans):
@@ -253,6 +261,8 @@ class Engine:
                 media if packed_media else None,
             )
         if logits is not None:
+            if greedy:
+                logits = greedy_ids(logits)
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
         for index, (lane, _, tokens, _) in enumerate(spans):
             state = self.lanes[lane]

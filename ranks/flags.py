@@ -1,7 +1,8 @@
 """The flags row: what every rank must have been started with alike, agreed before anything loads.
 
 Each rank all-gathers one row of integers (model fingerprint, dtype, KV dtype, quantization, tp, lanes, context, cache
-budget, code version, the device type and the torch, CUDA and NCCL versions); rows that differ make
+budget, code version, the device type, the torch, CUDA and NCCL versions and the GPU's compute
+capability); rows that differ make
 every rank refuse, printing every row. A rank that refused its device says so in its row, so the
 others refuse at once instead of waiting for it.
 """
@@ -48,6 +49,7 @@ FLAG_NAMES = (
     "torch",
     "cuda",
     "nccl",
+    "capability",
 )
 REFUSED = -1  # a rank that refused its device shows this as its device
 
@@ -71,6 +73,7 @@ def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
         version,
         DEVICE_TYPES.index(facts.device_type) if facts else REFUSED,
         *(_packed(numbers) for numbers in _versions(facts)),
+        _packed((*facts.capability, 0)) if facts else REFUSED,
     ]
 
 
@@ -104,6 +107,9 @@ def shown_row(row: list[int]) -> str:
             value = named[name][value] if 0 <= value < len(named[name]) else "refused"
         elif name in ("torch", "cuda", "nccl"):
             value = _unpacked(value)
+        elif name == "capability":
+            value = f"sm_{value // 10_000}{value // 100 % 100}" if value > 0 else "none"
+
         values.append(value)
     return ", ".join(f"{n}={v}" for n, v in zip(FLAG_NAMES, values))
 

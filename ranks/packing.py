@@ -4,7 +4,8 @@ A loaded weight is float, a compressed-tensors checkpoint's int8 (ranks/int8_ten
 a GGUF import's (ranks/block_tensors.py), a compressed-tensors int4 checkpoint's
 (ranks/int4_tensors.py) or a GPTQ or AWQ one's (ranks/gptq_tensors.py). A checkpoint's int8 is
 served as stored whatever the format asked; blocks are served as stored where the format takes their
-bits; anything else is quantized (or kept float) as kernels/weight_formats.py says.
+bits; anything else is quantized (or kept float) as kernels/weight_formats.py says. On a GPU, 4-bit
+blocks go to torch's int4 weight-only product (kernels/int4pack_linear.py) instead of bfloat16.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.kernels.int4pack_linear import Int4PackWeight, int4pack_unfit
 from tpserve.kernels.int8_linear import Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.q5_linear import Q5Weight
@@ -74,6 +76,8 @@ def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, ki
     if isinstance(weight, BlockValues):
         if weight.q.numel() == 0:
             return weight.q.to(dtype)
+        if _on_gpu_in_int4(weight, kind, dtype):
+            return Int4PackWeight.from_blocks(weight.q, weight.d, weight.m, dtype)
         if kind == "int4" and weight.bits in (4, 5):
             return ASYMMETRIC[weight.bits].from_blocks(weight.q, weight.d, weight.m)
         if kind in ("int4", "q8") and weight.bits == 8:
@@ -86,3 +90,16 @@ def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, ki
     if weight.values.numel() == 0:  # a piece holding no KV head has an empty q/k/v
         return weight.values.float()
     return Int8Weight.from_int8(weight.values, weight.scales)
+
+
+def _on_gpu_in_int4(weight: BlockValues, kind: str, dtype: torch.dtype) -> bool:
+    """Whether 4-bit blocks on a GPU are served by torch's int4 product (kernels/int4pack_linear.py)
+    rather than expanded to bfloat16: a GPU's weights in bfloat16 (the CUDA kernel's rows) whose
+    shape the packed layout takes; `quantize` on a GPU is "none" (the CPU formats do not run there)."""
+    return (
+        kind == "none"
+        and weight.bits == 4
+        and dtype == torch.bfloat16
+        and weight.q.device.type == "cuda"
+        and int4pack_unfit(*weight.q.shape, weight.q.device) is None
+    )

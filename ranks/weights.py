@@ -1,11 +1,15 @@
 """Reads one rank's slices of a safetensors checkpoint, applying the sharding table.
 
 Only the rows or columns a rank's pieces own are kept; no other part of a tensor stays in memory.
+On a GPU the files' pages are then dropped from the page cache (posix_fadvise DONTNEED): the
+weights live in device memory, and on a unified-memory GPU (a GB10) the page cache is the same
+memory the KV pool is sized from next.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,10 +152,27 @@ def required_names(config: ModelConfig) -> list[str]:
 
 
 def read_rank_weights(
-    model_dir: str | Path, config: ModelConfig, pieces: list[Piece], dtype: torch.dtype, device="cpu"
+    model_dir: str | Path,
+    config: ModelConfig,
+    pieces: list[Piece],
+    dtype: torch.dtype,
+    device="cpu",
+    drop_cached: bool | None = None,
 ) -> RankWeights:
+    """drop_cached: drop the files' pages from the page cache once read (None: on a GPU, whose
+    weights no longer need them; a CPU's may still be the pages' own, and a restart reads them)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
+    weights = _read_pieces(model_dir, config, files, pieces, dtype, device)
+    if drop_cached if drop_cached is not None else torch.device(device).type == "cuda":
+        for path in sorted(set(files.values())):
+            drop_from_page_cache(path)
+    return weights
+
+
+def _read_pieces(
+    model_dir: Path, config: ModelConfig, files: dict[str, Path], pieces: list[Piece], dtype, device
+) -> RankWeights:
     weights = RankWeights(pieces=[{} for _ in pieces], dtype=dtype)
     with ExitStack() as stack:
         handles = {path: stack.enter_context(_open(path)) for path in sorted(set(files.values()))}
@@ -179,6 +200,18 @@ def _float32_norm(config: ModelConfig, name: str) -> bool:
     and round once (transformers' Gemma3RMSNorm, and GptOssRMSNorm, whose weights it keeps in
     float32), which kernels/norms.py does for a float32 weight."""
     return config.family in FLOAT32_NORMS and name.endswith("norm.weight")
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Tell the kernel `path`'s cached pages are not needed again (a no-op where the OS has no
+    posix_fadvise): clean pages no mapping holds are freed at once."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 class StoredFloat:

@@ -131,10 +131,16 @@ def test_the_flags_row_shows_the_device_and_the_torch_cuda_and_nccl_versions(mon
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 7))
-    gpu = shown_row(flags_row(settings, device_facts(torch.device("cuda", 0))))
-    assert "device=cuda, torch=2.13.0, cuda=13.0.0, nccl=2.27.7" in gpu
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 1))
+    gb10 = flags_row(settings, device_facts(torch.device("cuda", 0)))
+    assert "device=cuda, torch=2.13.0, cuda=13.0.0, nccl=2.27.7, capability=sm_121" in shown_row(gb10)
     cpu = shown_row(flags_row(settings, device_facts(torch.device("cpu"))))
-    assert "device=cpu, torch=2.13.0, cuda=none, nccl=none" in cpu
+    assert "device=cpu, torch=2.13.0, cuda=none, nccl=none, capability=none" in cpu
+    # a rank on another GPU generation (an H100 beside a GB10) differs in that column alone
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    hopper = flags_row(settings, device_facts(torch.device("cuda", 0)))
+    differ = [name for name, a, b in zip(FLAG_NAMES, gb10, hopper) if a != b]
+    assert differ == ["capability"] and shown_row(hopper).endswith("capability=sm_90")
     for code, version in ((2708, (2, 7, 8)), (21903, (2, 19, 3))):  # as older builds report it
         monkeypatch.setattr(torch.cuda.nccl, "version", lambda code=code: code)
         assert device_facts(torch.device("cuda", 0)).nccl_version == version
