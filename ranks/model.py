@@ -169,6 +169,7 @@ class TPModel:
         # Logits are gathered in equal-sized chunks: pad each rank's share to the largest.
         rank_vocab = split_evenly(config.vocab_size, tp_size)
         self.gather_width = max(end - start for start, end in rank_vocab)
+        self.max_positions = max_positions
         rotary_args = (config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device)
         section = getattr(config.vision, "mrope_section", None)  # a Qwen-VL's positions are (t, h, w)
         self.rotary = MRotary(section, *rotary_args) if section else Rotary(*rotary_args)

@@ -24,20 +24,27 @@ PROMPTS = (37, 5, 21)
 CHUNKS = (30, 18)  # lane 2's chunks beside the round, then beside the Verify
 NUM_DRAFTS = 2  # each Verify row's drafts
 NUM_POSITIONS = 80  # room per lane
+# The same passes, smaller, for a model whose rotary tables end before NUM_POSITIONS (a short context).
+SMALL = ((9, 3, 5), (6, 4), 20)
 
 
 def probe_mixed_pass(model, kv_type: torch.dtype, block_size: int, device_timeout_s: float = 60.0) -> None:
     """Raises ProbeFailure unless a mixed pass of `model` (a TPModel) gives the rows and KV of
     separate passes, over a pool of kv_type in blocks of block_size."""
+    prompts, chunks, num_positions = (
+        (PROMPTS, CHUNKS, NUM_POSITIONS) if model.max_positions >= NUM_POSITIONS else SMALL
+    )
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
-    tokens = [torch.randint(vocab, (NUM_POSITIONS,), generator=gen).tolist() for _ in PROMPTS]
-    separate, mixed = (_engine(model, kv_type, block_size, device_timeout_s, order) for order in (1, -1))
+    tokens = [torch.randint(vocab, (num_positions,), generator=gen).tolist() for _ in prompts]
+    separate, mixed = (
+        _engine(model, kv_type, block_size, device_timeout_s, order, num_positions) for order in (1, -1)
+    )
     for engine in (separate, mixed):
-        for lane, length in enumerate(PROMPTS):
+        for lane, length in enumerate(prompts):
             engine.forward([(lane, 0, tuple(tokens[lane][:length]))])
-    start, failure = PROMPTS[2], None
-    for verify, size in zip((False, True), CHUNKS):
+    start, failure = prompts[2], None
+    for verify, size in zip((False, True), chunks):
         steps = _steps(separate, tokens, verify)
         chunk = (2, start, tuple(tokens[2][start : start + size]))
         alone = separate.verify(steps) if verify else separate.decode_round(steps)
@@ -58,10 +65,12 @@ def probe_mixed_pass(model, kv_type: torch.dtype, block_size: int, device_timeou
         )
 
 
-def _engine(model, kv_type, block_size: int, device_timeout_s: float, order: int) -> Engine:
+def _engine(
+    model, kv_type, block_size: int, device_timeout_s: float, order: int, num_positions: int
+) -> Engine:
     """An engine over a pool of its own, each lane's table its blocks in `order` (-1: reversed, so
     the mixed engine reads its keys through other block ids than the separate one)."""
-    per_lane = -(-NUM_POSITIONS // block_size)
+    per_lane = -(-num_positions // block_size)
     kv = KVPool(
         model.config.num_layers,
         len(PROMPTS) * per_lane * block_size,

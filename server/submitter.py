@@ -130,16 +130,16 @@ class Submitter:
     def submit_sized(self, request) -> Submitted:
         """submit, with the prompt's token ids (truncated, where asked) and the reply's budget."""
         try:
-            stream = self._submit(request)
+            submitted = self._submit(request)
         except RequestRefused as refusal:
             self.metrics.count_outcome(refusal.code.name.lower())
             raise
         finally:
             if request.ByteSize() >= LARGE_REQUEST_BYTES:  # memory back to its baseline (server/heap.py)
                 give_back_free_memory()
-        stream.bound_unread(self.max_unread_tokens)
-        stream.on_overflow(self._count_overflow)
-        return stream
+        submitted.stream.bound_unread(self.max_unread_tokens)
+        submitted.stream.on_overflow(self._count_overflow)
+        return submitted
 
     @property
     def unread_overflow(self) -> str:
