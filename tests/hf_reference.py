@@ -87,3 +87,23 @@ def cached_greedy(reference, num_steps: int, **inputs) -> tuple[torch.Tensor, li
             past = out.past_key_values
     tokens.append(int(logits[-1].argmax()))
     return torch.stack(logits), tokens
+
+
+def assert_daemon_replies_are_transformers_greedy(
+    model_dir, prompts, solo, together, max_tokens: int
+) -> None:
+    """A daemon's solo replies run to max_tokens, its concurrent ones equal them, and each is the
+    greedy generate() of transformers' own model (eager experts, float32) on the same checkpoint."""
+    from tiny_hf_models import transformers
+
+    assert all(reply.ok and len(reply.token_ids) == max_tokens for reply in solo)
+    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation="eager"
+    )
+    for ids, reply in zip(prompts, solo):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
+            )
+        assert reply.token_ids == out[0, len(ids) :].tolist()

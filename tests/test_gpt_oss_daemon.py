@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from daemon import read_reply, running_daemon
+from hf_reference import assert_daemon_replies_are_transformers_greedy
 from mxfp4_models import write_mxfp4_pair
-from tiny_hf_models import transformers, write_hf_model
+from tiny_hf_models import write_hf_model
 
 from tpserve.v1 import serving_pb2
 
@@ -39,14 +40,4 @@ def test_an_mxfp4_gpt_oss_serves_transformers_greedy_tokens_batched_or_alone(tmp
             together = list(pool.map(generate, requests))
         assert "GptOssForCausalLM attends within a sliding window of 8 tokens" in served.logs()
         assert "its mxfp4 experts dequantized exactly to dtype" in served.logs()
-    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo)
-    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, experts_implementation="eager"
-    )
-    for ids, reply in zip(PROMPTS, solo):
-        with torch.no_grad():
-            out = reference.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None
-            )
-        assert reply.token_ids == out[0, len(ids) :].tolist()
+    assert_daemon_replies_are_transformers_greedy(model_dir, PROMPTS, solo, together, MAX_TOKENS)

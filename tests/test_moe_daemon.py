@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from daemon import read_reply, running_daemon
+from hf_reference import assert_daemon_replies_are_transformers_greedy
 from tiny_hf_models import transformers, write_hf_model
 
 from tpserve.v1 import serving_pb2
@@ -36,17 +37,7 @@ def test_qwen3_moe_replies_batched_equal_their_solo_runs_and_transformers(tmp_pa
             together = list(pool.map(generate, requests))
         note = "Qwen3MoeForCausalLM's sliding window of 300 tokens never binds at a context of 256"
         assert note in served.logs()
-    assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo)
-    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, experts_implementation="eager"
-    )
-    for ids, reply in zip(PROMPTS, solo):
-        with torch.no_grad():
-            out = reference.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None
-            )
-        assert reply.token_ids == out[0, len(ids) :].tolist()
+    assert_daemon_replies_are_transformers_greedy(model_dir, PROMPTS, solo, together, MAX_TOKENS)
 
 
 def test_a_sliding_window_model_serves_past_its_window_as_transformers_does(tmp_path):
