@@ -13,22 +13,17 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 from PIL import Image
 
 from tpserve.ranks.errors import ModelFileError
 from tpserve.server.processor_config import image_processor_settings
-from tpserve.server.validation import RequestRefused
+from tpserve.server.validation import RequestRefused, invalid_argument
 
 FORMATS = ("JPEG", "PNG", "WEBP")
 MIME_TYPES = ("image/jpeg", "image/png", "image/webp")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-def _invalid(message: str) -> RequestRefused:
-    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _size(value, what: str, path: Path) -> tuple[int, int]:
@@ -133,14 +128,14 @@ class Preprocessor:
 
 def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
     """The bytes as a decoded image; refuses what is not a JPEG, PNG or WebP, or has too many pixels."""
-    unreadable = _invalid(f"{where}.media.data is not a readable JPEG, PNG or WebP image")
+    unreadable = invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=FORMATS)
             width, height = image.size
             if width * height > max_pixels:
-                raise _invalid(
+                raise invalid_argument(
                     f"{where}.media is a {width}x{height} image; the most per image is {max_pixels} pixels"
                 )
             image.load()

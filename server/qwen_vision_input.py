@@ -14,7 +14,6 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 from PIL import Image
 
 from tpserve.ranks.model_config import ModelConfig
@@ -22,12 +21,8 @@ from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
 from tpserve.server.images import FORMATS, decode_image
 from tpserve.server.qwen_images import QwenPreprocessor, smart_resize
 from tpserve.server.requests import PromptImage
-from tpserve.server.validation import RequestRefused
+from tpserve.server.validation import invalid_argument
 from tpserve.server.vision_input import image_key
-
-
-def _invalid(message: str) -> RequestRefused:
-    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 class QwenVisionInput:
@@ -51,9 +46,9 @@ class QwenVisionInput:
             with Image.open(io.BytesIO(data), formats=FORMATS) as image:
                 width, height = image.size
         except Exception as error:  # an untrusted file: every way Pillow can fail is one refusal
-            raise _invalid(f"{where}.media.data is not a readable JPEG, PNG or WebP image") from error
+            raise invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image") from error
         if width <= 0 or height <= 0:
-            raise _invalid(f"{where}.media.data is not a readable JPEG, PNG or WebP image")
+            raise invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image")
         pre = self.preprocessor
         factor = pre.patch_size * pre.merge_size
         resized = smart_resize(height, width, factor, pre.min_pixels, pre.max_pixels)
@@ -66,7 +61,7 @@ class QwenVisionInput:
         merged grid's rows * columns, and the images' offsets in it."""
         found = [index for index, token in enumerate(ids) if token == self.image_token_id]
         if len(found) != num_images or len(media) != num_images:
-            raise _invalid(
+            raise invalid_argument(
                 f"the prompt holds {len(found)} image tokens for {num_images} image parts "
                 f"(the text may not contain {self.image_token!r})"
             )

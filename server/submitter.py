@@ -42,6 +42,7 @@ from tpserve.server.validation import (
     check_messages,
     check_min_tokens,
     check_prompt_size,
+    invalid_argument,
     max_tokens_for,
     message_texts,
     sampling_from,
@@ -63,10 +64,6 @@ UNREAD_OVERFLOW = (
 DEFAULT_MAX_UNREAD_TOKENS = 1024
 
 log = logging.getLogger(__name__)
-
-
-def _invalid_argument(message: str) -> RequestRefused:
-    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass(frozen=True)
@@ -172,7 +169,7 @@ class Submitter:
         if request.HasField("truncate_prompt_tokens"):
             cut = truncated(request, prompt_ids, self.limits)
             if offsets and len(cut) < len(prompt_ids):
-                raise _invalid_argument("truncate_prompt_tokens cannot cut a prompt with image inputs")
+                raise invalid_argument("truncate_prompt_tokens cannot cut a prompt with image inputs")
             # A kept chat boundary moves with the prompt's dropped head (or goes, if cut off).
             dropped = 0 if request.truncate_right else len(prompt_ids) - len(cut)
             boundaries = tuple(b - dropped for b in boundaries if 0 < b - dropped < len(cut))

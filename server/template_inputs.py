@@ -7,9 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-import grpc
-
-from tpserve.server.validation import RequestRefused
+from tpserve.server.validation import invalid_argument
 
 # Variables the server itself sets; chat_template_kwargs may not replace them.
 RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token")
@@ -20,7 +18,7 @@ def template_inputs(request) -> dict:
     continue_final_message for Tokenizer.encode_chat, from a GenerateRequest or TokenizeRequest."""
     generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
     if request.continue_final_message and generation_prompt:
-        raise _invalid(
+        raise invalid_argument(
             "continue_final_message needs add_generation_prompt: false (the reply continues the last message)"
         )
     tools = _json(request.tools_json, "tools", list) if request.tools_json else None
@@ -29,7 +27,7 @@ def template_inputs(request) -> dict:
         kwargs = _json(request.chat_template_kwargs_json, "chat_template_kwargs", dict)
         reserved = sorted(set(kwargs) & set(RESERVED))
         if reserved:
-            raise _invalid(f"chat_template_kwargs may not set {', '.join(reserved)}")
+            raise invalid_argument(f"chat_template_kwargs may not set {', '.join(reserved)}")
     return {
         "tools": tools,
         "template_kwargs": kwargs,
@@ -62,11 +60,7 @@ def _json(text: str, name: str, kind: type):
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise _invalid(f"{name} is not valid JSON: {error}") from None
+        raise invalid_argument(f"{name} is not valid JSON: {error}") from None
     if not isinstance(value, kind):
-        raise _invalid(f"{name} must be {'a list' if kind is list else 'an object'}")
+        raise invalid_argument(f"{name} must be {'a list' if kind is list else 'an object'}")
     return value
-
-
-def _invalid(message: str) -> RequestRefused:
-    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)

@@ -54,7 +54,8 @@ class RequestRefused(Exception):
         self.message = message
 
 
-def _invalid(message: str) -> RequestRefused:
+def invalid_argument(message: str) -> RequestRefused:
+    """A refusal with INVALID_ARGUMENT (a 400 over HTTP)."""
     return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
@@ -71,7 +72,7 @@ def _exactly_one(present: dict[str, bool]) -> str:
     if len(chosen) == 1:
         return chosen[0]
     got = "none" if not chosen else _join_names(chosen)
-    raise _invalid(f"exactly one of {_join_names(names, 'or')} must be set (got {got})")
+    raise invalid_argument(f"exactly one of {_join_names(names, 'or')} must be set (got {got})")
 
 
 def prompt_kind(request) -> str:
@@ -84,7 +85,7 @@ def prompt_kind(request) -> str:
         }
     )
     if kind == "prompt" and not request.prompt:
-        raise _invalid("prompt is empty")
+        raise invalid_argument("prompt is empty")
     return kind
 
 
@@ -98,38 +99,44 @@ def check_messages(messages, limits: Limits) -> None:
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if message.role not in ALLOWED_ROLES:
-            raise _invalid(f"{where}.role {message.role!r} is not one of {', '.join(ALLOWED_ROLES)}")
+            raise invalid_argument(f"{where}.role {message.role!r} is not one of {', '.join(ALLOWED_ROLES)}")
         if message.content and len(message.parts) > 0:
-            raise _invalid(f"{where} sets both content and parts; use one")
+            raise invalid_argument(f"{where} sets both content and parts; use one")
         for part_index, part in enumerate(message.parts):
             part_where = f"{where}.parts[{part_index}]"
             kind = part.WhichOneof("kind")
             if kind is None:
-                raise _invalid(f"{part_where} has neither text nor media")
+                raise invalid_argument(f"{part_where} has neither text nor media")
             if kind == "media":
                 _check_media(part.media, part_where, limits)
     num_images = sum(part.HasField("media") for message in messages for part in message.parts)
     if num_images > limits.max_images:
-        raise _invalid(f"at most {limits.max_images} images are allowed per request (got {num_images})")
+        raise invalid_argument(
+            f"at most {limits.max_images} images are allowed per request (got {num_images})"
+        )
 
 
 def _check_media(media, where: str, limits: Limits) -> None:
     if not media.mime_type.startswith(MEDIA_TYPES):
-        raise _invalid(f"{where}.media.mime_type {media.mime_type!r} is not an image or video type")
+        raise invalid_argument(f"{where}.media.mime_type {media.mime_type!r} is not an image or video type")
     if not limits.vision:
         raise RequestRefused(grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
     if not media.data:
-        raise _invalid(f"{where}.media.data is empty")
+        raise invalid_argument(f"{where}.media.data is empty")
     if media.mime_type.startswith("video/"):
-        raise _invalid(f"{where}.media: video inputs are not supported (send a video's frames as images)")
+        raise invalid_argument(
+            f"{where}.media: video inputs are not supported (send a video's frames as images)"
+        )
     if media.mime_type == "image/*":  # what the HTTP API makes of an image_url that is no data: URL
-        raise _invalid(
+        raise invalid_argument(
             f"{where}.media is a URL; this server fetches none: send the image's bytes (a data: URL)"
         )
     if media.mime_type not in IMAGE_TYPES:
-        raise _invalid(f"{where}.media.mime_type {media.mime_type!r} is not one of {', '.join(IMAGE_TYPES)}")
+        raise invalid_argument(
+            f"{where}.media.mime_type {media.mime_type!r} is not one of {', '.join(IMAGE_TYPES)}"
+        )
     if len(media.data) > limits.max_image_bytes:
-        raise _invalid(
+        raise invalid_argument(
             f"{where}.media.data is {len(media.data)} bytes; the most per image is {limits.max_image_bytes}"
         )
 
@@ -137,7 +144,9 @@ def _check_media(media, where: str, limits: Limits) -> None:
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> None:
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            raise _invalid(f"{field}[{index}] = {token_id} is outside the vocabulary of {vocab_size} tokens")
+            raise invalid_argument(
+                f"{field}[{index}] = {token_id} is outside the vocabulary of {vocab_size} tokens"
+            )
 
 
 def check_prompt_size(texts: Sequence[str], what: str, limits: Limits) -> None:
@@ -148,7 +157,7 @@ def check_prompt_size(texts: Sequence[str], what: str, limits: Limits) -> None:
         return
     size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
     if size > limit:
-        raise _invalid(
+        raise invalid_argument(
             f"{what} is {size} bytes long; no prompt over {limit} bytes can fit the context of "
             f"{limits.context_size} tokens"
         )
@@ -175,9 +184,9 @@ def check_generate(request, limits: Limits) -> str:
         check_token_ids(request.prompt_token_ids, limits.vocab_size)
     if request.HasField("max_tokens"):
         if request.max_tokens < 1:
-            raise _invalid(f"max_tokens must be at least 1 (got {request.max_tokens})")
+            raise invalid_argument(f"max_tokens must be at least 1 (got {request.max_tokens})")
         if request.max_tokens > limits.context_size:
-            raise _invalid(
+            raise invalid_argument(
                 f"max_tokens ({request.max_tokens}) exceeds the context of {limits.context_size} tokens"
             )
     _check_sampling(request, limits)
@@ -191,58 +200,60 @@ def _check_adjustments(request, limits: Limits) -> None:
     """The logit adjustments' ranges (OpenAI's for the penalties and logit_bias)."""
     for name in ("presence_penalty", "frequency_penalty"):
         if request.HasField(name) and not -2.0 <= getattr(request, name) <= 2.0:
-            raise _invalid(f"{name} must be from -2 to 2 (got {getattr(request, name):g})")
+            raise invalid_argument(f"{name} must be from -2 to 2 (got {getattr(request, name):g})")
     if request.HasField("repetition_penalty") and not 0.0 < request.repetition_penalty <= 10.0:
-        raise _invalid(
+        raise invalid_argument(
             f"repetition_penalty must be above 0 and at most 10 (got {request.repetition_penalty:g})"
         )
     for token_id, bias in sorted(request.logit_bias.items()):
         if not 0 <= token_id < limits.vocab_size:
-            raise _invalid(
+            raise invalid_argument(
                 f"logit_bias[{token_id}]: the token is outside the vocabulary of {limits.vocab_size} tokens"
             )
         if not -100.0 <= bias <= 100.0:
-            raise _invalid(f"logit_bias[{token_id}] must be from -100 to 100 (got {bias:g})")
+            raise invalid_argument(f"logit_bias[{token_id}] must be from -100 to 100 (got {bias:g})")
     if request.HasField("min_tokens") and request.min_tokens < 0:
-        raise _invalid(f"min_tokens must be 0 or more (got {request.min_tokens})")
+        raise invalid_argument(f"min_tokens must be 0 or more (got {request.min_tokens})")
 
 
 def _check_sampling(request, limits: Limits) -> None:
     # Written so that NaN fails every range check: comparisons with NaN are all False.
     if request.HasField("temperature") and not 0.0 <= request.temperature <= limits.max_temperature:
-        raise _invalid(
+        raise invalid_argument(
             f"temperature must be from 0 to {limits.max_temperature:g} (got {request.temperature:g})"
         )
     if request.HasField("top_p") and not 0.0 < request.top_p <= 1.0:
-        raise _invalid(f"top_p must be above 0 and at most 1 (got {request.top_p:g})")
+        raise invalid_argument(f"top_p must be above 0 and at most 1 (got {request.top_p:g})")
     if request.HasField("top_k") and request.top_k < 0:
-        raise _invalid(f"top_k must be 0 (off) or more (got {request.top_k})")
+        raise invalid_argument(f"top_k must be 0 (off) or more (got {request.top_k})")
     if request.HasField("min_p") and not 0.0 <= request.min_p <= 1.0:
-        raise _invalid(f"min_p must be from 0 to 1 (got {request.min_p:g})")
+        raise invalid_argument(f"min_p must be from 0 to 1 (got {request.min_p:g})")
     if request.HasField("seed") and request.seed > MAX_SEED:
-        raise _invalid(f"seed must be below 2**63 (got {request.seed})")
+        raise invalid_argument(f"seed must be below 2**63 (got {request.seed})")
     if request.HasField("logprobs") and not 0 <= request.logprobs <= limits.max_logprobs:
-        raise _invalid(f"logprobs must be from 0 to {limits.max_logprobs} (got {request.logprobs})")
+        raise invalid_argument(f"logprobs must be from 0 to {limits.max_logprobs} (got {request.logprobs})")
     if request.HasField("prompt_logprobs") and not 0 <= request.prompt_logprobs <= limits.max_logprobs:
-        raise _invalid(
+        raise invalid_argument(
             f"prompt_logprobs must be from 0 to {limits.max_logprobs} (got {request.prompt_logprobs})"
         )
     if request.HasField("truncate_prompt_tokens") and not (
         request.truncate_prompt_tokens >= 1 or request.truncate_prompt_tokens == -1
     ):
-        raise _invalid(
+        raise invalid_argument(
             f"truncate_prompt_tokens must be 1 or more, or -1 (got {request.truncate_prompt_tokens})"
         )
 
 
 def _check_stop(stop: Sequence[str], limits: Limits) -> None:
     if len(stop) > limits.max_stop_strings:
-        raise _invalid(f"at most {limits.max_stop_strings} stop strings are allowed (got {len(stop)})")
+        raise invalid_argument(
+            f"at most {limits.max_stop_strings} stop strings are allowed (got {len(stop)})"
+        )
     for index, text in enumerate(stop):
         if not text:
-            raise _invalid(f"stop[{index}] is empty")
+            raise invalid_argument(f"stop[{index}] is empty")
         if len(text) > limits.max_stop_chars:
-            raise _invalid(
+            raise invalid_argument(
                 f"stop[{index}] is {len(text)} characters long; the most is {limits.max_stop_chars}"
             )
 
@@ -283,17 +294,17 @@ def max_tokens_for(request, num_prompt_tokens: int, limits: Limits) -> int:
     """The reply's token budget; refuses a prompt that, with it, does not fit the context."""
     context = limits.context_size
     if num_prompt_tokens == 0:
-        raise _invalid("prompt has no tokens")
+        raise invalid_argument("prompt has no tokens")
     if request.HasField("max_tokens"):
         if num_prompt_tokens + request.max_tokens > context:
-            raise _invalid(
+            raise invalid_argument(
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({request.max_tokens}) "
                 f"exceeds the context of {context} tokens"
             )
         _check_room(num_prompt_tokens, request.max_tokens, limits)
         return request.max_tokens
     if num_prompt_tokens >= context:
-        raise _invalid(
+        raise invalid_argument(
             f"prompt ({num_prompt_tokens} tokens) leaves no room to reply in the context of {context} tokens"
         )
     max_tokens = context - num_prompt_tokens
@@ -309,12 +320,12 @@ def max_tokens_for(request, num_prompt_tokens: int, limits: Limits) -> int:
 def check_min_tokens(request, max_tokens: int) -> None:
     """min_tokens within the reply's budget, max_tokens set or not (vLLM refuses it too)."""
     if request.min_tokens > max_tokens:
-        raise _invalid(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})")
+        raise invalid_argument(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})")
 
 
 def _check_room(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:
     if limits.room is not None and num_prompt_tokens + max_tokens > limits.room:
-        raise _invalid(
+        raise invalid_argument(
             f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV room "
             f"than the engine holds ({limits.room} tokens)"
         )

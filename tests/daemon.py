@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -498,3 +499,14 @@ class BackgroundReply:
         if self._thread.is_alive():
             raise DaemonFailed(f"a reply did not end within {timeout_s:g} s")
         return self.reply
+
+
+def solo_then_together(served, requests, timeout_s: float = 300.0) -> tuple[list[Reply], list[Reply]]:
+    """Each request alone, one after another; then all of them at once."""
+
+    def generate(one):
+        return read_reply(served.stub.Generate(one, timeout=timeout_s))
+
+    solo = [generate(one) for one in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return solo, list(pool.map(generate, requests))

@@ -4,10 +4,8 @@ replies batched equal replies alone."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
-from daemon import read_reply, running_daemon
+from daemon import running_daemon, solo_then_together
 from hf_reference import assert_daemon_replies_are_transformers_greedy
 from mxfp4_models import write_mxfp4_pair
 from tiny_hf_models import write_hf_model
@@ -31,13 +29,7 @@ def test_an_mxfp4_gpt_oss_serves_transformers_greedy_tokens_batched_or_alone(tmp
     # a float32 KV pool, as transformers keeps (no near tie decided by the pool's rounding)
     args = ("--lanes", "6", "--context", "256", "--max-prefill-tokens", "64", "--kv-dtype", "float32")
     with running_daemon("spawn", model_dir, tmp_path / "logs", *args) as served:
-
-        def generate(one):
-            return read_reply(served.stub.Generate(one, timeout=300))
-
-        solo = [generate(one) for one in requests]
-        with ThreadPoolExecutor(len(requests)) as pool:
-            together = list(pool.map(generate, requests))
+        solo, together = solo_then_together(served, requests)
         assert "GptOssForCausalLM attends within a sliding window of 8 tokens" in served.logs()
         assert "its mxfp4 experts dequantized exactly to dtype" in served.logs()
     assert_daemon_replies_are_transformers_greedy(model_dir, PROMPTS, solo, together, MAX_TOKENS)

@@ -3,11 +3,9 @@ ones equal transformers' generate; so do a sliding-window model's past its windo
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
-from daemon import read_reply, running_daemon
+from daemon import read_reply, running_daemon, solo_then_together
 from hf_reference import assert_daemon_replies_are_transformers_greedy
 from tiny_hf_models import transformers, write_hf_model
 
@@ -28,13 +26,7 @@ def test_qwen3_moe_replies_batched_equal_their_solo_runs_and_transformers(tmp_pa
     requests = [request(ids) for ids in PROMPTS] + [request(PROMPTS[1], temperature=0.9, seed=7)]
     args = ("--lanes", "6", "--context", "256", "--max-prefill-tokens", "64")
     with running_daemon("spawn", model_dir, tmp_path / "logs", *args) as served:
-
-        def generate(one):
-            return read_reply(served.stub.Generate(one, timeout=300))
-
-        solo = [generate(one) for one in requests]
-        with ThreadPoolExecutor(len(requests)) as pool:
-            together = list(pool.map(generate, requests))
+        solo, together = solo_then_together(served, requests)
         note = "Qwen3MoeForCausalLM's sliding window of 300 tokens never binds at a context of 256"
         assert note in served.logs()
     assert_daemon_replies_are_transformers_greedy(model_dir, PROMPTS, solo, together, MAX_TOKENS)
