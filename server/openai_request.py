@@ -23,6 +23,9 @@ INT32_MAX = 2**31 - 1
 PART_TYPES = ("text", "image_url", "video_url", "input_audio")
 
 
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}  # what stream_options may hold
+
+
 @dataclass(frozen=True)
 class OpenAIRequest:
     """One chat or completion request: the GenerateRequests to run (one per choice, in choice order)
@@ -151,6 +154,9 @@ def _finish(
         raise FieldRefused("stream_options", "stream_options must be an object")
     if options is not None and not stream:
         raise FieldRefused("stream_options", "stream_options needs stream: true")  # as OpenAI refuses it
+    unknown = sorted(set(options or {}) - STREAM_OPTIONS)
+    if unknown:
+        raise FieldRefused(f"stream_options.{unknown[0]}", f"stream_options has no field {unknown[0]!r}")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     continuous = _flag(options or {}, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     n = 1 if body.get("n") is None else _int32("n", body["n"])

@@ -77,6 +77,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     assert all(chunk.usage is None for chunk in quiet)
     plain = completion_chunks(client, max_tokens=6, stream_options={"include_usage": True})
     assert [chunk.usage is None for chunk in plain] == [True] * (len(plain) - 1) + [False]
+    with pytest.raises(openai.BadRequestError, match="stream_options has no field 'include_usages'"):
+        completion_chunks(client, max_tokens=6, stream_options={"include_usages": True})
 
     chat = list(
         client.chat.completions.create(
