@@ -14,8 +14,11 @@ lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
+# Two test processes side by side (most tests wait on daemons, not on a core); a file's tests stay
+# in one process, so its module fixtures start once. WORKERS=0 runs them in this one.
+WORKERS ?= 2
 test: lint
-	.venv/bin/python -m pytest -q $(ARGS)
+	.venv/bin/python -m pytest -q -n $(WORKERS) --dist loadfile $(ARGS)
 
 # Tests that must pass in any order: a shuffled run (a new seed each time, printed) of the suites
 # that share in-process state or module fixtures.

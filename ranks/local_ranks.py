@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 import socket
 from collections.abc import Iterator
@@ -27,12 +28,24 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+def _own_share() -> tuple[int, int]:
+    """(k, n): this process picks only ports p with p % n == k, where n processes pick side by side
+    (pytest-xdist's workers) and could otherwise hand out the same port before either binds it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return index % count, count
+
+
 def free_port(address: str = "127.0.0.1") -> int:
     """A port on `address` free now, outside the kernel's ephemeral range: between this call and the
     listener's bind, an outgoing connection (gloo's, the store's, a client's) cannot take it as its own
     port, as one could take a port that bind(0) handed out."""
     low, high = _ephemeral_range()
-    below = range(10000, low) if low > 11000 else range(high + 1, 65536)
+    index, count = _own_share()
+    first = 10000 if low > 11000 else high + 1
+    last = low if low > 11000 else 65536
+    below = range(first + (index - first) % count, last, count)
     for port in _PICK.sample(below, min(200, len(below))):
         if port in _GIVEN:
             continue

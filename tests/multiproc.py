@@ -103,7 +103,7 @@ class RankPool:
         world_size: int = 2,
         *,
         pg_timeout_s: float = 10.0,
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float = 300.0,  # a hang guard: spawning two ranks on a busy machine is slow
         store_on_rank0: bool = False,
     ):
         self.world_size = world_size

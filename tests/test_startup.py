@@ -276,3 +276,14 @@ def test_free_ports_are_outside_the_range_outgoing_connections_take_and_never_re
     assert not [port for port in ports if low <= port <= high]
     with socket.socket() as listener:  # each is bindable
         listener.bind(("127.0.0.1", ports[-1]))
+
+
+def test_test_workers_side_by_side_pick_from_disjoint_ports(monkeypatch):
+    """Two pytest-xdist workers picking ports at once: neither can hand out a port the other has
+    handed out but not yet bound."""
+    picked = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        picked.append({free_port() for _ in range(30)})
+    assert {port % 2 for port in picked[0]} == {0} and {port % 2 for port in picked[1]} == {1}
