@@ -82,11 +82,14 @@ def gather_keys(pool: torch.Tensor, tables: PagedTables, span: int) -> torch.Ten
     return keys[:, :end]
 
 
+def flashinfer_installed() -> bool:
+    """Whether FlashInfer can be imported here (found, not imported)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def flashinfer_module():
     """FlashInfer, or None where it is not installed (an optional package: imported on first use)."""
-    if importlib.util.find_spec("flashinfer") is None:
-        return None
-    return importlib.import_module("flashinfer")
+    return importlib.import_module("flashinfer") if flashinfer_installed() else None
 
 
 class FlashInfer:
