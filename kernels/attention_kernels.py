@@ -54,6 +54,7 @@ class AttentionKernel:
     # pool_k, pool_v, plan, scale, window=0, sinks=None) -> [T, Hq*D]: rotary, the KV writes and
     # attend in one call, where the kernel has one (kernels/native_attention.py)
     rotate_store_attend: Callable | None = None
+    backend: FlashInfer | None = None  # the paged kernel's FlashInfer (None: its SDPA fallback)
 
 
 NATIVE = AttentionKernel(
@@ -76,7 +77,7 @@ def paged_kernel(backend: FlashInfer | None) -> AttentionKernel:
     def plan(spans, group, num_slots, block_size, device, *_):
         return PagedPlan(spans, num_slots, block_size, device, backend)
 
-    return AttentionKernel("paged" if backend else "paged-sdpa", plan, paged_attention)
+    return AttentionKernel("paged" if backend else "paged-sdpa", plan, paged_attention, backend=backend)
 
 
 FALLBACK_ORDER = ("flashinfer", "sdpa")  # without batch invariance: the first that serves here

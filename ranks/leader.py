@@ -75,7 +75,7 @@ class Leader:
         self.device_type = device_type or engine.model.device.type
         self.channel = channel
         self.num_lanes = num_lanes
-        self.num_blocks = engine.kv.num_blocks
+        self.num_blocks = engine.num_blocks  # the lanes' (a graphed engine keeps one spare)
         self.block_size = engine.kv.block_size
         self.room = self.num_blocks * self.block_size
         self.context_size = context_size
