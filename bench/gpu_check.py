@@ -19,8 +19,15 @@ CUDA and NCCL), then checks, each on ranks started for real:
   - decode tokens/s at 1, 8 and 32 lanes against the bandwidth roofline (weights and KV read per
     round over the device's measured read bandwidth);
   - with two ranks (two GPUs, or the CPU): tp=2 gives tp=1's tokens, and a follower SIGKILLed
-    mid-stream ends the stream with an error naming it within the deadline.
-It runs on the CPU too (`--device cpu`), so CI keeps it working. Exit status 1 when a check fails.
+    mid-stream ends the stream with an error naming it within the deadline;
+  - the device's own rows (bench/gpu_verdicts.py): FlashInfer against SDPA in a prefill and a
+    decode round, launch calls per decode round with CUDA graphs on and off and the host syncs of
+    a graphed round, int4 and fp8 products against bf16 (time, largest difference), the decode
+    rows' share of the roofline, the same rows for the other random geometries
+    (`--roofline-models`, auto: 1b and 8b on a GPU), and the whole run under ten minutes.
+Every check carries a verdict (report["verdicts"]): pass, fail, or why it was not judged there ("no
+CUDA" on the CPU). It runs on the CPU too (`--device cpu`), so CI keeps it working. Exit status 1
+when a check fails.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import torch  # noqa: E402
 from bench.gpu_decode import decode_checks, roofline_models  # noqa: E402
 from bench.gpu_facts import gpu_facts  # noqa: E402
 from bench.gpu_passes import GREEDY, greedy_tokens, one_rank, prompt_logits  # noqa: E402
-from bench.gpu_verdicts import paged_kernel, quantized_products, timed_run, verdicts  # noqa: E402
+from bench.gpu_verdicts import paged_kernel, quantized_products, timed_run, verdict, verdicts  # noqa: E402
 from bench.prompts import chat_prompt  # noqa: E402
 from bench.random_model import GEOMETRIES, num_parameters, write_random_model  # noqa: E402
 from bench.tables import print_table  # noqa: E402
@@ -104,6 +111,13 @@ def run_gpu_check(args: argparse.Namespace, model_dir: str, scratch: str) -> tup
         "same_argmax_rows": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
         "greedy_tokens_equal": float32_tokens == reference_tokens,
     }
+    checks["tp1_float32_vs_cpu"]["verdict"] = (
+        "pass"
+        if float32_tokens == reference_tokens
+        else "fail"
+        if device.type == "cpu"
+        else "differs (float32 on a GPU rounds otherwise: see max_abs_diff)"
+    )
     report["host"]["threads"] = torch.get_num_threads()  # as the ranks set it
 
     with one_rank(
@@ -141,12 +155,6 @@ def run_gpu_check(args: argparse.Namespace, model_dir: str, scratch: str) -> tup
     checks["whole_run"] = timed_run(time.monotonic() - started, device)
     report["verdicts"] = verdicts(checks)
     failed += [name for name, said in report["verdicts"].items() if said == "fail"]
-    if not checks["tp1_float32_vs_cpu"]["greedy_tokens_equal"] and device.type == "cpu":
-        failed.append("tp1_float32_vs_cpu")
-    if two_ranks and not checks["tp2_equals_tp1"].get("equal", True):
-        failed.append("tp2_equals_tp1")
-    if two_ranks and not checks["follower_sigkill"].get("ended_with_error_in_time", True):
-        failed.append("follower_sigkill")
     report["failed"] = failed
     report["elapsed_s"] = time.monotonic() - started
     return report, failed
@@ -220,7 +228,8 @@ def tp2_equals_tp1(model_dir: str, args, prompt) -> dict:
         ].token_ids
         for tp in (1, 2)
     }
-    return {"tp1_tokens": tokens[1], "tp2_tokens": tokens[2], "equal": tokens[1] == tokens[2]}
+    equal = tokens[1] == tokens[2]
+    return {"tp1_tokens": tokens[1], "tp2_tokens": tokens[2], "equal": equal, "verdict": verdict(equal)}
 
 
 def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
@@ -261,6 +270,7 @@ def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
         "seconds_from_kill_to_error": seconds,
         "stream_error": error,
         "ended_with_error_in_time": in_time,
+        "verdict": verdict(in_time),
     }
 
 
