@@ -14,6 +14,7 @@ Thresholds are named below: each is a bar a served GPU should clear, not a measu
 
 from __future__ import annotations
 
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -60,6 +61,12 @@ def paged_kernel(device: torch.device, seed: int = 0) -> dict:
     why = not_judged(device) or (None if flashinfer_module() else "FlashInfer not installed (serving SDPA)")
     if why:
         return {"verdict": why}
+    return paged_rows(device, FlashInfer(flashinfer_module(), device), seed)
+
+
+def paged_rows(device: torch.device, backend: FlashInfer | None, seed: int = 0) -> dict:
+    """paged_kernel's rows on `backend` (None: the SDPA fallback against itself, what the CPU tests
+    run to check the passes this row builds)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     num_q, num_kv, head_dim, block_size, num_blocks = 32, 8, 128, 32, 256
     pool_k, pool_v = (
@@ -69,7 +76,6 @@ def paged_kernel(device: torch.device, seed: int = 0) -> dict:
         for _ in range(2)
     )
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    backend = FlashInfer(flashinfer_module(), device)
     rows = {}
     passes = {
         "prefill": [(0, 300), (700, 64)],
@@ -141,9 +147,14 @@ def _launches(lanes) -> int:
 
 
 def _timed(product, x, repeats: int = 20) -> float:
-    """Seconds per call, on the device's clock."""
+    """Seconds per call, on the device's clock (the host's on the CPU)."""
     for _ in range(3):
         product(x)
+    if x.device.type != "cuda":
+        started = time.perf_counter()
+        for _ in range(repeats):
+            product(x)
+        return (time.perf_counter() - started) / repeats
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
@@ -174,6 +185,11 @@ def quantized_products(device: torch.device, shape: tuple[int, int] = (14336, 40
     why = not_judged(device)
     if why:
         return {"verdict": why}
+    return quantized_rows(device, shape)
+
+
+def quantized_rows(device: torch.device, shape: tuple[int, int]) -> dict:
+    """quantized_products' rows on any device (the CPU runs torch's twins of both products)."""
     gen = torch.Generator(device=device).manual_seed(0)
     weight = (torch.randn(*shape, generator=gen, device=device) / shape[1] ** 0.5).to(torch.bfloat16)
     dense = lambda x: x @ weight.T  # noqa: E731

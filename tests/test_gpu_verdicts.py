@@ -16,7 +16,9 @@ from bench.gpu_verdicts import (
     fp8_of,
     int4_of,
     paged_kernel,
+    paged_rows,
     quantized_products,
+    quantized_rows,
     roof_verdicts,
     timed_run,
     verdicts,
@@ -60,3 +62,20 @@ def test_each_checks_verdict_is_read_alike():
         "d": {"holds": True},  # a finding with no verdict of its own
     }
     assert verdicts(checks) == {"a": "pass", "b": "fail", "c": "skipped: one GPU here"}
+
+
+def test_the_rows_a_gpu_runs_build_and_run_here():
+    # The same passes and products, on the CPU: the paged row's SDPA fallback against itself, and
+    # torch's CPU twins of the int4 and fp8 products on a smaller weight.
+    rows = paged_rows(CPU, backend=None)
+    assert (
+        rows["verdict"] == "pass" and rows["prefill"]["max_abs_diff"] == rows["decode"]["max_abs_diff"] == 0
+    )
+    products = quantized_rows(CPU, (256, 512))
+    for name in ("int4", "fp8"):
+        assert set(products[name]) == {"rows_1", "rows_32", "verdict"}, products[name]
+        assert all(
+            0 < r["max_rel_diff"] <= QUANT_MAX_REL_DIFF[name]
+            for k, r in products[name].items()
+            if k != "verdict"
+        )
