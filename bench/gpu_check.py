@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--roofline-models",
         default="auto",
-        help="random geometries whose decode is timed too, comma-separated (auto: 1b,8b on a GPU, none on the CPU)",
+        help="random geometries whose decode is timed too, comma-separated, or none (auto: 1b,8b on a GPU "
+        "but the checked one, none on the CPU)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: half the cores)")
     args = parser.parse_args(argv)

@@ -65,7 +65,7 @@ def roofline_models(args, dtype: str, device, lanes: list[int], scratch: str) ->
     if names == "auto":  # the checked model's own rows are the decode check's
         others = [name for name in ROOFLINE_MODELS_ON_GPU if name != args.random_model]
         names = ",".join(others) if device.type == "cuda" else ""
-    if not names:
+    if names in ("", "none"):
         return {"verdict": "no CUDA (none asked)" if device.type != "cuda" else "none asked"}
     out, judged = {}, []
     for name in names.split(","):
