@@ -19,8 +19,15 @@ CUDA and NCCL), then checks, each on ranks started for real:
   - decode tokens/s at 1, 8 and 32 lanes against the bandwidth roofline (weights and KV read per
     round over the device's measured read bandwidth);
   - with two ranks (two GPUs, or the CPU): tp=2 gives tp=1's tokens, and a follower SIGKILLed
-    mid-stream ends the stream with an error naming it within the deadline.
-It runs on the CPU too (`--device cpu`), so CI keeps it working. Exit status 1 when a check fails.
+    mid-stream ends the stream with an error naming it within the deadline;
+  - the device's own rows (bench/gpu_verdicts.py): FlashInfer against SDPA in a prefill and a
+    decode round, launch calls per decode round with CUDA graphs on and off and the host syncs of
+    a graphed round, int4 and fp8 products against bf16 (time, largest difference), the decode
+    rows' share of the roofline, the same rows for the other random geometries
+    (`--roofline-models`, auto: 1b and 8b on a GPU), and the whole run under ten minutes.
+Every check carries a verdict (report["verdicts"]): pass, fail, or why it was not judged there ("no
+CUDA" on the CPU). It runs on the CPU too (`--device cpu`), so CI keeps it working. Exit status 1
+when a check fails.
 """
 
 from __future__ import annotations
@@ -43,27 +50,19 @@ import_tpserve_from_tree()  # before the imports below, on a machine where nothi
 
 import torch  # noqa: E402
 
+from bench.gpu_decode import decode_checks, roofline_models  # noqa: E402
 from bench.gpu_facts import gpu_facts  # noqa: E402
-from bench.gpu_passes import (  # noqa: E402
-    GREEDY,
-    decode_speed,
-    greedy_tokens,
-    inspect_passes,
-    one_rank,
-    prompt_logits,
-    read_bandwidth,
-)
+from bench.gpu_passes import GREEDY, greedy_tokens, one_rank, prompt_logits  # noqa: E402
+from bench.gpu_verdicts import paged_kernel, quantized_products, timed_run, verdict, verdicts  # noqa: E402
 from bench.prompts import chat_prompt  # noqa: E402
 from bench.random_model import GEOMETRIES, num_parameters, write_random_model  # noqa: E402
 from bench.tables import print_table  # noqa: E402
-from bench.weight_bytes import ELEMENT_SIZES, weight_bytes_per_token  # noqa: E402
 from tpserve.default_model import default_model_dir  # noqa: E402
 from tpserve.generate import generate_tokens, open_single_lane  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.ranks.errors import BackendBroken  # noqa: E402
 from tpserve.ranks.leader import Leader  # noqa: E402
 from tpserve.ranks.local_ranks import free_port, local_followers  # noqa: E402
-from tpserve.ranks.model_config import load_model_config  # noqa: E402
 from tpserve.ranks.settings import EngineSettings  # noqa: E402
 from tpserve.ranks.startup import StartupError, start_rank  # noqa: E402
 from tpserve.server.backend import DecodeItem, PrefillItem  # noqa: E402
@@ -73,8 +72,8 @@ KILL_AFTER_S = 0.5  # into the stream
 KILL_DEADLINE_S = 30.0  # the pair's collective_timeout_s in the kill check
 
 
-def run_gpu_check(args: argparse.Namespace, model_dir: str) -> tuple[dict, list[str]]:
-    """The report, and the checks that failed."""
+def run_gpu_check(args: argparse.Namespace, model_dir: str, scratch: str) -> tuple[dict, list[str]]:
+    """The report, and the checks that failed (scratch: where other geometries' models are written)."""
     tokenizer = Tokenizer.from_model_dir(model_dir)
     prompt = chat_prompt(tokenizer, 0)
     lanes = [int(n) for n in args.lanes.split(",")]
@@ -112,6 +111,13 @@ def run_gpu_check(args: argparse.Namespace, model_dir: str) -> tuple[dict, list[
         "same_argmax_rows": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
         "greedy_tokens_equal": float32_tokens == reference_tokens,
     }
+    checks["tp1_float32_vs_cpu"]["verdict"] = (
+        "pass"
+        if float32_tokens == reference_tokens
+        else "fail"
+        if device.type == "cpu"
+        else "differs (float32 on a GPU rounds otherwise: see max_abs_diff)"
+    )
     report["host"]["threads"] = torch.get_num_threads()  # as the ranks set it
 
     with one_rank(
@@ -129,9 +135,12 @@ def run_gpu_check(args: argparse.Namespace, model_dir: str) -> tuple[dict, list[
     dtype = "bfloat16" if device.type == "cuda" else "float32"  # what the daemon serves in there
     checks["batch_invariance_probe"] = guarded(invariance_probe, model_dir, args, dtype, context)
 
-    checks["passes"], checks["decode"] = guarded(
-        decode_checks, model_dir, args, dtype, prompt, lanes, context, n=2
+    checks["passes"], checks["decode"], checks["decode_graphs"] = guarded(
+        decode_checks, model_dir, args, dtype, prompt, lanes, context, n=3
     )
+    checks["paged_kernel"] = guarded(paged_kernel, device)
+    checks["quantized_products"] = guarded(quantized_products, device)
+    checks["roofline_models"] = guarded(roofline_models, args, dtype, device, lanes, scratch)
 
     two_ranks = args.two_ranks == "yes" or (
         args.two_ranks == "auto" and (device.type == "cpu" or torch.cuda.device_count() >= 2)
@@ -143,13 +152,9 @@ def run_gpu_check(args: argparse.Namespace, model_dir: str) -> tuple[dict, list[
         why = "one GPU here" if device.type == "cuda" else "--two-ranks no"
         checks["tp2_equals_tp1"] = checks["follower_sigkill"] = {"skipped": why}
 
-    failed += [name for name, check in checks.items() if "error" in check]
-    if not checks["tp1_float32_vs_cpu"]["greedy_tokens_equal"] and device.type == "cpu":
-        failed.append("tp1_float32_vs_cpu")
-    if two_ranks and not checks["tp2_equals_tp1"].get("equal", True):
-        failed.append("tp2_equals_tp1")
-    if two_ranks and not checks["follower_sigkill"].get("ended_with_error_in_time", True):
-        failed.append("follower_sigkill")
+    checks["whole_run"] = timed_run(time.monotonic() - started, device)
+    report["verdicts"] = verdicts(checks)
+    failed += [name for name, said in report["verdicts"].items() if said == "fail"]
     report["failed"] = failed
     report["elapsed_s"] = time.monotonic() - started
     return report, failed
@@ -185,40 +190,6 @@ def guarded(check, *args, n: int = 1):
     except Exception as error:  # recorded in the report, which is the point of a one-shot check
         failure = {"error": f"{type(error).__name__}: {error}"[:2000]}
         return failure if n == 1 else (failure,) * n
-
-
-def decode_checks(
-    model_dir: str, args, dtype: str, prompt, lanes: list[int], context: int
-) -> tuple[dict, dict]:
-    """(what a prefill and a decode round run and wait for, decode speed against the roofline)."""
-    config = load_model_config(model_dir)
-    tokenizer = Tokenizer.from_model_dir(model_dir)
-    with one_rank(
-        model_dir, args.device, dtype, num_lanes=max(lanes), context_size=context, threads=args.threads
-    ) as rt:
-        passes = inspect_passes(rt.engine, prompt, config.num_layers)
-        bandwidth = read_bandwidth(rt.device, args.bandwidth_mib << 20)
-        weights = weight_bytes_per_token(config, 0, 1, ELEMENT_SIZES[dtype])
-        rows = []
-        for num_lanes in lanes:
-            prompts = [chat_prompt(tokenizer, i) for i in range(num_lanes)]
-            rate, mean_kv = decode_speed(rt.engine, prompts, num_rounds=args.rounds)
-            per_round = weights + num_lanes * mean_kv * rt.kv_budget.kv_bytes_per_token
-            roof = num_lanes * bandwidth / per_round
-            rows.append(
-                {
-                    "lanes": num_lanes,
-                    "tokens_per_s": rate,
-                    "roofline_tokens_per_s": roof,
-                    "of_roof": rate / roof,
-                }
-            )
-        return passes, {
-            "dtype": dtype,
-            "bandwidth_gb_s": bandwidth / 1e9,
-            "weight_bytes": weights,
-            "rows": rows,
-        }
 
 
 def invariance_probe(model_dir: str, args, dtype: str, context: int) -> dict:
@@ -257,7 +228,8 @@ def tp2_equals_tp1(model_dir: str, args, prompt) -> dict:
         ].token_ids
         for tp in (1, 2)
     }
-    return {"tp1_tokens": tokens[1], "tp2_tokens": tokens[2], "equal": tokens[1] == tokens[2]}
+    equal = tokens[1] == tokens[2]
+    return {"tp1_tokens": tokens[1], "tp2_tokens": tokens[2], "equal": equal, "verdict": verdict(equal)}
 
 
 def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
@@ -298,6 +270,7 @@ def follower_sigkill(model_dir: str, args, prompt, context: int) -> dict:
         "seconds_from_kill_to_error": seconds,
         "stream_error": error,
         "ended_with_error_in_time": in_time,
+        "verdict": verdict(in_time),
     }
 
 
@@ -325,10 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=32, help="timed decode rounds per lane count")
     parser.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer summed to measure bandwidth")
     parser.add_argument("--two-ranks", choices=("auto", "yes", "no"), default="auto")
+    parser.add_argument(
+        "--roofline-models",
+        default="auto",
+        help="random geometries whose decode is timed too, comma-separated, or none (auto: 1b,8b on a GPU "
+        "but the checked one, none on the CPU)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: half the cores)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tpserve-gpu-check-") as scratch:
-        report, failed = run_gpu_check(args, chosen_model(args, scratch))
+        report, failed = run_gpu_check(args, chosen_model(args, scratch), scratch)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     checks = report["checks"]
     rows = checks["decode"].get("rows", [])
@@ -339,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"tp1 float32 vs CPU: max |diff| {checks['tp1_float32_vs_cpu']['max_abs_diff']:.3g}")
     print(f"SDPA in prefill: {checks['passes'].get('sdpa_prefill') or checks['passes']}")
+    for name, said in report["verdicts"].items():
+        print(f"  {name}: {said}")
     print(f"report written to {args.out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     sys.stdout.flush()
     # The kill check leaves rank 0's group with a dead peer, which interpreter teardown can trip on.

@@ -89,12 +89,15 @@ class Lanes:
             self.tokens += sample(logits, [GREEDY], [len(prompt)])
 
     def round(self) -> None:
+        """One decode round as the daemon serves it: Engine.decode_round (a graph's replay where the
+        engine has them), its greedy ids taken on the device on a GPU (the leader's choice there)."""
         steps = [
             (lane, length, (token,)) for lane, (length, token) in enumerate(zip(self.lengths, self.tokens))
         ]
-        logits = self.engine.forward(steps)
+        on_device = self.engine.model.device.type == "cuda"
+        out = self.engine.decode_round(steps, greedy=on_device)
         self.lengths = [length + 1 for length in self.lengths]
-        self.tokens = sample(logits, [GREEDY] * len(steps), self.lengths)
+        self.tokens = out.tolist() if on_device else sample(out, [GREEDY] * len(steps), self.lengths)
 
     def close(self) -> None:
         for lane in range(len(self.lengths)):

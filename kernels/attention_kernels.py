@@ -7,7 +7,10 @@
   per layer for every span; GPUs where FlashInfer is installed, float16 or bfloat16, not
   batch-invariant.
 - spans: kernels/attention.py, SDPA a span at a time: fast, not batch-invariant; the fallback.
-Every rank of a group must serve with the same one (ranks/startup.py agrees on it).
+Without batch invariance the order is FALLBACK_ORDER, FlashInfer then SDPA (attention_choice, the
+one place that decides). Every rank of a group must serve with the same one: the choice is a column
+of the flags row (ranks/flags.py), agreed before loading, and native vs tiled is agreed after it
+(ranks/startup.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tpserve.kernels.paged_attention import (
     FLASHINFER_DTYPES,
     FlashInfer,
     PagedPlan,
+    flashinfer_installed,
     flashinfer_module,
     paged_attention,
 )
@@ -50,6 +54,7 @@ class AttentionKernel:
     # pool_k, pool_v, plan, scale, window=0, sinks=None) -> [T, Hq*D]: rotary, the KV writes and
     # attend in one call, where the kernel has one (kernels/native_attention.py)
     rotate_store_attend: Callable | None = None
+    backend: FlashInfer | None = None  # the paged kernel's FlashInfer (None: its SDPA fallback)
 
 
 NATIVE = AttentionKernel(
@@ -72,17 +77,40 @@ def paged_kernel(backend: FlashInfer | None) -> AttentionKernel:
     def plan(spans, group, num_slots, block_size, device, *_):
         return PagedPlan(spans, num_slots, block_size, device, backend)
 
-    return AttentionKernel("paged" if backend else "paged-sdpa", plan, paged_attention)
+    return AttentionKernel("paged" if backend else "paged-sdpa", plan, paged_attention, backend=backend)
+
+
+FALLBACK_ORDER = ("flashinfer", "sdpa")  # without batch invariance: the first that serves here
+ATTENTION_CHOICES = ("invariant", *FALLBACK_ORDER)  # the flags row's names (invariant: native or tiled)
+
+
+def attention_choice(
+    batch_invariant: bool, dtype: torch.dtype, device_type: str, has_flashinfer: bool
+) -> str:
+    """Which kernel family a rank serves with, before anything loads: "invariant" (native or tiled,
+    settled after loading), else the first of FALLBACK_ORDER this rank can run: FlashInfer on CUDA
+    in float16 or bfloat16 where it is installed, else SDPA."""
+    if batch_invariant:
+        return "invariant"
+    if device_type == "cuda" and has_flashinfer and dtype in FLASHINFER_DTYPES:
+        return "flashinfer"
+    return "sdpa"
+
+
+def rank_attention_choice(batch_invariant: bool, dtype: torch.dtype, device) -> str:
+    """attention_choice for this process (whether FlashInfer is installed here)."""
+    kind = torch.device(device).type
+    return attention_choice(batch_invariant, dtype, kind, kind == "cuda" and flashinfer_installed())
 
 
 def choose_attention(
     batch_invariant: bool, head_dim: int, group: int, dtype: torch.dtype, device
 ) -> AttentionKernel:
     """The fastest kernel that keeps the exactness asked for on this device."""
-    if not batch_invariant:
-        module = flashinfer_module() if torch.device(device).type == "cuda" else None
-        if module is not None and dtype in FLASHINFER_DTYPES:
-            return paged_kernel(FlashInfer(module, device))
+    choice = rank_attention_choice(batch_invariant, dtype, device)
+    if choice == "flashinfer":
+        return paged_kernel(FlashInfer(flashinfer_module(), device))
+    if choice == "sdpa":
         return SPANS
     why_not = native_unavailable(head_dim, group, dtype, device)
     if why_not is None:

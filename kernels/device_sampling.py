@@ -30,6 +30,20 @@ def greedy_on_device(
     return plain and not masked and not adjusted
 
 
+def samples_on_device(
+    device_type: str,
+    params: Sequence[SamplingParams],
+    allowed: Sequence[np.ndarray | None] | None = None,
+    streams: Sequence[object | None] | None = None,
+    records_logits: bool = False,
+) -> bool:
+    """Whether a decode round's tokens are taken on the device: on a GPU (where the logits' copy and
+    numpy's argmax would wait in series with the next round; on the CPU they are where the host
+    sampler reads them already), for a round greedy_on_device takes, whose logits nothing else
+    reads (records_logits: the recorder's top logits)."""
+    return device_type == "cuda" and not records_logits and greedy_on_device(params, allowed, streams)
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] on any device -> [rows] int64 on that device: each row's argmax, NaN
     read as -inf, ties to the lower id."""

@@ -82,11 +82,14 @@ def gather_keys(pool: torch.Tensor, tables: PagedTables, span: int) -> torch.Ten
     return keys[:, :end]
 
 
+def flashinfer_installed() -> bool:
+    """Whether FlashInfer can be imported here (found, not imported)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def flashinfer_module():
     """FlashInfer, or None where it is not installed (an optional package: imported on first use)."""
-    if importlib.util.find_spec("flashinfer") is None:
-        return None
-    return importlib.import_module("flashinfer")
+    return importlib.import_module("flashinfer") if flashinfer_installed() else None
 
 
 class FlashInfer:
@@ -96,38 +99,60 @@ class FlashInfer:
         self.module, self.device = module, torch.device(device)
         self._workspace: torch.Tensor | None = None
 
-    def planned(self, tables: PagedTables, decode: bool, q, pool, scale: float):
-        """A wrapper planned for this pass's tables and this head shape (q [T, Hq, D], pool [Hkv, slots, D])."""
+    def workspace(self) -> torch.Tensor:
+        """The float workspace every wrapper of this device shares (one stream runs them in turn)."""
         if self._workspace is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def planned(self, tables: PagedTables, decode: bool, q, pool, scale: float):
+        """A wrapper planned for this pass's tables and this head shape (q [T, Hq, D], pool [Hkv, slots, D])."""
         num_q, num_kv, head_dim = q.shape[1], pool.shape[0], q.shape[2]
         common = {"sm_scale": scale, "q_data_type": q.dtype, "kv_data_type": pool.dtype}
         if decode:
             wrapper = self.module.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "HND", use_tensor_cores=num_q // num_kv >= 4
+                self.workspace(), "HND", use_tensor_cores=num_q // num_kv >= 4
             )
             wrapper.plan(
                 tables.kv_indptr, tables.kv_indices, tables.kv_last_page_len,
                 num_q, num_kv, head_dim, tables.block_size, **common,
             )  # fmt: skip
         else:
-            wrapper = self.module.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND")
+            wrapper = self.module.BatchPrefillWithPagedKVCacheWrapper(self.workspace(), "HND")
             wrapper.plan(
                 tables.qo_indptr, tables.kv_indptr, tables.kv_indices, tables.kv_last_page_len,
                 num_q, num_kv, head_dim, tables.block_size, causal=True, **common,
             )  # fmt: skip
         return wrapper
 
+    def graph_decode_wrapper(self, indptr, indices, last_page_len, num_q: int, num_kv: int):
+        """A decode wrapper for CUDA graphs: its kernel reads the CSR arrays from these fixed device
+        buffers (a bucket's: ranks/decode_graphs.py), which plan_round fills before each replay."""
+        return self.module.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace(), "HND", use_cuda_graph=True, use_tensor_cores=num_q // num_kv >= 4,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len,
+        )  # fmt: skip
+
+    @staticmethod
+    def plan_round(wrapper, tables: PagedTables, head_shape, scale: float, q_dtype, kv_dtype) -> None:
+        """Plan a graph's decode wrapper for this round's tables (host arrays), outside the graph."""
+        num_q, num_kv, head_dim = head_shape
+        wrapper.plan(
+            tables.kv_indptr, tables.kv_indices, tables.kv_last_page_len, num_q, num_kv, head_dim,
+            tables.block_size, sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
+        )  # fmt: skip
+
 
 class PagedPlan:
-    """What every layer of a pass reads: the CSR tables (on the CPU for the plan, on the device for
-    the kernel), and per head shape the planned wrapper; SpanPlan for the layers FlashInfer does not
+    """What every layer of a pass reads: the CSR tables (on the CPU: FlashInfer's plan reads them
+    there and copies them to the device itself, so no plan waits on the device), and per head shape
+    the planned wrapper; SpanPlan for the layers FlashInfer does not
     take (a binding window, sinks), built on first need."""
 
     def __init__(self, spans, num_slots: int, block_size: int, device, backend: FlashInfer | None = None):
         self.spans, self.num_slots, self.block_size, self.device = spans, num_slots, block_size, device
         self.tables = paged_tables(spans, block_size, num_slots)
-        self.on_device = self.tables.to(device)
         self.num_tokens = int(self.tables.qo_indptr[-1])
         self.decode = all(span.length == 1 for span in spans)
         self.backend = backend
@@ -140,7 +165,7 @@ class PagedPlan:
             return None
         key = (q.shape[1], pool.shape[0], q.shape[2], q.dtype, scale)
         if key not in self._wrappers:
-            self._wrappers[key] = self.backend.planned(self.on_device, self.decode, q, pool, scale)
+            self._wrappers[key] = self.backend.planned(self.tables, self.decode, q, pool, scale)
         return self._wrappers[key]
 
     def span_plan(self) -> SpanPlan:

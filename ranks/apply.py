@@ -21,17 +21,20 @@ class VotedDown(Exception):
     """Some rank refused a voted message; no rank changed anything."""
 
 
-def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = None) -> torch.Tensor | None:
+def apply_message(
+    engine: Engine, channel, msg, media: torch.Tensor | None = None, greedy: bool = False
+) -> torch.Tensor | None:
     """Returns the logits of a Prefill, Round or Verify on rank 0 (None elsewhere and for other kinds).
 
-    `media`: on rank 0, the image features of a Prefill's media runs, in message order.
+    `media`: on rank 0, the image features of a Prefill's media runs, in message order; `greedy`: a
+    Round's argmax ids in place of its logits (rank 0's choice: the pass is the same on every rank).
     Raises VotedDown when the ranks voted no.
     """
     if isinstance(msg, Bundle):  # a follower's: rank 0 applied all but the last as it sent them
         *first, last = msg.messages
         for inner in first:
             apply_message(engine, channel, inner)
-        return apply_message(engine, channel, last, media)
+        return apply_message(engine, channel, last, media, greedy)
     if isinstance(msg, Admit):
         engine.admit(msg.lane, msg.blocks, msg.num_cached)  # rank 0 chose them: nothing to vote on
         return None
@@ -71,7 +74,8 @@ def apply_message(engine: Engine, channel, msg, media: torch.Tensor | None = Non
             rope=[s.rope for s in spans] if any(s.rope for s in spans) else None,
         )
     if isinstance(msg, Round):
-        return engine.decode_round([(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps])
+        steps = [(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps]
+        return engine.decode_round(steps, greedy=greedy)
     if isinstance(msg, Verify):
         return engine.verify([(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans])
     if isinstance(msg, Release):

@@ -12,13 +12,15 @@ Supported: `quant_method: compressed-tensors`, and in every config group one of
   type: int, strategy: group` (any group_size; multiples of 32 are served as stored, others
   dequantized) or `strategy: channel`, symmetric or not (`weight_zero_point`) (ranks/int4_tensors.py);
 - fp8: format `float-quantized` / `naive-quantized`, weights `num_bits: 8, type: float, symmetric:
-  true, strategy: tensor` or `channel`, dequantized at load (ranks/fp8_tensors.py);
+  true, strategy: tensor` or `channel`, served in fp8 by torch._scaled_mm on a GPU of sm_90 or newer
+  in bfloat16, dequantized at load elsewhere (ranks/fp8_tensors.py, ranks/packing.py);
 each group naming its format, or all the checkpoint's. Refused by name: other bit widths and types
 (int2, nvfp4), other strategies (block, tensor for ints, group for int8 and fp8), asymmetric int8 or
 fp8, activation order (`actorder`; `g_idx` tensors at load), dynamic weight scales, transforms,
 sparsity. The checkpoint's input-activation settings are not used: the int8 and 4-bit products
 quantize every input row by its own absmax at run time (kernels/int8_linear.py,
-kernels/q4_linear.py), and fp8 weights compute in float.
+kernels/q4_linear.py), and fp8 weights compute in float (on a GPU, each input row in fp8 by its
+own absmax: kernels/fp8_linear.py).
 Which modules are quantized is read off the tensors themselves: the ones beside a `weight_scale`;
 the rest (`ignore`, usually lm_head) are float.
 

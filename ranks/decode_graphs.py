@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tpserve.kernels.attention import SpanView
-from tpserve.kernels.paged_attention import paged_tables
+from tpserve.kernels.paged_attention import PagedTables, paged_tables
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WARMUP_STEPS = 2  # eager runs before capture: lazy initialisation (cuBLAS handles, workspaces)
@@ -59,8 +59,10 @@ class DecodeBuffers:
             ints(bucket),
         )
 
-    def fill(self, spans: list[SpanView], token_ids: list[int], positions: list[int], num_slots: int) -> None:
-        """Copy a padded round (padded_round) into the buffers, in place."""
+    def fill(
+        self, spans: list[SpanView], token_ids: list[int], positions: list[int], num_slots: int
+    ) -> PagedTables:
+        """Copy a padded round (padded_round) into the buffers, in place; its CSR arrays on the host."""
         if len(spans) != self.bucket:
             raise ValueError(f"a round of {len(spans)} rows for a bucket of {self.bucket}")
         tables = paged_tables(spans, self.block_size, num_slots)
@@ -77,13 +79,15 @@ class DecodeBuffers:
         ):
             buffer.copy_(values, non_blocking=True)
         self.kv_indices[: tables.kv_indices.numel()].copy_(tables.kv_indices, non_blocking=True)
+        return tables
 
 
 class DecodeGraph:
     """`step` (reading only static buffers, returning its output tensor) captured as a CUDA graph on
     a GPU, replayed by run(); elsewhere run() calls it."""
 
-    def __init__(self, step: Callable[[], torch.Tensor], device):
+    def __init__(self, step: Callable[[], torch.Tensor], device, pool=None):
+        """pool: the memory pool graphs share (torch.cuda.graph_pool_handle), or None for its own."""
         self.step, self.graph, self.output = step, None, None
         if torch.device(device).type != "cuda":
             return
@@ -94,7 +98,7 @@ class DecodeGraph:
                 step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.output = step()
 
     def run(self) -> torch.Tensor:

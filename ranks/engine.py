@@ -18,6 +18,7 @@ import torch
 
 from tpserve.kernels.attention import SpanView
 from tpserve.kernels.device_sampling import greedy_ids
+from tpserve.ranks.decode_runner import DecodeGraphs
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.model import TPModel
@@ -41,7 +42,9 @@ class EngineError(RuntimeError):
 
 class Engine:
     """`device_timeout_s` bounds the wait for a pass's logits to reach the host (on a GPU, where a
-    lost peer leaves the stream waiting forever on its collective)."""
+    lost peer leaves the stream waiting forever on its collective). `decode_graphs`: decode rounds
+    replay CUDA graphs (ranks/decode_runner.py; eagerly off a GPU), the pool's last block kept out
+    of every lane's table as their padding rows' spare block."""
 
     def __init__(
         self,
@@ -50,11 +53,14 @@ class Engine:
         *,
         refuse_token: int | None = None,
         device_timeout_s: float = 60.0,
+        decode_graphs: bool = False,
     ):
         self.model = model
         self.device_timeout_s = device_timeout_s
         self.refuse_token = refuse_token
         self.kv = kv
+        self.num_blocks = kv.num_blocks - 1 if decode_graphs else kv.num_blocks  # the lanes' to hold
+        self.graphs = DecodeGraphs(model, kv, spare_block=self.num_blocks) if decode_graphs else None
         self.lanes: dict[int, Lane] = {}
         self.refs: dict[int, int] = {}  # block id -> how many lanes' tables hold it
 
@@ -68,7 +74,7 @@ class Engine:
             raise EngineError(
                 f"lane {lane}: cannot open on {len(blocks)} blocks with {num_cached} cached tokens"
             )
-        if any(not 0 <= block < self.kv.num_blocks for block in blocks[:num_shared]):
+        if any(not 0 <= block < self.num_blocks for block in blocks[:num_shared]):
             raise EngineError(f"lane {lane} given a shared KV block outside the pool: {list(blocks)}")
         self._check_own(lane, blocks[num_shared:])
         self.lanes[lane] = Lane([], num_cached)
@@ -86,10 +92,10 @@ class Engine:
     def _check_own(self, lane: int, blocks) -> None:
         """Blocks a lane will write: in the pool, held by no lane, each once."""
         for block in blocks:
-            if not 0 <= block < self.kv.num_blocks or block in self.refs:
+            if not 0 <= block < self.num_blocks or block in self.refs:
                 raise EngineError(
                     f"lane {lane} given KV block {block} to write: outside the pool of "
-                    f"{self.kv.num_blocks} or held by {self.refs.get(block)} lane(s)"
+                    f"{self.num_blocks} or held by {self.refs.get(block)} lane(s)"
                 )
         if len(set(blocks)) != len(blocks):
             raise EngineError(f"lane {lane} given a KV block twice: {list(blocks)}")
@@ -121,7 +127,7 @@ class Engine:
             table = state.blocks + list(blocks)
             if start + len(tokens) > len(table) * size:
                 return False
-            if any(not 0 <= b < self.kv.num_blocks or b in self.refs or b in given for b in blocks):
+            if any(not 0 <= b < self.num_blocks or b in self.refs or b in given for b in blocks):
                 return False
             written = table[start // size : -(-(start + len(tokens)) // size)]
             if any(self.refs.get(b, 0) > 1 for b in written):
@@ -169,7 +175,7 @@ class Engine:
         greedy: every row's argmax, taken on the device ([lanes] int64: kernels/device_sampling.py,
         for a round that greedy_on_device says needs nothing else of its logits), instead of the logits."""
         self.drop_unkept_drafts(steps)
-        return self._pass(steps, every_row=False, greedy=greedy)
+        return self._pass(steps, every_row=False, greedy=greedy, graphed=self.graphs is not None)
 
     def verify(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
         """A decode round with drafts: (lane, position, (token, *drafts), new blocks), with the logits of every
@@ -217,10 +223,11 @@ class Engine:
                 state.length = start
 
     def _pass(
-        self, spans, every_row, media_rows=None, media=None, rope=None, greedy: bool = False
+        self, spans, every_row, media_rows=None, media=None, rope=None, greedy: bool = False, graphed=False
     ) -> torch.Tensor | None:
         """every_row: one flag for the pass or one per span (a span's rows' logits, or its last's);
-        greedy: the rows' argmax ids instead of their logits, only the ids copied to the host."""
+        greedy: the rows' argmax ids instead of their logits, only the ids copied to the host;
+        graphed: a decode round, replayed as its bucket's graph where one takes it."""
         spans = self._spans(spans)
         every_row = every_row if isinstance(every_row, list) else [every_row] * len(spans)
         if not self.check(spans):
@@ -251,15 +258,10 @@ class Engine:
         if multimodal:  # [3, T]: the rotary's (t, h, w) rows (KV slots come from the spans)
             positions = [[p for span in axes for p in span[axis]] for axis in range(3)]
         with torch.inference_mode():
-            logits = self.model.forward(
-                torch.tensor(token_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                views,
-                self.kv,
-                logit_rows,
-                rows,
-                media if packed_media else None,
-            )
+            if graphed and not multimodal and self.graphs.takes(len(views)):
+                logits = self.graphs.run(views, token_ids, positions)
+            else:
+                logits = self._forward(views, token_ids, positions, logit_rows, rows, media, packed_media)
         if logits is not None:
             if greedy:
                 logits = greedy_ids(logits)
@@ -272,6 +274,18 @@ class Engine:
             if multimodal and rope is not None and rope[index]:
                 state.rope_delta = rope_delta([axis[-1] for axis in axes[index]], state.length - 1)
         return logits
+
+    def _forward(self, views, token_ids, positions, logit_rows, rows, media, packed_media):
+        device = self.model.device
+        return self.model.forward(
+            torch.tensor(token_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            views,
+            self.kv,
+            logit_rows,
+            rows,
+            media if packed_media else None,
+        )
 
     def _pass_name(self, spans) -> str:
         peers = ", ".join(f"rank {r}" for r in range(1, self.model.tp_size))
@@ -293,7 +307,7 @@ def open_lane(engine: Engine, lane: int, num_tokens: int) -> tuple[int, ...]:
     that drive one engine alone (benchmarks, checks), where no lane host books the blocks. The block
     ids it got; EngineError when the pool has too few free."""
     size, held = engine.kv.block_size, set(engine.refs)
-    free = [block for block in range(engine.kv.num_blocks) if block not in held]
+    free = [block for block in range(engine.num_blocks) if block not in held]
     blocks = tuple(free[: -(-num_tokens // size)])
     if len(blocks) * size < num_tokens:
         raise EngineError(f"lane {lane}: the pool has no room for {num_tokens} more tokens")

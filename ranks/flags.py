@@ -1,8 +1,10 @@
 """The flags row: what every rank must have been started with alike, agreed before anything loads.
 
 Each rank all-gathers one row of integers (model fingerprint, dtype, KV dtype, quantization, tp, lanes, context, cache
-budget, code version, the device type, the torch, CUDA and NCCL versions and the GPU's compute
-capability); rows that differ make
+budget, code version, the device type, the torch, CUDA and NCCL versions, the GPU's compute
+capability and the attention kernel it would serve with: kernels/attention_kernels.py's
+attention_choice, so a rank with FlashInfer beside one without refuses rather than give its heads
+other numbers); rows that differ make
 every rank refuse, printing every row. A rank that refused its device says so in its row, so the
 others refuse at once instead of waiting for it.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tpserve.kernels.attention_kernels import ATTENTION_CHOICES, rank_attention_choice
 from tpserve.ranks.collectives_choice import CHOICES
 from tpserve.ranks.device import DEVICE_TYPES, DeviceFacts
 from tpserve.ranks.errors import StartupError
@@ -50,6 +53,7 @@ FLAG_NAMES = (
     "cuda",
     "nccl",
     "capability",
+    "attention",
 )
 REFUSED = -1  # a rank that refused its device shows this as its device
 
@@ -74,7 +78,16 @@ def flags_row(settings: EngineSettings, facts: DeviceFacts | None) -> list[int]:
         DEVICE_TYPES.index(facts.device_type) if facts else REFUSED,
         *(_packed(numbers) for numbers in _versions(facts)),
         _packed((*facts.capability, 0)) if facts else REFUSED,
+        _attention(settings, facts),
     ]
+
+
+def _attention(settings: EngineSettings, facts: DeviceFacts | None) -> int:
+    """The attention kernel family this rank would serve with (decided before loading)."""
+    if facts is None or settings.dtype == "auto" or settings.batch_invariant is None:
+        return REFUSED
+    dtype = getattr(torch, settings.dtype)
+    return ATTENTION_CHOICES.index(rank_attention_choice(settings.batch_invariant, dtype, facts.device_type))
 
 
 def _versions(facts: DeviceFacts | None) -> tuple[tuple[int, int, int], ...]:
@@ -100,6 +113,7 @@ def shown_row(row: list[int]) -> str:
         "quantize": QUANTIZE_CHOICES,
         "cpu_collectives": CHOICES,
         "device": DEVICE_TYPES,
+        "attention": ATTENTION_CHOICES,
     }
     values = []
     for name, value in zip(FLAG_NAMES, row):

@@ -1,15 +1,19 @@
-"""A checkpoint's fp8 weights (compressed-tensors float-quantized): a rank's slices, dequantized to float32 at load.
+"""A checkpoint's fp8 weights (compressed-tensors float-quantized): a rank's slices, as stored
+(`Fp8Values`), served in fp8 on a GPU that takes them and dequantized to float32 elsewhere.
 
 A quantized linear `X` is stored as `X.weight` float8_e4m3fn [out, in] beside `X.weight_scale`, [1]
 (strategy tensor) or [out, 1] (channel), in float32, float16 or bfloat16: weight = value * scale.
-No CPU product here takes fp8, so each piece's rows or columns are read as stored and dequantized:
-exact in float32 for a float16 or bfloat16 scale (a 4-bit significand times an 8- or 11-bit one), and
-rounded once for a float32 scale, as compressed-tensors' own dequantize rounds at float32. From
-there `quantize` serves them as it serves a float checkpoint's weights (kernels/weight_formats.py).
+Each piece's rows or columns are read as stored with a scale per output row. On a GPU
+(ranks/packing.py fp8_on_gpu) they go to torch._scaled_mm as they are (kernels/fp8_linear.py). No CPU
+product here takes fp8, so on the CPU they are dequantized at load (ranks/weights.py _owned): exact in
+float32 for a float16 or bfloat16 scale (a 4-bit significand times an 8- or 11-bit one), and rounded
+once for a float32 scale, as compressed-tensors' own dequantize rounds at float32. From there
+`quantize` serves them as it serves a float checkpoint's weights (kernels/weight_formats.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +30,19 @@ def holds_fp8(handles: dict, files: dict[str, Path], stored: str, kinds: tuple[s
     if "fp8" not in kinds or stored not in files:
         return False
     return kinds == ("fp8",) or handles[files[stored]].get_slice(stored).get_dtype() == VALUE_DTYPE
+
+
+@dataclass
+class Fp8Values:
+    """A piece's fp8 weight as stored: values [out, in] float8_e4m3fn, scales [out] float32 (a
+    tensor-wide scale repeated per row, so the parts of a fused product keep their own)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32: value * scale, the checkpoint's weight."""
+        return self.values.float() * self.scales.reshape(-1, 1)
 
 
 class StoredFp8:
@@ -53,15 +70,14 @@ class StoredFp8:
     def _error(self, problem: str) -> ModelFileError:
         return ModelFileError(self.path, f"tensor {self.name}{problem}")
 
-    def read(self, start: int = 0, end: int | None = None, columns: bool = False) -> torch.Tensor:
-        """Rows [start, end), or (columns) columns [start, end), dequantized to float32."""
+    def read(self, start: int = 0, end: int | None = None, columns: bool = False) -> Fp8Values:
+        """Rows [start, end), or (columns) columns [start, end), as stored, with their rows' scales."""
         end = self.shape[1 if columns else 0] if end is None else end
         values = self._values[:, start:end] if columns else self._values[start:end]
         scales = self._scales[start:end] if self.per_channel and not columns else self._scales[:]
         scales = scales.float().reshape(-1, 1)  # [rows or 1, 1]
         if not (torch.isfinite(scales).all() and (scales > 0).all()):
             raise self._error("_scale holds a scale that is not a positive finite number")
-        weight = values.float() * scales
-        if not torch.isfinite(weight).all():
+        if not torch.isfinite(values.float()).all():
             raise self._error(" holds a value that is not finite (fp8 NaN)")
-        return weight
+        return Fp8Values(values, scales.reshape(-1).expand(values.shape[0]).contiguous())

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from tpserve.kernels.device_sampling import samples_on_device
 from tpserve.kernels.sampling import sample, token_logprobs, top_logits
 from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import VotedDown, apply_message
@@ -66,11 +67,15 @@ class Leader:
         batches_prompts: bool,
         record_features: bool = False,
         profile: StepProfile | NoProfile | None = None,
+        device_type: str | None = None,
     ):
+        """device_type: where greedy rounds' tokens may be taken (kernels/device_sampling.py
+        samples_on_device); None: the engine's device."""
         self.engine = engine
+        self.device_type = device_type or engine.model.device.type
         self.channel = channel
         self.num_lanes = num_lanes
-        self.num_blocks = engine.kv.num_blocks
+        self.num_blocks = engine.num_blocks  # the lanes' (a graphed engine keeps one spare)
         self.block_size = engine.kv.block_size
         self.room = self.num_blocks * self.block_size
         self.context_size = context_size
@@ -207,10 +212,21 @@ class Leader:
 
     def decode(self, items, prompts=()) -> list[int]:
         msg = Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items))
+        if not prompts and self._greedy_on_device(items):
+            with self.profile.part("sample"):
+                ids = self._run(msg, greedy=True)  # [lanes] int64: only the ids left the device
+            self._logprobs.clear()
+            return ids.tolist()
         logits = self._with_prompts(msg, prompts)
         ended = [item for item in prompts if item.last]
         positions = [i.position + 1 for i in items] + [i.start + len(i.token_ids) for i in ended]
         return self._sample(logits, [*items, *ended], positions)
+
+    def _greedy_on_device(self, items) -> bool:
+        streams = [item.counts for item in items]
+        allowed = [item.allowed for item in items]
+        sampling = [item.sampling for item in items]
+        return samples_on_device(self.device_type, sampling, allowed, streams, self._record_features)
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)
@@ -255,8 +271,10 @@ class Leader:
         apply_message(self.engine, self.channel, msg)  # raises EngineError on an unsound table
         self._unsent.append(msg)
 
-    def _run(self, msg, media=None):
-        """Send `msg` (with the lanes opened and closed since the last message) and apply it here. Any failure but a vote's no latches the leader broken."""
+    def _run(self, msg, media=None, greedy: bool = False):
+        """Send `msg` (with the lanes opened and closed since the last message) and apply it here
+        (greedy: a Round's argmax ids instead of its logits, rank 0's affair: the followers' message
+        is the same). Any failure but a vote's no latches the leader broken."""
         if self.broken is not None:
             raise BackendBroken(self.broken)
         try:
@@ -270,7 +288,7 @@ class Leader:
             if isinstance(msg, (Prefill, Mixed)):
                 self.profile.prefilled()
             with self.profile.part("forward (and vote)"):
-                return apply_message(self.engine, self.channel, msg, media)
+                return apply_message(self.engine, self.channel, msg, media, greedy=greedy)
         except VotedDown:
             raise
         except ChannelBroken as error:  # names the rank that did not answer

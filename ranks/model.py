@@ -24,6 +24,7 @@ from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.rotary import Rotary
 from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.block_tensors import BlockValues
+from tpserve.ranks.fp8_tensors import Fp8Values
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.moe import PieceExperts, Router
 from tpserve.ranks.mrope import MRotary
@@ -299,8 +300,15 @@ class TPModel:
         are wanted. media_rows: [M] packed rows whose embedding is an image feature instead of their
         token's; media: those features [M, hidden] on rank 0 (None elsewhere). Returns float32 logits
         [len(logit_rows), vocab] on rank 0, None elsewhere."""
-        cfg, replicated = self.config, self.replicated
         plan = PassPlan(self, spans, positions, kv.num_slots, kv.block_size)
+        return self.forward_planned(token_ids, plan, kv, logit_rows, media_rows, media)
+
+    def forward_planned(
+        self, token_ids: torch.Tensor, plan, kv, logit_rows: list[int] | slice, media_rows=None, media=None
+    ) -> torch.Tensor | None:
+        """forward on a plan built already: a PassPlan, or a graphed decode round's (ranks/
+        decode_graphs.py RoundPlan, whose logit rows are a slice: no index built from a list)."""
+        cfg, replicated = self.config, self.replicated
         if plan.padding:  # padding rows read token 0; their results are dropped
             token_ids = F.pad(token_ids, (0, plan.padding))
         h = self._embed(token_ids, media_rows, media)  # [rows, hidden]
@@ -372,5 +380,5 @@ def _table(
     return packed if isinstance(packed, ROW_TABLES) else _float(weight, dtype)
 
 
-def _float(weight: torch.Tensor | BlockValues, dtype: torch.dtype) -> torch.Tensor:
-    return weight.dequantize().to(dtype) if isinstance(weight, BlockValues) else weight
+def _float(weight: torch.Tensor | BlockValues | Fp8Values, dtype: torch.dtype) -> torch.Tensor:
+    return weight.dequantize().to(dtype) if isinstance(weight, (BlockValues, Fp8Values)) else weight

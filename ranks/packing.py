@@ -5,7 +5,9 @@ a GGUF import's (ranks/block_tensors.py), a compressed-tensors int4 checkpoint's
 (ranks/int4_tensors.py) or a GPTQ or AWQ one's (ranks/gptq_tensors.py). A checkpoint's int8 is
 served as stored whatever the format asked; blocks are served as stored where the format takes their
 bits; anything else is quantized (or kept float) as kernels/weight_formats.py says. On a GPU, 4-bit
-blocks go to torch's int4 weight-only product (kernels/int4pack_linear.py) instead of bfloat16.
+blocks go to torch's int4 weight-only product (kernels/int4pack_linear.py) and a compressed-tensors
+checkpoint's fp8 weights (ranks/fp8_tensors.py) to torch._scaled_mm (kernels/fp8_linear.py) instead
+of bfloat16.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.kernels.fp8_linear import Fp8Weight, fp8_unfit
 from tpserve.kernels.int4pack_linear import Int4PackWeight, int4pack_unfit
 from tpserve.kernels.int8_linear import Int8Weight
 from tpserve.kernels.q4_linear import Q4Weight
@@ -24,9 +27,12 @@ from tpserve.kernels.stacked_weight import StackedWeight
 from tpserve.kernels.weight_formats import quantize_weight
 from tpserve.ranks.block_tensors import BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.fp8_tensors import Fp8Values
 from tpserve.ranks.int8_tensors import Int8Values
 
 ASYMMETRIC = {4: Q4Weight, 5: Q5Weight}  # block weights d * q + m, by their values' bits
+# _scaled_mm with a scale per input row and per output channel: Hopper (sm_90) and newer under CUDA
+FP8_ROWWISE_CAPABILITY = (9, 0)
 
 
 @dataclass
@@ -53,6 +59,8 @@ def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockVa
         return torch.cat(parts)
     if all(isinstance(part, Int8Values) for part in parts):
         return Int8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
+    if all(isinstance(part, Fp8Values) for part in parts):  # each part keeps its rows' scales
+        return Fp8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
     if all(isinstance(part, BlockValues) for part in parts) and len({p.bits for p in parts}) == 1:
         return cat_blocks(parts)
     if not any(isinstance(part, Int8Values) for part in parts):  # floats and blocks (a mixed GGUF)
@@ -73,6 +81,8 @@ def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, ki
             return pack_weight(weight.dequantize(), kind, dtype)
         # Blocks in 4 bits are per output row, so each part packed alone is the fused product's rows.
         return StackedWeight([pack_weight(part, kind, dtype) for part in weight.parts])
+    if isinstance(weight, Fp8Values):
+        return pack_fp8(weight, kind, dtype)
     if isinstance(weight, BlockValues):
         if weight.q.numel() == 0:
             return weight.q.to(dtype)
@@ -103,3 +113,29 @@ def _on_gpu_in_int4(weight: BlockValues, kind: str, dtype: torch.dtype) -> bool:
         and weight.q.device.type == "cuda"
         and int4pack_unfit(*weight.q.shape, weight.q.device) is None
     )
+
+
+def fp8_on_gpu(
+    device_type: str, capability: tuple[int, int], kind: str, dtype: torch.dtype, shape: tuple[int, int]
+) -> bool:
+    """Whether a checkpoint's fp8 weight [out, in] is served in fp8 by torch._scaled_mm: on a GPU
+    with row-wise scaled products (sm_90 and newer), weights in bfloat16 (the product's output),
+    quantize none (the CPU formats do not run there) and a shape _scaled_mm takes."""
+    return (
+        device_type == "cuda"
+        and tuple(capability) >= FP8_ROWWISE_CAPABILITY
+        and kind == "none"
+        and dtype == torch.bfloat16
+        and 0 not in shape
+        and fp8_unfit(*shape, device_type) is None
+    )
+
+
+def pack_fp8(weight: Fp8Values, kind: str, dtype: torch.dtype):
+    """An fp8 weight kept as stored (only a GPU's are: ranks/weights.py dequantizes the CPU's at load):
+    in fp8 where fp8_on_gpu says so, else dequantized to `dtype` and served as a float weight."""
+    device = weight.values.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    if fp8_on_gpu(device.type, capability, kind, dtype, tuple(weight.values.shape)):
+        return Fp8Weight(weight.values, weight.scales, dtype)
+    return quantize_weight(weight.dequantize().to(dtype if kind == "none" else torch.float32), kind)

@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 from tpserve.kernels.attention_kernels import NATIVE, kv_dtype
+from tpserve.kernels.collectives import GroupCollectives
 from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
 from tpserve.kernels.weight_formats import quantize_unavailable
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.collectives_choice import choose_collectives
+from tpserve.ranks.decode_runner import graphs_unfit
 from tpserve.ranks.device import choose_device, device_facts
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import StartupError, UserError
@@ -38,6 +40,7 @@ from tpserve.ranks.meeting import meet, watch_peers
 from tpserve.ranks.memory import free_memory_bytes
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.model_group import open_model_group
+from tpserve.ranks.mrope import MRotary
 from tpserve.ranks.network import check_interface, name_interface
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 from tpserve.ranks.probe_mixed import probe_mixed_pass
@@ -325,6 +328,11 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
             config.quantization.describe(),
             describe_serving(config.quantization.kinds, settings.quantize),
         )
+        if device.type == "cuda" and "fp8" in config.quantization.kinds:  # ranks/packing.py fp8_on_gpu
+            log.info(
+                "rank %d: on this GPU its fp8 layers are served in fp8 (torch._scaled_mm) where it is "
+                "sm_90 or newer and the dtype bfloat16, else dequantized to %s", rank, settings.dtype,
+            )  # fmt: skip
     model = load_rank_model(
         settings.model_dir,
         tp_rank=rank,
@@ -356,11 +364,13 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
 def _build_engine(
     settings: EngineSettings, model, kv_budget: KVBudget, kv_type: torch.dtype, rank: int, device
 ) -> Engine:
-    """The KV store sized by room, in blocks, and the engine."""
+    """The KV store sized by room, in blocks (one more as the graphs' spare block), and the engine."""
     config, kv_heads = model.config, model.kv_heads_per_piece()
+    why_not = decode_graphs_unfit(model, settings.tp_size)
+    log.info("rank %d: decode rounds %s", rank, f"eager: {why_not}" if why_not else "replay CUDA graphs")
     kv = KVPool(
         config.num_layers,
-        kv_budget.kv_tokens,
+        kv_budget.kv_tokens + (0 if why_not else settings.kv_block_size),
         kv_heads,
         config.head_dim,
         kv_type,
@@ -373,6 +383,23 @@ def _build_engine(
         kv,
         refuse_token=drill[1] if drill and drill[0] == rank else None,
         device_timeout_s=settings.collective_timeout_s,
+        decode_graphs=why_not is None,
+    )
+
+
+def decode_graphs_unfit(model, tp_size: int) -> str | None:
+    """ranks/decode_runner.py graphs_unfit for this model on this rank."""
+    config, collectives = model.config, model.collectives
+    group = collectives.group if tp_size > 1 and isinstance(collectives, GroupCollectives) else None
+    return graphs_unfit(
+        model.device.type,
+        model.attention.name,
+        windows=bool(config.windows and any(config.windows)),
+        sinks=bool(config.sinks),
+        experts=config.moe is not None,
+        multimodal=isinstance(model.rotary, MRotary),
+        tp_size=tp_size,
+        group_backend=dist.get_backend(group) if group is not None else "none of torch's",
     )
 
 

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from tpserve.ranks.block_tensors import BlockValues, StoredBlocks, stored_blocks
 from tpserve.ranks.checkpoint_quantization import AWQ, GPTQ
 from tpserve.ranks.errors import ModelFileError
-from tpserve.ranks.fp8_tensors import StoredFp8, holds_fp8
+from tpserve.ranks.fp8_tensors import Fp8Values, StoredFp8, holds_fp8
 from tpserve.ranks.fused_tensors import StoredRows, fused_part
 from tpserve.ranks.gptq_tensors import StoredAwq, StoredGptq, StoredGptqV2
 from tpserve.ranks.int4_tensors import StoredInt4, holds_int4
@@ -34,8 +34,9 @@ from tpserve.ranks.stacked_experts import StoredExpertPart, stacked_part
 class RankWeights:
     replicated: dict[str, torch.Tensor] = field(default_factory=dict)
     # One per local piece; a weight an int8 checkpoint ships in int8 is its Int8Values, one an
-    # imported GGUF or an int4 checkpoint keeps in blocks its BlockValues.
-    pieces: list[dict[str, torch.Tensor | Int8Values | BlockValues]] = field(default_factory=list)
+    # imported GGUF or an int4 checkpoint keeps in blocks its BlockValues, an fp8 one's on a GPU its
+    # Fp8Values.
+    pieces: list[dict[str, torch.Tensor | Int8Values | BlockValues | Fp8Values]] = field(default_factory=list)
     dtype: torch.dtype = torch.float32  # the model's (some families keep their norms in float32)
 
 
@@ -186,7 +187,9 @@ def _read_pieces(
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
                 kept = torch.float32 if _float32_norm(config, name) else dtype
-                weights.replicated[name] = _owned(tensor.read(), device, kept)
+                whole = tensor.read()
+                whole = whole.dequantize() if isinstance(whole, Fp8Values) else whole
+                weights.replicated[name] = _owned(whole, device, kept)
                 continue
             for local, piece in enumerate(pieces):
                 start, end = piece_range(config, piece, unit)
@@ -268,7 +271,7 @@ def _stored_tensor(
     return StoredFloat(files[stored], tensor)
 
 
-def _owned(part: torch.Tensor | Int8Values, device, dtype: torch.dtype) -> torch.Tensor | Int8Values:
+def _owned(part, device, dtype: torch.dtype):
     """`part` on the device in `dtype` (int8 values, their float32 scales and blocks' float16 or
     float32 scales as they are: a float32 block scale rounded to float16 would be rounded twice), in storage of
     its own size. A slice of the rows comes back from safetensors as a view of the whole tensor, and
@@ -276,6 +279,12 @@ def _owned(part: torch.Tensor | Int8Values, device, dtype: torch.dtype) -> torch
     room would see the memory as taken."""
     if isinstance(part, Int8Values):
         return Int8Values(_owned(part.values, device, torch.int8), _owned(part.scales, device, torch.float32))
+    if isinstance(part, Fp8Values):  # kept as stored on a GPU (ranks/packing.py); the CPU's is float
+        if torch.device(device).type != "cuda":
+            return _owned(part.dequantize(), device, dtype)
+        return Fp8Values(
+            _owned(part.values, device, part.values.dtype), _owned(part.scales, device, torch.float32)
+        )
     if isinstance(part, BlockValues):
         m, sc = (None if t is None else _owned(t, device, t.dtype) for t in (part.m, part.sc))
         q, d = _owned(part.q, device, part.q.dtype), _owned(part.d, device, part.d.dtype)

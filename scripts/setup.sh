@@ -25,39 +25,11 @@ has_gpu() {
 }
 torch_imports() { "$venv" -c 'import torch' >/dev/null 2>&1; }
 torch_sees_gpu() { "$venv" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
-# The CUDA builds PyTorch publishes for torch 2.12 and 2.13 (its RELEASE.md support matrix: review it
-# with torch_version), newest first, as "CUDA index lowest-compute-capability highest-major": 12.6
-# and 13.0 are stable, 13.2 is experimental (it covers the same GPUs as 13.0, so it is never needed);
-# 12.8 is gone since 2.12. 13.0 carries PTX for its newest architecture, so newer GPUs (a GB10's
-# 12.1) run it too; 12.6 stops at Hopper (9.0), and its aarch64 build starts at Ampere (8.0).
-cuda_builds() {
-    case "$(uname -m)" in
-        aarch64 | arm64) printf '%s\n' "13.0 cu130 8.0 any" "12.6 cu126 8.0 9" ;;
-        *) printf '%s\n' "13.0 cu130 7.5 any" "12.6 cu126 5.0 9" ;;
-    esac
-}
-# "X.Y" as one comparable number, X*100+Y.
-version_number() { local major=${1%%.*} minor=${1#*.}; echo $((10#$major * 100 + 10#${minor%%.*})); }
+# shellcheck source=scripts/torch_choice.sh
+. scripts/torch_choice.sh  # cuda_builds, cuda_build, torch_choice: pure functions of what nvidia-smi says
 driver_cuda() { nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p' | head -n 1; }
 # Every GPU's compute capability, one a line; nothing where this nvidia-smi cannot say.
 compute_caps() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | grep -E '^[0-9]+\.[0-9]+$' || true; }
-# The newest build the driver can run (its CUDA version at most the driver's) that has code for
-# every GPU here, as "CUDA index"; nothing where none fits.
-cuda_build() {
-    local driver=$1 caps=$2 cuda index lowest highest cap fits
-    while read -r cuda index lowest highest; do
-        [ "$(version_number "$cuda")" -le "$(version_number "$driver")" ] || continue
-        fits=1
-        for cap in $caps; do
-            if [ "$(version_number "$cap")" -lt "$(version_number "$lowest")" ] ||
-                { [ "$highest" != any ] && [ "${cap%%.*}" -gt "$highest" ]; }; then
-                fits=0
-            fi
-        done
-        [ "$fits" = 1 ] && echo "$cuda $index" && return 0
-    done < <(cuda_builds)
-    return 0
-}
 cuda_index() {
     if [ -n "${TPSERVE_TORCH_INDEX:-}" ]; then
         echo "$TPSERVE_TORCH_INDEX"
@@ -66,16 +38,16 @@ cuda_index() {
     local driver caps caps_said build builds
     driver=$(driver_cuda)
     caps=$(compute_caps)
-    builds=$(cuda_builds | cut -d' ' -f1 | paste -sd, - | sed 's/,/, /g')
+    builds=$(cuda_builds "$(uname -m)" | cut -d' ' -f1 | paste -sd, - | sed 's/,/, /g')
     if [ -z "$driver" ]; then
         echo "setup: error: nvidia-smi sees a GPU but does not say which CUDA version its driver" \
             "supports; torch $torch_version has CUDA builds $builds. Name one the driver supports:" \
             "TPSERVE_TORCH_INDEX=https://download.pytorch.org/whl/cu126 make setup" >&2
         return 1
     fi
-    build=$(cuda_build "$driver" "$caps")
+    build=$(torch_choice yes "$driver" "$caps" "$(uname -m)")
     caps_said=${caps//$'\n'/, }
-    if [ -z "$build" ]; then
+    if [ "$build" = none ]; then
         echo "setup: error: no CUDA build of torch $torch_version suits this machine: its NVIDIA driver" \
             "supports CUDA $driver, its GPU has compute capability ${caps_said:-unknown} ($(uname -m)), and" \
             "torch $torch_version has CUDA builds $builds (each needs a driver of its CUDA version or" \
@@ -83,6 +55,7 @@ cuda_index() {
             "index to try: TPSERVE_TORCH_INDEX=https://download.pytorch.org/whl/cuXYZ make setup" >&2
         return 1
     fi
+    build=${build#cuda }
     echo "setup: torch $torch_version for CUDA ${build%% *} (the driver supports CUDA $driver)" >&2
     echo "https://download.pytorch.org/whl/${build#* }"
 }

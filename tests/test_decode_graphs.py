@@ -11,10 +11,15 @@ from engine_lanes import open_lane, tiny_engine
 from tiny_models import write_tiny_model
 
 from tpserve.kernels.attention import SpanView
+from tpserve.kernels.attention_kernels import paged_kernel
 from tpserve.kernels.device_sampling import greedy_ids, greedy_on_device
 from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.decode_graphs import DECODE_BUCKETS, DecodeBuffers, DecodeGraph, bucket_for, padded_round
+from tpserve.ranks.decode_runner import graphs_unfit
+from tpserve.ranks.engine import Engine, EngineError
+from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.loader import load_rank_model
 
 BLOCK_SIZE = 8
 
@@ -123,3 +128,66 @@ def test_an_engines_greedy_round_returns_the_ids_the_host_would_sample(tmp_path)
     engine.lanes[0].length, engine.lanes[1].length = 3, 2  # the same round again
     ids = engine.decode_round([(0, 3, (8,)), (1, 2, (11,))], greedy=True)
     assert ids.dtype == torch.int64 and ids.tolist() == expected
+
+
+def test_which_models_replay_decode_graphs():
+    fit = dict(windows=False, sinks=False, experts=False, multimodal=False, tp_size=1, group_backend=None)
+    assert graphs_unfit("cuda", "paged", **fit) is None
+    assert graphs_unfit("cuda", "paged", **(fit | {"tp_size": 2, "group_backend": "nccl"})) is None
+    assert "not on cpu" in graphs_unfit("cpu", "paged", **fit)
+    assert "FlashInfer" in graphs_unfit("cuda", "spans", **fit)  # SDPA loops over the streams
+    assert "sliding-window" in graphs_unfit("cuda", "paged", **(fit | {"windows": True}))
+    assert "sliding-window or sink" in graphs_unfit("cuda", "paged", **(fit | {"sinks": True}))
+    assert "experts" in graphs_unfit("cuda", "paged", **(fit | {"experts": True}))
+    assert "three rows" in graphs_unfit("cuda", "paged", **(fit | {"multimodal": True}))
+    assert "(gloo)" in graphs_unfit("cuda", "paged", **(fit | {"tp_size": 2, "group_backend": "gloo"}))
+
+
+def paged_engine(model_dir, graphs: bool) -> Engine:
+    """A tiny model's engine on the paged kernel's SDPA fallback (FlashInfer's place on a GPU), its
+    decode rounds through graphs (run eagerly here) or not; 16 lanes' blocks (and graphs' spare)."""
+    model = load_rank_model(
+        model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=256, row_tile=16
+    )
+    model.attention = paged_kernel(None)
+    heads, config = model.kv_heads_per_piece(), model.config
+    num_slots = (64 + graphs) * BLOCK_SIZE
+    kv = KVPool(config.num_layers, num_slots, heads, config.head_dim, torch.float32, block_size=BLOCK_SIZE)
+    return Engine(model, kv, decode_graphs=graphs)
+
+
+def test_an_engines_graphed_decode_rounds_equal_its_eager_ones(tmp_path):
+    # 3 streams (bucket 4), then 5 (bucket 8: a second graph), over rounds: the same logits bit for
+    # bit, the same greedy ids, and the pool the same outside the spare block, which no lane gets.
+    model_dir = write_tiny_model(tmp_path / "llama", "llama")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (5, 12, 9, 3, 17)]
+    runs = []
+    for graphs in (False, True):
+        engine = paged_engine(model_dir, graphs)
+        assert engine.num_blocks == 64 and (engine.graphs is not None) == graphs
+        tokens, outputs = [], []
+        for lane, prompt in enumerate(prompts):
+            open_lane(engine, lane, len(prompt) + 8)
+            logits = engine.forward([(lane, 0, tuple(prompt))])
+            tokens.append(int(logits[0].argmax()))
+        for step in range(4):
+            lanes = range(3) if step < 2 else range(5)
+            steps = [(lane, engine.lanes[lane].length, (tokens[lane],)) for lane in lanes]
+            if step == 3:
+                ids = engine.decode_round(steps, greedy=True)
+                outputs.append(ids)
+                continue
+            logits = engine.decode_round(steps)
+            outputs.append(logits)
+            for lane, row in zip(lanes, logits):
+                tokens[lane] = int(row.argmax())
+        used = engine.num_blocks * BLOCK_SIZE
+        runs.append((outputs, [k[:, :, :used].clone() for k in engine.kv.k]))
+        if graphs:
+            assert sorted(engine.graphs._graphs) == [4, 8]
+            with pytest.raises(EngineError, match="outside the pool"):
+                engine.admit(9, (engine.num_blocks,))  # the spare block
+    (eager, eager_pool), (graphed, graphed_pool) = runs
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+    assert all(torch.equal(a, b) for a, b in zip(eager_pool, graphed_pool))

@@ -90,6 +90,14 @@ def test_a_random_model_is_checked_offline_on_the_cpu_and_reported(offline_env, 
     assert [row["lanes"] for row in checks["decode"]["rows"]] == [1, 2]
     assert all(row["tokens_per_s"] > 0 for row in checks["decode"]["rows"])
     assert checks["follower_sigkill"]["ended_with_error_in_time"] is True
+    # every row only a device can judge says so, by name, and fails nothing here
+    verdicts = report["verdicts"]
+    for row in ("paged_kernel", "decode_graphs", "quantized_products", "decode", "whole_run"):
+        assert verdicts[row] == "no CUDA", (row, verdicts)
+    assert verdicts["roofline_models"] == "no CUDA (none asked)"
+    assert all(row["verdict"] == "no CUDA" for row in checks["decode"]["rows"])
+    assert "fail" not in verdicts.values()
+    assert "paged_kernel: no CUDA" in done.stdout
 
 
 @pytest.mark.parametrize("size", sorted(GEOMETRIES))

@@ -140,13 +140,38 @@ def test_the_flags_row_shows_the_device_and_the_torch_cuda_and_nccl_versions(mon
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     hopper = flags_row(settings, device_facts(torch.device("cuda", 0)))
     differ = [name for name, a, b in zip(FLAG_NAMES, gb10, hopper) if a != b]
-    assert differ == ["capability"] and shown_row(hopper).endswith("capability=sm_90")
+    assert differ == ["capability"] and "capability=sm_90, attention=" in shown_row(hopper)
     for code, version in ((2708, (2, 7, 8)), (21903, (2, 19, 3))):  # as older builds report it
         monkeypatch.setattr(torch.cuda.nccl, "version", lambda code=code: code)
         assert device_facts(torch.device("cuda", 0)).nccl_version == version
     refused = shown_row(flags_row(settings, None))
     assert "device=refused" in refused
     assert len(flags_row(settings, None)) == len(FLAG_NAMES)
+
+
+def test_ranks_with_and_without_flashinfer_differ_in_the_attention_column(monkeypatch, tmp_path):
+    # Two GPU ranks in bfloat16, one with FlashInfer installed (a package on its path), one without:
+    # their rows differ in the attention column alone, so they refuse to start together.
+    (tmp_path / "config.json").write_text("{}")
+    gpus(monkeypatch, 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 7))
+    settings = EngineSettings(model_dir=str(tmp_path), dtype="auto").for_device("cuda")
+    facts = device_facts(torch.device("cuda", 0))
+    without = flags_row(settings, facts)
+    assert shown_row(without).endswith("attention=sdpa")
+    package = tmp_path / "site" / "flashinfer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with_flashinfer = flags_row(settings, facts)
+    assert [n for n, a, b in zip(FLAG_NAMES, without, with_flashinfer) if a != b] == ["attention"]
+    assert shown_row(with_flashinfer).endswith("attention=flashinfer")
+    # batch invariance asked for: native or tiled, agreed after loading, whatever is installed
+    invariant = EngineSettings(model_dir=str(tmp_path), batch_invariant=True).for_device("cuda")
+    assert shown_row(flags_row(invariant, facts)).endswith("attention=invariant")
+    cpu = EngineSettings(model_dir=str(tmp_path), batch_invariant=False).for_device("cpu")
+    assert shown_row(flags_row(cpu, device_facts(torch.device("cpu")))).endswith("attention=sdpa")
 
 
 def test_gpu_defaults_claim_no_exactness_the_kernels_do_not_give(tmp_path):

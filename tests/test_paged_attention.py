@@ -11,7 +11,13 @@ from test_block_tables import GROUP, PARTS, SCALE, packed, paged, streams
 from tiny_models import write_tiny_model
 
 from tpserve.kernels.attention import SpanView
-from tpserve.kernels.attention_kernels import SPANS, choose_attention, paged_kernel
+from tpserve.kernels.attention_kernels import (
+    FALLBACK_ORDER,
+    SPANS,
+    attention_choice,
+    choose_attention,
+    paged_kernel,
+)
 from tpserve.kernels.paged_attention import PagedPlan, gather_keys, paged_tables, pages_of
 from tpserve.ranks.engine import Engine, open_lane
 from tpserve.ranks.kv_store import KVPool
@@ -84,6 +90,17 @@ def test_the_fallback_through_pages_gives_span_attentions_bits(dtype):
 
 def test_no_gpu_no_flashinfer_the_cpu_keeps_its_kernels():
     assert choose_attention(False, 64, 4, torch.bfloat16, "cpu") is SPANS
+
+
+def test_the_fallback_order_flashinfer_then_sdpa():
+    assert FALLBACK_ORDER == ("flashinfer", "sdpa")
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert attention_choice(False, bf16, "cuda", has_flashinfer=True) == "flashinfer"
+    assert attention_choice(False, torch.float16, "cuda", has_flashinfer=True) == "flashinfer"
+    assert attention_choice(False, bf16, "cuda", has_flashinfer=False) == "sdpa"
+    assert attention_choice(False, f32, "cuda", has_flashinfer=True) == "sdpa"  # FlashInfer: 16-bit only
+    assert attention_choice(False, bf16, "cpu", has_flashinfer=True) == "sdpa"
+    assert attention_choice(True, bf16, "cuda", has_flashinfer=True) == "invariant"
 
 
 def test_the_models_passes_on_the_paged_fallback_give_the_spans_kernels_logits(tmp_path):

@@ -84,7 +84,8 @@ def run_setup(
     cannot say); returns (exit code, stderr, python calls, torch after)."""
     repo, stubs = tmp_path / "repo", tmp_path / "bin"
     (repo / "scripts").mkdir(parents=True)
-    shutil.copy(REPO_ROOT / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
+    for script in ("setup.sh", "torch_choice.sh"):
+        shutil.copy(REPO_ROOT / "scripts" / script, repo / "scripts" / script)
     _executable(repo / ".venv" / "bin" / "python", STUB_PYTHON)
     _executable(repo / ".venv" / "bin" / "tpserve", '#!/usr/bin/env bash\necho "tpserve $*" >> "$STUB_LOG"\n')
     _executable(stubs / "nvidia-smi", NVIDIA_SMI_WITH_GPU if gpu else NVIDIA_SMI_WITHOUT_GPU)
@@ -238,3 +239,30 @@ def test_device_cpu_sets_up_for_the_cpu_on_a_gpu_machine(tmp_path):
 
 def test_the_checkout_keeps_setup_executable():
     assert os.access(REPO_ROOT / "scripts" / "setup.sh", os.X_OK)
+
+
+def torch_choice(gpu: str, driver: str = "", caps: str = "", machine: str = "x86_64") -> str:
+    """scripts/torch_choice.sh's torch_choice, called alone (its functions run no command)."""
+    script = REPO_ROOT / "scripts" / "torch_choice.sh"
+    done = subprocess.run(
+        ["bash", "-c", f'. "{script}" && torch_choice "$@"', "choice", gpu, driver, caps, machine],
+        capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "gpu, driver, caps, machine, choice",
+    [
+        ("no", "", "", "x86_64", "cpu"),  # no nvidia-smi, or one seeing no GPU
+        ("no", "13.0", "9.0", "x86_64", "cpu"),  # TPSERVE_DEVICE=cpu on a GPU machine
+        ("yes", "13.0", "9.0", "x86_64", "cuda 13.0 cu130"),  # an H200 on a new driver
+        ("yes", "12.8", "9.0", "x86_64", "cuda 12.6 cu126"),  # the driver cannot run 13.0
+        ("yes", "13.0", "12.1", "aarch64", "cuda 13.0 cu130"),  # a GB10
+        ("yes", "12.9", "12.1", "aarch64", "none"),  # 12.6 stops at Hopper
+        ("yes", "12.4", "8.0", "x86_64", "none"),  # older than every build
+        ("yes", "13.0", "7.0 9.0", "x86_64", "cuda 12.6 cu126"),  # a V100 beside an H100: 13.0 dropped 7.0
+    ],
+)
+def test_the_torch_choice_is_a_function_of_what_the_machine_says(gpu, driver, caps, machine, choice):
+    assert torch_choice(gpu, driver, caps, machine) == choice
