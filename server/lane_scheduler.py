@@ -115,18 +115,18 @@ class Scheduler:
         )
 
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
-        """Pop the head jobs Admission takes (at most `most`); with the step's prompt budget left
-        after them."""
+        """Take the head jobs Admission chooses (at most `most`); with the step's prompt budget left
+        after them. The choice reads a snapshot of the queue's head outside its lock; the take pops
+        what is still at the head (a cancel meanwhile only takes fewer, which always fits)."""
         num_free = self.lanes.num_free
         if most < 1 or not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
             return [], budget
+        head = self._state.peek_many(min(most, num_free))
         free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
-        return self._state.pop_chosen(
-            min(most, num_free),
-            lambda head: self._admission.num_to_take(
-                head, free_blocks, budget, self._chunking, [ride.job for ride in self._riding]
-            ),
-        )
+        riding = [ride.job for ride in self._riding]
+        num_taken, left = self._admission.num_to_take(head, free_blocks, budget, self._chunking, riding)
+        # Fewer taken than chosen leaves `left` short of the truth: the step prefills less, never more.
+        return self._state.take_head(head[:num_taken]), left
 
     def _blocks_wanted(self) -> int:
         """Blocks the streams holding lanes want by the end of this step (each decoding stream's next
