@@ -289,41 +289,33 @@ class Admission:
 
     def _next_chunk(self, job: Job, size: int | None = None) -> PrefillItem | None:
         """The next `size` tokens (max_prefill_tokens unless said); None when their blocks are not free."""
-        feed = job.feed_ids
         start = job.num_prefilled
-        chunk = feed[start : start + (size or self._max_prefill_tokens)]
-        if not self._lanes.cover(job, start + len(chunk)):
+        num_tokens = len(job.feed_ids[start : start + (size or self._max_prefill_tokens)])
+        if not self._lanes.cover(job, start + num_tokens):
             return None
-        last = start + len(chunk) == len(feed)
+        return self.prompt_item(job, start, num_tokens)
+
+    def _whole_prompt(self, job: Job) -> PrefillItem | None:
+        """None when the prompt's blocks are not free."""
+        if not self._lanes.cover(job, len(job.feed_ids)):
+            return None
+        return self.prompt_item(job, job.cached_tokens, len(job.feed_ids) - job.cached_tokens)
+
+    def prompt_item(self, job: Job, start: int, num_tokens: int) -> PrefillItem:
+        """The pass over feed_ids[start:start+num_tokens], with the blocks booked for the lane that
+        its backend table does not hold yet (the caller booked what the pass writes)."""
+        last = start + num_tokens == len(job.feed_ids)
         return PrefillItem(
             job.lane,
             start,
-            chunk,
+            job.feed_ids[start : start + num_tokens],
             last,
             job.request.sampling,
             job.request.images,
             self._lanes.new_blocks(job),
             job.allowed_tokens() if last else None,
             job.counts,
-            *_prompt_rows(job, start, len(chunk)),
-        )
-
-    def _whole_prompt(self, job: Job) -> PrefillItem | None:
-        """None when the prompt's blocks are not free."""
-        start = job.cached_tokens
-        if not self._lanes.cover(job, len(job.feed_ids)):
-            return None
-        return PrefillItem(
-            job.lane,
-            start,
-            job.feed_ids[start:],
-            True,
-            job.request.sampling,
-            job.request.images,
-            self._lanes.new_blocks(job),
-            job.allowed_tokens(),
-            job.counts,
-            *_prompt_rows(job, start, len(job.feed_ids) - start),
+            *_prompt_rows(job, start, num_tokens),
         )
 
     def _prefill(self, job: Job, item: PrefillItem | None) -> Outcome | None:
@@ -334,28 +326,23 @@ class Admission:
         token, error = attempt(self._backend.prefill, item)
         if error is not None:
             return Ended(job, ERROR, f"prefill failed: {error}")
-        return self.prefilled(job, item, token)
+        return self.prefilled(job, item.start + len(item.token_ids), item.last, token)
 
-    def chunk_beside_round(self, job: Job, num_rows: int) -> PrefillItem | BlockWait | Ended:
-        """The chunking job's next chunk, to ride with this step's decode round of `num_rows` rows
-        (the scheduler runs it, then reports with `prefilled`); BlockWait while its blocks are not
-        free. The chunk takes what the step's token budget leaves after the round: a pass costs
-        about its rows, so the decoders' next token comes about as soon as without it."""
-        if job.cancel_requested:
-            return Ended(job, CANCELLED)
-        size = self._max_prefill_tokens
-        if self._step_tokens is not None:
-            size = min(size, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
-        item = self._next_chunk(job, size)
-        return BlockWait(job) if item is None else item
+    def chunk_size_beside(self, num_rows: int) -> int:
+        """The most tokens of the chunking prompt that ride with a decode round of `num_rows` rows:
+        what the step's token budget leaves after the round (a pass costs about its rows, so the
+        decoders' next token comes about as soon as without it), at least one row tile."""
+        if self._step_tokens is None:
+            return self._max_prefill_tokens
+        return min(self._max_prefill_tokens, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
 
-    def prefilled(self, job: Job, item: PrefillItem, token: int | None) -> Outcome | None:
-        """A pass over `item` went through (`token`: what it sampled after the prompt's last chunk).
-        None after a chunk that is not the prompt's last."""
+    def prefilled(self, job: Job, end: int, last: bool, token: int | None) -> Outcome | None:
+        """A pass over the job's prompt up to `end` went through (`last`: it ended the prompt, and
+        `token` is what it sampled after it). None after a chunk that is not the prompt's last."""
         self._lanes.sent(job)
-        job.num_prefilled = item.start + len(item.token_ids)
+        job.num_prefilled = end
         self._lanes.keep_computed(job, job.num_prefilled)
-        if not item.last:
+        if not last:
             return None
         if token is None:
             return Ended(job, ERROR, "the engine sampled no token after the prompt")
