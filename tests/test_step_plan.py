@@ -161,3 +161,31 @@ def test_a_plan_that_preempts_changes_nothing_until_it_is_applied():
     assert host.stats().preempted >= 1
     assert [read_reply(stream) for stream in streams] == [backend.solo_reply(r) for r in requests]
     backend.assert_clean()
+
+
+def test_two_hosts_in_the_same_state_make_the_same_plans():
+    """A plan is a function of the scheduler's state alone: two hosts given the same requests plan
+    every step alike (plain data compares across hosts; nothing in a plan names a host's objects)."""
+    hosts, backends, streams = [], [], []
+    for _ in range(2):
+        backend = LoggedFake(num_lanes=3, room=96, block_size=4, max_prefill_tokens=16, repeat_period=3)
+        host = make_host(backend, prefix_caching=True, max_draft_tokens=3, step_tokens=20)
+        requests = [
+            make_request([2, 3, 2, 3], 20, ignore_eos=True),
+            make_request(list(range(7, 40)), 9, seed=3),
+        ]
+        requests += [make_request([2, 3, 2, 3, 5], 14, ignore_eos=True, background=True)]
+        hosts.append(host)
+        backends.append(backend)
+        streams.append([host.submit(request) for request in requests])
+    plans = [[], []]
+    for _ in range(300):
+        if all(stream.finished is not None for stream in streams[0] + streams[1]):
+            break
+        for index, host in enumerate(hosts):
+            plans[index].append(plan_twice(host, backends[index]))
+            host.step()
+    assert plans[0] == plans[1] and any(plan.rows for plan in plans[0])
+    assert [read_reply(s) for s in streams[0]] == [read_reply(s) for s in streams[1]]
+    for backend in backends:
+        backend.assert_clean()
