@@ -195,13 +195,8 @@ class Admission:
         # A job taken as short can turn out long when its restore failed: it launches alone. Jobs
         # whose restores failed can also be short each and too long together: the joint pass takes
         # them while they fit in one pass, the rest go alone.
-        whole, num_tokens = [], 0
-        for job in ready:
-            new_tokens = len(job.feed_ids) - job.cached_tokens
-            if num_tokens + new_tokens <= self._max_prefill_tokens:
-                whole.append(job)
-                num_tokens += new_tokens
-        if len(whole) >= 2:
+        whole = self.joint_prompts(ready)
+        if whole:
             joint = self._prefill_together(whole)
             if joint is not None:
                 outcomes += joint
@@ -217,6 +212,17 @@ class Admission:
             else:
                 outcomes.append(self._prefill_all_chunks(job))
         return outcomes
+
+    def joint_prompts(self, ready: list[Job]) -> list[Job]:
+        """The jobs of `ready` that go in one joint pass (the first that fit in one pass together),
+        when two or more do; else none. Reads only."""
+        whole, num_tokens = [], 0
+        for job in ready:
+            new_tokens = len(job.feed_ids) - job.cached_tokens
+            if num_tokens + new_tokens <= self._max_prefill_tokens:
+                whole.append(job)
+                num_tokens += new_tokens
+        return whole if len(whole) >= 2 else []
 
     def run_alone(self, jobs: list[Job]) -> list[Outcome]:
         """Each whole prompt in a pass of its own (after a pass with them was refused)."""
@@ -328,11 +334,12 @@ class Admission:
             return Ended(job, ERROR, f"prefill failed: {error}")
         return self.prefilled(job, item.start + len(item.token_ids), item.last, token)
 
-    def chunk_size_beside(self, num_rows: int) -> int:
-        """The most tokens of the chunking prompt that ride with a decode round of `num_rows` rows:
-        what the step's token budget leaves after the round (a pass costs about its rows, so the
-        decoders' next token comes about as soon as without it), at least one row tile."""
-        if self._step_tokens is None:
+    def chunk_size(self, num_rows: int) -> int:
+        """The most tokens of the chunking prompt in a pass beside a decode round of `num_rows` rows
+        (0: nothing decodes, a whole pass): what the step's token budget leaves after the round (a
+        pass costs about its rows, so the decoders' next token comes about as soon as without it),
+        at least one row tile."""
+        if self._step_tokens is None or num_rows == 0:
             return self._max_prefill_tokens
         return min(self._max_prefill_tokens, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
 

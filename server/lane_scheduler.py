@@ -173,13 +173,6 @@ class Scheduler:
     def _unride(self, job: Job) -> None:
         self._riding = [ride for ride in self._riding if ride.job is not job]
 
-    def _prefill_chunk(self) -> bool:
-        """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
-        if self._chunking is None:
-            return False
-        self._apply(self._admission.prefill_chunk(self._chunking))
-        return True
-
     def _apply(self, outcomes: list[Outcome]) -> None:
         """What Admission reports, in its order."""
         for outcome in outcomes:
@@ -206,7 +199,8 @@ class Scheduler:
             self._chunking,
             [ride.job for ride in self._riding],
             self._drafter.drafts if self._drafter else None,
-            self._admission.chunk_size_beside,
+            self._admission.chunk_size,
+            self._admission.joint_prompts,
         )
 
     def _decode_round(self) -> bool:
@@ -220,15 +214,12 @@ class Scheduler:
             self._end(jobs[lane], CANCELLED)
         for lane in plan.preempted:
             self._preempt(jobs[lane])
-        if not plan.rows:  # nothing decodes: the prompts go in passes of their own
-            riding, self._riding = self._riding, []
-            if riding:
-                self._apply(self._admission.run_now([ride.job for ride in riding], self._chunking))
-            return self._prefill_chunk() or bool(riding)
-        self._riding = []  # every one rides in this plan's pass
         self.lanes.book(plan.booked)
         for rows in (*plan.rows, *plan.prompts):
             self.lanes.append(jobs[rows.lane], rows.blocks[len(rows.blocks) - rows.num_booked :])
+        if not plan.rows:
+            return self._prompts_alone(plan)
+        self._riding = []  # every one rides in this plan's pass
         live = [jobs[rows.lane] for rows in plan.rows]
         if self._drafter:
             self._drafter.advance(live)
@@ -256,6 +247,22 @@ class Scheduler:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
         self.update_from_output(plan, samples, refused)
         return True
+
+    def _prompts_alone(self, plan: StepPlan) -> bool:
+        """A plan in which nothing decodes: its whole prompts in passes of their own (the joint
+        ones together: Admission.run_now chooses them as the plan did), then the chunk. True when
+        anything ran or a chunk waits for its blocks."""
+        riding, self._riding = [ride.job for ride in self._riding], []
+        chunking = self._chunking
+        if riding:
+            self._apply(self._admission.run_now(riding, chunking))
+        if (
+            chunking is not None
+            and self._chunking is chunking
+            and chunking.lane in [p.lane for p in plan.prompts]
+        ):
+            self._apply(self._admission.prefill_chunk(chunking))
+        return bool(riding) or chunking is not None
 
     def update_from_output(self, plan: StepPlan, samples: list[list[int]], refused: bool) -> None:
         """Apply what the plan's pass sampled: each stream's kept tokens (its drafts' up to the first

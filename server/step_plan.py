@@ -55,13 +55,17 @@ class StepPlan:
     """One step, in the order it is applied: `finished` (cancelled streams) end, `preempted` streams
     give up their lanes (back to the queue, recomputed later), `booked` blocks leave the pool, then
     one pass over `rows` and `prompts` (a chunk first, then whole prompts). No rows: nothing
-    decodes this step, and prompts go in passes of their own (Admission's)."""
+    decodes this step, and the prompts go in passes of their own: the `joint` ones together, the
+    rest alone, then the chunk."""
 
     finished: tuple[int, ...] = ()  # lanes
     preempted: tuple[int, ...] = ()  # lanes, in the order they give them up
     rows: tuple[StreamRows, ...] = ()
     prompts: tuple[PromptRows, ...] = ()
     booked: tuple[int, ...] = ()  # block ids, in the order the book hands them out
+    # With no rows: the lanes of the whole prompts that go in one joint pass (two or more, all or
+    # none: refused, each goes alone); the other prompts go alone, the chunk last.
+    joint: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -116,13 +120,16 @@ def plan_round(
     riding: Sequence[Job],
     drafts_for: Callable[[list[Job]], list[tuple[int, ...]]] | None,
     chunk_size: Callable[[int], int],
+    joint_prompts: Callable[[list[Job]], list[Job]],
 ) -> StepPlan:
     """The plan of this step's decode round: every live stream's rows, with the long prompt's next
-    chunk (sized by `chunk_size(round rows)`) and the riding whole prompts in the same pass. When
-    too few blocks are free for every decoding stream's next position, streams are preempted, the
-    newest first, until the rest fit (a stream that needs a block never fails, it waits in the
-    queue). Drafts (`drafts_for`, which reads only) never preempt: they are cut to the blocks a
-    stream holds or can have. Reads only: nothing in the lane table, the book or the jobs changes."""
+    chunk (sized by `chunk_size(round rows)`) and the riding whole prompts in the same pass; with
+    no stream decoding, those prompts in passes of their own (`joint_prompts` chooses which go
+    together, `chunk_size(0)` sizes the chunk). When too few blocks are free for every decoding
+    stream's next position, streams are preempted, the newest first, until the rest fit (a stream
+    that needs a block never fails, it waits in the queue). Drafts (`drafts_for`, which reads only)
+    never preempt: they are cut to the blocks a stream holds or can have. Reads only: nothing in
+    the lane table, the book or the jobs changes."""
     size = lanes.blocks.block_size
     jobs = lanes.jobs()
     finished = [job for job in jobs if job.cancel_requested]
@@ -147,7 +154,9 @@ def plan_round(
     riding = [job for job in riding if job not in preempted]
     chunking = None if chunking in preempted else chunking
     if not live:
-        return StepPlan(tuple(job.lane for job in finished), tuple(job.lane for job in preempted))
+        return _prompts_alone(
+            lanes, finished, preempted, riding, chunking, pool, chunk_size(0), joint_prompts
+        )
     # Blocks leave the pool in this order: each stream's next position, the chunk, the drafts.
     num_for_token = [lanes.blocks_missing(job, job.next_position + 1) for job in live]
     pool.take(sum(num_for_token))
@@ -192,6 +201,33 @@ def plan_round(
         tuple(rows),
         tuple(prompts),
         booked,
+    )
+
+
+def _prompts_alone(lanes, finished, preempted, riding, chunking, pool, max_chunk, joint_prompts) -> StepPlan:
+    """The plan of a step in which nothing decodes: the riding whole prompts, then the chunk."""
+    prompts = []
+    for job in riding:  # their blocks were booked when they were admitted
+        start = job.cached_tokens
+        prompts.append(PromptRows(job.lane, start, len(job.feed_ids) - start, True, _unsent(job), 0))
+    booked = ()
+    if chunking is not None:
+        start = chunking.num_prefilled
+        num_tokens = len(chunking.feed_ids[start : start + max_chunk])
+        missing = lanes.blocks_missing(chunking, start + num_tokens)
+        if pool.take(missing):  # else it waits a step for its blocks
+            booked = pool.booked()
+            last = start + num_tokens == len(chunking.feed_ids)
+            prompts.append(
+                PromptRows(chunking.lane, start, num_tokens, last, _unsent(chunking) + booked, missing)
+            )
+    return StepPlan(
+        tuple(job.lane for job in finished),
+        tuple(job.lane for job in preempted),
+        (),
+        tuple(prompts),
+        booked,
+        tuple(job.lane for job in joint_prompts(list(riding))),
     )
 
 

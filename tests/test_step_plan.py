@@ -20,6 +20,7 @@ class LoggedFake(FakeBackend):
         super().__init__(**kwargs)
         self.calls: list[str] = []
         self.rounds: list[tuple[list, list]] = []  # (decode items, prompt items) per round
+        self.prompt_passes: list[list] = []  # the items of each prefill and prefill_many
 
 
 def _logging(name):
@@ -27,6 +28,8 @@ def _logging(name):
         self.calls.append(name)
         if name in ("decode", "decode_drafts"):
             self.rounds.append((list(args[0]), list(args[1]) if len(args) > 1 else []))
+        if name in ("prefill", "prefill_many"):
+            self.prompt_passes.append(list(args[0]) if name == "prefill_many" else [args[0]])
         return getattr(FakeBackend, name)(self, *args)
 
     return call
@@ -83,44 +86,35 @@ def plan_twice(host, backend) -> StepPlan:
     return first
 
 
-def test_schedule_is_pure_and_the_pass_that_runs_is_its_plan():
-    """Streams decoding with drafts, a long prompt in chunks beside them, a short prompt riding in
-    the round: every step's plan is the same asked twice, costs no engine call, and is what the
-    round's pass carries; every reply equals its solo run."""
-    backend = LoggedFake(num_lanes=4, room=512, block_size=4, max_prefill_tokens=16, repeat_period=5)
-    host = make_host(backend, prefix_caching=True, max_draft_tokens=4, step_tokens=24)
-    requests = [
-        make_request([3, 4, 5], 30, ignore_eos=True),
-        make_request([9, 8], 30, ignore_eos=True, seed=7),
-    ]
-    streams = [host.submit(request) for request in requests]
-    for _ in range(3):
-        host.step()
-    later = [
-        make_request(list(range(1, 45)), 10, ignore_eos=True),
-        make_request([6, 6, 2], 8, ignore_eos=True),
-    ]
-    requests += later
-    streams += [host.submit(request) for request in later]
-    plans = []
+def run_checking_plans(host, backend, streams, max_steps: int = 200) -> set[str]:
+    """Step until every stream finished; before each step schedule() is checked pure (plan_twice),
+    and the passes the step's round runs are checked to be its plan's. What the plans held: "rows"
+    with "drafts", a "chunk" or "riding" prompts beside them, "alone" (prompts, nothing decoding)."""
     scheduler = host._scheduler
     schedule = scheduler.schedule
+    used = []  # (the plan the step ran, the rounds and prompt passes before it)
 
     def logged_schedule():
-        plans.append(schedule())
-        return plans[-1]
+        used.append((schedule(), len(backend.rounds), len(backend.prompt_passes)))
+        return used[-1][0]
 
-    seen_chunk = seen_riding = seen_drafts = False
-    for _ in range(200):
+    seen = set()
+    for _ in range(max_steps):
         if all(stream.finished is not None for stream in streams):
-            break
-        plan_twice(host, backend)
+            return seen
+        plan_twice(host, backend)  # admission may change the state before the step's own plan
         scheduler.schedule = logged_schedule
-        num_rounds = len(backend.rounds)
         host.step()
         scheduler.schedule = schedule
-        plan = plans[-1]
-        if not plan.rows:
+        plan, num_rounds, num_passes = used[-1]
+        if not plan.rows:  # nothing decodes: the plan's prompts went in passes of their own
+            passes = backend.prompt_passes[num_passes:]
+            fed = [(p.lane, p.start, len(p.token_ids), p.last) for items in passes for p in items]
+            assert sorted(fed) == sorted((p.lane, p.start, p.num_tokens, p.last) for p in plan.prompts)
+            if plan.joint:  # those went together, in the first of these passes
+                assert [p.lane for p in passes[0]] == list(plan.joint)
+            seen |= {"alone"} if plan.prompts else set()
+            seen |= {"joint"} if plan.joint else set()
             continue
         items, prompts = backend.rounds[num_rounds]
         assert [(i.lane, i.position, i.token_id, i.draft, i.blocks) for i in items] == [
@@ -129,11 +123,34 @@ def test_schedule_is_pure_and_the_pass_that_runs_is_its_plan():
         assert [(p.lane, p.start, len(p.token_ids), p.last, p.blocks) for p in prompts] == [
             (p.lane, p.start, p.num_tokens, p.last, p.blocks) for p in plan.prompts
         ]
-        seen_chunk |= any(not p.last for p in plan.prompts)
-        seen_riding |= any(p.last and p.start == 0 for p in plan.prompts)
-        seen_drafts |= any(r.draft for r in plan.rows)
-    assert seen_chunk and seen_riding and seen_drafts
-    assert [read_reply(stream) for stream in streams] == [backend.solo_reply(r) for r in requests]
+        seen |= {"rows"} | ({"chunk"} if any(not p.last for p in plan.prompts) else set())
+        seen |= {"riding"} if any(p.last and p.start == 0 for p in plan.prompts) else set()
+        seen |= {"drafts"} if any(r.draft for r in plan.rows) else set()
+    raise AssertionError(f"streams still running after {max_steps} steps")
+
+
+def test_schedule_is_pure_and_the_pass_that_runs_is_its_plan():
+    """A long prompt alone in chunks, then streams decoding with drafts, a long prompt in chunks
+    beside them, a short prompt riding in the round: every step's plan is the same asked twice,
+    costs no engine call, and is what the step's passes carry; every reply equals its solo run."""
+    backend = LoggedFake(num_lanes=4, room=512, block_size=4, max_prefill_tokens=16, repeat_period=5)
+    host = make_host(backend, prefix_caching=True, max_draft_tokens=4, step_tokens=24)
+    requests = [make_request(list(range(50, 90)), 3, ignore_eos=True)]
+    streams = [host.submit(request) for request in requests]
+    seen = run_checking_plans(host, backend, streams)
+    assert "alone" in seen
+    first = [make_request([3, 4, 5], 30, ignore_eos=True), make_request([9, 8], 30, ignore_eos=True, seed=7)]
+    streams = [host.submit(request) for request in first]
+    for _ in range(3):
+        host.step()
+    later = [
+        make_request(list(range(1, 45)), 10, ignore_eos=True),
+        make_request([6, 6, 2], 8, ignore_eos=True),
+    ]
+    streams += [host.submit(request) for request in later]
+    seen = run_checking_plans(host, backend, streams)
+    assert {"rows", "chunk", "riding", "drafts"} <= seen, seen
+    assert [read_reply(stream) for stream in streams] == [backend.solo_reply(r) for r in first + later]
     backend.assert_clean()
 
 
