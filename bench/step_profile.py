@@ -5,9 +5,9 @@ Starts the shipped daemon (configs/default.yaml, plus `--flags`) with its step t
 EOS at 1 and `--streams` streams over HTTP (`/v1/completions`, bench.peer's client) and gRPC, and
 reads the timers' totals before and after each burst. Per pure decode step (no prompt pass in it) it
 prints each part's wall time and the scheduling thread's CPU time in it: the wire send, the forward
-pass (with its vote and the follower's collectives), sampling, logprobs, drafts, the streams'
-per-token work (job.accept: detokenize, stop strings, events), what is left of the step (the
-scheduler's bookkeeping: lanes, blocks, plans), the gap between two steps, and the CPU the process's
+pass (with its vote and the follower's collectives), sampling, logprobs, the step's plan (drafts
+and blocks chosen, server/step_plan.py), the streams' per-token work (job.accept: detokenize, stop
+strings, events), what is left of the step (the scheduler's bookkeeping: lanes, blocks), the gap between two steps, and the CPU the process's
 other threads (the APIs) took per step. A part's wall time beyond its CPU time is waiting: for the
 GIL or for the core. First, in the same run, `python -m bench.ops` times the in-process round at
 the same lane counts; `daemon / ops` is the through-the-daemon step (step + gap) over it (issue 30's
@@ -38,7 +38,7 @@ from tpserve.ranks.step_profile import PROFILE_ENV  # noqa: E402
 
 SETTLE_S = 0.5  # the timers flush when the engine goes idle; a snapshot unchanged this long is final
 SNAPSHOT_TIMEOUT_S = 30.0
-PARTS = ("wire send", "forward (and vote)", "sample", "logprobs", "drafts", "tokens")
+PARTS = ("wire send", "forward (and vote)", "sample", "logprobs", "plan", "tokens")
 
 
 def read_settled(path: Path) -> dict:

@@ -2,9 +2,9 @@
 
 Off unless the daemon starts with $TPSERVE_STEP_PROFILE naming a file (a measuring tool, not a
 setting: nothing the daemon serves depends on it). When on, each part of a step (the wire send, the
-forward pass, sampling, logprobs, drafts, the per-token work of the streams) adds its wall time and
-the scheduling thread's CPU time to running totals; what is left of a step is the scheduler's own
-bookkeeping. Wall time a part spent without the thread's CPU is time it waited: for the GIL, or for
+forward pass, sampling, logprobs, the step's plan with its drafts, the per-token work of the streams)
+adds its wall time and the scheduling thread's CPU time to running totals; what is left of a step is
+the scheduler's own bookkeeping. Wall time a part spent without the thread's CPU is time it waited: for the GIL, or for
 a core the API threads held. The totals go to the file (JSON, replaced whole) at most once a
 second and whenever the engine goes idle; a reader takes the difference of two snapshots.
 

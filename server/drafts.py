@@ -68,21 +68,42 @@ class Drafter:
         self._streams: weakref.WeakKeyDictionary[object, _Reach] = weakref.WeakKeyDictionary()
 
     def drafts(self, jobs) -> list[tuple[int, ...]]:
-        """One draft per job (maybe empty); `jobs` are a round's live jobs, at least one."""
-        per_job = min(self.max_draft_tokens, (self.num_rows - len(jobs)) // len(jobs))
-        if per_job <= 0:
-            return [()] * len(jobs)
+        """One draft per job (maybe empty); `jobs` are a round's live jobs, at least one. Reads only:
+        a plan may ask twice; `advance` counts the round once it runs."""
         out = []
-        for job in jobs:
-            if job.matcher is not None:
-                # A draft token would be verified against logits that no grammar masked; a
-                # constrained stream decodes one token a round instead.
+        for job, tokens in zip(jobs, self._reaches(jobs)):
+            if tokens is None:
                 out.append(())
                 continue
-            reach = self._streams.setdefault(job, _Reach(self.max_draft_tokens))
             room = min(job.reserve - job.next_position, job.request.max_tokens - len(job.produced)) - 1
-            out.append(propose(job.feed_ids, min(per_job, room, reach.next_round())))
+            out.append(propose(job.feed_ids, min(tokens, room)))
         return out
+
+    def advance(self, jobs) -> None:
+        """The round `drafts(jobs)` planned runs: each guessing stream's reach moves on (a resting
+        one rests a round more)."""
+        if self._per_job(jobs) <= 0:
+            return
+        for job in jobs:
+            if job.matcher is None:
+                self._streams.setdefault(job, _Reach(self.max_draft_tokens)).next_round()
+
+    def _per_job(self, jobs) -> int:
+        return min(self.max_draft_tokens, (self.num_rows - len(jobs)) // len(jobs))
+
+    def _reaches(self, jobs) -> list[int | None]:
+        """Per job, the most draft tokens it may guess this round; None where it guesses none."""
+        per_job = self._per_job(jobs)
+        if per_job <= 0:
+            return [None] * len(jobs)
+        # A draft token would be verified against logits that no grammar masked; a constrained
+        # stream decodes one token a round instead.
+        return [
+            None
+            if job.matcher is not None
+            else min(per_job, self._streams.get(job, _Reach(self.max_draft_tokens)).upcoming()[0])
+            for job in jobs
+        ]
 
     def kept(self, job, draft: tuple[int, ...], tokens: list[int]) -> list[int]:
         """The sampled tokens up to and including the first that differs from the next draft."""
@@ -106,11 +127,16 @@ class _Reach:
         self.tokens = most  # a stream starts at the most it may
         self.resting = 0
 
-    def next_round(self) -> int:
+    def upcoming(self) -> tuple[int, int]:
+        """(tokens, resting) after the next round's start, changing nothing."""
         if self.tokens == 0:
-            self.resting += 1
-            if self.resting > RETRY_AFTER:
-                self.tokens, self.resting = 1, 0
+            if self.resting + 1 > RETRY_AFTER:
+                return 1, 0
+            return 0, self.resting + 1
+        return self.tokens, self.resting
+
+    def next_round(self) -> int:
+        self.tokens, self.resting = self.upcoming()
         return self.tokens
 
     def checked(self, num_drafted: int, num_accepted: int) -> None:

@@ -93,15 +93,18 @@ class HostState:
         with self._cond:
             return self._queue.peek() is not None
 
-    def pop_chosen(
-        self, num_jobs: int, choose: Callable[[list[Job]], tuple[int, int]]
-    ) -> tuple[list[Job], int]:
-        """Pop the head jobs `choose(head)` counts among the next `num_jobs`, with the number it returns
-        beside that count. It decides under the lock, so no client changes the head meanwhile: a
-        choice that reads only the jobs (no backend call)."""
+    def take_head(self, jobs: list[Job]) -> list[Job]:
+        """Pop `jobs` (a decision made on an earlier peek_many, outside the lock) while each is still
+        next in the queue, in order: the jobs taken. A cancel or a foreground arrival since the peek
+        stops the take there; the rest stay queued. The decision is never made here, so nothing of
+        the scheduler runs under this lock (STYLE 14)."""
+        taken = []
         with self._cond:
-            num_taken, extra = choose(self._queue.peek_many(num_jobs))
-            return [self._queue.pop() for _ in range(num_taken)], extra
+            for job in jobs:
+                if self._queue.peek() is not job:
+                    break
+                taken.append(self._queue.pop())
+        return taken
 
     def requeue(self, job: Job) -> bool:
         """A job that gave up its lane (yielded or preempted) goes first in its line. False when it

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +103,23 @@ class KVBlocks:
             self._refs[block] = 1
             blocks.append(block)
         return tuple(blocks)
+
+    def peek(self, num_blocks: int, plain: Sequence[int] = (), cached: Sequence[int] = ()) -> tuple[int, ...]:
+        """The ids `allocate(num_blocks)` would return once `free` has left `plain` (uncached) and
+        `cached` blocks unreferenced, in that order (a plan decides before it applies). Changes nothing."""
+        ids = heapq.nsmallest(num_blocks, itertools.chain(self._free, plain))
+        ids += itertools.islice(itertools.chain(self._idle, cached), num_blocks - len(ids))
+        if len(ids) < num_blocks:
+            raise RuntimeError(f"{num_blocks} KV blocks wanted, {len(ids)} free")
+        return tuple(ids)
+
+    def num_refs(self, block: int) -> int:
+        """How many tables hold the block (0: free)."""
+        return self._refs.get(block, 0)
+
+    def is_cached(self, block: int) -> bool:
+        """Whether the block holds a prefix a later prompt may share (freed, it stays findable)."""
+        return block in self._key_of
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; a cached block nobody references stays findable."""

@@ -195,13 +195,8 @@ class Admission:
         # A job taken as short can turn out long when its restore failed: it launches alone. Jobs
         # whose restores failed can also be short each and too long together: the joint pass takes
         # them while they fit in one pass, the rest go alone.
-        whole, num_tokens = [], 0
-        for job in ready:
-            new_tokens = len(job.feed_ids) - job.cached_tokens
-            if num_tokens + new_tokens <= self._max_prefill_tokens:
-                whole.append(job)
-                num_tokens += new_tokens
-        if len(whole) >= 2:
+        whole = self.joint_prompts(ready)
+        if whole:
             joint = self._prefill_together(whole)
             if joint is not None:
                 outcomes += joint
@@ -217,6 +212,17 @@ class Admission:
             else:
                 outcomes.append(self._prefill_all_chunks(job))
         return outcomes
+
+    def joint_prompts(self, ready: list[Job]) -> list[Job]:
+        """The jobs of `ready` that go in one joint pass (the first that fit in one pass together),
+        when two or more do; else none. Reads only."""
+        whole, num_tokens = [], 0
+        for job in ready:
+            new_tokens = len(job.feed_ids) - job.cached_tokens
+            if num_tokens + new_tokens <= self._max_prefill_tokens:
+                whole.append(job)
+                num_tokens += new_tokens
+        return whole if len(whole) >= 2 else []
 
     def run_alone(self, jobs: list[Job]) -> list[Outcome]:
         """Each whole prompt in a pass of its own (after a pass with them was refused)."""
@@ -289,41 +295,33 @@ class Admission:
 
     def _next_chunk(self, job: Job, size: int | None = None) -> PrefillItem | None:
         """The next `size` tokens (max_prefill_tokens unless said); None when their blocks are not free."""
-        feed = job.feed_ids
         start = job.num_prefilled
-        chunk = feed[start : start + (size or self._max_prefill_tokens)]
-        if not self._lanes.cover(job, start + len(chunk)):
+        num_tokens = len(job.feed_ids[start : start + (size or self._max_prefill_tokens)])
+        if not self._lanes.cover(job, start + num_tokens):
             return None
-        last = start + len(chunk) == len(feed)
+        return self.prompt_item(job, start, num_tokens)
+
+    def _whole_prompt(self, job: Job) -> PrefillItem | None:
+        """None when the prompt's blocks are not free."""
+        if not self._lanes.cover(job, len(job.feed_ids)):
+            return None
+        return self.prompt_item(job, job.cached_tokens, len(job.feed_ids) - job.cached_tokens)
+
+    def prompt_item(self, job: Job, start: int, num_tokens: int) -> PrefillItem:
+        """The pass over feed_ids[start:start+num_tokens], with the blocks booked for the lane that
+        its backend table does not hold yet (the caller booked what the pass writes)."""
+        last = start + num_tokens == len(job.feed_ids)
         return PrefillItem(
             job.lane,
             start,
-            chunk,
+            job.feed_ids[start : start + num_tokens],
             last,
             job.request.sampling,
             job.request.images,
             self._lanes.new_blocks(job),
             job.allowed_tokens() if last else None,
             job.counts,
-            *_prompt_rows(job, start, len(chunk)),
-        )
-
-    def _whole_prompt(self, job: Job) -> PrefillItem | None:
-        """None when the prompt's blocks are not free."""
-        start = job.cached_tokens
-        if not self._lanes.cover(job, len(job.feed_ids)):
-            return None
-        return PrefillItem(
-            job.lane,
-            start,
-            job.feed_ids[start:],
-            True,
-            job.request.sampling,
-            job.request.images,
-            self._lanes.new_blocks(job),
-            job.allowed_tokens(),
-            job.counts,
-            *_prompt_rows(job, start, len(job.feed_ids) - start),
+            *_prompt_rows(job, start, num_tokens),
         )
 
     def _prefill(self, job: Job, item: PrefillItem | None) -> Outcome | None:
@@ -334,28 +332,24 @@ class Admission:
         token, error = attempt(self._backend.prefill, item)
         if error is not None:
             return Ended(job, ERROR, f"prefill failed: {error}")
-        return self.prefilled(job, item, token)
+        return self.prefilled(job, item.start + len(item.token_ids), item.last, token)
 
-    def chunk_beside_round(self, job: Job, num_rows: int) -> PrefillItem | BlockWait | Ended:
-        """The chunking job's next chunk, to ride with this step's decode round of `num_rows` rows
-        (the scheduler runs it, then reports with `prefilled`); BlockWait while its blocks are not
-        free. The chunk takes what the step's token budget leaves after the round: a pass costs
-        about its rows, so the decoders' next token comes about as soon as without it."""
-        if job.cancel_requested:
-            return Ended(job, CANCELLED)
-        size = self._max_prefill_tokens
-        if self._step_tokens is not None:
-            size = min(size, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
-        item = self._next_chunk(job, size)
-        return BlockWait(job) if item is None else item
+    def chunk_size(self, num_rows: int) -> int:
+        """The most tokens of the chunking prompt in a pass beside a decode round of `num_rows` rows
+        (0: nothing decodes, a whole pass): what the step's token budget leaves after the round (a
+        pass costs about its rows, so the decoders' next token comes about as soon as without it),
+        at least one row tile."""
+        if self._step_tokens is None or num_rows == 0:
+            return self._max_prefill_tokens
+        return min(self._max_prefill_tokens, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
 
-    def prefilled(self, job: Job, item: PrefillItem, token: int | None) -> Outcome | None:
-        """A pass over `item` went through (`token`: what it sampled after the prompt's last chunk).
-        None after a chunk that is not the prompt's last."""
+    def prefilled(self, job: Job, end: int, last: bool, token: int | None) -> Outcome | None:
+        """A pass over the job's prompt up to `end` went through (`last`: it ended the prompt, and
+        `token` is what it sampled after it). None after a chunk that is not the prompt's last."""
         self._lanes.sent(job)
-        job.num_prefilled = item.start + len(item.token_ids)
+        job.num_prefilled = end
         self._lanes.keep_computed(job, job.num_prefilled)
-        if not item.last:
+        if not last:
             return None
         if token is None:
             return Ended(job, ERROR, "the engine sampled no token after the prompt")

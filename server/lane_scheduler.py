@@ -1,10 +1,14 @@
 """The scheduler's step: what one scheduling iteration does with the lanes and the backend.
 
-Each step: end cancelled streams, admit waiting jobs, run one chunk of a long prompt, then one
-decode round over every live lane (continuous batching: streams join and leave between rounds).
-Admission (lane_admit.py) decides what to take and runs the prompt passes; it returns what happened
-and the scheduler applies it: the streams and which job is chunking are the scheduler's alone, the
-queue is HostState's (taken under its lock, never across a backend call).
+Each step: end cancelled streams, admit waiting jobs, then one pass. `schedule()` plans the decode
+round (step_plan.py: plain data, decided before anything runs, changing nothing): every live
+stream's rows, the long prompt's next chunk and the whole prompts admitted this step beside them,
+the blocks it books, the streams it preempts. The plan is applied (ends, preemptions, bookings), its
+one pass runs, and `update_from_output()` applies the sampled tokens, one way (STYLE 14). While no
+stream decodes, prompts go in passes of their own, which Admission (lane_admit.py) still decides and
+runs, returning what happened for the scheduler to apply: the streams and which job is chunking are
+the scheduler's alone, the queue is HostState's (peeked and taken under its lock, never decided
+there nor held across a backend call).
 A BackendBroken anywhere latches the host broken: every stream ends with an error, new work is
 refused and `on_broken` is called once so the daemon can exit non-zero.
 """
@@ -23,6 +27,7 @@ from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, Fir
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED, ERROR, Prefilled, TokenLogprob
+from tpserve.server.step_plan import StepPlan, plan_round
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +120,18 @@ class Scheduler:
         )
 
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
-        """Pop the head jobs Admission takes (at most `most`); with the step's prompt budget left
-        after them."""
+        """Take the head jobs Admission chooses (at most `most`); with the step's prompt budget left
+        after them. The choice reads a snapshot of the queue's head outside its lock; the take pops
+        what is still at the head (a cancel meanwhile only takes fewer, which always fits)."""
         num_free = self.lanes.num_free
         if most < 1 or not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
             return [], budget
+        head = self._state.peek_many(min(most, num_free))
         free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
-        return self._state.pop_chosen(
-            min(most, num_free),
-            lambda head: self._admission.num_to_take(
-                head, free_blocks, budget, self._chunking, [ride.job for ride in self._riding]
-            ),
-        )
+        riding = [ride.job for ride in self._riding]
+        num_taken, left = self._admission.num_to_take(head, free_blocks, budget, self._chunking, riding)
+        # Fewer taken than chosen leaves `left` short of the truth: the step prefills less, never more.
+        return self._state.take_head(head[:num_taken]), left
 
     def _blocks_wanted(self) -> int:
         """Blocks the streams holding lanes want by the end of this step (each decoding stream's next
@@ -165,20 +170,8 @@ class Scheduler:
         self.num_preempted += 1
         log.info("a stream was preempted for KV blocks after %d tokens", len(job.produced))
 
-    @staticmethod
-    def _newest(jobs: list[Job]) -> Job:
-        """The stream preempted first: background before foreground, then the last admitted."""
-        return max(jobs, key=lambda job: (job.background, job.admitted_seq))
-
     def _unride(self, job: Job) -> None:
         self._riding = [ride for ride in self._riding if ride.job is not job]
-
-    def _prefill_chunk(self) -> bool:
-        """The next chunk of the long prompt in progress, if any. True when one ran (or ended)."""
-        if self._chunking is None:
-            return False
-        self._apply(self._admission.prefill_chunk(self._chunking))
-        return True
 
     def _apply(self, outcomes: list[Outcome]) -> None:
         """What Admission reports, in its order."""
@@ -198,72 +191,112 @@ class Scheduler:
                 case Riding():
                     self._riding.append(outcome)
 
+    def schedule(self) -> StepPlan:
+        """This step's decode round as a plan (step_plan.py): decided from the lanes, the KV book and
+        the scheduler's notes, changing nothing and calling nothing on the engine."""
+        return plan_round(
+            self.lanes,
+            self._chunking,
+            [ride.job for ride in self._riding],
+            self._drafter.drafts if self._drafter else None,
+            self._admission.chunk_size,
+            self._admission.joint_prompts,
+        )
+
     def _decode_round(self) -> bool:
         """One decode round over every live stream, with the whole prompts admitted this step and
-        the long prompt's next chunk in the same pass (those alone when no stream decodes). True
-        when anything ran."""
-        self._end_cancelled()
-        live = self._cover_live()
-        riding, self._riding = self._riding, []
-        if not live:
-            ran = bool(riding)
-            if riding:
-                self._apply(self._admission.run_now([ride.job for ride in riding], self._chunking))
-            return self._prefill_chunk() or ran
-        with self._profile.part("drafts"):
-            drafts = self._drafter.drafts(live) if self._drafter else [()] * len(live)
-        chunk = self._next_chunk(sum(1 + len(draft) for draft in drafts))  # its blocks before drafts'
-        drafts = [self._covered_draft(job, draft) for job, draft in zip(live, drafts)]
-        self._profile.decoded(len(live), len(live) + sum(map(len, drafts)))
+        the long prompt's next chunk in the same pass (those alone when no stream decodes): plan it,
+        apply the plan, one pass, apply the sampled tokens. True when anything ran."""
+        with self._profile.part("plan"):
+            plan = self.schedule()
+        jobs = {job.lane: job for job in self.lanes.jobs()}
+        for lane in plan.finished:
+            self._end(jobs[lane], CANCELLED)
+        for lane in plan.preempted:
+            self._preempt(jobs[lane])
+        self.lanes.book(plan.booked)
+        for rows in (*plan.rows, *plan.prompts):
+            self.lanes.append(jobs[rows.lane], rows.blocks[len(rows.blocks) - rows.num_booked :])
+        if not plan.rows:
+            return self._prompts_alone(plan)
+        self._riding = []  # every one rides in this plan's pass
+        live = [jobs[rows.lane] for rows in plan.rows]
+        if self._drafter:
+            self._drafter.advance(live)
+        self._profile.decoded(len(live), plan.num_rows)
         items = [
             DecodeItem(
-                job.lane,
-                job.next_position,
-                job.produced[-1],
+                rows.lane,
+                rows.position,
+                rows.token_id,
                 job.request.sampling,
-                draft,
-                self.lanes.new_blocks(job),
+                rows.draft,
+                rows.blocks,
                 job.allowed_tokens(),
                 job.counts,
             )
-            for job, draft in zip(live, drafts)
+            for job, rows in zip(live, plan.rows)
         ]
-        prompts = [(ride.job, ride.item) for ride in riding]
-        if chunk is not None:
-            prompts.insert(0, (self._chunking, chunk))
-        samples, error = self._run_round(items, drafts, [item for _, item in prompts])
+        prompts = [self._admission.prompt_item(jobs[p.lane], p.start, p.num_tokens) for p in plan.prompts]
+        drafts = [rows.draft for rows in plan.rows]
+        samples, error = self._run_round(items, drafts, prompts)
         refused = isinstance(error, ChunkRefused)
-        if refused:  # nothing ran: the round goes again alone, then each prompt alone (below)
+        if refused:  # nothing ran: the round goes again alone, then each prompt alone
             samples, error = self._run_round(items, drafts, [])
         if error is not None:
             raise BackendBroken(f"a decode round failed: {error!r}") from error
-        prompt_tokens = iter([] if refused else [tokens[0] for tokens in samples[len(items) :]])
-        samples = samples[: len(items)]
-        if [len(tokens) for tokens in samples] != [1 + len(draft) for draft in drafts]:
-            raise BackendBroken(
-                f"a decode round returned {len(samples)} lanes' tokens for {len(items)} lanes"
-            )
+        self.update_from_output(plan, samples, refused)
+        return True
+
+    def _prompts_alone(self, plan: StepPlan) -> bool:
+        """A plan in which nothing decodes: its whole prompts in passes of their own (the joint
+        ones together: Admission.run_now chooses them as the plan did), then the chunk. True when
+        anything ran or a chunk waits for its blocks."""
+        riding, self._riding = [ride.job for ride in self._riding], []
+        chunking = self._chunking
+        if riding:
+            self._apply(self._admission.run_now(riding, chunking))
+        if (
+            chunking is not None
+            and self._chunking is chunking
+            and chunking.lane in [p.lane for p in plan.prompts]
+        ):
+            self._apply(self._admission.prefill_chunk(chunking))
+        return bool(riding) or chunking is not None
+
+    def update_from_output(self, plan: StepPlan, samples: list[list[int]], refused: bool) -> None:
+        """Apply what the plan's pass sampled: each stream's kept tokens (its drafts' up to the first
+        wrong guess), each prompt's progress and the first token of each that ended. `refused`: the
+        pass went again without its prompts (`samples` then holds the round's alone), and each
+        prompt runs alone now, so only a refused one fails."""
+        jobs = {job.lane: job for job in self.lanes.jobs()}
+        live = [jobs[rows.lane] for rows in plan.rows]
+        prompt_jobs = [jobs[p.lane] for p in plan.prompts]
+        prompt_tokens = iter([] if refused else [tokens[0] for tokens in samples[len(live) :]])
+        samples = samples[: len(live)]
+        if [len(tokens) for tokens in samples] != [1 + len(rows.draft) for rows in plan.rows]:
+            raise BackendBroken(f"a decode round returned {len(samples)} lanes' tokens for {len(live)} lanes")
         for job in live:
             self.lanes.sent(job)
         with self._profile.part("tokens"):
-            for job, draft, tokens in zip(live, drafts, samples):
-                for token in self._drafter.kept(job, draft, tokens) if draft else tokens:
+            for job, rows, tokens in zip(live, plan.rows, samples):
+                for token in self._drafter.kept(job, rows.draft, tokens) if rows.draft else tokens:
                     self._take_token(job, token)
                     if job.lane is None:  # the reply ended: later tokens are not part of it
                         break
         if refused:
-            self._alone_after_refusal(chunk, [ride.job for ride in riding])
-            return True
-        for job, item in prompts:
-            token = next(prompt_tokens, None) if item.last else None
-            outcome = self._admission.prefilled(job, item, token)
+            chunked = self._chunking is not None and self._chunking in prompt_jobs
+            self._alone_after_refusal(chunked, [job for job in prompt_jobs if job is not self._chunking])
+            return
+        for job, prompt in zip(prompt_jobs, plan.prompts):
+            token = next(prompt_tokens, None) if prompt.last else None
+            outcome = self._admission.prefilled(job, prompt.start + prompt.num_tokens, prompt.last, token)
             self._apply([] if outcome is None else [outcome])
-        return True
 
-    def _alone_after_refusal(self, chunk: PrefillItem | None, riding: list[Job]) -> None:
+    def _alone_after_refusal(self, chunked: bool, riding: list[Job]) -> None:
         """Some rank refused a prompt beside the round (nothing of that pass ran): each runs alone,
         so only the refused one fails."""
-        if chunk is not None and self._chunking is not None:
+        if chunked:
             self._apply(self._admission.prefill_chunk(self._chunking))
         self._apply(self._admission.run_alone(riding))
 
@@ -273,44 +306,6 @@ class Scheduler:
             return attempt(self._backend.decode_drafts, items, prompts)
         tokens, error = attempt(self._backend.decode, items, prompts)
         return (None if error is not None else [[token] for token in tokens]), error
-
-    def _next_chunk(self, num_rows: int) -> PrefillItem | None:
-        """The chunking job's next chunk for this round of `num_rows` rows; None when there is none
-        or it waits."""
-        if self._chunking is None:
-            return None
-        got = self._admission.chunk_beside_round(self._chunking, num_rows)
-        if isinstance(got, PrefillItem):
-            return got
-        self._apply([got])
-        return None
-
-    def _cover_live(self) -> list[Job]:
-        """The streams this round decodes, each with a block for the position it writes. When too few
-        blocks are free, streams are preempted, the newest first (background before foreground),
-        until the rest fit: a stream that needs a block never fails, it waits in the queue."""
-        riding = [ride.job for ride in self._riding]
-        live = [job for job in self.lanes.jobs() if job is not self._chunking and job not in riding]
-        holders = [*live, *riding, *([self._chunking] if self._chunking is not None else [])]
-        while True:
-            wanted = sum(self.lanes.blocks_missing(job, job.next_position + 1) for job in live)
-            if self.lanes.blocks.can_allocate(wanted) or not holders:
-                break
-            victim = self._newest(holders)
-            holders.remove(victim)
-            if victim in live:
-                live.remove(victim)
-            self._preempt(victim)
-        for job in live:
-            self.lanes.cover(job, job.next_position + 1)
-        return live
-
-    def _covered_draft(self, job: Job, draft: tuple[int, ...]) -> tuple[int, ...]:
-        """The draft cut to the blocks the job holds or can have now: drafts never preempt."""
-        end = job.next_position + 1 + len(draft)
-        if draft and not self.lanes.cover(job, end):
-            return draft[: self.lanes.covered(job) - job.next_position - 1]
-        return draft
 
     def _first_token(self, job: Job, token: int) -> None:
         if not job.prefilled_sent:

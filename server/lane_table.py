@@ -126,6 +126,18 @@ class LaneTable:
         job.blocks += self.blocks.allocate(missing)
         return True
 
+    def book(self, planned: tuple[int, ...]) -> None:
+        """Take from the pool the blocks a step's plan chose (server/step_plan.py): they must be the
+        ones the book hands out next, or the plan was made from another state (a bug: it raises)."""
+        got = self.blocks.allocate(len(planned)) if planned else ()
+        if got != planned:
+            raise RuntimeError(f"the step's plan booked KV blocks {planned}; the book handed out {got}")
+
+    @staticmethod
+    def append(job: Job, blocks: tuple[int, ...]) -> None:
+        """Add blocks `book` took for the plan to the job's table in the book."""
+        job.blocks += blocks
+
     def covered(self, job: Job) -> int:
         """Positions the job's booked blocks hold."""
         return len(job.blocks) * self.blocks.block_size

@@ -47,3 +47,21 @@ def test_shared_blocks_are_referenced_and_idle_ones_are_evicted_least_recent_fir
     assert book.find(keys_of(first, 2)) == (0, 0), "a's first block went: its prefix is gone"
     assert book.find(keys_of(second, 2)) == (2, 2)
     assert book.stats().evictions == 1
+
+
+def test_peek_names_the_blocks_an_allocation_after_those_frees_would_take():
+    """A step's plan chooses block ids before its closes run: peek, told which blocks the closes
+    leave unreferenced (plain ones, then cached ones, in order), names what allocate then hands out,
+    plain ones lowest first, then cached ones least recently released first; it changes nothing."""
+    book = KVBlocks(10, 4, prefix_caching=True)
+    first = book.allocate(4)  # 0..3: a stream whose first two blocks are cached
+    book.register(first[:2], keys_of(range(8), 2))
+    other = book.allocate(3)  # 4..6
+    book.free(other[1:2])  # 5 free again
+    planned = book.peek(6, plain=(first[3], first[2]), cached=(first[0], first[1]))
+    assert book.stats().num_used == 6 and book.num_free == 4  # nothing changed
+    book.free(first)  # what the plan's close does
+    assert book.allocate(6) == planned == (2, 3, 5, 7, 8, 9)
+    assert book.peek(2) == (0, 1)  # the cached ones, least recently released first
+    with pytest.raises(RuntimeError, match="3 KV blocks wanted, 2 free"):
+        book.peek(3)

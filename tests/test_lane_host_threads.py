@@ -147,3 +147,23 @@ def test_a_broken_engine_wakes_every_waiting_client_with_an_error():
     assert broken.wait(TIMEOUT_S) and host.broken
     host.stop(grace_s=1.0)
     assert backend.num_calls_after_broken == 0
+
+
+def test_a_job_cancelled_after_the_scheduler_chose_it_is_not_taken():
+    """The scheduler chooses from a snapshot of the queue outside its lock (nothing of it runs under
+    the lock): a cancel that lands between the choice and the take leaves the job out, and no job
+    behind it jumps the queue."""
+    backend = FakeBackend()
+    host = make_host(backend)
+    first = host.submit(make_request([5, 6], 4))
+    second = host.submit(make_request([7, 8], 4))
+    state = host._state
+    head = state.peek_many(2)
+    first.cancel()
+    assert state.take_head(head) == []  # the chosen head is gone: nothing is taken out of order
+    assert first.finished is not None and first.finished.reason == "cancelled"
+    assert state.num_queued() == 1
+    while second.finished is None:
+        host.step()
+    assert read_reply(second).reason == "length"
+    backend.assert_clean()
