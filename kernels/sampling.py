@@ -22,13 +22,14 @@ from tpserve.kernels.logit_adjust import adjust_logits
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.kernels.token_counts import RowTokens
 
-__all__ = ["sample", "token_logprobs", "top_logits"]
+__all__ = ["GUMBEL_SPAN", "sample", "sample_listed", "token_logprobs", "top_logits"]
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _UNIFORM_BITS = 23  # (i + 0.5) / 2**23 is exact in float32 for every i < 2**23, and never 0 or 1
 # The largest Gumbel value the noise can take (u = 1 - 2**-24). A token more than this below the best
 # perturbed value found so far can never win, so its noise is not worth computing.
 _GUMBEL_MAX = -math.log(-math.log1p(-(2.0 ** -(_UNIFORM_BITS + 1))))
+GUMBEL_SPAN = _GUMBEL_MAX + math.log(-math.log(2.0 ** -(_UNIFORM_BITS + 1)))  # max - min noise value
 _NO_CANDIDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
 _FIRST_TOP_P_BLOCK = 64  # tokens sorted first when looking for the top_p cut; grows 8x when short
 
@@ -74,13 +75,54 @@ def sample(
     keys = np.array([_row_key(params[row].seed, positions[row]) for row in sampled], dtype=np.uint64)
     greedy_noise = _gumbel(keys, tokens[sampled])  # [num_sampled]
     for i, row in enumerate(sampled):
-        ids, values = _candidates(scores[row], params[row], int(tokens[row]), float(greedy_noise[i]))
+        scaled = _scaled(scores[row], params[row])
+        ids, values = _candidates(
+            scaled, None, len(scaled), params[row], int(tokens[row]), float(greedy_noise[i])
+        )
         if len(ids):  # else the row keeps its greedy token
             # Row by row, so a row's candidates stay in cache while ~25 passes of noise run over them.
-            perturbed = values + _gumbel(keys[i], ids)
-            # Ties between perturbed values go to the lower id, spelled out.
-            tokens[row] = ids[perturbed == perturbed.max()].min()
+            tokens[row] = _draw(ids, values, keys[i])
     return tokens.tolist()
+
+
+def sample_listed(
+    greedy_ids: np.ndarray,
+    rows: np.ndarray,
+    ids: np.ndarray,
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    vocab_size: int,
+) -> list[int]:
+    """sample's tokens for rows of vocab_size logits of which only a shortlist is at hand
+    (kernels/device_sampling.py): greedy_ids [num_rows], each row's argmax (NaN read as -inf); and
+    the listed tokens, as rows, ids, logits [n] (float32, NaN read as -inf), ordered by row, then id.
+    For a row of plain params (no mask, adjustment or log probabilities), the token is sample's on
+    the whole row when the list holds every token the draw reads: each token within the Gumbel
+    bound of the row's max and, for top_p with top_k, the top_k best."""
+    tokens = np.array(greedy_ids, dtype=np.int64)
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return tokens.tolist()
+    keys = np.array([_row_key(params[row].seed, positions[row]) for row in sampled], dtype=np.uint64)
+    greedy_noise = _gumbel(keys, tokens[sampled])  # [num_sampled]
+    bounds = np.searchsorted(rows, np.arange(len(params) + 1))  # row r's tokens: bounds[r]:bounds[r + 1]
+    for i, row in enumerate(sampled):
+        listed = ids[bounds[row] : bounds[row + 1]]
+        at = int(np.searchsorted(listed, tokens[row]))
+        if at == len(listed) or listed[at] != tokens[row]:
+            continue  # unlisted only when the row's max is -inf: nothing to draw from
+        scaled = _scaled(logits[bounds[row] : bounds[row + 1]], params[row])
+        kept, values = _candidates(scaled, listed, vocab_size, params[row], at, float(greedy_noise[i]))
+        if len(kept):
+            tokens[row] = _draw(kept, values, keys[i])
+    return tokens.tolist()
+
+
+def _draw(ids: np.ndarray, values: np.ndarray, key: np.uint64) -> int:
+    """argmax of values + Gumbel noise over ids, ties between perturbed values to the lower id."""
+    perturbed = values + _gumbel(key, ids)
+    return int(ids[perturbed == perturbed.max()].min())
 
 
 def top_logits(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
@@ -161,15 +203,27 @@ def _mask(scores: np.ndarray, allowed: Sequence[np.ndarray | None]) -> None:
             scores[row, ~keep] = -np.inf
 
 
-def _candidates(
-    row: np.ndarray, p: SamplingParams, greedy_token: int, greedy_noise: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens of one row [vocab] (float32, no NaN) that the filters keep and that could win the draw.
-
-    Returns (ids, scaled values); empty when the row has nothing to draw from.
-    """
+def _scaled(row: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """A row's logits (float32, no NaN) divided by its temperature, in float32."""
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        scaled = row / np.float32(p.temperature)  # [vocab]
+        return row / np.float32(p.temperature)
+
+
+def _candidates(
+    scaled: np.ndarray,
+    row_ids: np.ndarray | None,
+    vocab_size: int,
+    p: SamplingParams,
+    greedy_token: int,
+    greedy_noise: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of one row that the filters keep and that could win the draw.
+
+    scaled: the row's scaled logits (_scaled): of the whole row [vocab_size] when row_ids is None,
+    else of the tokens row_ids (ascending) only, a shortlist that holds every token this function
+    reads (kernels/device_sampling.py says which). greedy_token: the row's argmax, as an index into
+    `scaled`. Returns (token ids, scaled values); empty when the row has nothing to draw from.
+    """
     top = float(scaled[greedy_token])  # the row's max (division by a positive number keeps the order)
     if not math.isfinite(top):
         # All -inf, or overflowed to +inf by a tiny temperature: nothing to draw from.
@@ -179,8 +233,9 @@ def _candidates(
     # _GUMBEL_MAX below that value can never win. The margin keeps this pruning exact under float32
     # rounding: it never changes which token wins.
     floor = top + greedy_noise - _GUMBEL_MAX - (0.01 + 1e-5 * abs(top))
-    ids = np.flatnonzero(scaled >= floor)  # ascending, so later ties can go to the lower id
-    values = scaled[ids]
+    at = np.flatnonzero(scaled >= floor)  # ascending, so later ties can go to the lower id
+    ids = at if row_ids is None else row_ids[at]
+    values = scaled[at]
 
     # Every pruned token sits below every candidate, so the filters' cuts among candidates are exact.
     num_candidates = len(ids)
@@ -190,7 +245,7 @@ def _candidates(
         if 0 < p.top_k <= num_candidates:  # all that top_k keeps is among the candidates
             kept_mass = float(np.exp(values - np.float32(top)).sum(dtype=np.float64))
         else:
-            kept_mass = _kept_mass(scaled, top, p.top_k)
+            kept_mass = _kept_mass(scaled, top, p.top_k, vocab_size)
         ids, values = _top_p_prefix(ids, values, p.top_p, kept_mass, top)
     if p.min_p > 0.0:
         # p >= min_p * p_max; renormalising the kept set leaves that ratio alone, and the max is `top`.
@@ -214,13 +269,14 @@ def _best_first(ids: np.ndarray, values: np.ndarray, m: int) -> tuple[np.ndarray
     return ids[order], values[order]
 
 
-def _kept_mass(scaled: np.ndarray, top: float, top_k: int) -> float:
-    """Sum of exp(scaled - top) over the tokens top_k keeps (all of them when top_k is 0)."""
-    weights = np.exp(scaled - np.float32(top))  # [vocab], float32
-    vocab_size = len(scaled)
+def _kept_mass(scaled: np.ndarray, top: float, top_k: int, vocab_size: int) -> float:
+    """Sum of exp(scaled - top) over the tokens top_k keeps (all of them when top_k is 0) of a row
+    of vocab_size tokens. `scaled` is the whole row, or (top_k > 0) a shortlist in id order that
+    holds its top_k best: the same weights, summed in the same order."""
+    weights = np.exp(scaled - np.float32(top))  # [len(scaled)], float32
     if not 0 < top_k < vocab_size:
         return float(weights.sum(dtype=np.float64))
-    kth = np.partition(scaled, vocab_size - top_k)[vocab_size - top_k]
+    kth = np.partition(scaled, len(scaled) - top_k)[len(scaled) - top_k]
     above = scaled > kth
     num_at_kth = top_k - int(above.sum())  # how many of the tokens equal to kth top_k keeps
     return float(weights[above].sum(dtype=np.float64)) + num_at_kth * float(np.exp(np.float32(kth - top)))

@@ -22,19 +22,20 @@ class VotedDown(Exception):
 
 
 def apply_message(
-    engine: Engine, channel, msg, media: torch.Tensor | None = None, greedy: bool = False
+    engine: Engine, channel, msg, media: torch.Tensor | None = None, greedy: bool = False, listed=None
 ) -> torch.Tensor | None:
     """Returns the logits of a Prefill, Round or Verify on rank 0 (None elsewhere and for other kinds).
 
     `media`: on rank 0, the image features of a Prefill's media runs, in message order; `greedy`: a
-    Round's argmax ids in place of its logits (rank 0's choice: the pass is the same on every rank).
+    Round's argmax ids in place of its logits (rank 0's choice: the pass is the same on every rank);
+    `listed`: a Round's rows' SamplingParams, for its shortlist in place of its logits (the same).
     Raises VotedDown when the ranks voted no.
     """
     if isinstance(msg, Bundle):  # a follower's: rank 0 applied all but the last as it sent them
         *first, last = msg.messages
         for inner in first:
             apply_message(engine, channel, inner)
-        return apply_message(engine, channel, last, media, greedy)
+        return apply_message(engine, channel, last, media, greedy, listed)
     if isinstance(msg, Admit):
         engine.admit(msg.lane, msg.blocks, msg.num_cached)  # rank 0 chose them: nothing to vote on
         return None
@@ -75,7 +76,7 @@ def apply_message(
         )
     if isinstance(msg, Round):
         steps = [(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps]
-        return engine.decode_round(steps, greedy=greedy)
+        return engine.decode_round(steps, greedy=greedy, listed=listed)
     if isinstance(msg, Verify):
         return engine.verify([(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans])
     if isinstance(msg, Release):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.kernels.attention import SpanView
-from tpserve.kernels.device_sampling import greedy_ids
+from tpserve.kernels.device_sampling import greedy_ids, shortlist
 from tpserve.ranks.decode_runner import DecodeGraphs
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.kv_store import KVPool
@@ -168,14 +168,18 @@ class Engine:
         return self._pass(spans, every_row, media_rows, media, rope)
 
     def decode_round(
-        self, steps: list[tuple[int, int, tuple[int, ...]]], *, greedy: bool = False
+        self, steps: list[tuple[int, int, tuple[int, ...]]], *, greedy: bool = False, listed=None
     ) -> torch.Tensor | None:
         """One token per lane: (lane, position, (token,), new blocks), as forward. A lane a Verify left longer
         than `position` is first cut back to it: the drafts the host did not keep are dropped.
         greedy: every row's argmax, taken on the device ([lanes] int64: kernels/device_sampling.py,
-        for a round that greedy_on_device says needs nothing else of its logits), instead of the logits."""
+        for a round that greedy_on_device says needs nothing else of its logits), instead of the logits.
+        listed: the rows' SamplingParams, for a round lists_on_device takes: its shortlist, taken on the
+        device (kernels/device_sampling.py shortlist, one int64 tensor), instead of the logits."""
         self.drop_unkept_drafts(steps)
-        return self._pass(steps, every_row=False, greedy=greedy, graphed=self.graphs is not None)
+        return self._pass(
+            steps, every_row=False, greedy=greedy, listed=listed, graphed=self.graphs is not None
+        )
 
     def verify(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> torch.Tensor | None:
         """A decode round with drafts: (lane, position, (token, *drafts), new blocks), with the logits of every
@@ -223,10 +227,19 @@ class Engine:
                 state.length = start
 
     def _pass(
-        self, spans, every_row, media_rows=None, media=None, rope=None, greedy: bool = False, graphed=False
+        self,
+        spans,
+        every_row,
+        media_rows=None,
+        media=None,
+        rope=None,
+        greedy: bool = False,
+        listed=None,
+        graphed=False,
     ) -> torch.Tensor | None:
         """every_row: one flag for the pass or one per span (a span's rows' logits, or its last's);
         greedy: the rows' argmax ids instead of their logits, only the ids copied to the host;
+        listed: per row, its SamplingParams: the rows' shortlist instead, only it copied to the host;
         graphed: a decode round, replayed as its bucket's graph where one takes it."""
         spans = self._spans(spans)
         every_row = every_row if isinstance(every_row, list) else [every_row] * len(spans)
@@ -265,6 +278,8 @@ class Engine:
         if logits is not None:
             if greedy:
                 logits = greedy_ids(logits)
+            elif listed is not None:
+                logits = shortlist(logits, listed)
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
         for index, (lane, _, tokens, _) in enumerate(spans):
             state = self.lanes[lane]

@@ -11,8 +11,8 @@ import logging
 
 import torch
 
-from tpserve.kernels.device_sampling import samples_on_device
-from tpserve.kernels.sampling import sample, token_logprobs, top_logits
+from tpserve.kernels.device_sampling import Shortlist, lists_on_device, samples_on_device
+from tpserve.kernels.sampling import sample, sample_listed, token_logprobs, top_logits
 from tpserve.kernels.sampling_params import TokenLogprob
 from tpserve.ranks.apply import VotedDown, apply_message
 from tpserve.ranks.channel import ChannelBroken, gist_of
@@ -69,8 +69,8 @@ class Leader:
         profile: StepProfile | NoProfile | None = None,
         device_type: str | None = None,
     ):
-        """device_type: where greedy rounds' tokens may be taken (kernels/device_sampling.py
-        samples_on_device); None: the engine's device."""
+        """device_type: where rounds' tokens may be taken or shortlisted (kernels/device_sampling.py
+        samples_on_device, lists_on_device); None: the engine's device."""
         self.engine = engine
         self.device_type = device_type or engine.model.device.type
         self.channel = channel
@@ -217,6 +217,23 @@ class Leader:
                 ids = self._run(msg, greedy=True)  # [lanes] int64: only the ids left the device
             self._logprobs.clear()
             return ids.tolist()
+        if not prompts and self._lists_on_device(items):
+            sampling = tuple(item.sampling for item in items)
+            with self.profile.part("sample"):
+                packed = self._run(msg, listed=sampling)  # only each row's shortlist left the device
+                listed = Shortlist.unpack(packed)
+                positions = [i.position + 1 for i in items]
+                tokens = sample_listed(
+                    listed.greedy_ids,
+                    listed.rows,
+                    listed.ids,
+                    listed.logits,
+                    sampling,
+                    positions,
+                    listed.vocab_size,
+                )
+            self._logprobs.clear()
+            return tokens
         logits = self._with_prompts(msg, prompts)
         ended = [item for item in prompts if item.last]
         positions = [i.position + 1 for i in items] + [i.start + len(i.token_ids) for i in ended]
@@ -227,6 +244,12 @@ class Leader:
         allowed = [item.allowed for item in items]
         sampling = [item.sampling for item in items]
         return samples_on_device(self.device_type, sampling, allowed, streams, self._record_features)
+
+    def _lists_on_device(self, items) -> bool:
+        streams = [item.counts for item in items]
+        allowed = [item.allowed for item in items]
+        sampling = [item.sampling for item in items]
+        return lists_on_device(self.device_type, sampling, allowed, streams, self._record_features)
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)
@@ -271,10 +294,10 @@ class Leader:
         apply_message(self.engine, self.channel, msg)  # raises EngineError on an unsound table
         self._unsent.append(msg)
 
-    def _run(self, msg, media=None, greedy: bool = False):
+    def _run(self, msg, media=None, greedy: bool = False, listed=None):
         """Send `msg` (with the lanes opened and closed since the last message) and apply it here
-        (greedy: a Round's argmax ids instead of its logits, rank 0's affair: the followers' message
-        is the same). Any failure but a vote's no latches the leader broken."""
+        (greedy: a Round's argmax ids instead of its logits; listed: its rows' SamplingParams, for its
+        shortlist instead; rank 0's affair: the followers' message is the same). Any failure but a vote's no latches the leader broken."""
         if self.broken is not None:
             raise BackendBroken(self.broken)
         try:
@@ -288,7 +311,7 @@ class Leader:
             if isinstance(msg, (Prefill, Mixed)):
                 self.profile.prefilled()
             with self.profile.part("forward (and vote)"):
-                return apply_message(self.engine, self.channel, msg, media, greedy=greedy)
+                return apply_message(self.engine, self.channel, msg, media, greedy=greedy, listed=listed)
         except VotedDown:
             raise
         except ChannelBroken as error:  # names the rank that did not answer
