@@ -241,9 +241,17 @@ def run_bench(model_dir: str, *, system_tokens: int, max_tokens: int, flags: Seq
     argv = [sys.executable, "-m", "tpserve.cli", "serve", "--config", str(REPO / "configs/default.yaml")]
     argv += ["--model", model_dir, "--port", str(free_port()), "--http-port", str(http_port)]
     argv += ["--metrics-port", str(metrics_port), *flags]
-    server = Server("shared-prefix", argv, health_ready(http_port), generate=None)
+    poll = BlocksPoll(metrics_port)
+    http_ready = health_ready(http_port)
+
+    def ready() -> bool:  # the HTTP API answers a moment before the metrics page does
+        try:
+            return http_ready() and bool(poll.read())
+        except OSError:
+            return False
+
+    server = Server("shared-prefix", argv, ready, generate=None)
     try:
-        poll = BlocksPoll(metrics_port)
         block_size = int(poll.read()["tpserve_kv_block_size"])
         bursts = []
         for name, run in BURSTS:
