@@ -311,8 +311,9 @@ def print_report(report: dict) -> None:
     )
     for burst in report["bursts"]:
         print(
-            f"{burst['burst']}: {burst['num_cold']} chat(s) computed the system prompt; at best sharing "
-            f"holds {burst['ideal_shared_blocks']} blocks ({burst['shared_prefix_blocks']} shared); "
+            f"{burst['burst']}: {burst['num_cold']} chat(s) computed the system prompt; all {len(burst['chats'])} "
+            f"at full length hold {burst['ideal_shared_blocks']} blocks with one copy of the "
+            f"{burst['shared_prefix_blocks']} shared, {burst['unshared_blocks']} without sharing; "
             f"the 15 computed {sum(burst['others_computed_tokens'])} prompt tokens "
             f"({min(burst['others_computed_tokens'])}..{max(burst['others_computed_tokens'])} each, against the "
             f"first's {burst['first_prompt_tokens']}); the last of them came "
