@@ -62,7 +62,7 @@ class Chat:
 
     index: int
     sent: float = 0.0
-    first: float = 0.0  # the first content chunk's arrival (time.perf_counter)
+    first: float = 0.0  # the first token's arrival (time.perf_counter)
     end: float = 0.0
     text: str = ""
     usage: dict = field(default_factory=dict)
@@ -89,10 +89,12 @@ def user_message(index: int) -> str:
 
 
 def send_chat(http_port: int, system: str, chat: Chat, max_tokens: int, on_first=None) -> Chat:
-    """One streamed greedy chat; `on_first()` runs once its first content arrives."""
+    """One streamed greedy chat; `on_first()` runs once its first token arrives."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user_message(chat.index)}]
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    # Usage in every chunk: the first token is the first chunk counting one, whatever its text (a
+    # token may end inside a character, and its text come with the next).
+    body |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=REQUEST_TIMEOUT_S)
     chat.sent = time.perf_counter()
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -106,7 +108,7 @@ def send_chat(http_port: int, system: str, chat: Chat, max_tokens: int, on_first
         text = "".join(
             (choice.get("delta") or {}).get("content") or "" for choice in chunk.get("choices", ())
         )
-        if text and not chat.first:
+        if (chunk.get("usage") or {}).get("completion_tokens") and not chat.first:
             chat.first = time.perf_counter()
             if on_first is not None:
                 on_first()
@@ -152,6 +154,17 @@ class BlocksPoll:
         self._thread.join(30)
 
 
+def wait_first_token(future, came: threading.Event) -> None:
+    """Until the chat's first token came; its failure, or a chat that ended without one, is raised."""
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while not came.wait(0.05):
+        if future.done():
+            chat = future.result()  # raises the chat's failure
+            raise RuntimeError(f"chat {chat.index} ended without a token: {chat.usage}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("a chat got no token")
+
+
 def run_together(http_port: int, system: str, max_tokens: int) -> list[Chat]:
     """All sixteen chats at once."""
     chats = [Chat(index) for index in range(NUM_CHATS)]
@@ -166,8 +179,7 @@ def run_after_first(http_port: int, system: str, max_tokens: int) -> list[Chat]:
     first_came = threading.Event()
     with ThreadPoolExecutor(NUM_CHATS) as pool:
         first = pool.submit(send_chat, http_port, system, chats[0], 4 * max_tokens, first_came.set)
-        if not first_came.wait(REQUEST_TIMEOUT_S):
-            raise RuntimeError("the first chat got no token")
+        wait_first_token(first, first_came)
         rest = list(pool.map(lambda chat: send_chat(http_port, system, chat, max_tokens), chats[1:]))
         return [first.result(), *rest]
 
@@ -181,8 +193,7 @@ def run_one_by_one(http_port: int, system: str, max_tokens: int) -> list[Chat]:
         for chat in chats:
             came = threading.Event()
             futures.append(pool.submit(send_chat, http_port, system, chat, 4 * max_tokens, came.set))
-            if not came.wait(REQUEST_TIMEOUT_S):
-                raise RuntimeError(f"chat {chat.index} got no token")
+            wait_first_token(futures[-1], came)
         return [future.result() for future in futures]
 
 

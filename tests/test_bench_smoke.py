@@ -221,16 +221,16 @@ def test_quality_reports_perplexity_and_agreement_of_each_format(tiny_model, tmp
 
 
 def test_the_shared_prefix_benchmark_finds_one_copy_of_the_system_prompt(tmp_path, capsys):
-    # The real daemon on the byte-level tiny model: a 300-token system prompt is 9 whole blocks.
+    # The real daemon on the byte-level tiny model: a system prompt of 200+ tokens is 6+ whole blocks.
     model_dir = write_daemon_model(tmp_path / "chat-model")
     out = tmp_path / "shared.json"
     flags = "--context 512 --threads-per-rank 1 --device cpu"
-    argv = ["--model", str(model_dir), "--system-tokens", "300", "--max-tokens", "4", "--flags", flags]
+    argv = ["--model", str(model_dir), "--system-tokens", "200", "--max-tokens", "4", "--flags", flags]
     assert shared_prefix_main([*argv, "--json", str(out)]) == 0, capsys.readouterr().out[-2000:]
     report = json.loads(out.read_text())
     assert [burst["burst"] for burst in report["bursts"]] == ["together", "after the first", "one by one"]
     for burst in report["bursts"]:
         assert burst["num_cold"] == 1 and burst["first_cached_tokens"] == 0
-        assert min(burst["others_cached_tokens"]) >= 9 * report["block_size"]
+        assert min(burst["others_cached_tokens"]) >= 6 * report["block_size"]
         assert burst["ideal_shared_blocks"] < burst["unshared_blocks"]
     assert {"cpu_model", "vector_extensions", "blas", "torch", "threads"} <= set(report["machine"])
