@@ -8,12 +8,13 @@ unless --model; `--flags` adds serve flags) and sends greedy chats over HTTP
 its own so nothing is cached before it:
 
 - together: all sixteen at once. One chat computes the system prompt's blocks; the other fifteen
-  wait for them (they share them rather than compute copies) and prefill only their own suffix.
+  wait for them (they share them rather than compute copies) and prefill only what follows them.
   Their first tokens cannot come before the prompt is computed, so their time from sending is
   about the first's; what sharing saves shows in how little comes after it.
 - after the first: one chat alone, then the other fifteen at once as soon as its first token
   came (it is still answering). Each of the fifteen computes only what follows the shared blocks,
-  but all fifteen in one pass; target: their first tokens at most 0.2x the first's time.
+  all of them in as few passes as the step's prompt budget allows (max_prefill_tokens); target:
+  their first tokens at most 0.2x the first's time.
 - one by one: each chat sent as soon as the one before it got its first token (all still
   answering): each first token costs one pass over that chat's own tokens beside the others' decoding.
 
