@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from daemon import write_daemon_model
 from tiny_models import write_tiny_model
 
 from bench.attention import time_kernel
@@ -28,6 +29,7 @@ from bench.drafts import run_drafts
 from bench.fp16_linear import run_fp16_linear
 from bench.q6_linear import run_q6_linear
 from bench.q8_linear import run_q8_linear
+from bench.shared_prefix import main as shared_prefix_main
 from tpserve.kernels.fp16_linear import supported_paths as fp16_paths
 from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.native_attention import attention_paths, native_unavailable
@@ -218,3 +220,19 @@ def test_quality_reports_perplexity_and_agreement_of_each_format(tiny_model, tmp
         assert 1.0 < formats[quantized]["perplexity"] < math.inf
         assert 0.0 <= formats[quantized]["agreement"] <= 1.0
         assert len(formats[quantized]["agreed_tokens"]) == 2
+
+
+def test_the_shared_prefix_benchmark_finds_one_copy_of_the_system_prompt(tmp_path, capsys):
+    # The real daemon on the byte-level tiny model: a system prompt of 200+ tokens is 6+ whole blocks.
+    model_dir = write_daemon_model(tmp_path / "chat-model")
+    out = tmp_path / "shared.json"
+    flags = "--context 512 --threads-per-rank 1 --device cpu"
+    argv = ["--model", str(model_dir), "--system-tokens", "200", "--max-tokens", "4", "--flags", flags]
+    assert shared_prefix_main([*argv, "--json", str(out)]) == 0, capsys.readouterr().out[-2000:]
+    report = json.loads(out.read_text())
+    assert [burst["burst"] for burst in report["bursts"]] == ["together", "after the first", "one by one"]
+    for burst in report["bursts"]:
+        assert burst["num_cold"] == 1 and burst["first_cached_tokens"] == 0
+        assert min(burst["others_cached_tokens"]) >= 6 * report["block_size"]
+        assert burst["ideal_shared_blocks"] < burst["unshared_blocks"]
+    assert {"cpu_model", "vector_extensions", "blas", "torch", "threads"} <= set(report["machine"])
