@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpserve.server.api_key import key_matches
+from tpserve.server.beam_steps import run_beam_search
 from tpserve.server.chat_reply import ChatReply, prompt_opens_think, thinks
 from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.http_body import BodyRefused, read_json_object
@@ -45,6 +47,7 @@ from tpserve.server.http_tokenize import (
     tokenizer_info_reply,
     version_reply,
 )
+from tpserve.server.openai_beam import beam_reply
 from tpserve.server.openai_choices import cancel_all
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import OpenAIRequest, parse_chat, parse_completion
@@ -201,6 +204,8 @@ class OpenAIApi:
             parsed = parse(await read_json_object(request, self._body_timeout_s))
             if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
+            if parsed.beam is not None:
+                return await self._beam_search(parsed)
             for choice in parsed.choices:  # one stream per choice, in choice order
                 submitted.append(
                     await anyio.to_thread.run_sync(self._submit_choice, choice, limiter=self._limiter)
@@ -247,6 +252,19 @@ class OpenAIApi:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return await self._relay.whole(request, submitted, shape, echoes, parsed.num_per_prompt, replies)
+
+    async def _beam_search(self, parsed: OpenAIRequest) -> Response:
+        """Each prompt's search in turn, on a worker thread (server/beam_steps.py); one whole reply."""
+        results = []
+        for prompt in parsed.choices[:: parsed.num_per_prompt]:
+            search = partial(
+                run_beam_search, self._submitter, prompt, parsed.beam.width, parsed.beam.length_penalty
+            )
+            results.append(await anyio.to_thread.run_sync(search, limiter=self._limiter))
+        shape = ReplyShape(chat=parsed.chat, model=self._model, return_token_ids=parsed.return_token_ids)
+        skip = not parsed.generate.keep_special_tokens
+        decode = partial(self._submitter.tokenizer.decode, skip_special_tokens=skip)
+        return JSONResponse(beam_reply(shape, results, decode))
 
     def _submit_choice(self, choice) -> Submitted:
         """Submitter.submit_sized on a worker thread. A refusal leaves without its traceback: the worker
