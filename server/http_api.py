@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
+from functools import cache, partial
 
 import anyio
 import anyio.to_thread
@@ -87,6 +87,9 @@ class OpenAIApi:
         self._starts_thinking = reasoning_parser == "deepseek_r1" or (
             self._thinks and prompt_opens_think(submitter.tokenizer)
         )
+        # Each token's text decoded once: a whole-vocabulary reply (logprobs -1) names every token
+        # at every position. At most the vocabulary's size of short strings.
+        self._token_text = cache(self._decode_token)
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
         self._limiter: anyio.CapacityLimiter | None = None
@@ -287,7 +290,7 @@ class OpenAIApi:
             return choice.prompt
         return self._submitter.tokenizer.decode(list(choice.prompt_token_ids), skip_special_tokens=False)
 
-    def _token_text(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str:
         """One token's text in log probabilities: a special token by its name (as OpenAI's show)."""
         return self._submitter.tokenizer.decode([token_id], skip_special_tokens=False)
 
