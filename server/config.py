@@ -72,6 +72,9 @@ class ServeConfig:
     # The serving side's own.
     queue_size: int = 64
     default_max_tokens: int | None = None  # None (auto): the context the prompt leaves, as vLLM
+    # The likeliest tokens a request may ask per position (logprobs, top_logprobs, prompt_logprobs),
+    # vLLM's --max-logprobs; -1: any number, and a request's -1 (the whole vocabulary) with it.
+    max_logprobs: int = 20
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -255,6 +258,8 @@ def load_config(
         raise ConfigError(
             "front_process: the front process reads no images yet; with vision set it to auto or false"
         )
+    if config.max_logprobs < -1:
+        raise ConfigError(f"max_logprobs: must be -1 (no limit) or more, not {config.max_logprobs}")
     if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:
         raise ConfigError("refuse_token_on_rank: give two numbers, a rank and a token id")
     return config

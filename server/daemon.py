@@ -125,6 +125,7 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
         max_images=config.max_images,
         max_image_bytes=config.max_image_bytes,
         max_image_pixels=config.max_image_pixels,
+        max_logprobs=config.max_logprobs,
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import cache, partial
 
 import anyio
 import anyio.to_thread
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpserve.server.api_key import key_matches
+from tpserve.server.beam_steps import run_beam_search
 from tpserve.server.chat_reply import ChatReply, prompt_opens_think, thinks
 from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.http_body import BodyRefused, read_json_object
@@ -45,6 +47,7 @@ from tpserve.server.http_tokenize import (
     tokenizer_info_reply,
     version_reply,
 )
+from tpserve.server.openai_beam import beam_reply
 from tpserve.server.openai_choices import cancel_all
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import OpenAIRequest, parse_chat, parse_completion
@@ -84,6 +87,9 @@ class OpenAIApi:
         self._starts_thinking = reasoning_parser == "deepseek_r1" or (
             self._thinks and prompt_opens_think(submitter.tokenizer)
         )
+        # Each token's text decoded once: a whole-vocabulary reply (logprobs -1) names every token
+        # at every position. At most the vocabulary's size of short strings.
+        self._token_text = cache(self._decode_token)
         self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
         self._limiter: anyio.CapacityLimiter | None = None
@@ -201,6 +207,8 @@ class OpenAIApi:
             parsed = parse(await read_json_object(request, self._body_timeout_s))
             if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
+            if parsed.beam is not None:
+                return await self._beam_search(parsed)
             for choice in parsed.choices:  # one stream per choice, in choice order
                 submitted.append(
                     await anyio.to_thread.run_sync(self._submit_choice, choice, limiter=self._limiter)
@@ -248,6 +256,19 @@ class OpenAIApi:
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return await self._relay.whole(request, submitted, shape, echoes, parsed.num_per_prompt, replies)
 
+    async def _beam_search(self, parsed: OpenAIRequest) -> Response:
+        """Each prompt's search in turn, on a worker thread (server/beam_steps.py); one whole reply."""
+        results = []
+        for prompt in parsed.choices[:: parsed.num_per_prompt]:
+            search = partial(
+                run_beam_search, self._submitter, prompt, parsed.beam.width, parsed.beam.length_penalty
+            )
+            results.append(await anyio.to_thread.run_sync(search, limiter=self._limiter))
+        shape = ReplyShape(chat=parsed.chat, model=self._model, return_token_ids=parsed.return_token_ids)
+        skip = not parsed.generate.keep_special_tokens
+        decode = partial(self._submitter.tokenizer.decode, skip_special_tokens=skip)
+        return JSONResponse(beam_reply(shape, results, decode))
+
     def _submit_choice(self, choice) -> Submitted:
         """Submitter.submit_sized on a worker thread. A refusal leaves without its traceback: the worker
         thread may hold the exception until its next job, and the traceback's frames would hold the
@@ -269,7 +290,7 @@ class OpenAIApi:
             return choice.prompt
         return self._submitter.tokenizer.decode(list(choice.prompt_token_ids), skip_special_tokens=False)
 
-    def _token_text(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str:
         """One token's text in log probabilities: a special token by its name (as OpenAI's show)."""
         return self._submitter.tokenizer.decode([token_id], skip_special_tokens=False)
 

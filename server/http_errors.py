@@ -42,7 +42,7 @@ ERROR_TYPES = {
 # The request fields validation's messages begin with ("max_tokens must be ...", "messages[0].role ...").
 FIELDS = ("prompt_token_ids", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p")
 FIELDS += ("seed", "stop", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty")
-FIELDS += ("logit_bias", "min_tokens", "stop_token_ids")
+FIELDS += ("logit_bias", "min_tokens", "stop_token_ids", "prompt_logprobs")
 _LEADING_FIELD = re.compile(r"^([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)")
 
 

@@ -21,7 +21,7 @@ from tpserve.server.chat_reply import ChatReply
 from tpserve.server.http_errors import error_json, refusal_response, status_of
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_choices import total_usage
-from tpserve.server.openai_reply import FINISH_REASONS, TOOL_CALLS, ReplyShape
+from tpserve.server.openai_reply import FINISH_REASONS, TOOL_CALLS, ReplyShape, openai_message
 from tpserve.server.openai_stream_choice import ChoiceChunks
 from tpserve.server.requests import ERROR, STOP, Event, Finished, Prefilled, TokenDelta, Usage
 from tpserve.server.submitter import Submitted, Submitter
@@ -82,7 +82,8 @@ class Relay:
                 choice["prompt_token_ids"] = list(submitted[i].prompt_ids)
             choice = shape.with_prompt(choice, prefilled.get(i))
             if reply is not None:
-                choice["message"], called = reply.whole(text)
+                message, called = reply.whole(text)
+                choice["message"] = openai_message(message)
                 if called and ended[i].reason == STOP:
                     choice["finish_reason"] = FINISH_REASONS[TOOL_CALLS]
             choices.append(choice)

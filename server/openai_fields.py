@@ -91,8 +91,8 @@ FIELDS: dict[str, Field] = {
     "prompt_logprobs": _honoured(),  # vLLM
     "allowed_token_ids": _refused(),  # vLLM
     "bad_words": _refused([]),  # vLLM
-    "use_beam_search": _refused(False),  # vLLM
-    "length_penalty": _refused(1, 1.0),  # vLLM, beam search only
+    "use_beam_search": _honoured(),  # vLLM: server/openai_beam.py
+    "length_penalty": _honoured(),  # vLLM, beam search only
     # vLLM: a fast tokenizer's decoder joins special tokens as it joins any (vLLM's fast
     # detokenizer ignores the field too), so false changes nothing either.
     "spaces_between_special_tokens": _no_effect(),

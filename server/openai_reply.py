@@ -13,6 +13,22 @@ from tpserve.server.requests import CANCELLED, LENGTH, STOP, Prefilled, TokenLog
 
 TOOL_CALLS = "tool_calls"  # the reply ended in tool calls (a chat's finish reason only)
 FINISH_REASONS = {STOP: "stop", LENGTH: "length", CANCELLED: "cancelled", TOOL_CALLS: "tool_calls"}
+# The fields of OpenAI's chat.completion and assistant message this server never fills, present as
+# null (as OpenAI's replies have them), so a raw reply reads as the openai package's model of it.
+CHAT_NULLS = {"service_tier": None, "metadata": None, "moderation": None}  # a chat.completion's
+MESSAGE_NULLS = {
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "tool_calls": None,
+}
+
+
+def openai_message(message: dict) -> dict:
+    """An assistant message (role, content and what the reply's parser found) with OpenAI's other
+    fields null."""
+    return {**MESSAGE_NULLS, **message}
 
 
 def usage_json(usage: Usage) -> dict:
@@ -71,8 +87,9 @@ class ReplyShape:
         """The whole reply: its choices (in index order) and the request's usage; a chat's prompt
         log probabilities beside its choices (one prompt for them all, where vLLM puts them)."""
         kind = "chat.completion" if self.chat else "text_completion"
-        whole = {**self._object(kind, choices), "usage": usage_json(usage)}
+        whole = {**self._object(kind, choices), "usage": usage_json(usage), "system_fingerprint": None}
         if self.chat:
+            whole.update(CHAT_NULLS)
             prompt_rows = [choice.pop("prompt_logprobs", None) for choice in choices]
             whole["prompt_logprobs"] = prompt_rows[0] if prompt_rows else None
         return whole
@@ -86,7 +103,7 @@ class ReplyShape:
             "logprobs": self._logprobs(logprobs),
         }
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = openai_message({"role": "assistant", "content": text})
         else:
             choice["text"] = text
             choice["prompt_logprobs"] = None  # vLLM's field, always present (with_prompt fills it)

@@ -11,12 +11,13 @@ import base64
 import binascii
 from dataclasses import dataclass, replace
 
+from tpserve.server.openai_beam import BeamRequest, beam_from
 from tpserve.server.openai_choices import choice_requests
 from tpserve.server.openai_constraint import constraint_from
 from tpserve.server.openai_fields import CHAT, COMPLETION, FieldRefused, check_fields
 from tpserve.server.openai_tools import add_message_tools, add_tools
 from tpserve.server.tool_calls import ToolMode
-from tpserve.server.validation import MAX_SEED
+from tpserve.server.validation import MAX_SEED, seed_too_large
 from tpserve.v1 import serving_pb2
 
 INT32_MAX = 2**31 - 1
@@ -48,6 +49,7 @@ class OpenAIRequest:
     num_per_prompt: int = 1  # n: choices i * n .. i * n + n - 1 answer prompt i
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk's usage so far.
     continuous_usage: bool = False
+    beam: BeamRequest | None = None  # vLLM's use_beam_search: each prompt's n best beams instead
 
     @property
     def generate(self) -> serving_pb2.GenerateRequest:
@@ -163,6 +165,7 @@ def _finish(
     if n < 1:
         raise FieldRefused("n", f"n must be at least 1 (got {n})")
     return OpenAIRequest(
+        beam=beam_from(body, n),
         choices=choice_requests(request, list(more_prompts), n),
         num_per_prompt=n,
         chat=chat,
@@ -293,10 +296,10 @@ def _number(name: str, value) -> float:
 def _seed(value) -> int:
     if not _is_int(value):
         raise FieldRefused("seed", f"seed must be an integer (got {value!r})")
-    if value < 0:
-        raise FieldRefused("seed", f"seed must be 0 or more (got {value})")
+    if value < 0:  # the bracket: pydantic's error type, which vLLM's clients look for
+        raise FieldRefused("seed", f"seed must be 0 or more (got {value}) [type=greater_than_equal]")
     if value > MAX_SEED:
-        raise FieldRefused("seed", f"seed must be below 2**63 (got {value})")
+        raise FieldRefused("seed", seed_too_large(value))
     return value
 
 
@@ -311,9 +314,13 @@ def _stop(value) -> list[str]:
 
 
 def _flag(body: dict, key: str, name: str | None = None) -> bool:
+    """A true/false field; the strings "true" and "false" read as their values, as vLLM's pydantic
+    models read them (clients that build bodies from form values send them so)."""
     value = body.get(key)
     if value is None:
         return False
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
     if not isinstance(value, bool):
         raise FieldRefused(name or key, f"{name or key} must be true or false (got {value!r})")
     return value

@@ -24,6 +24,7 @@ class ServingInfo:
     max_images: int = 4  # with --vision: image parts per request, bytes and pixels per image
     max_image_bytes: int = 10 << 20
     max_image_pixels: int = 4096 * 4096
+    max_logprobs: int = 20  # likeliest tokens a request may ask per position; -1: the whole vocabulary
     model_aliases: tuple[str, ...] = ()  # more names the model answers to over HTTP
 
     @property

@@ -43,6 +43,7 @@ from tpserve.server.validation import (
     check_min_tokens,
     check_prompt_size,
     invalid_argument,
+    logprobs_count,
     max_tokens_for,
     message_texts,
     sampling_from,
@@ -105,6 +106,7 @@ class Submitter:
             max_images=info.max_images,
             max_image_bytes=info.max_image_bytes,
             max_image_pixels=info.max_image_pixels,
+            max_logprobs=info.max_logprobs,
             max_prompt_bytes=max_prompt_bytes(info.context_size, tokenizer.longest_token_bytes),
         )
         self.grammars = Grammars(tokenizer.backend_json, tokenizer.vocab_size, tokenizer.eos_ids)
@@ -156,6 +158,59 @@ class Submitter:
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, ENGINE_BROKEN)
         if self._stopping:
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, STOPPING)
+        prompt_ids, boundaries, offsets = self._prompt(request)
+        max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
+        grammar = self.grammars.compile(request.constraint) if request.HasField("constraint") else None
+        check_min_tokens(request, max_tokens)
+        images = ()
+        if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
+            media, wheres = _media_parts(request.messages)
+            images = self.vision.read(media, offsets, wheres, self.limits.max_image_pixels)
+        job = GenerationRequest(
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=max_tokens,
+            sampling=sampling_from(
+                request, secrets.randbits(63), self.info.sampling_defaults, self.limits.vocab_size
+            ),
+            stop=tuple(request.stop),
+            ignore_eos=request.ignore_eos,
+            background=request.background,
+            keep_boundaries=boundaries,
+            images=images,
+            grammar=grammar,
+            stop_token_ids=tuple(request.stop_token_ids),
+            min_tokens=request.min_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            prompt_logprobs=(
+                logprobs_count(request.prompt_logprobs, self.limits.vocab_size)
+                if request.HasField("prompt_logprobs")
+                else -1
+            ),
+            skip_special_tokens=not request.keep_special_tokens,
+        )
+        try:
+            return Submitted(self.lane_host.submit(job), job.prompt_ids, max_tokens)
+        except QueueFull as error:
+            raise RequestRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, QUEUE_FULL) from error
+        except HostUnavailable as error:
+            message = ENGINE_BROKEN if self.lane_host.broken else STOPPING
+            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, message) from error
+        except ValueError as error:
+            # The host's own checks; validation refuses all of these first unless the limits given
+            # here disagree with the backend's.
+            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+
+    def prompt_ids(self, request) -> list[int]:
+        """A checked GenerateRequest's prompt as the engine would run it (templated, tokenized and
+        truncated), for callers that submit its continuations themselves (server/beam_steps.py)."""
+        prompt_ids, _, offsets = self._prompt(request)
+        if offsets:
+            raise invalid_argument("use_beam_search takes no image inputs")
+        return prompt_ids
+
+    def _prompt(self, request) -> tuple[list[int], tuple[int, ...], list[int]]:
+        """Checks the request; its prompt's token ids, the chat boundaries kept in the prompt cache
+        and where each image's positions start."""
         kind = check_generate(request, self.limits)
         boundaries: tuple[int, ...] = ()
         offsets: list[int] = []
@@ -174,40 +229,7 @@ class Submitter:
             dropped = 0 if request.truncate_right else len(prompt_ids) - len(cut)
             boundaries = tuple(b - dropped for b in boundaries if 0 < b - dropped < len(cut))
             prompt_ids = cut
-        max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
-        grammar = self.grammars.compile(request.constraint) if request.HasField("constraint") else None
-        check_min_tokens(request, max_tokens)
-        images = ()
-        if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
-            media, wheres = _media_parts(request.messages)
-            images = self.vision.read(media, offsets, wheres, self.limits.max_image_pixels)
-        job = GenerationRequest(
-            prompt_ids=tuple(prompt_ids),
-            max_tokens=max_tokens,
-            sampling=sampling_from(request, secrets.randbits(63), self.info.sampling_defaults),
-            stop=tuple(request.stop),
-            ignore_eos=request.ignore_eos,
-            background=request.background,
-            keep_boundaries=boundaries,
-            images=images,
-            grammar=grammar,
-            stop_token_ids=tuple(request.stop_token_ids),
-            min_tokens=request.min_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else -1,
-            skip_special_tokens=not request.keep_special_tokens,
-        )
-        try:
-            return Submitted(self.lane_host.submit(job), job.prompt_ids, max_tokens)
-        except QueueFull as error:
-            raise RequestRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, QUEUE_FULL) from error
-        except HostUnavailable as error:
-            message = ENGINE_BROKEN if self.lane_host.broken else STOPPING
-            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, message) from error
-        except ValueError as error:
-            # The host's own checks; validation refuses all of these first unless the limits given
-            # here disagree with the backend's.
-            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+        return prompt_ids, boundaries, offsets
 
     def broke_mid_reply(self, event: Finished) -> RequestRefused | None:
         """The refusal a stream that ended in ERROR because the whole engine broke fails with (not

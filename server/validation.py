@@ -14,7 +14,6 @@ import grpc
 
 from tpserve.kernels.sampling_params import SamplingParams
 
-ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 MEDIA_TYPES = ("image/", "video/")
 VISION_NEEDED = "image and video inputs need a server started with --vision"
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
@@ -98,8 +97,10 @@ def check_messages(messages, limits: Limits) -> None:
     """Roles, and parts that are either text or image/video media (the latter only with --vision)."""
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
-        if message.role not in ALLOWED_ROLES:
-            raise invalid_argument(f"{where}.role {message.role!r} is not one of {', '.join(ALLOWED_ROLES)}")
+        # Any role reaches the chat template, as transformers and vLLM pass it (custom roles are
+        # the template's to render or refuse); only a missing one is refused here.
+        if not message.role:
+            raise invalid_argument(f"{where}.role is empty")
         if message.content and len(message.parts) > 0:
             raise invalid_argument(f"{where} sets both content and parts; use one")
         for part_index, part in enumerate(message.parts):
@@ -229,19 +230,40 @@ def _check_sampling(request, limits: Limits) -> None:
     if request.HasField("min_p") and not 0.0 <= request.min_p <= 1.0:
         raise invalid_argument(f"min_p must be from 0 to 1 (got {request.min_p:g})")
     if request.HasField("seed") and request.seed > MAX_SEED:
-        raise invalid_argument(f"seed must be below 2**63 (got {request.seed})")
-    if request.HasField("logprobs") and not 0 <= request.logprobs <= limits.max_logprobs:
-        raise invalid_argument(f"logprobs must be from 0 to {limits.max_logprobs} (got {request.logprobs})")
-    if request.HasField("prompt_logprobs") and not 0 <= request.prompt_logprobs <= limits.max_logprobs:
-        raise invalid_argument(
-            f"prompt_logprobs must be from 0 to {limits.max_logprobs} (got {request.prompt_logprobs})"
-        )
+        raise invalid_argument(seed_too_large(request.seed))
+    for name in ("logprobs", "prompt_logprobs"):
+        if request.HasField(name):
+            _check_logprobs_count(name, getattr(request, name), limits)
     if request.HasField("truncate_prompt_tokens") and not (
         request.truncate_prompt_tokens >= 1 or request.truncate_prompt_tokens == -1
     ):
         raise invalid_argument(
             f"truncate_prompt_tokens must be 1 or more, or -1 (got {request.truncate_prompt_tokens})"
         )
+
+
+def seed_too_large(seed: int) -> str:
+    """The refusal of a seed past int64, with pydantic's error type in brackets (vLLM's wording,
+    which its clients and tests look for)."""
+    return f"seed must be below 2**63 (got {seed}) [type=less_than_equal]"
+
+
+def _check_logprobs_count(name: str, count: int, limits: Limits) -> None:
+    """A count of likeliest tokens: 0 to max_logprobs, or -1 (vLLM's "the whole vocabulary") where
+    max_logprobs allows that many (-1: no limit, as vLLM's --max-logprobs -1)."""
+    limit = limits.vocab_size if limits.max_logprobs == -1 else limits.max_logprobs
+    if count == -1 and limits.vocab_size > limit:
+        raise invalid_argument(
+            f"{name} -1 (the whole vocabulary of {limits.vocab_size} tokens) exceeds the server's "
+            f"max_logprobs ({limit})"
+        )
+    if count != -1 and not 0 <= count <= limit:
+        raise invalid_argument(f"{name} must be from 0 to {limit} (got {count})")
+
+
+def logprobs_count(count: int, vocab_size: int) -> int:
+    """A checked count of likeliest tokens as the engine takes it: -1 is the whole vocabulary."""
+    return vocab_size if count == -1 else count
 
 
 def _check_stop(stop: Sequence[str], limits: Limits) -> None:
@@ -258,16 +280,22 @@ def _check_stop(stop: Sequence[str], limits: Limits) -> None:
             )
 
 
-def sampling_from(request, fresh_seed: int, defaults: SamplingParams = TPSERVE_DEFAULTS) -> SamplingParams:
+def sampling_from(
+    request, fresh_seed: int, defaults: SamplingParams = TPSERVE_DEFAULTS, vocab_size: int = 0
+) -> SamplingParams:
     """The request's sampling fields, `defaults` where unset (the model's generation_config.json, else
-    tpserve's own), `fresh_seed` when no seed."""
+    tpserve's own), `fresh_seed` when no seed; logprobs -1 asks for all `vocab_size` tokens."""
     return SamplingParams(
         temperature=request.temperature if request.HasField("temperature") else defaults.temperature,
         top_p=request.top_p if request.HasField("top_p") else defaults.top_p,
         top_k=request.top_k if request.HasField("top_k") else defaults.top_k,
         min_p=request.min_p if request.HasField("min_p") else defaults.min_p,
         seed=request.seed if request.HasField("seed") else fresh_seed,
-        logprobs=request.logprobs if request.HasField("logprobs") else defaults.logprobs,
+        logprobs=(
+            logprobs_count(request.logprobs, vocab_size)
+            if request.HasField("logprobs")
+            else defaults.logprobs
+        ),
         presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else 0.0,
         frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else 0.0,
         repetition_penalty=(

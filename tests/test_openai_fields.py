@@ -60,3 +60,32 @@ def test_every_field_has_one_handling_and_the_grammar_fields_are_honoured():
     for name in ("response_format", "structured_outputs", "tools", "tool_choice", "chat_template_kwargs"):
         assert FIELDS[name].handling == HONOURED
     assert FIELDS["reasoning_effort"].handling == REFUSED and FIELDS["reasoning_effort"].owner == OWNER_24G
+
+
+def test_min_characters_is_no_field_of_vllms_and_is_refused():
+    # vLLM's own test sends it; vLLM's models drop unknown fields with a warning, this server names them.
+    assert refusal(parse_chat, {**CHAT, "min_characters": 10}) == (
+        "min_characters",
+        "min_characters is not a field of /v1/chat/completions this server knows",
+    )
+
+
+def test_beam_search_fields_are_honoured_and_what_a_search_cannot_honour_is_named():
+    parsed = parse_completion({**COMPLETION, "n": 3, "use_beam_search": True, "length_penalty": 0.5})
+    assert (parsed.beam.width, parsed.beam.length_penalty) == (3, 0.5)
+    assert parse_completion({**COMPLETION, "use_beam_search": False}).beam is None
+    assert refusal(parse_chat, {**CHAT, "use_beam_search": True, "top_p": 0.5}) == (
+        "top_p",
+        "top_p is not supported with use_beam_search",
+    )
+    assert refusal(parse_completion, {**COMPLETION, "use_beam_search": True, "echo": True})[0] == "echo"
+    assert refusal(parse_completion, {**COMPLETION, "use_beam_search": "yes"})[0] == "use_beam_search"
+
+
+def test_true_and_false_as_strings_are_flags():
+    assert parse_chat({**CHAT, "logprobs": "true", "top_logprobs": 3}).generate.logprobs == 3
+    assert not parse_chat({**CHAT, "logprobs": "False"}).generate.HasField("logprobs")
+    assert refusal(parse_chat, {**CHAT, "stream": "yes"}) == (
+        "stream",
+        "stream must be true or false (got 'yes')",
+    )

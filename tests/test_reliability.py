@@ -475,7 +475,7 @@ def expected_refusal(request, tokenizer) -> bool:
     inputs = [request.HasField("prompt"), len(request.messages) > 0, len(request.prompt_token_ids) > 0]
     if sum(inputs) != 1 or (request.HasField("prompt") and not request.prompt):
         return True
-    if any(message.role not in ROLES for message in request.messages):
+    if any(not message.role for message in request.messages):  # any other role reaches the template
         return True
     if any(not 0 <= token < VOCAB for token in request.prompt_token_ids):
         return True

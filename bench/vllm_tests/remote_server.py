@@ -31,6 +31,7 @@ CARRIED = {
     "--tool-call-parser": "--tool-call-parser",
     "--reasoning-parser": "--reasoning-parser",
     "--api-key": "--api-key",
+    "--max-logprobs": "--max-logprobs",
 }
 SWITCHES = {
     "--enforce-eager",

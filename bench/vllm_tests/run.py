@@ -37,6 +37,7 @@ DEFAULT_FILES = (
     "tests/entrypoints/openai/completion/test_completion.py",
     "tests/entrypoints/openai/chat_completion/test_chat.py",
     "tests/entrypoints/openai/chat_completion/test_chat_echo.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_logit_bias_validation.py",
     "tests/entrypoints/serve/tokenize/test_tokenization.py",
 )
 SUPPORT_FILES = ("tests/entrypoints/conftest.py", "tests/entrypoints/openai/conftest.py")
