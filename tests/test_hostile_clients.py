@@ -101,12 +101,15 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     text = "7" * BIG_PROMPT_CHARS
     tokenize = serving_pb2.TokenizeRequest(text=text)
     live_request = serving_pb2.GenerateRequest(prompt="go", max_tokens=200, ignore_eos=True)
-    with ThreadPoolExecutor(8) as pool:  # a first round warms the threads and their heaps: the baseline
-        list(pool.map(lambda body: post(daemon, "completions", body), bodies * 6))
-        with pytest.raises(grpc.RpcError):
-            daemon.stub.Tokenize(tokenize, timeout=60)
-    # and one whole reply like the live one: what a first reply allocates once (its KV blocks' pages,
-    # the sampler's buffers) is not what the refused requests would keep
+    # The baseline: the same calls with small prompts first, which start the server's worker threads,
+    # and one whole reply like the live one (what a first reply allocates once, its KV blocks' pages
+    # and the sampler's buffers, is not what the refused requests would keep).
+    small = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    with ThreadPoolExecutor(8) as pool:
+        assert {
+            r.status_code for r in pool.map(lambda body: post(daemon, "completions", body), [small] * 24)
+        } == {200}
+    daemon.stub.Tokenize(serving_pb2.TokenizeRequest(text="hi"), timeout=60)
     assert BackgroundReply(daemon.stub, live_request).join(timeout_s=120).ok
     before = rss_bytes(rank0)
     live = BackgroundReply(daemon.stub, live_request)
@@ -137,9 +140,10 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details().startswith(f"text is {BIG_PROMPT_CHARS} bytes long")
     after = rss_bytes(rank0)
-    # Kept refused bodies would be 24 x 4 MiB (~100 MB, a quarter of rank 0's ~400 MB); what a busy
-    # machine's thread arenas move about stays well under that.
-    assert after <= before * 1.20, (before, after)
+    # The issue's bound. Kept refused bodies would be 24 x 4 MiB (~100 MB, a third of rank 0's ~300
+    # MB); a refusal raised out of a worker thread's await kept its prompt in a cycle until the next
+    # full garbage collection, +15% here (server/http_api.py _on_worker).
+    assert after <= before * 1.10, (before, after)
     assert daemon.health() == SERVING
     figures(
         "big prompts",
