@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import cache, partial
 
 import anyio
@@ -172,9 +173,7 @@ class OpenAIApi:
             return unauthorized_response()
         try:
             body = await read_json_object(request, self._body_timeout_s)
-            return JSONResponse(
-                await anyio.to_thread.run_sync(reply, self._submitter, body, limiter=self._limiter)
-            )
+            return JSONResponse(await self._on_worker(reply, self._submitter, body))
         except (HttpRefusal, RequestRefused) as refusal:
             return refusal_response(refusal)
         except BodyRefused as refusal:
@@ -210,9 +209,7 @@ class OpenAIApi:
             if parsed.beam is not None:
                 return await self._beam_search(parsed)
             for choice in parsed.choices:  # one stream per choice, in choice order
-                submitted.append(
-                    await anyio.to_thread.run_sync(self._submit_choice, choice, limiter=self._limiter)
-                )
+                submitted.append(await self._on_worker(self._submitter.submit_sized, choice))
         except (HttpRefusal, RequestRefused) as refusal:
             cancel_all([s.stream for s in submitted])
             refused = refusal_response(refusal)
@@ -260,23 +257,30 @@ class OpenAIApi:
         """Each prompt's search in turn, on a worker thread (server/beam_steps.py); one whole reply."""
         results = []
         for prompt in parsed.choices[:: parsed.num_per_prompt]:
-            search = partial(
-                run_beam_search, self._submitter, prompt, parsed.beam.width, parsed.beam.length_penalty
+            beam = parsed.beam
+            results.append(
+                await self._on_worker(
+                    run_beam_search, self._submitter, prompt, beam.width, beam.length_penalty
+                )
             )
-            results.append(await anyio.to_thread.run_sync(search, limiter=self._limiter))
         shape = ReplyShape(chat=parsed.chat, model=self._model, return_token_ids=parsed.return_token_ids)
         skip = not parsed.generate.keep_special_tokens
         decode = partial(self._submitter.tokenizer.decode, skip_special_tokens=skip)
         return JSONResponse(beam_reply(shape, results, decode))
 
-    def _submit_choice(self, choice) -> Submitted:
-        """Submitter.submit_sized on a worker thread. A refusal leaves without its traceback: the worker
-        thread may hold the exception until its next job, and the traceback's frames would hold the
-        request (a big prompt, megabytes) with it."""
+    async def _on_worker(self, function: Callable, *args):
+        """function(*args) on a worker thread, its refusal raised here. The refusal crosses the thread
+        as a value, without a traceback: raised out of anyio's await, it would sit in a cycle with
+        that frame (future -> exception -> traceback -> frame -> future) whose locals hold `args`
+        (a big prompt, megabytes), kept until the garbage collector next ran a full pass."""
+        outcome = await anyio.to_thread.run_sync(_refusal_as_value, function, *args, limiter=self._limiter)
+        if not isinstance(outcome, _Refusal):
+            return outcome
+        refusal = outcome.refusal
         try:
-            return self._submitter.submit_sized(choice)
-        except RequestRefused as refusal:
-            raise refusal.with_traceback(None) from None
+            raise refusal
+        finally:  # nor a cycle with this frame: it holds the refusal, whose traceback holds the frame
+            del outcome, refusal
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -318,3 +322,15 @@ def _echoed_message(choice) -> str:
     if generation_prompt and last.role != "assistant":
         return ""
     return last.content or "".join(part.text for part in last.parts)
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    refusal: HttpRefusal | RequestRefused
+
+
+def _refusal_as_value(function: Callable, *args):
+    try:
+        return function(*args)
+    except (HttpRefusal, RequestRefused) as refusal:
+        return _Refusal(refusal.with_traceback(None))

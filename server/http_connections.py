@@ -10,6 +10,12 @@ a deadline for each request's head, a bound on open connections, and an end to a
   a response, so a connection that sends nothing, or a byte at a time, was held for ever (slow
   loris). Dribbling bytes does not move the deadline.
 - Past `max_connections` open connections a new one gets a 503 error object and is closed.
+- Bytes h11 cannot read as HTTP/1.1 (a bad request line or header, a bad chunk, a head past h11's
+  buffer) get a 400 error object and the connection closes, where uvicorn answers plain text. When
+  the app has already begun its reply (it answered without reading the body, and the body then
+  turned bad) there is no room for a second one: the connection just closes. Either way the app's
+  cycle is told the client left, or its own reply would meet h11 in MUST_CLOSE and log a traceback
+  at ERROR level.
 - A client that stops reading: once the reply's bytes fill the socket and asyncio's buffer (its
   high-water mark, 64 KiB), uvicorn pauses the app's writes; a connection paused for
   `write_stall_s` is aborted (its stream is then cancelled as for any disconnect). The reply
@@ -35,6 +41,7 @@ from tpserve.server.http_errors import error_json
 log = logging.getLogger(__name__)
 
 TOO_MANY_CONNECTIONS = "the server has too many open connections ({limit}); try again later"
+NOT_HTTP = "the request is not valid HTTP/1.1"
 
 
 @dataclass(frozen=True)
@@ -110,15 +117,29 @@ class GuardedH11Protocol(H11Protocol):
             )
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 could not read (`msg` is its plain-text wording)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # the app's receive() says the client left; its send() is dropped
+            self.cycle.message_event.set()
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.write(_error_reply(400, "Bad Request", NOT_HTTP))
+        self.transport.close()
+
     def _refuse_connection(self, transport: asyncio.Transport) -> None:
         message = TOO_MANY_CONNECTIONS.format(limit=self.limits.max_connections)
-        body = json.dumps(error_json(503, message)).encode()
-        head = (
-            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-        )
-        transport.write(head.encode() + body)
+        transport.write(_error_reply(503, "Service Unavailable", message))
         transport.close()
+
+
+def _error_reply(status: int, reason: str, message: str) -> bytes:
+    """A whole closing reply with an error object, written past h11 (its state may allow none)."""
+    body = json.dumps(error_json(status, message)).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
 
 
 def protocol_with(limits: HttpLimits) -> type[GuardedH11Protocol]:

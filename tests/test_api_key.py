@@ -8,12 +8,21 @@ keeping the secret off its command line would.
 from __future__ import annotations
 
 import json
+import subprocess
 
 import grpc
 import httpx
 import openai
 import pytest
-from daemon import SERVING, read_reply, running_daemon, write_daemon_model
+from daemon import (
+    SERVING,
+    START_TIMEOUT_S,
+    daemon_env,
+    read_reply,
+    running_daemon,
+    serve_command,
+    write_daemon_model,
+)
 from test_grpc_api import run_command
 
 from tpserve import bench, client
@@ -163,3 +172,19 @@ def test_a_key_no_client_could_send_is_refused_at_start_up_without_showing_it(ke
     assert key.strip() not in str(raised.value)
     with pytest.raises(ConfigError):
         load_config(None, {}, environ={"TPSERVE_API_KEY": key})
+
+
+def test_the_daemon_itself_refuses_such_a_key_and_exits_2_without_showing_it(tmp_path):
+    model_dir = write_daemon_model(tmp_path / "model")
+    command = serve_command("--model", str(model_dir), "--device", "cpu", "--port", "0", "--http-port", "0")
+    ended = subprocess.run(
+        command,
+        env={**daemon_env(), "TPSERVE_API_KEY": " padded-key"},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    output = ended.stdout + ended.stderr
+    assert ended.returncode == 2, output
+    assert "api_key: it begins or ends with whitespace" in output and "padded-key" not in output

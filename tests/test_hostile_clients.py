@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import http.client
 import json
 import re
 import socket
@@ -22,11 +23,14 @@ import grpc
 import httpx
 import pytest
 from daemon import SERVING, BackgroundReply, running_daemon, wait_until, write_daemon_model
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from peer_socket import peer_socket
 from test_http_connections import closed_by_server
 
+from tpserve.server.openai_fields import CHAT_FIELDS, FIELDS
 from tpserve.server.submitter import QUEUE_FULL
 from tpserve.v1 import serving_pb2
 
@@ -97,12 +101,15 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     text = "7" * BIG_PROMPT_CHARS
     tokenize = serving_pb2.TokenizeRequest(text=text)
     live_request = serving_pb2.GenerateRequest(prompt="go", max_tokens=200, ignore_eos=True)
-    with ThreadPoolExecutor(8) as pool:  # a first round warms the threads and their heaps: the baseline
-        list(pool.map(lambda body: post(daemon, "completions", body), bodies * 6))
-        with pytest.raises(grpc.RpcError):
-            daemon.stub.Tokenize(tokenize, timeout=60)
-    # and one whole reply like the live one: what a first reply allocates once (its KV blocks' pages,
-    # the sampler's buffers) is not what the refused requests would keep
+    # The baseline: the same calls with small prompts first, which start the server's worker threads,
+    # and one whole reply like the live one (what a first reply allocates once, its KV blocks' pages
+    # and the sampler's buffers, is not what the refused requests would keep).
+    small = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    with ThreadPoolExecutor(8) as pool:
+        assert {
+            r.status_code for r in pool.map(lambda body: post(daemon, "completions", body), [small] * 24)
+        } == {200}
+    daemon.stub.Tokenize(serving_pb2.TokenizeRequest(text="hi"), timeout=60)
     assert BackgroundReply(daemon.stub, live_request).join(timeout_s=120).ok
     before = rss_bytes(rank0)
     live = BackgroundReply(daemon.stub, live_request)
@@ -133,9 +140,10 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details().startswith(f"text is {BIG_PROMPT_CHARS} bytes long")
     after = rss_bytes(rank0)
-    # Kept refused bodies would be 24 x 4 MiB (~100 MB, a quarter of rank 0's ~400 MB); what a busy
-    # machine's thread arenas move about stays well under that.
-    assert after <= before * 1.20, (before, after)
+    # The issue's bound. Kept refused bodies would be 24 x 4 MiB (~100 MB, a third of rank 0's ~300
+    # MB); a refusal raised out of a worker thread's await kept its prompt in a cycle until the next
+    # full garbage collection, +15% here (server/http_api.py _on_worker).
+    assert after <= before * 1.10, (before, after)
     assert daemon.health() == SERVING
     figures(
         "big prompts",
@@ -175,7 +183,11 @@ def send_raw_grpc(daemon, rpc: str, body: bytes) -> grpc.RpcError:
 @pytest.mark.parametrize("path", RAW_GOLDEN, ids=lambda path: path.stem)
 def test_malformed_bytes_get_their_golden_refusal_and_no_traceback(path, daemon):
     header, body = read_raw_golden(path)
-    if header["api"] == "http":
+    if header["api"] == "wire":
+        status, reply = send_wire(daemon, body)
+        assert status == int(header["status"])
+        assert json.loads(reply)["error"]["message"] == header["message"]
+    elif header["api"] == "http":
         response = post(daemon, header.get("path", "completions"), body)
         assert response.status_code == int(header["status"])
         error = response.json()["error"]
@@ -237,19 +249,23 @@ def test_a_body_shorter_than_its_content_length_gets_408_at_the_body_timeout(dae
     assert daemon.health() == SERVING
 
 
-@pytest.mark.slow
-def test_a_kept_alive_clients_second_request_is_not_held_by_nagle(daemon):
-    """The issue's check, by timing (TCP_NODELAY itself: tests/test_http_connections.py): ~44 ms per
-    request without it (the client's delayed ACK), ~1 ms with; the bound is generous."""
-    with httpx.Client(timeout=30) as client:
-        times = []
-        for _ in range(11):
-            started = time.perf_counter()
-            assert client.get(f"{daemon.http_url}/models").status_code == 200
-            times.append(time.perf_counter() - started)
-    median = sorted(times[1:])[5]
-    figures("keep-alive", median_ms=round(median * 1000, 2))
-    assert median < 0.030
+def test_a_kept_alive_connection_has_tcp_nodelay_on_the_daemons_end(daemon):
+    """The issue's ~40 ms per kept-alive request was Nagle holding a reply's second write (uvicorn
+    writes the head, then the body) until the client's delayed ACK. What prevents it is TCP_NODELAY
+    on the daemon's end of the connection, read here from the daemon's own socket after a second
+    request on it (tests/peer_socket.py). How long that request takes is bench/keep_alive.py's to
+    measure, never a test's to gate on."""
+    rank0 = [proc.pid for proc in (daemon.ranks()[0], daemon.front()) if proc is not None]
+    connection = http.client.HTTPConnection("127.0.0.1", daemon.http_port, timeout=60)
+    try:
+        for _ in range(2):
+            connection.request("GET", "/v1/models")
+            assert connection.getresponse().read()
+        client_port = connection.sock.getsockname()[1]
+        with peer_socket(rank0, daemon.http_port, client_port) as daemons_end:
+            assert daemons_end.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        connection.close()
 
 
 # ---- overload ----
@@ -291,6 +307,13 @@ def test_past_the_grpc_pool_every_call_gets_the_queue_full_wording(daemon):
 
 
 # ---- fuzzing both APIs (slow) ----
+#
+# What a client could send either API, every shape the servers read: each OpenAI route's JSON body
+# (every field name the server knows, with any JSON value, or one of the shapes a field expects:
+# messages, tools, structured outputs; nested up to past the recursion limit), the body as raw or
+# mutated bytes under any content type, whole HTTP/1.1 requests as bytes (a head of any method,
+# target and headers), and every gRPC request message built from its descriptor (every field, nested
+# messages, maps), then sent whole, or with a byte changed, or as raw bytes.
 
 JSON_LEAF = st.one_of(
     st.none(),
@@ -304,128 +327,280 @@ JSON_VALUE = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-OPENAI_KEYS = [
-    "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-    "min_p", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "model",
-    "user", "ignore_eos", "return_token_ids", "presence_penalty", "logit_bias", "tools", "echo",
-]  # fmt: skip
+HTTP_PATHS = ["v1/completions", "v1/chat/completions", "tokenize", "detokenize", "invocations"]
+BODY_KEYS = sorted({*FIELDS, *CHAT_FIELDS, "tokens", "return_token_strs", "add_special_tokens", "no_such"})
+CONTENT_TYPES = ["application/json"] * 8 + ["application/json; charset=latin-1", "text/plain", "", "x/\xff"]
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "video_url", "input_audio"]) | JSON_LEAF},
+    optional={
+        "text": JSON_VALUE,
+        "image_url": JSON_VALUE | st.fixed_dictionaries({"url": st.text(max_size=40)}),
+    },
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer"]) | JSON_LEAF},
     optional={
-        "content": st.text(max_size=40)
-        | st.lists(
-            st.fixed_dictionaries(
-                {"type": st.sampled_from(["text", "image_url", "video_url", "input_audio"]) | JSON_LEAF},
-                optional={"text": JSON_VALUE, "image_url": JSON_VALUE, "input_audio": JSON_VALUE},
-            ),
-            max_size=3,
+        "content": st.text(max_size=40) | st.lists(PART, max_size=3) | JSON_VALUE,
+        "tool_calls": JSON_VALUE,
+        "tool_call_id": JSON_VALUE,
+        "name": JSON_VALUE,
+    },
+)
+TOOL = st.fixed_dictionaries(
+    {"type": st.just("function") | JSON_LEAF},
+    optional={
+        "function": st.fixed_dictionaries(
+            {"name": st.text(max_size=12) | JSON_LEAF}, optional={"parameters": JSON_VALUE}
         )
         | JSON_VALUE
     },
 )
+SHAPES = {  # a field's expected shape, so the fuzz gets past the first type check
+    "messages": st.lists(MESSAGE, max_size=3),
+    "tools": st.lists(TOOL, max_size=2),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | JSON_VALUE,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+        optional={"json_schema": st.fixed_dictionaries({"schema": JSON_VALUE})},
+    ),
+    "structured_outputs": st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]), JSON_VALUE, max_size=2
+    ),
+    "guided_json": JSON_VALUE,
+    "guided_regex": st.text(max_size=20),
+    "guided_grammar": st.text(max_size=40),
+    "guided_choice": st.lists(st.text(max_size=8), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(-5, 300).map(str) | st.text(max_size=4), JSON_LEAF, max_size=3),
+    "stream_options": st.dictionaries(
+        st.sampled_from(["include_usage", "continuous_usage_stats"]), JSON_LEAF
+    ),
+    "tokens": st.lists(st.integers(-5, 300) | JSON_LEAF, max_size=6),
+    "n": st.integers(-1, 3) | JSON_LEAF,
+    "stream": st.booleans(),
+}
 
 
 @st.composite
 def openai_bodies(draw) -> dict:
-    """Any of the OpenAI keys with any JSON value, usually with a plain prompt or chat beside them."""
-    body = draw(st.dictionaries(st.sampled_from(OPENAI_KEYS), JSON_VALUE, max_size=6))
+    """Any fields, each with its expected shape or any JSON value; usually a prompt or chat beside them."""
+    keys = draw(st.lists(st.sampled_from(BODY_KEYS), max_size=6, unique=True))
+    body = {key: draw(SHAPES.get(key, JSON_VALUE) | JSON_VALUE) for key in keys}
     choice = draw(st.sampled_from(["prompt", "messages", "as drawn"]))
     if choice == "prompt":
         body["prompt"] = draw(st.text(max_size=60))
     elif choice == "messages":
-        body["messages"] = draw(st.lists(MESSAGE, max_size=3))
+        body["messages"] = draw(SHAPES["messages"])
     body["max_tokens"] = draw(st.integers(-2, 8) | JSON_LEAF)
     return body
 
 
-def http_body(draw_value) -> bytes:
-    return json.dumps(draw_value, allow_nan=True).encode("utf-8", "surrogatepass")
+def json_bytes(value) -> bytes:
+    return json.dumps(value, allow_nan=True).encode("utf-8", "surrogatepass")
+
+
+def clean_body(path: str, text: str) -> dict:
+    """A well-formed body for `path`, so replies run between the rest."""
+    if path == "detokenize":
+        return {"tokens": [ord(character) % 256 + 3 for character in text]}
+    if path == "v1/chat/completions":
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    return {"prompt": text} | ({} if path == "tokenize" else {"max_tokens": 4})
 
 
 @st.composite
-def http_requests(draw) -> tuple[str, bytes]:
-    path = draw(st.sampled_from(["completions", "chat/completions"]))
-    kind = draw(st.sampled_from(["clean", "body", "raw", "mutated"]))
-    if kind == "clean":  # well formed, so replies run between the rest
-        key, value = ("prompt", draw(st.text(max_size=60)))
-        if path == "chat/completions":
-            key, value = "messages", [{"role": "user", "content": value}]
-        return path, http_body({key: value, "max_tokens": draw(st.integers(1, 8))})
+def http_bodies(draw, path: str) -> bytes:
+    kind = draw(st.sampled_from(["clean", "body", "body", "raw", "mutated", "deep"]))
+    if kind == "clean":
+        return json_bytes(clean_body(path, draw(st.text(max_size=60))))
     if kind == "raw":
-        return path, draw(st.binary(max_size=300))
-    body = http_body(draw(openai_bodies()))
+        return draw(st.binary(max_size=300))
+    if kind == "deep":  # one field nested from a little to past the recursion limit
+        depth = draw(st.integers(1, 3000))
+        opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+        key = draw(st.sampled_from(BODY_KEYS))
+        return f'{{"prompt": "x", "max_tokens": 2, "{key}": {opener * depth}1{closer * depth}}}'.encode()
+    body = json_bytes(draw(openai_bodies()))
     if kind == "mutated":  # a well-formed body with a few bytes changed or cut
         data = bytearray(body)
         for _ in range(draw(st.integers(1, 4))):
             if data:
                 data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
         body = bytes(data[: draw(st.integers(0, len(data)))])
-    return path, body
+    return body
 
 
-GENERATE_FIELDS = st.fixed_dictionaries(
-    {},
-    optional={
-        "prompt": st.text(max_size=60),
-        "prompt_token_ids": st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5),
-        "max_tokens": st.integers(-(2**31), 8),
-        "temperature": st.floats(width=32),
-        "top_p": st.floats(width=32),
-        "top_k": st.integers(-(2**31), 2**31 - 1),
-        "seed": st.integers(0, 2**64 - 1),
-        "stop": st.lists(st.text(max_size=10), max_size=3),
-        "logprobs": st.integers(-(2**31), 2**31 - 1),
-    },
+HEADER_NAME = st.sampled_from(
+    [b"host", b"content-type", b"content-length", b"transfer-encoding", b"authorization", b"connection"]
+) | st.binary(min_size=1, max_size=12)
+HEADER_VALUE = st.binary(max_size=24) | st.sampled_from(
+    [b"application/json", b"chunked", b"0", b"999999999999999999999", b"-1", b"Bearer x", b"[::", b"a b"]
 )
 
 
 @st.composite
+def wire_requests(draw) -> bytes:
+    """A whole HTTP/1.1 request as bytes: a method, a target, headers and a body, each may be wrong."""
+    method = draw(st.sampled_from([b"POST", b"GET", b"PUT", b"OPTIONS", b"HEAD"]) | st.binary(max_size=8))
+    path = draw(st.sampled_from([*HTTP_PATHS, "health", "v1/models"]))
+    target = f"/{path}".encode() + draw(st.just(b"") | st.binary(max_size=16))
+    body = draw(http_bodies(path))
+    headers = [(b"host", draw(st.just(b"127.0.0.1") | HEADER_VALUE))]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += draw(st.lists(st.tuples(HEADER_NAME, HEADER_VALUE), max_size=3))
+    head = method + b" " + target + b" HTTP/1.1\r\n" + b"".join(k + b": " + v + b"\r\n" for k, v in headers)
+    return head + b"connection: close\r\n\r\n" + body
+
+
+def proto_values(field, depth: int) -> st.SearchStrategy:
+    FD = field.__class__
+    if field.type == FD.TYPE_MESSAGE:
+        return proto_messages(GetMessageClass(field.message_type), depth + 1)
+    if field.type == FD.TYPE_ENUM:
+        return st.sampled_from([value.number for value in field.enum_type.values])
+    if field.type == FD.TYPE_STRING:
+        return st.text(max_size=40)
+    if field.type == FD.TYPE_BYTES:
+        return st.binary(max_size=64)
+    if field.type == FD.TYPE_BOOL:
+        return st.booleans()
+    if field.type in (FD.TYPE_FLOAT, FD.TYPE_DOUBLE):
+        return st.floats(width=32 if field.type == FD.TYPE_FLOAT else 64)
+    if field.type in (FD.TYPE_UINT32, FD.TYPE_UINT64, FD.TYPE_FIXED32, FD.TYPE_FIXED64):
+        return st.integers(0, 2 ** (32 if field.type in (FD.TYPE_UINT32, FD.TYPE_FIXED32) else 64) - 1)
+    bits = 64 if field.type in (FD.TYPE_INT64, FD.TYPE_SINT64, FD.TYPE_SFIXED64) else 32
+    return st.integers(-5, 300) | st.integers(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+
+
+@st.composite
+def proto_messages(draw, message_class, depth: int = 0):
+    """Any message of `message_class`: a few of its fields set, each to any value of its type."""
+    message = message_class()
+    if depth > 2:
+        return message
+    fields = message_class.DESCRIPTOR.fields
+    for field in draw(st.lists(st.sampled_from(list(fields)), max_size=5, unique=True)) if fields else []:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key_field, value_field = field.message_type.fields
+            entries = draw(
+                st.dictionaries(proto_values(key_field, depth), proto_values(value_field, depth), max_size=3)
+            )
+            getattr(message, field.name).update(entries)
+        elif field.is_repeated:
+            getattr(message, field.name).extend(draw(st.lists(proto_values(field, depth), max_size=3)))
+        elif field.message_type is not None:
+            getattr(message, field.name).CopyFrom(draw(proto_values(field, depth)))
+        else:
+            setattr(message, field.name, draw(proto_values(field, depth)))
+    return message
+
+
+GRPC_MESSAGES = {
+    "Generate": serving_pb2.GenerateRequest,
+    "Tokenize": serving_pb2.TokenizeRequest,
+    "Info": serving_pb2.InfoRequest,
+}
+
+
+@st.composite
 def grpc_requests(draw) -> tuple[str, bytes]:
-    rpc = draw(st.sampled_from(["Generate", "Tokenize"]))
-    if draw(st.booleans()):
+    rpc = draw(st.sampled_from(sorted(GRPC_MESSAGES)))
+    if draw(st.integers(0, 3)) == 0:
         return rpc, draw(st.binary(max_size=200))
-    fields = draw(GENERATE_FIELDS)
-    if rpc == "Tokenize":
-        message = serving_pb2.TokenizeRequest(text=fields.get("prompt", ""))
-    else:
-        message = serving_pb2.GenerateRequest(**fields)
+    message = draw(proto_messages(GRPC_MESSAGES[rpc]))
+    if rpc == "Generate" and draw(st.integers(0, 4)):  # mostly a short reply, so the run keeps moving
+        message.max_tokens = draw(st.integers(-2, 8))
     data = bytearray(message.SerializeToString())
     if data and draw(st.booleans()):
         data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
     return rpc, bytes(data)
 
 
+@st.composite
+def hostile_requests(draw) -> tuple[str, str, bytes, str]:
+    """(api, route or rpc, bytes, content type)."""
+    api = draw(st.sampled_from(["http", "http", "http", "wire", "grpc", "grpc"]))
+    if api == "grpc":
+        rpc, data = draw(grpc_requests())
+        return api, rpc, data, ""
+    if api == "wire":
+        return api, "", draw(wire_requests()), ""
+    path = draw(st.sampled_from(HTTP_PATHS))
+    return api, path, draw(http_bodies(path)), draw(st.sampled_from(CONTENT_TYPES))
+
+
+HTTP_STATUSES = {200, 400, 401, 404, 405, 408, 413, 429}
+GRPC_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def check_http_reply(status: int, body: bytes, what) -> None:
+    """No 500, and every refusal an OpenAI error object with a message."""
+    assert status in HTTP_STATUSES, (status, body[:300], what)
+    if status != 200 and body:
+        assert json.loads(body)["error"]["message"], (status, body[:300], what)
+
+
+def send_wire(daemon, raw: bytes) -> tuple[int, bytes] | None:
+    """The raw request over its own connection; (status, body) of the reply, or None when the server
+    closed the connection without one (a request it never got whole)."""
+    with socket.create_connection(("127.0.0.1", daemon.http_port), timeout=60) as sock:
+        sock.sendall(raw)
+        reply = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                reply += chunk
+    if not reply:
+        return None
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        return status, b""  # a stream's events: their statuses are the HTTP fuzz's to check
+    return status, body if b"content-type: application/json" in head.lower() else b"{}"
+
+
+def send_hostile(daemon, request, statuses: Counter) -> None:
+    api, target, data, content_type = request
+    if api == "grpc":
+        method = f"/tpserve.v1.Serving/{target}"
+        try:
+            if target == "Generate":
+                list(daemon.channel.unary_stream(method)(data, timeout=60))
+            else:
+                daemon.channel.unary_unary(method)(data, timeout=60)
+            statuses[f"grpc {target} OK"] += 1
+        except grpc.RpcError as error:
+            statuses[f"grpc {target} {error.code().name}"] += 1
+            assert error.code() in GRPC_CODES, (error.code(), error.details(), data)
+        return
+    if api == "wire":
+        reply = send_wire(daemon, data)
+        statuses["wire closed" if reply is None else f"wire {reply[0]}"] += 1
+        if reply is not None:
+            check_http_reply(*reply, data[:300])
+        return
+    headers = {"content-type": content_type.encode("latin-1")} if content_type else {}
+    response = httpx.post(
+        f"{daemon.http_url.removesuffix('/v1')}/{target}", content=data, headers=headers, timeout=60
+    )
+    statuses[f"http {response.status_code}"] += 1
+    check_http_reply(response.status_code, response.content, (target, data[:300]))
+
+
+FUZZ_EXAMPLES = 1500  # about three minutes on an idle two-core machine
+
+
 @pytest.mark.slow
 def test_fuzzed_http_and_grpc_bytes_get_no_500_and_no_traceback(daemon):
     statuses = Counter()
-    headers = {"content-type": "application/json"}
+    probe = serving_pb2.GenerateRequest(prompt="probe", max_tokens=2, ignore_eos=True)
 
-    @settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(request=http_requests() | grpc_requests())
+    @settings(
+        max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(request=hostile_requests())
     def check(request):
         if sum(statuses.values()) % 50 == 0:  # the pair serving throughout
-            probe = serving_pb2.GenerateRequest(prompt="probe", max_tokens=2, ignore_eos=True)
             assert len(list(daemon.stub.Generate(probe, timeout=60))) >= 2
-        target, body = request
-        if target in ("Generate", "Tokenize"):
-            try:
-                if target == "Generate":
-                    list(daemon.channel.unary_stream(f"/tpserve.v1.Serving/{target}")(body, timeout=60))
-                else:
-                    daemon.channel.unary_unary(f"/tpserve.v1.Serving/{target}")(body, timeout=60)
-                statuses[f"grpc {target} OK"] += 1
-            except grpc.RpcError as error:
-                statuses[f"grpc {target} {error.code().name}"] += 1
-                assert error.code() in (
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                ), (error.code(), error.details())
-            return
-        response = httpx.post(f"{daemon.http_url}/{target}", content=body, headers=headers, timeout=60)
-        statuses[f"http {response.status_code}"] += 1
-        assert response.status_code in (200, 400, 404, 413), (response.status_code, response.text[:300])
-        if response.status_code != 200:
-            assert response.json()["error"]["message"]
+        send_hostile(daemon, request, statuses)
 
     started = time.monotonic()
     check()

@@ -1,22 +1,27 @@
 """The HTTP server's connections (server/http_connections.py), on a real uvicorn over loopback with a
 small app: TCP_NODELAY on every accepted socket, a request head's deadline (a silent or dribbling
 client is closed, a prompt one served), kept-alive connections closed when idle, the bound on
-open connections answered with a 503 error object, and a client that stops reading a stream cut off
-at the write-stall timeout while one that reads gets it whole."""
+open connections answered with a 503 error object, a client that stops reading a stream cut off
+at the write-stall timeout while one that reads gets it whole, and bytes that are not HTTP/1.1 answered
+with a 400 error object (or, once a reply has begun, a close) and no traceback."""
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
+import threading
 import time
 
 import httpx
 import pytest
 from daemon import wait_until
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from tpserve.server.http_connections import HttpLimits
+from tpserve.server.http_connections import NOT_HTTP, HttpLimits
 from tpserve.server.http_server import HttpServer
 
 LIMITS = HttpLimits(
@@ -30,6 +35,21 @@ async def hello(request):
     return JSONResponse({"hello": "world"})
 
 
+READING = threading.Event()  # set once /echo has begun reading its body
+
+
+async def early(request):
+    return JSONResponse({"answered": "before the body"})
+
+
+async def echo(request):
+    READING.set()
+    try:
+        return JSONResponse({"length": len(await request.body())})
+    except ClientDisconnect:  # as the daemon's routes do (server/http_api.py)
+        return JSONResponse({}, status_code=499)
+
+
 async def stream(request):
     async def chunks():
         for index in range(STREAM_CHUNKS):
@@ -40,7 +60,13 @@ async def stream(request):
 
 @pytest.fixture
 def server():
-    http = HttpServer(Starlette(routes=[Route("/hello", hello), Route("/stream", stream)]), limits=LIMITS)
+    routes = [
+        Route("/hello", hello),
+        Route("/stream", stream),
+        Route("/early", early, methods=["POST"]),
+        Route("/echo", echo, methods=["POST"]),
+    ]
+    http = HttpServer(Starlette(routes=routes), limits=LIMITS)
     http.start()
     try:
         yield http
@@ -132,3 +158,69 @@ def test_a_client_that_stops_reading_is_cut_off_at_the_write_stall_timeout(serve
     assert received.startswith(b"HTTP/1.1 200 ") and f"{STREAM_CHUNKS - 1:04d}".encode() not in received
     with httpx.Client(timeout=CLOSE_WITHIN_S) as client:  # a client that reads gets it whole
         assert client.get(f"http://127.0.0.1:{server.port}/stream").text.count("\n") == STREAM_CHUNKS
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def error_lines(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+CHUNKED = b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+NOT_HTTP_REQUESTS = [
+    b"garbage\r\n\r\n",
+    b"GET /hello HTTP/1.1\r\n\r\n",  # no host
+    b"GET /hello HTTP/1.1\r\nhost: x\r\na header line with no colon\r\n\r\n",
+    b"GET /h\xffllo HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello",
+    CHUNKED + b"zz\r\nhello\r\n0\r\n\r\n",  # a chunk size that is not hex
+    b"GET /hello HTTP/1.1\r\nhost: x\r\nx: " + b"a" * 100_000,  # a head past h11's buffer
+]
+
+
+@pytest.mark.parametrize("raw", NOT_HTTP_REQUESTS, ids=range(len(NOT_HTTP_REQUESTS)))
+def test_bytes_that_are_not_http_get_a_400_error_object_and_no_traceback(server, raw, caplog):
+    sock = connect(server)
+    sock.sendall(raw)
+    head, _, body = read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head
+    assert json.loads(body)["error"] == {
+        "message": NOT_HTTP,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    assert error_lines(caplog) == []
+    assert httpx.get(f"http://127.0.0.1:{server.port}/hello").status_code == 200
+
+
+def test_a_body_that_turns_bad_while_the_app_reads_it_gets_a_400_and_no_traceback(server, caplog):
+    READING.clear()
+    sock = connect(server)
+    sock.sendall(CHUNKED + b"5\r\nhello\r\n")
+    assert READING.wait(CLOSE_WITHIN_S)
+    sock.sendall(b"zz\r\n")
+    reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 400 ") and NOT_HTTP.encode() in reply
+    assert b'"length"' not in reply  # the app's own reply, once it saw the client leave, is dropped
+    time.sleep(0.2)  # the app's task ends after the close; a traceback would be logged then
+    assert error_lines(caplog) == []
+
+
+def test_a_body_that_turns_bad_after_the_reply_only_closes_the_connection(server, caplog):
+    sock = connect(server)
+    sock.sendall(CHUNKED.replace(b"/echo", b"/early") + b"5\r\nhello\r\n")
+    reply = b""
+    while b"before the body" not in reply:
+        reply += sock.recv(65536)
+    sock.sendall(b"zz\r\n")  # no room for a second reply
+    assert read_until_closed(sock) == b"" and error_lines(caplog) == []
+    assert httpx.get(f"http://127.0.0.1:{server.port}/hello").status_code == 200
