@@ -143,15 +143,7 @@ def inspect_passes(engine: Engine, prompt: Sequence[int], num_layers: int) -> di
         lanes.round()  # warm-up
         with profile(activities=activities) as decode:
             lanes.round()
-        if gpu:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                lanes.round()
-        finally:
-            if gpu:
-                torch.cuda.set_sync_debug_mode("default")
+        syncs = sync_warnings(lanes.round) if gpu else 0
     finally:
         lanes.close()
     open_lane(engine, 0, len(prompt))
@@ -169,11 +161,23 @@ def inspect_passes(engine: Engine, prompt: Sequence[int], num_layers: int) -> di
         if gpu
         else None,
         "host_syncs_per_round": {
-            "sync_debug_warnings": sum("synchroniz" in str(w.message) for w in caught) if gpu else 0,
+            "sync_debug_warnings": syncs,
             "runtime_calls": {name: decode_events[name] for name in SYNC_CALLS if decode_events[name]},
             "note": "" if gpu else "on the CPU there is no device to wait for",
         },
     }
+
+
+def sync_warnings(run) -> int:
+    """How often run() makes the host wait on the device: torch's sync debug warnings (CUDA only)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _attention_ops(prof) -> dict[str, int]:

@@ -15,12 +15,12 @@ Thresholds are named below: each is a bar a served GPU should clear, not a measu
 from __future__ import annotations
 
 import time
-import warnings
 from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.gpu_passes import sync_warnings
 from tpserve.kernels.attention import SpanView
 from tpserve.kernels.fp8_linear import FP8, FP8_MAX, Fp8Weight
 from tpserve.kernels.int4pack_linear import GROUP, Int4PackWeight
@@ -119,14 +119,7 @@ def decode_graphs(engine, lanes) -> dict:
     counts = {"graphs_on": _launches(lanes)}
     with eager_rounds(engine):
         counts["graphs_off"] = _launches(lanes)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            lanes.round()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = sync_warnings(lanes.round)
     fewer = counts["graphs_on"] <= GRAPH_LAUNCH_SHARE * counts["graphs_off"]
     return {
         "launch_calls_per_round": counts,

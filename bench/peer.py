@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,6 +163,22 @@ def start_tpserve(name: str, flags: list[str], repo: Path = REPO, api: str = "gr
     return server
 
 
+def streamed_chunks(port: int, path: str, body: dict, timeout_s: float) -> Iterator[dict]:
+    """POST `body` to an OpenAI streaming route on 127.0.0.1:`port`; yields each server-sent event's
+    JSON chunk (up to `[DONE]`). A status other than 200 raises with the start of its body."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"{path} answered {reply.status}: {reply.read()[:300]!r}")
+        for line in reply:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                yield json.loads(line[6:])
+    finally:
+        connection.close()
+
+
 def completions_generate(port: int, model: str | None, temperature: float = 0.0):
     """The OpenAI `/v1/completions` streaming client every server gets (tpserve's HTTP API, vLLM):
     its `generate(index, num_tokens)` times one request; the reply is its text pieces. `model`:
@@ -174,15 +191,7 @@ def completions_generate(port: int, model: str | None, temperature: float = 0.0)
         body |= {"stream": True, "temperature": temperature, "stream_options": {"include_usage": True}}
         if temperature > 0:
             body["seed"] = index
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        if reply.status != 200:
-            raise RuntimeError(f"/v1/completions answered {reply.status}: {reply.read()[:300]!r}")
-        for line in reply:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in streamed_chunks(port, "/v1/completions", body, timeout_s=600):
             text = "".join(choice.get("text", "") for choice in chunk.get("choices", ()))
             if text and not timing.first:
                 timing.first = time.perf_counter()
@@ -190,7 +199,6 @@ def completions_generate(port: int, model: str | None, temperature: float = 0.0)
                 timing.reply.append(text)
             if chunk.get("usage"):
                 timing.num_tokens = chunk["usage"]["completion_tokens"]
-        connection.close()
         timing.end = time.perf_counter()
         return timing
 

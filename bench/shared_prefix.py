@@ -29,8 +29,6 @@ Reported per burst: each chat's time to first token (from its request's sending)
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import sys
 import threading
@@ -45,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import FILLER, default_model_dir, finish, median, print_table  # noqa: E402
-from bench.peer import REPO, Server, health_ready  # noqa: E402
+from bench.peer import REPO, Server, health_ready, streamed_chunks  # noqa: E402
 from tpserve.ranks.local_ranks import free_port  # noqa: E402
 from tpserve.server.kv_blocks import blocks_for  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
@@ -96,16 +94,8 @@ def send_chat(http_port: int, system: str, chat: Chat, max_tokens: int, on_first
     # Usage in every chunk: the first token is the first chunk counting one, whatever its text (a
     # token may end inside a character, and its text come with the next).
     body |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=REQUEST_TIMEOUT_S)
     chat.sent = time.perf_counter()
-    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    reply = connection.getresponse()
-    if reply.status != 200:
-        raise RuntimeError(f"/v1/chat/completions answered {reply.status}: {reply.read()[:300]!r}")
-    for line in reply:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-            continue
-        chunk = json.loads(line[6:])
+    for chunk in streamed_chunks(http_port, "/v1/chat/completions", body, REQUEST_TIMEOUT_S):
         text = "".join(
             (choice.get("delta") or {}).get("content") or "" for choice in chunk.get("choices", ())
         )
@@ -116,7 +106,6 @@ def send_chat(http_port: int, system: str, chat: Chat, max_tokens: int, on_first
         chat.text += text
         if chunk.get("usage"):
             chat.usage = chunk["usage"]
-    connection.close()
     chat.end = time.perf_counter()
     return chat
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpserve.kernels.attention import SpanView
+from tpserve.kernels.collectives import GroupCollectives
 from tpserve.kernels.paged_attention import FlashInfer, PagedTables
 from tpserve.ranks.decode_graphs import DECODE_BUCKETS, DecodeBuffers, DecodeGraph, bucket_for, padded_round
+from tpserve.ranks.mrope import MRotary
 
 
 def graphs_unfit(
@@ -53,6 +56,22 @@ def graphs_unfit(
     if tp_size > 1 and group_backend != "nccl":
         return f"the model group's collectives ({group_backend}) are not captured in a graph"
     return None
+
+
+def model_graphs_unfit(model, tp_size: int) -> str | None:
+    """graphs_unfit for a loaded rank model (its device, kernel, layers and model group)."""
+    config, collectives = model.config, model.collectives
+    group = collectives.group if tp_size > 1 and isinstance(collectives, GroupCollectives) else None
+    return graphs_unfit(
+        model.device.type,
+        model.attention.name,
+        windows=bool(config.windows and any(config.windows)),
+        sinks=bool(config.sinks),
+        experts=config.moe is not None,
+        multimodal=isinstance(model.rotary, MRotary),
+        tp_size=tp_size,
+        group_backend=dist.get_backend(group) if group is not None else "none of torch's",
+    )
 
 
 class RoundPaged:

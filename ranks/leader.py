@@ -240,16 +240,18 @@ class Leader:
         return self._sample(logits, [*items, *ended], positions)
 
     def _greedy_on_device(self, items) -> bool:
-        streams = [item.counts for item in items]
-        allowed = [item.allowed for item in items]
-        sampling = [item.sampling for item in items]
-        return samples_on_device(self.device_type, sampling, allowed, streams, self._record_features)
+        return samples_on_device(*self._device_terms(items))
 
     def _lists_on_device(self, items) -> bool:
-        streams = [item.counts for item in items]
-        allowed = [item.allowed for item in items]
+        return lists_on_device(*self._device_terms(items))
+
+    def _device_terms(self, items) -> tuple:
+        """What the device-sampling choosers read of a round: where, its rows' sampling, grammar
+        masks and token counts, and whether its logits are recorded."""
         sampling = [item.sampling for item in items]
-        return lists_on_device(self.device_type, sampling, allowed, streams, self._record_features)
+        allowed = [item.allowed for item in items]
+        streams = [item.counts for item in items]
+        return self.device_type, sampling, allowed, streams, self._record_features
 
     def close(self, lane: int) -> None:
         self._features.pop(lane, None)

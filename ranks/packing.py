@@ -139,3 +139,26 @@ def pack_fp8(weight: Fp8Values, kind: str, dtype: torch.dtype):
     if fp8_on_gpu(device.type, capability, kind, dtype, tuple(weight.values.shape)):
         return Fp8Weight(weight.values, weight.scales, dtype)
     return quantize_weight(weight.dequantize().to(dtype if kind == "none" else torch.float32), kind)
+
+
+def describe_serving(kinds: tuple[str, ...], quantize: str, device_type: str = "cpu") -> str:
+    """In words: which of a checkpoint's quantized layers are served as the file stores them, and
+    which `quantize` decides (fp8 on a GPU: ranks/packing.py fp8_on_gpu)."""
+    stored = ["int8"] if "int8" in kinds else []
+    dequantized = ["fp8"] if "fp8" in kinds else []
+    (stored if quantize == "int4" else dequantized).extend(["int4"] if "int4" in kinds else [])
+    said = [f"its {' and '.join(stored)} layers served as stored"] if stored else []
+    if dequantized:
+        said.append(f"its {' and '.join(dequantized)} layers dequantized to float32")
+    if "fp8" in kinds and device_type == "cuda":
+        said[-1] += (
+            " (the fp8 ones served in fp8 by torch._scaled_mm instead where the GPU is sm_90+ and the dtype bfloat16)"
+        )
+    if "mxfp4" in kinds:  # gpt-oss's experts (ranks/mxfp4.py)
+        said.append(
+            "its mxfp4 experts served as stored, in 5-bit blocks"
+            if quantize == "int4"
+            else "its mxfp4 experts dequantized exactly to dtype"
+        )
+    also = "them and to " if dequantized or ("mxfp4" in kinds and quantize != "int4") else ""
+    return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"

@@ -21,14 +21,13 @@ import torch
 import torch.distributed as dist
 
 from tpserve.kernels.attention_kernels import NATIVE, kv_dtype
-from tpserve.kernels.collectives import GroupCollectives
 from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
 from tpserve.kernels.weight_formats import quantize_unavailable
 from tpserve.ranks.channel import Channel
 from tpserve.ranks.collectives_choice import choose_collectives
-from tpserve.ranks.decode_runner import graphs_unfit
+from tpserve.ranks.decode_runner import model_graphs_unfit
 from tpserve.ranks.device import choose_device, device_facts
 from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import StartupError, UserError
@@ -40,8 +39,8 @@ from tpserve.ranks.meeting import meet, watch_peers
 from tpserve.ranks.memory import free_memory_bytes
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.model_group import open_model_group
-from tpserve.ranks.mrope import MRotary
 from tpserve.ranks.network import check_interface, name_interface
+from tpserve.ranks.packing import describe_serving
 from tpserve.ranks.probe import ProbeFailure, probe_model, shape_dependent_linear
 from tpserve.ranks.probe_mixed import probe_mixed_pass
 from tpserve.ranks.settings import EngineSettings
@@ -140,25 +139,6 @@ def check_checkpoint_quantization(
         raise UserError(f"{what}: {why_not}; serve a float checkpoint there")
     if settings.dtype != "float32":
         raise UserError(f"{what}: its int8 layers compute in float32, not dtype {settings.dtype}")
-
-
-def describe_serving(kinds: tuple[str, ...], quantize: str) -> str:
-    """In words: which of a checkpoint's quantized layers are served as the file stores them, and
-    which `quantize` decides."""
-    stored = ["int8"] if "int8" in kinds else []
-    dequantized = ["fp8"] if "fp8" in kinds else []
-    (stored if quantize == "int4" else dequantized).extend(["int4"] if "int4" in kinds else [])
-    said = [f"its {' and '.join(stored)} layers served as stored"] if stored else []
-    if dequantized:
-        said.append(f"its {' and '.join(dequantized)} layers dequantized to float32")
-    if "mxfp4" in kinds:  # gpt-oss's experts (ranks/mxfp4.py)
-        said.append(
-            "its mxfp4 experts served as stored, in 5-bit blocks"
-            if quantize == "int4"
-            else "its mxfp4 experts dequantized exactly to dtype"
-        )
-    also = "them and to " if dequantized or ("mxfp4" in kinds and quantize != "int4") else ""
-    return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"
 
 
 def agree_on_attention(model, rank: int, group) -> None:
@@ -326,13 +306,8 @@ def _load_model(settings: EngineSettings, config: ModelConfig, rank: int, world_
             "rank %d: %s: %s",
             rank,
             config.quantization.describe(),
-            describe_serving(config.quantization.kinds, settings.quantize),
+            describe_serving(config.quantization.kinds, settings.quantize, device.type),
         )
-        if device.type == "cuda" and "fp8" in config.quantization.kinds:  # ranks/packing.py fp8_on_gpu
-            log.info(
-                "rank %d: on this GPU its fp8 layers are served in fp8 (torch._scaled_mm) where it is "
-                "sm_90 or newer and the dtype bfloat16, else dequantized to %s", rank, settings.dtype,
-            )  # fmt: skip
     model = load_rank_model(
         settings.model_dir,
         tp_rank=rank,
@@ -366,7 +341,7 @@ def _build_engine(
 ) -> Engine:
     """The KV store sized by room, in blocks (one more as the graphs' spare block), and the engine."""
     config, kv_heads = model.config, model.kv_heads_per_piece()
-    why_not = decode_graphs_unfit(model, settings.tp_size)
+    why_not = model_graphs_unfit(model, settings.tp_size)
     log.info("rank %d: decode rounds %s", rank, f"eager: {why_not}" if why_not else "replay CUDA graphs")
     kv = KVPool(
         config.num_layers,
@@ -384,22 +359,6 @@ def _build_engine(
         refuse_token=drill[1] if drill and drill[0] == rank else None,
         device_timeout_s=settings.collective_timeout_s,
         decode_graphs=why_not is None,
-    )
-
-
-def decode_graphs_unfit(model, tp_size: int) -> str | None:
-    """ranks/decode_runner.py graphs_unfit for this model on this rank."""
-    config, collectives = model.config, model.collectives
-    group = collectives.group if tp_size > 1 and isinstance(collectives, GroupCollectives) else None
-    return graphs_unfit(
-        model.device.type,
-        model.attention.name,
-        windows=bool(config.windows and any(config.windows)),
-        sinks=bool(config.sinks),
-        experts=config.moe is not None,
-        multimodal=isinstance(model.rotary, MRotary),
-        tp_size=tp_size,
-        group_backend=dist.get_backend(group) if group is not None else "none of torch's",
     )
 
 

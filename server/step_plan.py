@@ -163,10 +163,8 @@ def plan_round(
     drafts = drafts_for(live) if drafts_for is not None else [()] * len(live)
     chunk = None  # (start, num_tokens, blocks it books)
     if chunking is not None:
-        start = chunking.num_prefilled
-        num_tokens = len(chunking.feed_ids[start : start + chunk_size(sum(1 + len(d) for d in drafts))])
-        missing = lanes.blocks_missing(chunking, start + num_tokens)
-        chunk = (start, num_tokens, missing) if pool.take(missing) else None  # else it waits a step
+        chunk = _next_chunk(lanes, chunking, chunk_size(sum(1 + len(d) for d in drafts)))
+        chunk = chunk if pool.take(chunk[2]) else None  # else it waits a step
     num_for_draft = []
     for index, (job, num) in enumerate(zip(live, num_for_token)):
         draft, held = drafts[index], len(job.blocks) + num
@@ -185,16 +183,8 @@ def plan_round(
         rows.append(
             StreamRows(job.lane, job.next_position, job.produced[-1], draft, _unsent(job) + new, len(new))
         )
-    prompts = []
-    if chunk is not None:
-        start, num_tokens, _ = chunk
-        last = start + num_tokens == len(chunking.feed_ids)
-        prompts.append(
-            PromptRows(chunking.lane, start, num_tokens, last, _unsent(chunking) + chunk_ids, len(chunk_ids))
-        )
-    for job in riding:  # their blocks were booked when they were admitted
-        start = job.cached_tokens
-        prompts.append(PromptRows(job.lane, start, len(job.feed_ids) - start, True, _unsent(job), 0))
+    prompts = [] if chunk is None else [_chunk_rows(chunking, chunk, chunk_ids)]
+    prompts += _riding_rows(riding)
     return StepPlan(
         tuple(job.lane for job in finished),
         tuple(job.lane for job in preempted),
@@ -206,21 +196,13 @@ def plan_round(
 
 def _prompts_alone(lanes, finished, preempted, riding, chunking, pool, max_chunk, joint_prompts) -> StepPlan:
     """The plan of a step in which nothing decodes: the riding whole prompts, then the chunk."""
-    prompts = []
-    for job in riding:  # their blocks were booked when they were admitted
-        start = job.cached_tokens
-        prompts.append(PromptRows(job.lane, start, len(job.feed_ids) - start, True, _unsent(job), 0))
+    prompts = _riding_rows(riding)
     booked = ()
     if chunking is not None:
-        start = chunking.num_prefilled
-        num_tokens = len(chunking.feed_ids[start : start + max_chunk])
-        missing = lanes.blocks_missing(chunking, start + num_tokens)
-        if pool.take(missing):  # else it waits a step for its blocks
+        chunk = _next_chunk(lanes, chunking, max_chunk)
+        if pool.take(chunk[2]):  # else it waits a step for its blocks
             booked = pool.booked()
-            last = start + num_tokens == len(chunking.feed_ids)
-            prompts.append(
-                PromptRows(chunking.lane, start, num_tokens, last, _unsent(chunking) + booked, missing)
-            )
+            prompts.append(_chunk_rows(chunking, chunk, booked))
     return StepPlan(
         tuple(job.lane for job in finished),
         tuple(job.lane for job in preempted),
@@ -229,6 +211,28 @@ def _prompts_alone(lanes, finished, preempted, riding, chunking, pool, max_chunk
         booked,
         tuple(job.lane for job in joint_prompts(list(riding))),
     )
+
+
+def _next_chunk(lanes: LaneTable, chunking: Job, max_tokens: int) -> tuple[int, int, int]:
+    """The long prompt's next chunk of at most `max_tokens`: (start, tokens, blocks it must book)."""
+    start = chunking.num_prefilled
+    num_tokens = len(chunking.feed_ids[start : start + max_tokens])
+    return start, num_tokens, lanes.blocks_missing(chunking, start + num_tokens)
+
+
+def _chunk_rows(chunking: Job, chunk: tuple[int, int, int], booked: tuple[int, ...]) -> PromptRows:
+    start, num_tokens, _ = chunk
+    last = start + num_tokens == len(chunking.feed_ids)
+    return PromptRows(chunking.lane, start, num_tokens, last, _unsent(chunking) + booked, len(booked))
+
+
+def _riding_rows(riding: Sequence[Job]) -> list[PromptRows]:
+    """The whole prompts admitted this step, each from its cached tokens on (their blocks were
+    booked when they were admitted)."""
+    return [
+        PromptRows(job.lane, job.cached_tokens, len(job.feed_ids) - job.cached_tokens, True, _unsent(job), 0)
+        for job in riding
+    ]
 
 
 def _unsent(job: Job) -> tuple[int, ...]:

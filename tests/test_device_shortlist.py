@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tiny_models import write_tiny_model
+from device_rounds import host_device_host
 
-from tpserve.generate import single_stream_leader
 from tpserve.kernels.device_sampling import Shortlist, lists_on_device, shortlist
 from tpserve.kernels.sampling import _candidates, _gumbel, _row_key, _scaled, sample, sample_listed
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.settings import EngineSettings
-from tpserve.server.backend import DecodeItem, PrefillItem
 
 TEMPERATURES = (0.01, 0.1, 0.3, 0.7, 1.0, 1.5, 3.0, 10.0)
 TOP_KS = (0, 1, 2, 5, 40, 300)
@@ -167,39 +164,11 @@ LANES = (  # (prompt, sampling): a sampled lane, a filtered one, a greedy one be
     ((21, 22, 23), SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05, seed=2)),
     ((30, 31), SamplingParams()),
 )
-NUM_ROUNDS = 6
-
-
-def decoded(leader, device_type: str) -> list[list[int]]:
-    """The lanes prefilled, then NUM_ROUNDS rounds of all of them with the leader sampling as on
-    `device_type`; the lanes closed after."""
-    leader.device_type = device_type
-    tokens, blocks = [], 0
-    for lane, (prompt, sampling) in enumerate(LANES):
-        count = -(-(len(prompt) + NUM_ROUNDS + 1) // leader.block_size)
-        leader.open(lane, tuple(range(blocks, blocks + count)), 0)
-        blocks += count
-        tokens.append([leader.prefill(PrefillItem(lane, 0, prompt, True, sampling))])
-    for step in range(NUM_ROUNDS):
-        items = [DecodeItem(lane, len(p) + step, tokens[lane][-1], s) for lane, (p, s) in enumerate(LANES)]
-        assert leader._lists_on_device(items) == (device_type == "cuda")
-        for lane, token in enumerate(leader.decode(items)):
-            assert isinstance(token, int)
-            tokens[lane].append(token)
-    for lane in range(len(LANES)):
-        leader.close(lane)
-    return tokens
 
 
 def test_device_shortlisted_draws_equal_the_host_samplers_on_two_ranks(tmp_path):
-    settings = EngineSettings(
-        model_dir=str(write_tiny_model(tmp_path / "llama", "llama")), device="cpu", dtype="float32",
-        tp_size=2, num_lanes=3, context_size=64, batch_invariant=False, draft_tokens=0,
-        kv_block_size=8, threads_per_rank=1,
-    )  # fmt: skip
-    with single_stream_leader(settings) as leader:
-        host = decoded(leader, "cpu")
-        device = decoded(leader, "cuda")  # the followers' messages are the same: they keep pace
-        again = decoded(leader, "cpu")
+    host, device, again = host_device_host(
+        tmp_path, LANES, lambda leader, items: leader._lists_on_device(items)
+    )
     assert device == host == again
     assert len({tuple(t) for t in host}) == 3

@@ -38,8 +38,9 @@ from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.int4_tensors import StoredInt4
 from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.packing import describe_serving
 from tpserve.ranks.settings import EngineSettings
-from tpserve.ranks.startup import check_checkpoint_quantization, describe_serving
+from tpserve.ranks.startup import check_checkpoint_quantization
 from tpserve.v1 import serving_pb2
 
 pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
