@@ -18,7 +18,7 @@ top_p without top_k needs the mass of the whole row, so such a row keeps the ful
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,20 +114,27 @@ class Shortlist:
         return Shortlist(vocab_size, greedy, rows, listed[0].astype(np.int64), listed[1].view(np.float32))
 
 
-def shortlist(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def shortlist(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    to_host: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.cpu,
+) -> torch.Tensor:
     """logits [rows, vocab] on any device -> one int32 tensor on that device (Shortlist.unpack): each
     row's argmax and its `listed` tokens' ids and logits, at 8 bytes a token; or, where that would
-    cost more than the whole rows' 4 bytes a logit, the whole rows."""
+    cost more than the whole rows' 4 bytes a logit, the whole rows. The list's size is the one value
+    that must reach the host first; `to_host` brings it (on a GPU, ranks/device_wait.py's to_host, so
+    even that wait has a deadline), and the rest is taken at that known size, with no other sync."""
     scores = torch.where(logits.isnan(), float("-inf"), logits.float())  # [rows, vocab], exact
     num_rows, vocab_size = scores.shape
     listed = _listed(scores, params)  # [rows, vocab] bool
     counts = listed.sum(dim=-1, dtype=torch.int32)  # [rows]
     head = torch.tensor([num_rows, vocab_size], dtype=torch.int32, device=scores.device)
     greedy = greedy_ids(logits).to(torch.int32)
-    if 2 * int(counts.sum()) >= scores.numel():  # one sync, as the copy's own size needs
+    total = int(to_host(counts.sum()))
+    if 2 * total >= scores.numel():
         whole = torch.ones(1, dtype=torch.int32, device=scores.device)
         return torch.cat([head, greedy, whole, scores.view(torch.int32).flatten()])
-    rows, ids = listed.nonzero(as_tuple=True)  # row-major: by row, then id
+    rows, ids = torch.nonzero_static(listed, size=total).unbind(dim=1)  # row-major: by row, then id
     bits = scores[rows, ids].view(torch.int32)
     return torch.cat(
         [

@@ -279,7 +279,9 @@ class Engine:
             if greedy:
                 logits = greedy_ids(logits)
             elif listed is not None:
-                logits = shortlist(logits, listed)
+                logits = shortlist(
+                    logits, listed, lambda size: to_host(size, self.device_timeout_s, "a shortlist's size")
+                )
             logits = to_host(logits, self.device_timeout_s, self._pass_name(spans))
         for index, (lane, _, tokens, _) in enumerate(spans):
             state = self.lanes[lane]

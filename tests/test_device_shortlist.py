@@ -5,12 +5,14 @@ over the whole row, token for token, and the list holds every token the host sam
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from device_rounds import host_device_host
 
 from tpserve.kernels.device_sampling import Shortlist, lists_on_device, shortlist
 from tpserve.kernels.sampling import _candidates, _gumbel, _row_key, _scaled, sample, sample_listed
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.ranks.device_wait import DeviceTimeout, wait_for
 
 TEMPERATURES = (0.01, 0.1, 0.3, 0.7, 1.0, 1.5, 3.0, 10.0)
 TOP_KS = (0, 1, 2, 5, 40, 300)
@@ -172,3 +174,31 @@ def test_device_shortlisted_draws_equal_the_host_samplers_on_two_ranks(tmp_path)
     )
     assert device == host == again
     assert len({tuple(t) for t in host}) == 3
+
+
+def test_a_device_that_never_gives_the_lists_size_is_a_timeout_not_a_hang():
+    # The list's size is the one value the host must have before the list: it comes through the
+    # caller's copy with a deadline (ranks/device_wait.py), here a device whose copy never finishes.
+    class Never:
+        def query(self) -> bool:
+            return False
+
+    clock = iter(range(100)).__next__
+    wait = lambda size: wait_for(Never(), 5.0, "a shortlist's size", clock=clock, sleep=lambda _: None)  # noqa: E731
+    logits = torch.randn(2, 50)
+    with pytest.raises(DeviceTimeout, match="a shortlist's size"):
+        shortlist(logits, [SamplingParams(temperature=1.0, seed=1)] * 2, wait)
+
+
+def test_the_lists_size_is_the_only_value_taken_to_the_host():
+    taken = []
+    logits = torch.randn(3, 500) * 2.5
+    logits[:, 7] = 25.0  # a peaked row lists a few tokens, not the whole row
+    params = [
+        SamplingParams(temperature=0.7, seed=2),
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=5),
+    ]
+    packed = shortlist(logits, params, lambda size: taken.append(size) or size)
+    assert [t.numel() for t in taken] == [1]
+    assert Shortlist.unpack(packed).ids.size == int(taken[0])
