@@ -131,6 +131,8 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
         responses += list(pool.map(lambda body: post(daemon, "completions", body), bodies * 3))
         with pytest.raises(grpc.RpcError) as raised:
             pool.submit(daemon.stub.Tokenize, tokenize, timeout=60).result()
+        tokenize_url = f"http://127.0.0.1:{daemon.http_port}/tokenize"  # vLLM's path: not under /v1
+        http_tokenize = pool.submit(httpx.post, tokenize_url, json={"prompt": text}, timeout=120).result()
     burst_s = time.monotonic() - started
     reply = live.join(timeout_s=120)
     watching.set()
@@ -139,6 +141,8 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     assert [(r.status_code, r.json()["error"]["message"]) for r in responses] == [(400, expected)] * 24
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details().startswith(f"text is {BIG_PROMPT_CHARS} bytes long")
+    assert http_tokenize.status_code == 400
+    assert http_tokenize.json()["error"]["message"].startswith(f"text is {BIG_PROMPT_CHARS} bytes long")
     after = rss_bytes(rank0)
     # The issue's bound. Kept refused bodies would be 24 x 4 MiB (~100 MB, a third of rank 0's ~300
     # MB); a refusal raised out of a worker thread's await kept its prompt in a cycle until the next
@@ -147,7 +151,7 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     assert daemon.health() == SERVING
     figures(
         "big prompts",
-        refused=24,
+        refused=26,
         burst_s=round(burst_s, 2),
         largest_gap_s=round(largest_gap(token_counts), 3),
         rss_before=before,
