@@ -11,16 +11,9 @@ from pathlib import Path
 from tiny_hf_models import VOCAB, write_hf_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-HARMONY_TOKENS = [
-    "<|start|>",
-    "<|end|>",
-    "<|message|>",
-    "<|channel|>",
-    "<|constrain|>",
-    "<|return|>",
-    "<|call|>",
-]
-SPECIAL_TOKENS = ["<|endoftext|>", *HARMONY_TOKENS]
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>"]
+# ids 0, 1, 2 as the tiny config's pad, bos and eos ids name them (gpt-oss's own: <|return|> ends)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|startoftext|>", "<|return|>", *HARMONY_TOKENS]
 TEMPLATE = Path(__file__).parent / "golden" / "gpt_oss_chat_template.jinja"
 
 
