@@ -21,9 +21,11 @@ class ChatParsing:
         # the flags name a <think> parser.
         self.harmony = (
             reasoning_parser == "gpt_oss"
-            or self.tool_parser == "harmony"
+            or tool_call_parser == "harmony"
             or (reasoning_parser in ("", "none") and renders_harmony(template))
         )
+        if self.tool_parser == "harmony" and not self.harmony:
+            self.tool_parser = None  # a <think> parser named for a harmony template: no harmony calls
         self._reasoning = reasoning_parser != "none"
         self._thinks = not self.harmony and (self._reasoning if reasoning_parser else thinks(template))
         self._starts_thinking = reasoning_parser == "deepseek_r1" or (

@@ -132,3 +132,40 @@ def _harmony_tokenizer_json() -> str:
     from harmony_models import build_harmony_tokenizer
 
     return build_harmony_tokenizer().to_str()
+
+
+class _Template:
+    """What ChatParsing reads of a tokenizer: its template, and the ids of the stop tokens."""
+
+    def __init__(self, template: str):
+        self.chat_template = template
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return {"<|return|>": [2], "<|call|>": [9]}.get(text, [5, 6])
+
+    def render_chat(self, messages) -> str:
+        return ""
+
+
+@pytest.mark.parametrize(
+    "template, tool_flag, reasoning_flag, harmony",
+    [
+        ("<|start|>assistant<|channel|>final<|message|>", "", "", True),  # gpt-oss's own template
+        ("<|im_start|>assistant\n", "", "gpt_oss", True),
+        ("<|im_start|>assistant\n", "harmony", "", True),
+        ("<|start|>assistant<|channel|>final<|message|>", "", "qwen3", False),  # the flag decides
+        ("<|im_start|>assistant\n<tool_call>", "", "", False),
+    ],
+)
+def test_harmony_is_chosen_from_the_template_or_the_flags(template, tool_flag, reasoning_flag, harmony):
+    from tpserve.server.chat_parsing import ChatParsing
+
+    parsing = ChatParsing(_Template(template), tool_flag, reasoning_flag)
+    assert parsing.harmony == harmony
+    parsed = parsing.parse_chat({"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [9]})
+    (request,) = parsed.choices
+    if harmony:  # special tokens kept for the reader; <|return|> and <|call|> end the reply, once each
+        assert request.keep_special_tokens and list(request.stop_token_ids) == [9, 2]
+        assert isinstance(parsing.replies(parsed, 1)[0], HarmonyReply)
+    else:
+        assert not request.keep_special_tokens and list(request.stop_token_ids) == [9]

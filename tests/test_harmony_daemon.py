@@ -173,7 +173,7 @@ def test_tool_turns_render_as_transformers_renders_them(served):
     turns = MESSAGES + [
         {
             "role": "assistant",
-            "content": "",
+            "content": None,  # OpenAI's form of a turn that only calls
             "tool_calls": [
                 {
                     "id": "call_1",
@@ -189,6 +189,7 @@ def test_tool_turns_render_as_transformers_renders_them(served):
     # transformers takes a call's arguments as an object (its docs' form; vLLM hands them over so)
     hf_turns = json.loads(json.dumps(turns))
     hf_turns[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    hf_turns[1]["content"] = ""  # gpt-oss's template tests `in message.content`: text, never null
     expected = tokenizer.apply_chat_template(
         hf_turns, tools=[WEATHER], add_generation_prompt=True, tokenize=False
     )
