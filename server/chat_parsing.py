@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tpserve.server.chat_reply import ChatReply, prompt_opens_think, thinks
 from tpserve.server.harmony import HarmonyReply, renders_harmony
-from tpserve.server.harmony_requests import prepare, stop_ids
+from tpserve.server.harmony_requests import prepare, stop_ids, with_effort
 from tpserve.server.openai_request import OpenAIRequest, parse_chat
 from tpserve.server.tool_calls import parser_for_template
 
@@ -34,7 +34,7 @@ class ChatParsing:
         self._stop_ids = stop_ids(tokenizer) if self.harmony else ()
 
     def parse_chat(self, body: dict) -> OpenAIRequest:
-        parsed = parse_chat(body, self.tool_parser)
+        parsed = parse_chat(with_effort(body) if self.harmony else body, self.tool_parser)
         if self.harmony:
             for choice in parsed.choices:
                 prepare(choice, self._stop_ids)

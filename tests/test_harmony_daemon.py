@@ -195,3 +195,16 @@ def test_tool_turns_render_as_transformers_renders_them(served):
     )
     assert "<|start|>functions.get_weather to=assistant<|channel|>commentary" in expected
     assert tokenizer.decode(reply.model_extra["prompt_token_ids"]) == expected
+
+
+def test_reasoning_effort_reaches_gpt_oss_template(served):
+    client, model_dir = served
+    for effort in ("low", "high"):
+        reply = chat(client, max_tokens=1, reasoning_effort=effort, extra_body={"return_token_ids": True})
+        prompt = transformers.AutoTokenizer.from_pretrained(model_dir).decode(
+            reply.model_extra["prompt_token_ids"]
+        )
+        assert f"Reasoning: {effort}\n" in prompt
+    with pytest.raises(openai.BadRequestError) as raised:
+        chat(client, reasoning_effort="extreme")
+    assert raised.value.body["param"] == "reasoning_effort"
