@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 
+import llguidance
 import pytest
+from harmony_models import build_harmony_tokenizer
 
+from tpserve.server.chat_parsing import ChatParsing
 from tpserve.server.harmony import HarmonyReply, merged_message
 from tpserve.server.harmony_requests import forcing_grammar
 from tpserve.server.tool_calls import ToolMode
@@ -111,26 +114,23 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     "mode", [ToolMode("harmony", "required"), ToolMode("harmony", "named", "get_weather")]
 )
 def test_the_forcing_grammar_is_one_harmony_call(mode):
-    llguidance = pytest.importorskip("llguidance")
     tools = [WEATHER, {"type": "function", "function": {"name": "noop"}}]
     grammar = llguidance.LLMatcher.grammar_from_lark(forcing_grammar(tools, mode))
     tokenizer = llguidance.LLTokenizer(_harmony_tokenizer_json(), n_vocab=320, eos_token=[0])
     good = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}'
-    assert _accepts(llguidance, tokenizer, grammar, good)
-    assert not _accepts(llguidance, tokenizer, grammar, '{"city": "Rome"}')
-    assert not _accepts(llguidance, tokenizer, grammar, good.replace('"Rome"', "3"))
+    assert _accepts(tokenizer, grammar, good)
+    assert not _accepts(tokenizer, grammar, '{"city": "Rome"}')
+    assert not _accepts(tokenizer, grammar, good.replace('"Rome"', "3"))
     assert forcing_grammar(tools, AUTO) is None
 
 
-def _accepts(llguidance, tokenizer, grammar: str, text: str) -> bool:
+def _accepts(tokenizer, grammar: str, text: str) -> bool:
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     ids = tokenizer.tokenize_str(text)
     return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
 
 
 def _harmony_tokenizer_json() -> str:
-    from harmony_models import build_harmony_tokenizer
-
     return build_harmony_tokenizer().to_str()
 
 
@@ -158,8 +158,6 @@ class _Template:
     ],
 )
 def test_harmony_is_chosen_from_the_template_or_the_flags(template, tool_flag, reasoning_flag, harmony):
-    from tpserve.server.chat_parsing import ChatParsing
-
     parsing = ChatParsing(_Template(template), tool_flag, reasoning_flag)
     assert parsing.harmony == harmony
     parsed = parsing.parse_chat({"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [9]})
