@@ -208,3 +208,17 @@ def test_reasoning_effort_reaches_gpt_oss_template(served):
     with pytest.raises(openai.BadRequestError) as raised:
         chat(client, reasoning_effort="extreme")
     assert raised.value.body["param"] == "reasoning_effort"
+
+
+def test_a_front_process_reads_harmony_too(tmp_path):
+    # The front makes the text from the engine's raw tokens: it too must keep the special tokens.
+    model_dir = write_harmony_model(tmp_path / "model")
+    args = ("--context", "1024", "--lanes", "2", "--front-process", "true")
+    with (
+        running_daemon("spawn", model_dir, tmp_path / "logs", *args) as daemon,
+        openai.OpenAI(base_url=daemon.http_url, api_key="unused", max_retries=0, timeout=120) as client,
+    ):
+        assert daemon.front() is not None
+        client.served_model = client.models.list().data[0].id
+        content, reasoning, calls, reasons = streamed(client, extra_body=forced(THINK_THEN_ANSWER))
+        assert (content, reasoning, calls, reasons[-1]) == ("It is 4.", "two and two", {}, "stop")
