@@ -48,6 +48,7 @@ class LocalApis:
             metrics_need_key=config.metrics_need_key,
             max_message_bytes=max_grpc_message_bytes(config),
             handshake_timeout_s=config.grpc_handshake_timeout_s,
+            keepalive_s=config.grpc_keepalive_s,
         )
         self.http = None
         if config.http_port:

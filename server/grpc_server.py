@@ -52,6 +52,7 @@ class GrpcServer:
         metrics_need_key: bool = False,
         max_message_bytes: int = TEXT_BYTES,
         handshake_timeout_s: float = 10.0,
+        keepalive_s: float = 60.0,
     ):
         """port 0 picks a free port (read it from `port` after start).
 
@@ -62,7 +63,9 @@ class GrpcServer:
         max_message_bytes: the largest request message (server/request_size.py); grpc refuses a
         larger one RESOURCE_EXHAUSTED, naming both sizes, before it reaches the servicer.
         handshake_timeout_s: a connection that has not sent its HTTP/2 preface and SETTINGS by
-        then is closed (grpc's own default is 120 s).
+        then is closed (grpc's own default is 120 s). keepalive_s: a connection with calls open is
+        pinged after that long quiet, and closed when the ping is unanswered as long again
+        (grpc's default pings after 2 hours, so a vanished client's calls held their places).
         """
         self._lane_host = lane_host
         self._host = host
@@ -84,6 +87,10 @@ class GrpcServer:
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
+            ("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", round(keepalive_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", round(keepalive_s * 1000)),  # what grpc 1.85 goes by
+            ("grpc.http2.max_pings_without_data", 0),  # grpc stops after 2 on a quiet Watch otherwise
         ]
         # Each Generate holds a worker thread while its request waits or streams, so the pool must
         # fit every lane and every queue place; otherwise a queued request would wait inside gRPC

@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import random
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
 from daemon import SERVING, BackgroundReply, read_reply, running_daemon, wait_until, write_daemon_model
 from test_hostile_clients import figures, tracebacks
 
+from tpserve.server.grpc_server import EXTRA_WORKERS
+from tpserve.server.submitter import QUEUE_FULL
 from tpserve.v1 import serving_pb2, serving_pb2_grpc
 
 HANDSHAKE_TIMEOUT_S = 3.0
+KEEPALIVE_S = 2.0
+LANES, QUEUE_SIZE = 2, 2
+MAX_RUNNING = LANES + QUEUE_SIZE + EXTRA_WORKERS  # the gRPC calls that may run at once
 CLOSE_WITHIN_S = 60.0  # generous: a close is due seconds earlier, on a busy machine
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 GARBAGE = {
@@ -36,7 +45,10 @@ SHORT = serving_pb2.GenerateRequest(prompt="hello", max_tokens=4, ignore_eos=Tru
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     model_dir = write_daemon_model(tmp_path_factory.mktemp("transport-model"))
-    args = ("--context", "256", "--lanes", "2", "--grpc-handshake-timeout-s", str(HANDSHAKE_TIMEOUT_S))
+    args = (
+        *("--context", "256", "--lanes", str(LANES), "--queue-size", str(QUEUE_SIZE)),
+        *("--grpc-handshake-timeout-s", str(HANDSHAKE_TIMEOUT_S), "--grpc-keepalive-s", str(KEEPALIVE_S)),
+    )
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("transport-logs"), *args) as served:
         yield served
 
@@ -105,3 +117,55 @@ def test_a_100_mb_grpc_message_is_refused_naming_the_limit_and_serving_goes_on(d
     wait_until(lambda: daemon.health() == SERVING, "health", 30)
     assert tracebacks(daemon) == []
     figures("grpc 100 MB", refused=3, details=raised.value.details())
+
+
+# A client that opens every place the gRPC pool has (health Watch calls hold one each while they
+# stay open, and send nothing while health stands still), sees the next call refused, and then stops
+# as a vanished machine would: its process stopped, so no HTTP/2 frame, ping answers included, comes.
+FROZEN_CLIENT = """
+import os, signal, sys
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tpserve.v1 import serving_pb2, serving_pb2_grpc
+target, num_calls = sys.argv[1], int(sys.argv[2])
+channel = grpc.insecure_channel(target)
+health = health_pb2_grpc.HealthStub(channel)
+watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=600) for _ in range(num_calls)]
+for watch in watches:
+    next(watch)
+try:
+    serving_pb2_grpc.ServingStub(channel).Tokenize(serving_pb2.TokenizeRequest(text="hi"), timeout=30)
+    print("served", flush=True)
+except grpc.RpcError as error:
+    print(error.code().name, error.details(), flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def is_stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def tokenizes(daemon) -> bool:
+    try:
+        return daemon.stub.Tokenize(serving_pb2.TokenizeRequest(text="hi"), timeout=30).num_tokens == 2
+    except grpc.RpcError as error:
+        assert (error.code(), error.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, QUEUE_FULL)
+        return False
+
+
+def test_a_vanished_clients_calls_are_closed_at_the_keepalive_and_free_their_places(daemon):
+    command = [sys.executable, "-c", FROZEN_CLIENT, daemon.target, str(MAX_RUNNING)]
+    client = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == f"RESOURCE_EXHAUSTED {QUEUE_FULL}"
+        wait_until(lambda: is_stopped(client.pid), "the client to stop", 30)
+        # Its calls hold every place until the server's unanswered ping closes the connection.
+        waited = wait_until(lambda: tokenizes(daemon), "the frozen client's calls to close", CLOSE_WITHIN_S)
+        assert is_stopped(client.pid)  # the server closed them: the client did nothing
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait(timeout=30)
+    assert served_by_a_fresh_client(daemon)
+    assert daemon.health() == SERVING and tracebacks(daemon) == []
+    figures("grpc keepalive", calls=MAX_RUNNING, freed_after_s=round(waited, 2))
