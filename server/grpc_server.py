@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tpserve.ranks.errors import UserError
 from tpserve.server.api_key import ApiKeyInterceptor
 from tpserve.server.engine_client import EngineClient
 from tpserve.server.grpc_calls import CallGuard
@@ -91,6 +92,9 @@ class GrpcServer:
             ("grpc.keepalive_timeout_ms", round(keepalive_s * 1000)),
             ("grpc.http2.ping_timeout_ms", round(keepalive_s * 1000)),  # what grpc 1.85 goes by
             ("grpc.http2.max_pings_without_data", 0),  # grpc stops after 2 on a quiet Watch otherwise
+            # grpc binds with SO_REUSEPORT by default: a second daemon on the same port would
+            # start and be handed half the connections; it must fail to bind instead.
+            ("grpc.so_reuseport", 0),
         ]
         # Each Generate holds a worker thread while its request waits or streams, so the pool must
         # fit every lane and every queue place; otherwise a queued request would wait inside gRPC
@@ -118,9 +122,15 @@ class GrpcServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(self._address)
+        try:
+            port = server.add_insecure_port(self._address)
+        except RuntimeError:  # grpc's own words name no port and no way out
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind the gRPC server to {self._address}")
+            raise UserError(
+                f"cannot bind the gRPC server to {self._address} (in use, or no such address); "
+                "give port a free port"
+            )
         self._set_health(self._current_health())
         server.start()
         self._server = server

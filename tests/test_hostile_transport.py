@@ -16,7 +16,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon import SERVING, BackgroundReply, read_reply, running_daemon, wait_until, write_daemon_model
+from daemon import (
+    SERVING,
+    BackgroundReply,
+    launch,
+    read_reply,
+    running_daemon,
+    wait_until,
+    write_daemon_model,
+)
 from test_hostile_clients import figures, tracebacks
 
 from tpserve.server.grpc_server import EXTRA_WORKERS
@@ -43,8 +51,12 @@ SHORT = serving_pb2.GenerateRequest(prompt="hello", max_tokens=4, ignore_eos=Tru
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    model_dir = write_daemon_model(tmp_path_factory.mktemp("transport-model"))
+def model_dir(tmp_path_factory):
+    return write_daemon_model(tmp_path_factory.mktemp("transport-model"))
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir, tmp_path_factory):
     args = (
         *("--context", "256", "--lanes", str(LANES), "--queue-size", str(QUEUE_SIZE)),
         *("--grpc-handshake-timeout-s", str(HANDSHAKE_TIMEOUT_S), "--grpc-keepalive-s", str(KEEPALIVE_S)),
@@ -169,3 +181,21 @@ def test_a_vanished_clients_calls_are_closed_at_the_keepalive_and_free_their_pla
     assert served_by_a_fresh_client(daemon)
     assert daemon.health() == SERVING and tracebacks(daemon) == []
     figures("grpc keepalive", calls=MAX_RUNNING, freed_after_s=round(waited, 2))
+
+
+def test_a_second_daemon_on_the_same_grpc_port_fails_to_start_and_the_first_serves_on(
+    daemon, model_dir, tmp_path
+):
+    """grpc binds with SO_REUSEPORT unless told not to: a second daemon given a running one's port
+    started, and the kernel handed it half of the new connections."""
+    second = launch("spawn", model_dir, tmp_path / "logs", "--context", "256", "--port", str(daemon.port))
+    try:
+        assert second.wait_exits(timeout_s=120) == {"daemon": 2}  # a UserError, as a taken HTTP port
+    finally:
+        second.close()
+    log = second.logs()
+    assert f"cannot bind the gRPC server to 127.0.0.1:{daemon.port}" in log
+    assert "Traceback" not in log
+    replies = [served_by_a_fresh_client(daemon) for _ in range(8)]  # new connections, each to the first
+    assert all(reply == replies[0] for reply in replies)
+    assert daemon.health() == SERVING
