@@ -12,6 +12,7 @@ from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.qwen_vision_input import QwenVisionInput
+from tpserve.server.request_size import max_grpc_message_bytes, max_http_body_bytes
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
 from tpserve.server.tokenizer import Tokenizer
@@ -45,6 +46,9 @@ class LocalApis:
             submitter=submitter,
             api_key=config.api_key,
             metrics_need_key=config.metrics_need_key,
+            max_message_bytes=max_grpc_message_bytes(config),
+            handshake_timeout_s=config.grpc_handshake_timeout_s,
+            keepalive_s=config.grpc_keepalive_s,
         )
         self.http = None
         if config.http_port:
@@ -55,6 +59,7 @@ class LocalApis:
                 tool_call_parser=config.tool_call_parser,
                 reasoning_parser=config.reasoning_parser,
                 body_timeout_s=config.http_body_timeout_s,
+                max_body_bytes=max_http_body_bytes(config),
                 cors_origins=config.cors_origins,
             )
             limits = HttpLimits(

@@ -90,6 +90,12 @@ class ServeConfig:
     # A connection whose client reads nothing while a reply waits to be written is closed after
     # this (server/http_connections.py).
     http_write_stall_s: float = 30.0
+    # A gRPC connection that has not finished its HTTP/2 handshake (the preface and the client's
+    # SETTINGS) within this is closed, as an HTTP request head's timeout closes a silent one.
+    grpc_handshake_timeout_s: float = 10.0
+    # A gRPC connection with calls open is pinged after this long without traffic and closed when
+    # the ping goes unanswered for as long again (a vanished client's calls end, freeing their places).
+    grpc_keepalive_s: float = 60.0
     # A reply is cancelled once more tokens than this wait unread, beyond what its connection holds
     # (a client that stopped reading): gRPC ends the call RESOURCE_EXHAUSTED (server/lane_stream.py).
     max_unread_tokens: int = 1024
@@ -165,6 +171,8 @@ _POSITIVE = {
     "http_keep_alive_s",
     "http_max_connections",
     "http_write_stall_s",
+    "grpc_handshake_timeout_s",
+    "grpc_keepalive_s",
     "max_unread_tokens",
     "max_images",
     "max_image_bytes",

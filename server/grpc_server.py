@@ -16,10 +16,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tpserve.ranks.errors import UserError
 from tpserve.server.api_key import ApiKeyInterceptor
 from tpserve.server.engine_client import EngineClient
 from tpserve.server.grpc_calls import CallGuard
 from tpserve.server.metrics import ServingMetrics
+from tpserve.server.request_size import TEXT_BYTES
 from tpserve.server.servicer import ServingServicer
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import QUEUE_FULL, Submitter
@@ -49,6 +51,9 @@ class GrpcServer:
         submitter: Submitter | None = None,
         api_key: str = "",
         metrics_need_key: bool = False,
+        max_message_bytes: int = TEXT_BYTES,
+        handshake_timeout_s: float = 10.0,
+        keepalive_s: float = 60.0,
     ):
         """port 0 picks a free port (read it from `port` after start).
 
@@ -56,6 +61,12 @@ class GrpcServer:
         serves none (0 picks a free port, read it from `metrics_port` after start). queue_size:
         the lane host's, which sizes the thread pool. submitter: the one the HTTP API shares (so
         stopping either refuses new requests on both); None builds one. api_key: "" serves anyone.
+        max_message_bytes: the largest request message (server/request_size.py); grpc refuses a
+        larger one RESOURCE_EXHAUSTED, naming both sizes, before it reaches the servicer.
+        handshake_timeout_s: a connection that has not sent its HTTP/2 preface and SETTINGS by
+        then is closed (grpc's own default is 120 s). keepalive_s: a connection with calls open is
+        pinged after that long quiet, and closed when the ping is unanswered as long again
+        (grpc's default pings after 2 hours, so a vanished client's calls held their places).
         """
         self._lane_host = lane_host
         self._host = host
@@ -72,6 +83,19 @@ class GrpcServer:
         self._metrics_need_key = metrics_need_key  # the metrics port checks api_key too
         self._health = health.HealthServicer()
         self._health_poll_s = health_poll_s
+        # Set here rather than left to grpc's defaults, which may change between releases: the
+        # receive limit is what a request may carry, and a stalled handshake holds a socket.
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
+            ("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", round(keepalive_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", round(keepalive_s * 1000)),  # what grpc 1.85 goes by
+            ("grpc.http2.max_pings_without_data", 0),  # grpc stops after 2 on a quiet Watch otherwise
+            # grpc binds with SO_REUSEPORT by default: a second daemon on the same port would
+            # start and be handed half the connections; it must fail to bind instead.
+            ("grpc.so_reuseport", 0),
+        ]
         # Each Generate holds a worker thread while its request waits or streams, so the pool must
         # fit every lane and every queue place; otherwise a queued request would wait inside gRPC
         # instead of getting a clear RESOURCE_EXHAUSTED from the lane host. Calls past that many
@@ -92,15 +116,21 @@ class GrpcServer:
         if self._api_key:
             interceptors.append(ApiKeyInterceptor(self._api_key))
         pool = futures.ThreadPoolExecutor(self._max_running + SPARE_WORKERS, thread_name_prefix="grpc")
-        server = grpc.server(pool, interceptors=interceptors)
+        server = grpc.server(pool, interceptors=interceptors, options=self._options)
         serving_pb2_grpc.add_ServingServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(self._address)
+        try:
+            port = server.add_insecure_port(self._address)
+        except RuntimeError:  # grpc's own words name no port and no way out
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind the gRPC server to {self._address}")
+            raise UserError(
+                f"cannot bind the gRPC server to {self._address} (in use, or no such address); "
+                "give port a free port"
+            )
         self._set_health(self._current_health())
         server.start()
         self._server = server

@@ -52,6 +52,7 @@ from tpserve.server.openai_beam import beam_reply
 from tpserve.server.openai_choices import cancel_all
 from tpserve.server.openai_reply import ReplyShape
 from tpserve.server.openai_request import OpenAIRequest, parse_completion
+from tpserve.server.request_size import TEXT_BYTES
 from tpserve.server.submitter import Submitted, Submitter
 from tpserve.server.validation import RequestRefused
 
@@ -69,6 +70,7 @@ class OpenAIApi:
         tool_call_parser: str = "",
         reasoning_parser: str = "",
         body_timeout_s: float = 30.0,
+        max_body_bytes: int = TEXT_BYTES,
         cors_origins: tuple[str, ...] = (),
     ):
         """The parsers: "" reads the family from the chat template, "none" turns it off.
@@ -76,6 +78,7 @@ class OpenAIApi:
         self._cors_origins = cors_origins
         self._submitter = submitter
         self._body_timeout_s = body_timeout_s
+        self._max_body_bytes = max_body_bytes  # 413 past it (server/request_size.py)
         self._api_key = api_key
         self._model = submitter.info.model_name  # what replies name; requests may name any alias
         self._model_names = submitter.info.model_names
@@ -165,7 +168,7 @@ class OpenAIApi:
         if not self._authorized(request):
             return unauthorized_response()
         try:
-            body = await read_json_object(request, self._body_timeout_s)
+            body = await read_json_object(request, self._body_timeout_s, self._max_body_bytes)
             return JSONResponse(await self._on_worker(reply, self._submitter, body))
         except (HttpRefusal, RequestRefused) as refusal:
             return refusal_response(refusal)
@@ -196,7 +199,7 @@ class OpenAIApi:
         submitted: list[Submitted] = []
         refused: Response | None = None
         try:
-            parsed = parse(await read_json_object(request, self._body_timeout_s))
+            parsed = parse(await read_json_object(request, self._body_timeout_s, self._max_body_bytes))
             if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
             if parsed.beam is not None:

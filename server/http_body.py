@@ -16,7 +16,8 @@ import sys
 import anyio
 from starlette.requests import Request
 
-MAX_BODY_BYTES = 4 << 20  # far more than a context of text; a body past it gets 413
+from tpserve.server.request_size import TEXT_BYTES
+
 # An escaped UTF-16 surrogate (paired or not): only a body holding one needs the slower check.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 NOT_UTF8 = "the request body is not valid UTF-8 (byte {byte:#04x} at offset {offset})"
@@ -33,7 +34,7 @@ class BodyRefused(Exception):
         self.status, self.message = status, message
 
 
-async def read_json_object(request: Request, timeout_s: float, max_bytes: int = MAX_BODY_BYTES) -> dict:
+async def read_json_object(request: Request, timeout_s: float, max_bytes: int = TEXT_BYTES) -> dict:
     """The body as a JSON object; 408 when it has not all arrived within timeout_s (a client that
     declared more than it sends is otherwise held until it gives up), 413 past max_bytes. As vLLM,
     a body is read as JSON only when it says it is (a form body is never guessed at)."""

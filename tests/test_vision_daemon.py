@@ -5,14 +5,17 @@ equal their solo runs whether or not images sit beside them."""
 from __future__ import annotations
 
 import base64
+import io
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+import torch
 from daemon import running_daemon
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2
+from PIL import Image
 from test_grpc_api import GOLDEN_DIR, LLAVA_LIMITS, read_golden
 from tiny_llava import TOKENS_PER_IMAGE, block_image, write_tiny_llava
 from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
@@ -108,3 +111,64 @@ def test_without_vision_a_llava_serves_text_and_refuses_images_as_before(model_d
         assert generate(daemon, ask(None, "hello world")).ok
         refused = generate(daemon, ask(block_image(61)))
     assert (refused.code, refused.details) == (grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
+
+
+def chat_with_image(served, image: bytes, text: str = "what") -> dict:
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+    return {
+        "model": served.model_name,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+def test_an_http_image_over_max_image_bytes_is_a_400_naming_the_limit_and_serving_goes_on(served):
+    image = block_image(71, (30, 30)) + bytes(LLAVA_LIMITS["max_image_bytes"])  # a PNG reads past its end
+    response = httpx.post(
+        f"{served.http_url}/chat/completions", json=chat_with_image(served, image), timeout=60
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"] == (
+        f"messages[0].parts[0].media.data is {len(image)} bytes; the most per image is "
+        f"{LLAVA_LIMITS['max_image_bytes']}"
+    )
+    assert error["type"] == "invalid_request_error"
+    small = chat_with_image(served, block_image(71, (30, 30)))
+    assert httpx.post(f"{served.http_url}/chat/completions", json=small, timeout=60).status_code == 200
+    assert served.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def noise_png(size: tuple[int, int], seed: int) -> bytes:
+    """An image of `size` stored uncompressed: about width x height x 3 bytes."""
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=torch.Generator().manual_seed(seed))
+    out = io.BytesIO()
+    Image.fromarray(pixels.to(torch.uint8).numpy(), "RGB").save(out, format="PNG", compress_level=0)
+    return out.getvalue()
+
+
+def test_an_image_the_limits_allow_is_not_refused_by_the_transport_first(model_dir, tmp_path):
+    """A 4.3 MB photo under max_image_bytes was refused by the transports' own 4 MiB limits first
+    (HTTP 413, gRPC RESOURCE_EXHAUSTED); they now fit every image the limits allow
+    (server/request_size.py), and the image limit is the one a larger image hears about."""
+    limit = 5_000_000
+    args = (*VISION_ARGS, "--max-images", "1", "--max-image-bytes", str(limit))
+    image = noise_png((1200, 1200), seed=81)
+    assert 4 << 20 < len(image) < limit
+    too_large = image + bytes(limit - len(image) + 1)
+    with running_daemon("spawn", model_dir, tmp_path / "logs", *args) as daemon:
+        daemon.model_name = Path(model_dir).name
+        url = f"{daemon.http_url}/chat/completions"
+        response = httpx.post(url, json=chat_with_image(daemon, image), timeout=120)
+        over_grpc = generate(daemon, ask(image, "what"))
+        refused_http = httpx.post(url, json=chat_with_image(daemon, too_large), timeout=120)
+        refused_grpc = generate(daemon, ask(too_large, "what"))
+        again = generate(daemon, ask(image, "what"))
+    assert response.status_code == 200, response.text
+    assert over_grpc.ok, (over_grpc.code, over_grpc.details)
+    assert response.json()["choices"][0]["message"]["content"] == over_grpc.text == again.text
+    expected = f"messages[0].parts[0].media.data is {len(too_large)} bytes; the most per image is {limit}"
+    assert (refused_http.status_code, refused_http.json()["error"]["message"]) == (400, expected)
+    assert (refused_grpc.code, refused_grpc.details) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
