@@ -13,7 +13,8 @@ from tpserve.server.tool_calls import MARKERS, ToolMode, marker_start, parse_cal
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # --reasoning-parser: qwen3 splits <think> blocks the reply opens; deepseek_r1 also counts the
 # reply's start as inside one (R1 distills' templates open it in the prompt, or the model omits it).
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# gpt_oss reads harmony channels instead (server/harmony.py).
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 
 
 def thinks(template: str) -> bool:

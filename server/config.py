@@ -106,8 +106,8 @@ class ServeConfig:
     max_image_pixels: int = 4096 * 4096  # with --vision: width x height per image
     record: str = ""  # a directory: record every stream there
     # How chat replies are read over HTTP: "" reads the family from the chat template.
-    tool_call_parser: str = ""  # hermes, llama3, mistral or none
-    reasoning_parser: str = ""  # qwen3 (<think> blocks), deepseek_r1 (the reply opens inside one) or none
+    tool_call_parser: str = ""  # hermes, llama3, mistral, harmony or none
+    reasoning_parser: str = ""  # qwen3 (<think>), deepseek_r1 (opens inside one), gpt_oss (harmony) or none
     # The names the model answers to (the first is the one replies carry); empty: the model
     # directory's name. A request naming any other model is a 404.
     served_model_name: tuple[str, ...] = ()

@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from tpserve.server.api_key import key_matches
 from tpserve.server.beam_steps import run_beam_search
-from tpserve.server.chat_reply import ChatReply, prompt_opens_think, thinks
+from tpserve.server.chat_parsing import ChatParsing
 from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.http_body import BodyRefused, read_json_object
 from tpserve.server.http_errors import (
@@ -51,10 +51,9 @@ from tpserve.server.http_tokenize import (
 from tpserve.server.openai_beam import beam_reply
 from tpserve.server.openai_choices import cancel_all
 from tpserve.server.openai_reply import ReplyShape
-from tpserve.server.openai_request import OpenAIRequest, parse_chat, parse_completion
+from tpserve.server.openai_request import OpenAIRequest, parse_completion
 from tpserve.server.request_size import TEXT_BYTES
 from tpserve.server.submitter import Submitted, Submitter
-from tpserve.server.tool_calls import parser_for_template
 from tpserve.server.validation import RequestRefused
 
 EXTRA_THREADS = 16  # beyond one per lane and queue place: submits, tokenizing
@@ -83,14 +82,8 @@ class OpenAIApi:
         self._api_key = api_key
         self._model = submitter.info.model_name  # what replies name; requests may name any alias
         self._model_names = submitter.info.model_names
-        # How chat replies are read: the tool-call family and <think> reasoning.
-        template = submitter.tokenizer.chat_template
-        parser = tool_call_parser or parser_for_template(template)
-        self._tool_parser = None if parser == "none" else parser
-        self._thinks = reasoning_parser != "none" if reasoning_parser else thinks(template)
-        self._starts_thinking = reasoning_parser == "deepseek_r1" or (
-            self._thinks and prompt_opens_think(submitter.tokenizer)
-        )
+        # How chat replies are read: the tool-call family, <think> reasoning or harmony channels.
+        self._parsing = ChatParsing(submitter.tokenizer, tool_call_parser, reasoning_parser)
         # Each token's text decoded once: a whole-vocabulary reply (logprobs -1) names every token
         # at every position. At most the vocabulary's size of short strings.
         self._token_text = cache(self._decode_token)
@@ -185,7 +178,7 @@ class OpenAIApi:
             return Response(status_code=499)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, lambda body: parse_chat(body, self._tool_parser))
+        return await self._generate(request, self._parsing.parse_chat)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
@@ -194,7 +187,7 @@ class OpenAIApi:
         """SageMaker's route (vLLM serves it too): a body with messages is a chat, any other a completion."""
 
         def parse(body: dict) -> OpenAIRequest:
-            return parse_chat(body, self._tool_parser) if "messages" in body else parse_completion(body)
+            return self._parsing.parse_chat(body) if "messages" in body else parse_completion(body)
 
         return await self._generate(request, parse)
 
@@ -237,10 +230,7 @@ class OpenAIApi:
             echo_logprobs=parsed.echo_logprobs,
             prompt_logprobs=parsed.prompt_logprobs,
         )
-        # Per choice, the parser of tool calls and reasoning, where the chat can have either.
-        replies: list[ChatReply | None] = [None] * len(submitted)
-        if parsed.chat and (parsed.tools is not None or self._thinks):
-            replies = [ChatReply(parsed.tools, self._thinks, self._starts_thinking) for _ in submitted]
+        replies = self._parsing.replies(parsed, len(submitted))
         echo = _echoed_message if parsed.chat else self._prompt_text
         echoes = [echo(choice) if parsed.echo else "" for choice in parsed.choices]
         if parsed.stream:

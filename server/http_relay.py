@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tpserve.server.chat_reply import ChatReply
+from tpserve.server.harmony import HarmonyReply
 from tpserve.server.http_errors import error_json, refusal_response, status_of
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_choices import total_usage
@@ -52,7 +53,7 @@ class Relay:
         shape: ReplyShape,
         echoes: list[str],
         n: int,
-        replies: list[ChatReply | None],
+        replies: list[ChatReply | HarmonyReply | None],
     ) -> Response:
         texts = [[echo] for echo in echoes]
         token_ids: list[list[int]] = [[] for _ in submitted]
@@ -99,7 +100,7 @@ class Relay:
         usage: StreamUsage,
         echoes: list[str],
         n: int,
-        replies: list[ChatReply | None],
+        replies: list[ChatReply | HarmonyReply | None],
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; events then cancels the
         # streams, so their lanes are freed at the host's next boundary.
@@ -139,7 +140,7 @@ class Relay:
         events: list[Event],
         shape: ReplyShape,
         out: ChoiceChunks,
-        reply: ChatReply | None,
+        reply: ChatReply | HarmonyReply | None,
         echoes: list[str],
         usages: dict[int, Usage],
     ) -> tuple[list[dict], RequestRefused | None]:

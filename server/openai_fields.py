@@ -133,6 +133,7 @@ FIELDS: dict[str, Field] = {
     "functions": _refused([], apis=(CHAT,), owner=OWNER_24G),
     "function_call": _refused("none", "auto", apis=(CHAT,), owner=OWNER_24G),
     "chat_template_kwargs": _honoured((CHAT,)),  # vLLM
+    # honoured for harmony models (gpt-oss: its template reads it, server/harmony_requests.py)
     "reasoning_effort": _refused(apis=(CHAT,), owner=OWNER_24G),
     "include_reasoning": _refused(True, apis=(CHAT,), owner=OWNER_24G),  # vLLM
     # --- bookkeeping: accepted, never changes the reply ---

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from tpserve.server.harmony_requests import forcing_grammar
 from tpserve.server.openai_fields import FieldRefused
 from tpserve.server.tool_calls import ToolMode, forcing_schema
 from tpserve.v1 import serving_pb2
@@ -30,13 +31,18 @@ def add_tools(body: dict, request: serving_pb2.GenerateRequest, parser: str | No
     if mode is None:
         return None  # tool_choice none: the model is not offered the tools
     request.tools_json = json.dumps(tools)
-    schema = forcing_schema(tools, mode)
-    if schema is not None:
+    if parser == "harmony":  # the forced reply is a harmony call, not bare JSON
+        grammar = forcing_grammar(tools, mode)
+        forcing = None if grammar is None else serving_pb2.Constraint(grammar=grammar)
+    else:
+        schema = forcing_schema(tools, mode)
+        forcing = None if schema is None else serving_pb2.Constraint(json_schema=json.dumps(schema))
+    if forcing is not None:
         if request.HasField("constraint"):
             raise FieldRefused(
                 "tool_choice", f"tool_choice {choice!r} and a response format both constrain the reply"
             )
-        request.constraint.CopyFrom(serving_pb2.Constraint(json_schema=json.dumps(schema)))
+        request.constraint.CopyFrom(forcing)
     return mode
 
 

@@ -16,7 +16,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
-PARSERS = ("hermes", "llama3", "mistral")
+PARSERS = ("hermes", "llama3", "mistral", "harmony")  # harmony: gpt-oss, server/harmony.py
 MARKERS = {
     "hermes": ("<tool_call>",),
     "llama3": ("<|python_tag|>", '{"name"'),
@@ -26,6 +26,8 @@ MARKERS = {
 
 def parser_for_template(template: str) -> str | None:
     """The family a chat template's tool calls belong to; None when it offers no tools."""
+    if "<|channel|>" in template:
+        return "harmony"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
