@@ -80,6 +80,7 @@ class OpenAIApi:
         self._api_key = api_key
         self._model = submitter.info.model_name  # what replies name; requests may name any alias
         self._model_names = submitter.info.model_names
+        self._temperature = submitter.info.openai_temperature  # an unset temperature's, as vLLM's
         # How chat replies are read: the tool-call family and <think> reasoning.
         template = submitter.tokenizer.chat_template
         parser = tool_call_parser or parser_for_template(template)
@@ -182,20 +183,26 @@ class OpenAIApi:
             return Response(status_code=499)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, lambda body: parse_chat(body, self._tool_parser))
+        return await self._generate(request, self._parse_chat)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_completion)
+        return await self._generate(request, self._parse_completion)
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's route (vLLM serves it too): a body with messages is a chat, any other a completion."""
 
         def parse(body: dict) -> OpenAIRequest:
-            return parse_chat(body, self._tool_parser) if "messages" in body else parse_completion(body)
+            return self._parse_chat(body) if "messages" in body else self._parse_completion(body)
 
         return await self._generate(request, parse)
 
     # --- generating -----------------------------------------------------------------------------
+
+    def _parse_chat(self, body: dict) -> OpenAIRequest:
+        return parse_chat(body, self._tool_parser, self._temperature)
+
+    def _parse_completion(self, body: dict) -> OpenAIRequest:
+        return parse_completion(body, self._temperature)
 
     async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
         if not self._authorized(request):
