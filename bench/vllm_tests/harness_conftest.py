@@ -8,6 +8,8 @@ What vLLM's test files import from vLLM itself is stood in for here, with no vLL
   ("uses vLLM internals"): those tests check vLLM's own classes, not its server's answers.
 - `huggingface_hub.snapshot_download` (LoRA adapters) downloads nothing: tests of LoRA adapters are
   not applicable, and are skipped by their parameter.
+- The tests that assert the hub model's own answers (hub_model.py, passed in harness.json) are
+  skipped as not applicable, naming why.
 """
 
 from __future__ import annotations
@@ -102,7 +104,11 @@ def sample_structured_outputs_choices():
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    hub_model = HARNESS.get("not_applicable", {})
     for item in items:
+        if item.nodeid in hub_model:
+            item.add_marker(pytest.mark.skip(reason=f"{NOT_APPLICABLE}: {hub_model[item.nodeid]}"))
+            continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any("lora" in str(value).lower() for value in params.values()):
             item.add_marker(pytest.mark.skip(reason=f"{NOT_APPLICABLE}: a LoRA adapter"))

@@ -1,0 +1,22 @@
+"""vLLM's tests that assert what the test's own hub model answers: not applicable to another model.
+
+The issue counts as applicable what needs no GPU, LoRA, vLLM internals or hub model. A test is
+listed here only where an assertion holds for that one checkpoint's tokenizer, template or weights
+(a prompt's token count, an exact reply text), so no server serving a different model could pass
+it; a test a capable small model could pass stays applicable, and counts when it fails.
+Keys are pytest node ids under the checkout's root; run.py skips them and names the reason.
+"""
+
+from __future__ import annotations
+
+CHAT = "tests/entrypoints/openai/chat_completion/test_chat.py"
+ZEPHYR = "HuggingFaceH4/zephyr-7b-beta"
+
+HUB_MODEL_TESTS: dict[str, str] = {
+    f"{CHAT}::test_single_chat_session[{ZEPHYR}]": (
+        "asserts prompt_tokens=37, the length of its chat in zephyr-7b-beta's template and tokenizer"
+    ),
+    f"{CHAT}::test_complex_message_content": (
+        "asserts zephyr-7b-beta's exact reply, '2', to a greedy 1+1 question"
+    ),
+}
