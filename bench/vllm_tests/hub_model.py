@@ -18,6 +18,10 @@ HUB_MODEL_TESTS: dict[str, str] = {
         "asserts the greedy reply to 'What is an LLM?' runs its 5 tokens (finish_reason length), "
         "as Qwen3-0.6B's does; SmolLM2-135M-Instruct's likeliest first token is <|im_end|>"
     ),
+    f"{CHAT}::test_more_than_one_prompt_logprobs_chat[{ZEPHYR}]": (
+        "asserts prompt_logprobs=1 gives one entry at prompt position 3: zephyr-7b-beta's likeliest "
+        "token there is the prompt's; SmolLM2's is '#', so the row holds it and the prompt's 'You'"
+    ),
     f"{CHAT}::test_single_chat_session[{ZEPHYR}]": (
         "asserts prompt_tokens=37, the length of its chat in zephyr-7b-beta's template and tokenizer"
     ),
