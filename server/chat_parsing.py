@@ -33,8 +33,11 @@ class ChatParsing:
         )
         self._stop_ids = stop_ids(tokenizer) if self.harmony else ()
 
-    def parse_chat(self, body: dict) -> OpenAIRequest:
-        parsed = parse_chat(with_effort(body) if self.harmony else body, self.tool_parser)
+    def parse_chat(self, body: dict, default_temperature: float | None = None) -> OpenAIRequest:
+        """`default_temperature`: an unset temperature's (openai_request.parse_chat)."""
+        parsed = parse_chat(
+            with_effort(body) if self.harmony else body, self.tool_parser, default_temperature
+        )
         if self.harmony:
             for choice in parsed.choices:
                 prepare(choice, self._stop_ids)

@@ -72,6 +72,9 @@ class ServeConfig:
     # The serving side's own.
     queue_size: int = 64
     default_max_tokens: int | None = None  # None (auto): the context the prompt leaves, as vLLM
+    # An unset temperature over the OpenAI HTTP API; None (auto): the model's generation_config.json,
+    # else 1.0, as vLLM. gRPC's unset is the model's, else greedy, whatever this says.
+    default_temperature: float | None = None
     # The likeliest tokens a request may ask per position (logprobs, top_logprobs, prompt_logprobs),
     # vLLM's --max-logprobs; -1: any number, and a request's -1 (the whole vocabulary) with it.
     max_logprobs: int = 20
@@ -151,6 +154,7 @@ _AUTO_KINDS = {
     "batch_invariant": bool,
     "draft_tokens": int,
     "default_max_tokens": int,
+    "default_temperature": float,
     "step_tokens": int,
     "front_process": bool,
 }
@@ -266,6 +270,8 @@ def load_config(
         raise ConfigError(
             "front_process: the front process reads no images yet; with vision set it to auto or false"
         )
+    if config.default_temperature is not None and not 0.0 <= config.default_temperature <= 100.0:
+        raise ConfigError(f"default_temperature: must be from 0 to 100, not {config.default_temperature:g}")
     if config.max_logprobs < -1:
         raise ConfigError(f"max_logprobs: must be -1 (no limit) or more, not {config.max_logprobs}")
     if config.refuse_token_on_rank and len(config.refuse_token_on_rank) != 2:

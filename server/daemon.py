@@ -30,7 +30,7 @@ from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
 from tpserve.server.front_link import FrontLink
 from tpserve.server.front_wire import FrontSpec
-from tpserve.server.generation_defaults import generation_defaults
+from tpserve.server.generation_defaults import generation_defaults, openai_temperature
 from tpserve.server.grammar import Grammars
 from tpserve.server.heap import return_large_frees_to_the_system
 from tpserve.server.lane_host import LaneHost
@@ -122,6 +122,7 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
         vision=config.vision,
         default_max_tokens=config.default_max_tokens,
         sampling_defaults=generation_defaults(settings.model_dir),
+        openai_temperature=openai_temperature(settings.model_dir, config.default_temperature),
         max_images=config.max_images,
         max_image_bytes=config.max_image_bytes,
         max_image_pixels=config.max_image_pixels,

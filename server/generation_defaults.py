@@ -2,7 +2,8 @@
 vLLM's `--generation-config auto` reads them: temperature, top_p, top_k, min_p and repetition_penalty.
 
 A request's unset sampling field takes the model's value, else tpserve's own default (greedy, no
-filters). Read once at start-up; a value outside what a request may set refuses to start, naming the
+filters). The OpenAI HTTP API's unset temperature is vLLM's instead (openai_temperature): the
+serve config's default_temperature, else the model's, else 1.0. Read once at start-up; a value outside what a request may set refuses to start, naming the
 file, rather than serving a default no request could ask for.
 """
 
@@ -16,6 +17,7 @@ from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import UserError
 
 FILE_NAME = "generation_config.json"
+OPENAI_TEMPERATURE = 1.0  # vLLM's (and OpenAI's) unset temperature where the model sets none
 _RANGES = {  # what validation lets a request set (server/validation.py)
     "temperature": (0.0, 100.0),
     "top_p": (1e-9, 1.0),
@@ -26,9 +28,23 @@ _RANGES = {  # what validation lets a request set (server/validation.py)
 
 def generation_defaults(model_dir: str | Path) -> SamplingParams:
     """SamplingParams holding the model directory's defaults (tpserve's where the file sets none)."""
+    return SamplingParams(**_model_values(model_dir))
+
+
+def openai_temperature(model_dir: str | Path, override: float | None = None) -> float:
+    """An unset temperature over the OpenAI HTTP API, as vLLM's: `override` (the serve config's
+    default_temperature), else the model's generation_config.json, else 1.0 (gRPC's: the model's,
+    else greedy)."""
+    if override is not None:
+        return override
+    return _model_values(model_dir).get("temperature", OPENAI_TEMPERATURE)
+
+
+def _model_values(model_dir: str | Path) -> dict:
+    """The sampling fields generation_config.json sets, checked; {} without the file."""
     path = Path(model_dir) / FILE_NAME
     if not path.is_file():
-        return SamplingParams()
+        return {}
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -50,4 +66,4 @@ def generation_defaults(model_dir: str | Path) -> SamplingParams:
         if isinstance(top_k, bool) or not isinstance(top_k, int):
             raise UserError(f"{path}: top_k {top_k!r} is not an integer")
         values["top_k"] = max(0, top_k)  # transformers' and vLLM's off values (0, -1) are tpserve's 0
-    return SamplingParams(**values)
+    return values

@@ -82,6 +82,7 @@ class OpenAIApi:
         self._api_key = api_key
         self._model = submitter.info.model_name  # what replies name; requests may name any alias
         self._model_names = submitter.info.model_names
+        self._temperature = submitter.info.openai_temperature  # an unset temperature's, as vLLM's
         # How chat replies are read: the tool-call family, <think> reasoning or harmony channels.
         self._parsing = ChatParsing(submitter.tokenizer, tool_call_parser, reasoning_parser)
         # Each token's text decoded once: a whole-vocabulary reply (logprobs -1) names every token
@@ -178,20 +179,26 @@ class OpenAIApi:
             return Response(status_code=499)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, self._parsing.parse_chat)
+        return await self._generate(request, self._parse_chat)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_completion)
+        return await self._generate(request, self._parse_completion)
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's route (vLLM serves it too): a body with messages is a chat, any other a completion."""
 
         def parse(body: dict) -> OpenAIRequest:
-            return self._parsing.parse_chat(body) if "messages" in body else parse_completion(body)
+            return self._parse_chat(body) if "messages" in body else self._parse_completion(body)
 
         return await self._generate(request, parse)
 
     # --- generating -----------------------------------------------------------------------------
+
+    def _parse_chat(self, body: dict) -> OpenAIRequest:
+        return self._parsing.parse_chat(body, self._temperature)
+
+    def _parse_completion(self, body: dict) -> OpenAIRequest:
+        return parse_completion(body, self._temperature)
 
     async def _generate(self, request: Request, parse: Callable[[dict], OpenAIRequest]) -> Response:
         if not self._authorized(request):

@@ -2,7 +2,8 @@
 
 This checks only what the proto cannot hold or the OpenAI API adds (types, lists of prompts, `n`,
 fields this server does not support), naming the field; every range check and its wording stays
-in server/validation.py. Unset sampling fields take the server's defaults, as on gRPC (greedy).
+in server/validation.py. Unset sampling fields take the server's defaults, as on gRPC, but for an
+unset temperature: the HTTP API passes vLLM's (ServingInfo.openai_temperature, 1.0 by default).
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ class OpenAIRequest:
         return self.choices[0]
 
 
-def parse_chat(body: dict, tool_parser: str | None = None) -> OpenAIRequest:
-    """`tool_parser`: the family of the model's tool calls (tool_calls.py), None if it has none."""
+def parse_chat(
+    body: dict, tool_parser: str | None = None, default_temperature: float | None = None
+) -> OpenAIRequest:
+    """`tool_parser`: the family of the model's tool calls (tool_calls.py), None if it has none.
+    `default_temperature`: an unset temperature's value (None leaves it unset: gRPC's default)."""
     check_fields(body, CHAT)
     request = serving_pb2.GenerateRequest()
     add_messages(request, body.get("messages"))
@@ -71,14 +75,14 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> OpenAIRequest:
     if body.get("add_generation_prompt") is not None:
         request.add_generation_prompt = _flag(body, "add_generation_prompt")
     request.continue_final_message = _flag(body, "continue_final_message")
-    parsed = _finish(body, request, chat=True)
+    parsed = _finish(body, request, chat=True, default_temperature=default_temperature)
     tools = None
     for choice in parsed.choices:  # every choice's request offers the same tools
         tools = add_tools(body, choice, tool_parser)
     return replace(parsed, tools=tools, echo=_flag(body, "echo"))
 
 
-def parse_completion(body: dict) -> OpenAIRequest:
+def parse_completion(body: dict, default_temperature: float | None = None) -> OpenAIRequest:
     check_fields(body, COMPLETION)
     request = serving_pb2.GenerateRequest()
     prompt = body.get("prompt")
@@ -96,7 +100,9 @@ def parse_completion(body: dict) -> OpenAIRequest:
     echo_logprobs = echo and request.HasField("logprobs")
     if echo_logprobs:  # lm-eval's loglikelihood: the prompt's tokens scored as the reply's
         request.prompt_logprobs = request.logprobs
-    parsed = _finish(body, request, chat=False, more_prompts=prompts[1:])
+    parsed = _finish(
+        body, request, chat=False, more_prompts=prompts[1:], default_temperature=default_temperature
+    )
     return replace(parsed, echo=echo, echo_logprobs=echo_logprobs)
 
 
@@ -114,7 +120,12 @@ def _prompt(prompt, where: str) -> str | list[int]:
 
 
 def _finish(
-    body: dict, request: serving_pb2.GenerateRequest, *, chat: bool, more_prompts: list = ()
+    body: dict,
+    request: serving_pb2.GenerateRequest,
+    *,
+    chat: bool,
+    more_prompts: list = (),
+    default_temperature: float | None = None,
 ) -> OpenAIRequest:
     max_tokens = body.get("max_completion_tokens") if chat else None
     name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
@@ -124,6 +135,8 @@ def _finish(
     for name in ("temperature", "top_p", "min_p"):
         if body.get(name) is not None:
             setattr(request, name, _number(name, body[name]))
+    if not request.HasField("temperature") and default_temperature is not None:
+        request.temperature = default_temperature
     if body.get("top_k") is not None:
         request.top_k = _int32("top_k", body["top_k"])  # 0 is off (vLLM's -1 is refused, as on gRPC)
     if body.get("seed") is not None:

@@ -21,6 +21,8 @@ class ServingInfo:
     default_max_tokens: int | None = None  # None: the context the prompt leaves
     # An unset sampling field's value: the model's generation_config.json, else greedy, no filters.
     sampling_defaults: SamplingParams = SamplingParams()
+    # An unset temperature over the OpenAI HTTP API (vLLM's default; gRPC's is sampling_defaults').
+    openai_temperature: float = 1.0
     max_images: int = 4  # with --vision: image parts per request, bytes and pixels per image
     max_image_bytes: int = 10 << 20
     max_image_pixels: int = 4096 * 4096

@@ -72,7 +72,7 @@ def test_grpc_needs_the_key(daemon):
 
 
 def test_http_needs_the_key(daemon):
-    body = {"prompt": "hello", "max_tokens": 4}
+    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}  # greedy: 4 tokens, no early end
     for authorization in WRONG_KEYS:
         for method, path, payload in (("POST", "completions", body), ("GET", "models", None)):
             response = httpx.request(
@@ -91,7 +91,7 @@ def test_http_needs_the_key(daemon):
 def test_the_openai_client_with_the_key_and_without(daemon):
     with openai.OpenAI(base_url=daemon.http_url, api_key=KEY, max_retries=0) as client:
         (model,) = client.models.list().data
-        reply = client.completions.create(model=model.id, prompt="hello", max_tokens=4)
+        reply = client.completions.create(model=model.id, prompt="hello", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4
     wrong = openai.OpenAI(base_url=daemon.http_url, api_key="not-the-key", max_retries=0)
     with wrong, pytest.raises(openai.AuthenticationError) as raised:

@@ -128,6 +128,7 @@ def test_chat_streamed_arrives_in_pieces_that_add_up_to_the_grpc_reply(daemon, c
         model=model_name,
         messages=messages,
         max_completion_tokens=20,  # the newer name of max_tokens
+        temperature=0,  # gRPC's unset (the HTTP API's unset is vLLM's 1.0)
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "return_token_ids": True},
@@ -151,7 +152,7 @@ def test_chat_streamed_arrives_in_pieces_that_add_up_to_the_grpc_reply(daemon, c
 def test_completion_from_token_ids_equals_the_grpc_reply(daemon, client, model_name):
     prompt = [40, 41, 42, 43, 44]
     completion = client.completions.create(
-        model=model_name, prompt=prompt, max_tokens=12, extra_body={"return_token_ids": True}
+        model=model_name, prompt=prompt, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
     )
     expected = grpc_reply(daemon, prompt_token_ids=prompt, max_tokens=12)
     (choice,) = completion.choices
@@ -159,26 +160,30 @@ def test_completion_from_token_ids_equals_the_grpc_reply(daemon, client, model_n
     assert choice.text == expected.text and token_ids_of(choice) == expected.token_ids
     assert completion.usage.prompt_tokens == len(prompt)
     # A text prompt, streamed, gives the gRPC reply to the same text.
-    streamed = client.completions.create(model=model_name, prompt="hello world", max_tokens=12, stream=True)
+    streamed = client.completions.create(
+        model=model_name, prompt="hello world", max_tokens=12, temperature=0, stream=True
+    )
     text = "".join(chunk.choices[0].text for chunk in streamed)
     assert text == grpc_reply(daemon, prompt="hello world", max_tokens=12).text
 
 
 def test_a_stop_string_ends_the_reply_before_it(daemon, client, model_name):
     free = client.completions.create(
-        model=model_name, prompt="stop here", max_tokens=24, extra_body={"ignore_eos": True}
+        model=model_name, prompt="stop here", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
     )
     text = free.choices[0].text
     # A character from the reply's middle: the reply with it as a stop string ends before it.
     stop = next(ch for ch in text[4:] if ch.isascii() and ch.isprintable())
-    stopped = client.completions.create(model=model_name, prompt="stop here", max_tokens=24, stop=[stop])
+    stopped = client.completions.create(
+        model=model_name, prompt="stop here", max_tokens=24, temperature=0, stop=[stop]
+    )
     (choice,) = stopped.choices
     assert choice.finish_reason == "stop"
     assert choice.text == text[: text.index(stop)] and stop not in choice.text
     assert choice.text == grpc_reply(daemon, prompt="stop here", max_tokens=24, stop=[stop]).text
     # stop may also be one string; a stream stops at the same place.
     stopped_streamed = client.completions.create(
-        model=model_name, prompt="stop here", max_tokens=24, stop=stop, stream=True
+        model=model_name, prompt="stop here", max_tokens=24, temperature=0, stop=stop, stream=True
     )
     assert "".join(chunk.choices[0].text for chunk in stopped_streamed) == choice.text
 
@@ -206,6 +211,7 @@ def test_logprobs_are_the_grpc_ones_and_the_greedy_token_is_the_likeliest(daemon
         model=model_name,
         messages=messages,
         max_tokens=10,
+        temperature=0,
         logprobs=True,
         top_logprobs=3,
         extra_body={"ignore_eos": True, "return_token_ids": True},
@@ -232,6 +238,7 @@ def test_logprobs_are_the_grpc_ones_and_the_greedy_token_is_the_likeliest(daemon
         model=model_name,
         prompt="the sea",
         max_tokens=8,
+        temperature=0,
         logprobs=2,
         stream=True,
         extra_body={"ignore_eos": True},

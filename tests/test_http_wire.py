@@ -107,7 +107,9 @@ def test_a_client_that_hangs_up_frees_its_lane(one_lane_daemon, stream):
     assert after[CANCELLED] == before.get(CANCELLED, 0) + 1
     assert after.get(FINISHED_BY_LENGTH, 0) == before.get(FINISHED_BY_LENGTH, 0)
     follow_up = httpx.post(
-        f"{served.http_url}/completions", json={"prompt": "next", "max_tokens": 4}, timeout=60
+        f"{served.http_url}/completions",
+        json={"prompt": "next", "max_tokens": 4, "temperature": 0},
+        timeout=60,
     )
     assert follow_up.status_code == 200 and follow_up.json()["usage"]["completion_tokens"] == 4
 
@@ -181,7 +183,9 @@ def test_a_reply_that_fails_alone_is_a_500_and_the_server_goes_on(model_dir, tmp
     args = ("--context", "256", "--refuse-token-on-rank", f"1,{poison}")
     with running_daemon("spawn", model_dir, tmp_path, *args) as served:
         url = f"{served.http_url}/completions"
-        whole = httpx.post(url, json={"prompt": [5, poison, 6], "max_tokens": 4}, timeout=60)
+        whole = httpx.post(
+            url, json={"prompt": [5, poison, 6], "max_tokens": 4, "temperature": 0}, timeout=60
+        )
         assert whole.status_code == 500
         error = whole.json()["error"]
         assert error["type"] == "server_error" and "refused" in error["message"]
@@ -190,7 +194,7 @@ def test_a_reply_that_fails_alone_is_a_500_and_the_server_goes_on(model_dir, tmp
             for _ in client.completions.create(model=served_model(served), prompt=[poison], stream=True):
                 pass
         assert "refused" in raised.value.body["message"]
-        fine = httpx.post(url, json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
+        fine = httpx.post(url, json={"prompt": [5, 6], "max_tokens": 4, "temperature": 0}, timeout=60)
         assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 4
         errors = 'tpserve_requests_total{outcome="error"}'
         assert served.wait_count(errors, 2)[errors] == 2

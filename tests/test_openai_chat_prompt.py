@@ -22,7 +22,7 @@ CONTEXT = 256
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
 OPEN_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThe answer is"
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
-REPLY = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+REPLY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,9 @@ def client(daemon):
         yield client
 
 
-def complete(client, max_tokens=16, **fields):
+def complete(client, max_tokens=16, temperature=0.0, **fields):
+    """Greedy unless `temperature` says otherwise (openai.omit: unset, the server's default)."""
+    fields["temperature"] = temperature
     extra = {key: fields.pop(key) for key in list(fields) if key not in ("temperature", "seed", "stop")}
     extra.setdefault("ignore_eos", True)
     extra["return_token_ids"] = True
@@ -203,7 +205,7 @@ def tuned_daemon(tmp_path_factory):
 
 def test_unset_sampling_fields_take_the_models_generation_config(tuned_daemon):
     with openai.OpenAI(base_url=tuned_daemon.http_url, api_key="unused", max_retries=0, timeout=60) as tuned:
-        defaults = complete(tuned, seed=3)[1]
+        defaults = complete(tuned, temperature=openai.omit, seed=3)[1]
         assert defaults == complete(tuned, seed=3, temperature=0.8, top_k=5)[1]
         assert defaults != complete(tuned, seed=3, temperature=0.0)[1]  # set fields still win
 
@@ -229,12 +231,12 @@ def test_n_choices_are_separate_streams_seeded_seed_plus_index(client):
 def test_a_list_of_prompts_gets_a_choice_each_in_order_streamed_or_whole(client):
     prompts = ["one prompt", "another prompt here", [5, 6, 7]]
     whole = client.completions.create(
-        model=None, prompt=prompts, max_tokens=6, n=2, extra_body={"ignore_eos": True}
+        model=None, prompt=prompts, max_tokens=6, n=2, temperature=0, extra_body={"ignore_eos": True}
     )
     assert [choice.index for choice in whole.choices] == list(range(6))
     for i, prompt in enumerate(prompts):
         alone = client.completions.create(
-            model=None, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True}
+            model=None, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
         )
         assert whole.choices[2 * i].text == whole.choices[2 * i + 1].text == alone.choices[0].text
     texts = [""] * 6
@@ -243,6 +245,7 @@ def test_a_list_of_prompts_gets_a_choice_each_in_order_streamed_or_whole(client)
         prompt=prompts,
         max_tokens=6,
         n=2,
+        temperature=0,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
@@ -257,16 +260,11 @@ def test_a_list_of_prompts_gets_a_choice_each_in_order_streamed_or_whole(client)
 
 
 def test_echo_prepends_the_prompt_and_echo_with_logprobs_scores_it(client):
-    plain = client.completions.create(
-        model=None, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
-    )
-    echoed = client.completions.create(
-        model=None, prompt=PROMPT, max_tokens=5, echo=True, extra_body={"ignore_eos": True}
-    )
+    greedy = {"max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(model=None, prompt=PROMPT, **greedy)
+    echoed = client.completions.create(model=None, prompt=PROMPT, echo=True, **greedy)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    scored = client.completions.create(
-        model=None, prompt=PROMPT, max_tokens=5, echo=True, logprobs=1, extra_body={"ignore_eos": True}
-    )
+    scored = client.completions.create(model=None, prompt=PROMPT, echo=True, logprobs=1, **greedy)
     logprobs = scored.choices[
         0
     ].logprobs  # the prompt's tokens, then the reply's (tests/test_prompt_logprobs.py)

@@ -36,16 +36,18 @@ def client(daemon):
         yield client
 
 
-def completion_chunks(client, extra: dict | None = None, **fields) -> list:
+def completion_chunks(client, extra: dict | None = None, temperature: float = 0.0, **fields) -> list:
     body = {"ignore_eos": True, **(extra or {})}
     return list(
-        client.completions.create(model=None, prompt=PROMPT_IDS, stream=True, extra_body=body, **fields)
+        client.completions.create(
+            model=None, prompt=PROMPT_IDS, stream=True, temperature=temperature, extra_body=body, **fields
+        )
     )
 
 
 def test_a_streamed_reply_names_its_finish_reason_in_its_last_text_chunk(client):
     whole = client.completions.create(
-        model=None, prompt=PROMPT_IDS, max_tokens=8, extra_body={"ignore_eos": True}
+        model=None, prompt=PROMPT_IDS, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     chunks = completion_chunks(client, max_tokens=8)
     reasons = [chunk.choices[0].finish_reason for chunk in chunks]
@@ -54,7 +56,11 @@ def test_a_streamed_reply_names_its_finish_reason_in_its_last_text_chunk(client)
     assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
 
     messages = [{"role": "user", "content": "hello there"}]
-    chat = list(client.chat.completions.create(model=None, messages=messages, max_tokens=6, stream=True))
+    chat = list(
+        client.chat.completions.create(
+            model=None, messages=messages, max_tokens=6, temperature=0, stream=True
+        )
+    )
     reasons = [chunk.choices[0].finish_reason for chunk in chat]
     assert reasons.count("length") == 1 and reasons[-1] == "length"
     assert chat[-1].choices[0].delta.content
@@ -85,6 +91,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
             model=None,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=5,
+            temperature=0,  # greedy: no early end
             stream=True,
             stream_options=options,
         )
@@ -99,7 +106,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
 def test_truncate_prompt_tokens_runs_the_prompts_last_or_first_tokens(daemon, client):
     def reply(prompt, **extra):
         body = {"return_token_ids": True, "ignore_eos": True, **extra}
-        whole = client.completions.create(model=None, prompt=prompt, max_tokens=6, extra_body=body)
+        whole = client.completions.create(
+            model=None, prompt=prompt, max_tokens=6, temperature=0, extra_body=body
+        )
         choice = whole.choices[0]
         return (
             choice.model_extra["prompt_token_ids"],
@@ -164,7 +173,7 @@ def test_a_chunk_waits_for_the_finish_only_when_the_reply_may_be_over():
 
 def test_an_http_stream_reads_like_vllms_for_a_raw_sse_client(daemon):
     """The bytes on the wire: the last data line before the usage and [DONE] holds text and reason."""
-    body = {"prompt": PROMPT_IDS, "max_tokens": 4, "ignore_eos": True, "stream": True}
+    body = {"prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{daemon.http_url}/completions", json=body, timeout=60) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"

@@ -80,7 +80,7 @@ def test_length_penalty_changes_only_the_final_ranking(daemon):
 
 
 def test_a_beam_search_and_a_whole_vocabulary_reply_are_the_same_beside_other_traffic(daemon):
-    vocab_body = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": -1}
+    vocab_body = {"messages": CHAT, "max_tokens": 2, "temperature": 0, "logprobs": True, "top_logprobs": -1}
     alone = [
         beams(daemon, n=3),
         beams(daemon, prompt="hello world", n=2),

@@ -82,6 +82,7 @@ def echo_logprobs(client, prompt, **fields):
         model=None,
         prompt=prompt,
         max_tokens=1,
+        temperature=0,  # the reply's token too is the same every time
         echo=True,
         logprobs=2,
         extra_body={"ignore_eos": True},

@@ -58,7 +58,7 @@ def chat(client, **fields):
 
 def test_parse_returns_a_parsed_object(client):
     completion = client.chat.completions.parse(
-        model=client.served_model, messages=MESSAGES, response_format=City, max_tokens=120
+        model=client.served_model, messages=MESSAGES, response_format=City, max_tokens=120, temperature=0
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"

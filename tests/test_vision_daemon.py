@@ -74,6 +74,7 @@ def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
     body = {
         "model": served.model_name,
         "max_tokens": MAX_TOKENS,
+        "temperature": 0,  # gRPC's unset
         "ignore_eos": True,
         "messages": [
             {

@@ -75,6 +75,7 @@ def synthetic_requests(
         serving_pb2.GenerateRequest(
             prompt_token_ids=[rng.randrange(vocab_size) for _ in range(prompt_tokens)],
             max_tokens=max_tokens,
+            temperature=0.0,  # greedy on either API and any server (vLLM's unset is 1.0)
             ignore_eos=True,
         )
         for _ in range(num_requests)
@@ -88,7 +89,9 @@ def jsonl_requests(path: Path, num_requests: int, max_tokens: int) -> list[servi
             continue
         try:
             entry = json.loads(line)
-            request = serving_pb2.GenerateRequest(max_tokens=entry.get("max_tokens", max_tokens))
+            request = serving_pb2.GenerateRequest(
+                max_tokens=entry.get("max_tokens", max_tokens), temperature=0.0
+            )
             if "prompt" in entry:
                 request.prompt = entry["prompt"]
             for message in entry.get("messages", []):

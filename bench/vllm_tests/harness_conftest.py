@@ -6,8 +6,10 @@ What vLLM's test files import from vLLM itself is stood in for here, with no vLL
   name the test gives: the tests compare the server's tokens with the tokenizer's.
 - Every other `vllm.*` name imports as a stand-in whose use skips the test as not applicable
   ("uses vLLM internals"): those tests check vLLM's own classes, not its server's answers.
-- `huggingface_hub.snapshot_download` (LoRA adapters) downloads nothing: tests of LoRA adapters are
-  not applicable, and are skipped by their parameter.
+- `huggingface_hub.snapshot_download` and vLLM's `hf_api().snapshot_download` (LoRA adapters)
+  download nothing: tests of LoRA adapters are not applicable, and are skipped by their parameter.
+- The tests that assert the hub model's own answers (hub_model.py, passed in harness.json) are
+  skipped as not applicable, naming why.
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ class _Internal:
     def __mro_entries__(self, bases):
         return (object,)
 
+    def _skip(self, *args):
+        pytest.skip(f"{NOT_APPLICABLE}: uses vLLM internals ({self._name})")
+
+    # A value read from vLLM's own code (envs.VLLM_MAX_N_SEQUENCES + 1) skips where it is used too.
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _skip
+    __lt__ = __le__ = __gt__ = __ge__ = __int__ = __index__ = __float__ = _skip
+
 
 class _StandInModule(types.ModuleType):
     def __getattr__(self, attribute: str):
@@ -62,7 +71,15 @@ class _StandInModule(types.ModuleType):
         return _Internal(f"{self.__name__}.{attribute}")
 
 
+class _HubApi:
+    """vLLM's hf_api() (vllm.transformers_utils.repo_utils), where newer tests fetch LoRA adapters."""
+
+    def snapshot_download(self, repo_id: str, *args, **kwargs) -> str:
+        return _no_download(repo_id)
+
+
 STAND_INS = {
+    "vllm.transformers_utils.repo_utils": {"hf_api": lambda: _HubApi()},
     "vllm.tokenizers": {"get_tokenizer": get_tokenizer},
     "vllm.transformers_utils.tokenizer": {"get_tokenizer": get_tokenizer},
     "vllm.config": {"ModelConfig": ModelConfig},
@@ -102,7 +119,11 @@ def sample_structured_outputs_choices():
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    hub_model = HARNESS.get("not_applicable", {})
     for item in items:
+        if item.nodeid in hub_model:
+            item.add_marker(pytest.mark.skip(reason=f"{NOT_APPLICABLE}: {hub_model[item.nodeid]}"))
+            continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any("lora" in str(value).lower() for value in params.values()):
             item.add_marker(pytest.mark.skip(reason=f"{NOT_APPLICABLE}: a LoRA adapter"))
