@@ -120,6 +120,7 @@ def chat_with_image(served, image: bytes, text: str = "what") -> dict:
     return {
         "model": served.model_name,
         "max_tokens": MAX_TOKENS,
+        "temperature": 0,  # greedy, as gRPC's unset temperature
         "ignore_eos": True,
         "messages": [{"role": "user", "content": content}],
     }
