@@ -161,6 +161,7 @@ class Daemon:
     log_dir: Path
     launched: dict[str, subprocess.Popen] = field(default_factory=dict)  # log name -> process
     known: set[Proc] = field(default_factory=set)  # everything seen in the daemon's process trees
+    ca_pem: bytes | None = None  # the CA that signed the daemon's certificate, when it serves TLS
     _channel: grpc.Channel | None = None
 
     @property
@@ -170,12 +171,15 @@ class Daemon:
     @property
     def http_url(self) -> str:
         """The OpenAI-compatible API's base URL (what the openai client takes as base_url)."""
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        return f"{'http' if self.ca_pem is None else 'https'}://127.0.0.1:{self.http_port}/v1"
 
     @property
     def channel(self) -> grpc.Channel:
-        if self._channel is None:
+        if self._channel is None and self.ca_pem is None:
             self._channel = grpc.insecure_channel(self.target)
+        elif self._channel is None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
+            self._channel = grpc.secure_channel(self.target, credentials)
         return self._channel
 
     @property
