@@ -344,6 +344,24 @@ def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tpserve.cli", "serve", *args]
 
 
+def refused_start(model_dir: str | Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """`tpserve serve` with flags it must refuse at start-up: asserts it exits 2; its output."""
+    command = serve_command(
+        "--model", str(model_dir), "--device", "cpu", "--port", "0", "--http-port", "0", *args
+    )
+    ended = subprocess.run(
+        command,
+        env={**daemon_env(), **(env or {})},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    output = ended.stdout + ended.stderr
+    assert ended.returncode == 2, output
+    return output
+
+
 def serve_args(model_dir: str | Path, daemon: Daemon) -> list[str]:
     """The flags every test daemon is served with: its model, its ports, one thread per rank, the CPU."""
     return [

@@ -7,7 +7,6 @@ that cannot serve TLS are refused at start-up by name, before any rank loads.
 from __future__ import annotations
 
 import ssl
-import subprocess
 
 import grpc
 import httpx
@@ -15,12 +14,10 @@ import openai
 import pytest
 import trustme
 from daemon import (
-    START_TIMEOUT_S,
-    daemon_env,
     launch,
     read_reply,
+    refused_start,
     running_daemon,
-    serve_command,
     serving,
     write_daemon_model,
 )
@@ -146,18 +143,5 @@ def test_the_daemon_refuses_a_key_that_is_not_its_certificates_and_exits_2(
     chain, _, _ = files
     other_key = tmp_path / "other.pem"
     authority.issue_cert("127.0.0.1").private_key_pem.write_to_path(str(other_key))
-    command = serve_command(
-        *("--model", str(model_dir), "--device", "cpu", "--port", "0", "--http-port", "0"),
-        *("--ssl-certfile", chain, "--ssl-keyfile", str(other_key)),
-    )
-    ended = subprocess.run(
-        command,
-        env=daemon_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT_S,
-    )
-    output = ended.stdout + ended.stderr
-    assert ended.returncode == 2, output
+    output = refused_start(model_dir, "--ssl-certfile", chain, "--ssl-keyfile", str(other_key))
     assert "do not load together" in output and "Traceback" not in output
