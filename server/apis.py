@@ -15,6 +15,7 @@ from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.request_size import max_grpc_message_bytes, max_http_body_bytes
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
+from tpserve.server.tls import tls_files
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.server.vision_input import VisionInput
 
@@ -35,6 +36,7 @@ class LocalApis:
         submitter = Submitter(
             engine, tokenizer, info, metrics, vision, max_unread_tokens=config.max_unread_tokens
         )
+        tls = tls_files(config.ssl_certfile, config.ssl_keyfile)
         self.server = GrpcServer(
             engine,
             tokenizer,
@@ -49,6 +51,7 @@ class LocalApis:
             max_message_bytes=max_grpc_message_bytes(config),
             handshake_timeout_s=config.grpc_handshake_timeout_s,
             keepalive_s=config.grpc_keepalive_s,
+            tls=tls,
         )
         self.http = None
         if config.http_port:
@@ -69,7 +72,7 @@ class LocalApis:
                 max_connections=config.http_max_connections,
                 write_stall_s=config.http_write_stall_s,
             )
-            self.http = HttpServer(api.app(), host=config.host, port=config.http_port, limits=limits)
+            self.http = HttpServer(api.app(), host=config.host, port=config.http_port, limits=limits, tls=tls)
 
     def start(self) -> tuple[int | None, int]:
         """Both APIs' ports (HTTP's None when off). HTTP first: gRPC health turning SERVING then

@@ -22,6 +22,7 @@ from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTIZE_CHOICES, EngineSettings
 from tpserve.server.api_key import API_KEY_ENV, key_problem
 from tpserve.server.chat_reply import REASONING_PARSERS
+from tpserve.server.tls import tls_problem
 from tpserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
@@ -117,6 +118,9 @@ class ServeConfig:
     chat_template: str = ""  # a Jinja file used instead of the checkpoint's chat template
     # Origins browsers may call the HTTP API from (CORS); "*" any; empty: no CORS headers.
     cors_origins: tuple[str, ...] = ()
+    # TLS on both APIs (server/tls.py): PEM files of the certificate chain and its key; "": plain.
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
     grace_s: float = 10.0
     # The APIs, tokenizing and detokenizing in a process of their own beside rank 0's engine loop
     # (server/front_process.py), so they never hold its interpreter. None (auto): on where the host
@@ -266,6 +270,9 @@ def load_config(
     problem = key_problem(config.api_key)
     if problem is not None:
         raise ConfigError(f"api_key: {problem} (the key itself is not shown)")
+    problem = tls_problem(config.ssl_certfile, config.ssl_keyfile)
+    if problem is not None:
+        raise ConfigError(problem)
     if config.front_process and config.vision:
         raise ConfigError(
             "front_process: the front process reads no images yet; with vision set it to auto or false"

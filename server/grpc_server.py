@@ -25,6 +25,7 @@ from tpserve.server.request_size import TEXT_BYTES
 from tpserve.server.servicer import ServingServicer
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import QUEUE_FULL, Submitter
+from tpserve.server.tls import TlsFiles
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2, serving_pb2_grpc
 
@@ -54,6 +55,7 @@ class GrpcServer:
         max_message_bytes: int = TEXT_BYTES,
         handshake_timeout_s: float = 10.0,
         keepalive_s: float = 60.0,
+        tls: TlsFiles | None = None,
     ):
         """port 0 picks a free port (read it from `port` after start).
 
@@ -67,7 +69,9 @@ class GrpcServer:
         then is closed (grpc's own default is 120 s). keepalive_s: a connection with calls open is
         pinged after that long quiet, and closed when the ping is unanswered as long again
         (grpc's default pings after 2 hours, so a vanished client's calls held their places).
+        tls: serve TLS with these files (server/tls.py); None: plain.
         """
+        self._tls = tls
         self._lane_host = lane_host
         self._host = host
         self._address = f"{host}:{port}"
@@ -123,7 +127,10 @@ class GrpcServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         try:
-            port = server.add_insecure_port(self._address)
+            if self._tls is None:
+                port = server.add_insecure_port(self._address)
+            else:
+                port = server.add_secure_port(self._address, self._tls.grpc_credentials())
         except RuntimeError:  # grpc's own words name no port and no way out
             port = 0
         if port == 0:
@@ -137,7 +144,7 @@ class GrpcServer:
         self.port = port
         self._watcher = threading.Thread(target=self._watch_health, name="grpc-health", daemon=True)
         self._watcher.start()
-        log.info("gRPC serving %s on port %d", SERVICE_NAME, port)
+        log.info("gRPC serving %s on port %d%s", SERVICE_NAME, port, "" if self._tls is None else " (TLS)")
         if self.metrics_port is not None:
             key = self._api_key if self._metrics_need_key else None
             self.metrics_port = self.metrics.serve(self.metrics_port, self._host, key)

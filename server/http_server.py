@@ -18,6 +18,7 @@ import uvicorn
 
 from tpserve.ranks.errors import UserError
 from tpserve.server.http_connections import HttpLimits, protocol_with
+from tpserve.server.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,18 @@ START_TIMEOUT_S = 30.0
 
 
 class HttpServer:
-    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None):
-        """port 0 picks a free port (read it from `port` after start); limits: the defaults if None."""
+    def __init__(
+        self,
+        app,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: HttpLimits | None = None,
+        tls: TlsFiles | None = None,
+    ):
+        """port 0 picks a free port (read it from `port` after start); limits: the defaults if None;
+        tls: serve HTTPS with these files (server/tls.py), None: plain HTTP."""
+        self._tls = tls
         self._app = app
         self._limits = limits or HttpLimits()
         self._host = host
@@ -57,6 +68,7 @@ class HttpServer:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=1,
+            **(self._tls.uvicorn_options() if self._tls is not None else {}),
         )
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
@@ -72,7 +84,9 @@ class HttpServer:
             time.sleep(0.02)
         self._server, self._thread = server, thread
         self.port = sock.getsockname()[1]
-        log.info("HTTP API (OpenAI-compatible) on port %d", self.port)
+        log.info(
+            "HTTP API (OpenAI-compatible) on port %d%s", self.port, "" if self._tls is None else " (HTTPS)"
+        )
         return self.port
 
     def stop(self, grace_s: float = 1.0) -> None:

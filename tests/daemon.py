@@ -161,6 +161,7 @@ class Daemon:
     log_dir: Path
     launched: dict[str, subprocess.Popen] = field(default_factory=dict)  # log name -> process
     known: set[Proc] = field(default_factory=set)  # everything seen in the daemon's process trees
+    ca_pem: bytes | None = None  # the CA that signed the daemon's certificate, when it serves TLS
     _channel: grpc.Channel | None = None
 
     @property
@@ -170,12 +171,15 @@ class Daemon:
     @property
     def http_url(self) -> str:
         """The OpenAI-compatible API's base URL (what the openai client takes as base_url)."""
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        return f"{'http' if self.ca_pem is None else 'https'}://127.0.0.1:{self.http_port}/v1"
 
     @property
     def channel(self) -> grpc.Channel:
-        if self._channel is None:
+        if self._channel is None and self.ca_pem is None:
             self._channel = grpc.insecure_channel(self.target)
+        elif self._channel is None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
+            self._channel = grpc.secure_channel(self.target, credentials)
         return self._channel
 
     @property
@@ -338,6 +342,24 @@ def daemon_env() -> dict[str, str]:
 
 def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tpserve.cli", "serve", *args]
+
+
+def refused_start(model_dir: str | Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """`tpserve serve` with flags it must refuse at start-up: asserts it exits 2; its output."""
+    command = serve_command(
+        "--model", str(model_dir), "--device", "cpu", "--port", "0", "--http-port", "0", *args
+    )
+    ended = subprocess.run(
+        command,
+        env={**daemon_env(), **(env or {})},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    output = ended.stdout + ended.stderr
+    assert ended.returncode == 2, output
+    return output
 
 
 def serve_args(model_dir: str | Path, daemon: Daemon) -> list[str]:

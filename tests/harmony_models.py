@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from tiny_hf_models import VOCAB, write_hf_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tiny_models import build_tokenizer
+from tokenizers import Tokenizer
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>"]
 # ids 0, 1, 2 as the tiny config's pad, bos and eos ids name them (gpt-oss's own: <|return|> ends)
@@ -19,17 +20,7 @@ TEMPLATE = Path(__file__).parent / "golden" / "gpt_oss_chat_template.jinja"
 
 def build_harmony_tokenizer() -> Tokenizer:
     """Byte-level BPE of the tests' vocabulary size (fewer merges make room for the special tokens)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = ["the quick brown fox jumps over the lazy dog", "hello world", "tensor parallel serving"] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer = build_tokenizer(VOCAB, SPECIAL_TOKENS)
     assert tokenizer.get_vocab_size() == VOCAB
     return tokenizer
 

@@ -26,6 +26,7 @@ from daemon import (
     write_daemon_model,
 )
 from test_hostile_clients import figures, tracebacks
+from test_http_connections import closed_by_server
 
 from tpserve.server.grpc_server import EXTRA_WORKERS
 from tpserve.server.submitter import QUEUE_FULL
@@ -63,18 +64,6 @@ def daemon(model_dir, tmp_path_factory):
     )
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("transport-logs"), *args) as served:
         yield served
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """Reads until the server closes (True) or CLOSE_WITHIN_S passes (False)."""
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except TimeoutError:
-        return False
-    except (ConnectionResetError, BrokenPipeError):
-        return True
 
 
 def send_garbage(address, data: bytes) -> socket.socket:

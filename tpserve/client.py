@@ -36,6 +36,7 @@ def register(subparsers) -> None:
     parser.add_argument("--background", action="store_true", help="run at background priority")
     parser.add_argument("--timeout", type=float, help="give up after this many seconds")
     parser.add_argument("--api-key", default=None, help=f"sent as Bearer KEY (default: ${API_KEY_ENV})")
+    parser.add_argument("--ca-file", help="TLS: a PEM file of the CA that signed the server's certificate")
     parser.set_defaults(run=run)
 
 
@@ -75,12 +76,20 @@ def describe_finish(response: serving_pb2.GenerateResponse) -> str:
     return f"{line} {response.error}" if response.error else line
 
 
+def open_channel(target: str, ca_file: str | None) -> grpc.Channel:
+    """Plain, or TLS trusting the CA in `ca_file` (a server started with ssl_certfile)."""
+    if ca_file is None:
+        return grpc.insecure_channel(target)
+    with open(ca_file, "rb") as file:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=file.read()))
+
+
 def run(args: argparse.Namespace) -> int:
     request = build_request(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     final = None
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args.target, args.ca_file) as channel:
         stub = serving_pb2_grpc.ServingStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
