@@ -135,7 +135,7 @@ FIELDS: dict[str, Field] = {
     "chat_template_kwargs": _honoured((CHAT,)),  # vLLM
     # honoured for harmony models (gpt-oss: its template reads it, server/harmony_requests.py)
     "reasoning_effort": _refused(apis=(CHAT,), owner=OWNER_24G),
-    "include_reasoning": _refused(True, apis=(CHAT,), owner=OWNER_24G),  # vLLM
+    "include_reasoning": _honoured((CHAT,)),  # vLLM: false drops reasoning_content
     # --- bookkeeping: accepted, never changes the reply ---
     "user": _no_effect(),
     "metadata": _no_effect(),
