@@ -7,8 +7,8 @@ is accepted only with a value that asks for nothing (its `neutral` values; null 
 unset), so clients that send defaults explicitly still work.
 
 The fields still marked OWNER_24G (guided decoding's backend options, structural tags, the old
-function-calling fields, reasoning effort) are refused until built; flipping one is a one-line
-change of its row.
+function-calling fields, reasoning effort but for harmony templates, which read it before this
+table) are refused until built; flipping one is a one-line change of its row.
 """
 
 from __future__ import annotations
