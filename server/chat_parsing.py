@@ -43,8 +43,16 @@ class ChatParsing:
                 prepare(choice, self._stop_ids)
         return parsed
 
-    def replies(self, parsed: OpenAIRequest, count: int) -> list[ChatReply | HarmonyReply | None]:
+    def replies(
+        self, parsed: OpenAIRequest, count: int
+    ) -> list[ChatReply | HarmonyReply | WithoutReasoning | None]:
         """Per choice, the reader of tool calls and reasoning, where the chat can have either."""
+        readers = self._readers(parsed, count)
+        if parsed.include_reasoning:
+            return readers
+        return [None if reader is None else WithoutReasoning(reader) for reader in readers]
+
+    def _readers(self, parsed: OpenAIRequest, count: int) -> list[ChatReply | HarmonyReply | None]:
         if not parsed.chat:
             return [None] * count
         if self.harmony:
@@ -53,3 +61,28 @@ class ChatParsing:
         if parsed.tools is None and not self._thinks:
             return [None] * count
         return [ChatReply(parsed.tools, self._thinks, self._starts_thinking) for _ in range(count)]
+
+
+class WithoutReasoning:
+    """A chat reply's reader whose reasoning is read out and dropped (vLLM's include_reasoning:
+    false): the content and tool calls are what the reader gives with it."""
+
+    def __init__(self, reader: ChatReply | HarmonyReply):
+        self._reader = reader
+
+    def push(self, text: str) -> list[dict]:
+        return _without_reasoning(self._reader.push(text))
+
+    def finish(self) -> tuple[list[dict], bool]:
+        deltas, called = self._reader.finish()
+        return _without_reasoning(deltas), called
+
+    def whole(self, text: str) -> tuple[dict, bool]:
+        message, called = self._reader.whole(text)
+        message.pop("reasoning_content", None)
+        return message, called
+
+
+def _without_reasoning(deltas: list[dict]) -> list[dict]:
+    kept = ({key: value for key, value in delta.items() if key != "reasoning_content"} for delta in deltas)
+    return [delta for delta in kept if delta]

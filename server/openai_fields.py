@@ -7,8 +7,8 @@ is accepted only with a value that asks for nothing (its `neutral` values; null 
 unset), so clients that send defaults explicitly still work.
 
 The fields still marked OWNER_24G (guided decoding's backend options, structural tags, the old
-function-calling fields, reasoning effort) are refused until built; flipping one is a one-line
-change of its row.
+function-calling fields, reasoning effort but for harmony templates, which read it before this
+table) are refused until built; flipping one is a one-line change of its row.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ FIELDS: dict[str, Field] = {
     "chat_template_kwargs": _honoured((CHAT,)),  # vLLM
     # honoured for harmony models (gpt-oss: its template reads it, server/harmony_requests.py)
     "reasoning_effort": _refused(apis=(CHAT,), owner=OWNER_24G),
-    "include_reasoning": _refused(True, apis=(CHAT,), owner=OWNER_24G),  # vLLM
+    "include_reasoning": _honoured((CHAT,)),  # vLLM: false drops reasoning_content
     # --- bookkeeping: accepted, never changes the reply ---
     "user": _no_effect(),
     "metadata": _no_effect(),

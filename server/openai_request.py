@@ -51,6 +51,7 @@ class OpenAIRequest:
     # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk's usage so far.
     continuous_usage: bool = False
     beam: BeamRequest | None = None  # vLLM's use_beam_search: each prompt's n best beams instead
+    include_reasoning: bool = True  # vLLM's: false reads the reasoning out of a chat reply and drops it
 
     @property
     def generate(self) -> serving_pb2.GenerateRequest:
@@ -79,7 +80,8 @@ def parse_chat(
     tools = None
     for choice in parsed.choices:  # every choice's request offers the same tools
         tools = add_tools(body, choice, tool_parser)
-    return replace(parsed, tools=tools, echo=_flag(body, "echo"))
+    include_reasoning = body.get("include_reasoning") is None or _flag(body, "include_reasoning")
+    return replace(parsed, tools=tools, echo=_flag(body, "echo"), include_reasoning=include_reasoning)
 
 
 def parse_completion(body: dict, default_temperature: float | None = None) -> OpenAIRequest:

@@ -1,6 +1,6 @@
 """Reasoning against the real two-rank daemon over loopback, on a tiny model with a Qwen3-style
 template: a reply's <think> block arrives as reasoning_content, whole and streamed, and
-chat_template_kwargs (enable_thinking) reach the template."""
+chat_template_kwargs (enable_thinking) reach the template; include_reasoning: false drops the thought."""
 
 from __future__ import annotations
 
@@ -61,3 +61,14 @@ def test_chat_template_kwargs_may_not_replace_the_servers_own(client):
     with pytest.raises(openai.BadRequestError) as raised:
         chat(client, extra_body={"chat_template_kwargs": {"messages": []}})
     assert raised.value.body["message"] == "chat_template_kwargs may not set messages"
+
+
+def test_include_reasoning_false_drops_the_thought_and_keeps_the_answer_whole_and_streamed(client):
+    fields = {**FORCED, "include_reasoning": False}
+    message = chat(client, extra_body=fields).choices[0].message
+    assert message.content == "It is 4." and "reasoning_content" not in (message.model_extra or {})
+    pieces = [
+        chunk.choices[0].delta for chunk in chat(client, extra_body=fields, stream=True) if chunk.choices
+    ]
+    assert "".join(delta.content or "" for delta in pieces) == "It is 4."
+    assert not any((delta.model_extra or {}).get("reasoning_content") for delta in pieces)
