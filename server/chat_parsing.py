@@ -5,7 +5,7 @@ tool-call family, `<think>` reasoning (server/chat_reply.py) or gpt-oss's harmon
 from __future__ import annotations
 
 from tpserve.server.chat_reply import ChatReply, prompt_opens_think, thinks
-from tpserve.server.harmony import HarmonyReply, renders_harmony
+from tpserve.server.harmony import HarmonyReply
 from tpserve.server.harmony_requests import prepare, stop_ids, with_effort
 from tpserve.server.openai_request import OpenAIRequest, parse_chat
 from tpserve.server.tool_calls import parser_for_template
@@ -22,7 +22,7 @@ class ChatParsing:
         self.harmony = (
             reasoning_parser == "gpt_oss"
             or tool_call_parser == "harmony"
-            or (reasoning_parser in ("", "none") and renders_harmony(template))
+            or (reasoning_parser in ("", "none") and parser_for_template(template) == "harmony")
         )
         if self.tool_parser == "harmony" and not self.harmony:
             self.tool_parser = None  # a <think> parser named for a harmony template: no harmony calls
@@ -43,9 +43,7 @@ class ChatParsing:
                 prepare(choice, self._stop_ids)
         return parsed
 
-    def replies(
-        self, parsed: OpenAIRequest, count: int
-    ) -> list[ChatReply | HarmonyReply | WithoutReasoning | None]:
+    def replies(self, parsed: OpenAIRequest, count: int) -> list[ReplyReader | None]:
         """Per choice, the reader of tool calls and reasoning, where the chat can have either."""
         readers = self._readers(parsed, count)
         if parsed.include_reasoning:
@@ -86,3 +84,7 @@ class WithoutReasoning:
 def _without_reasoning(deltas: list[dict]) -> list[dict]:
     kept = ({key: value for key, value in delta.items() if key != "reasoning_content"} for delta in deltas)
     return [delta for delta in kept if delta]
+
+
+# What reads a chat reply's text into OpenAI's deltas and message (push, finish, whole).
+ReplyReader = ChatReply | HarmonyReply | WithoutReasoning

@@ -80,7 +80,7 @@ class ChatReply:
             if self._thinking:
                 at = self._pending.find(THINK_CLOSE)
                 if at == -1:
-                    keep = 0 if final else _partial_suffix(self._pending, THINK_CLOSE)
+                    keep = 0 if final else partial_suffix(self._pending, THINK_CLOSE)
                     sent, self._pending = (
                         self._pending[: len(self._pending) - keep],
                         self._pending[len(self._pending) - keep :],
@@ -113,7 +113,7 @@ class ChatReply:
         return deltas
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """How many characters at the end of `text` begin `marker`."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:size]):

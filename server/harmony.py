@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tpserve.server.chat_reply import partial_suffix
 from tpserve.server.tool_calls import ToolMode, tool_call
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -30,11 +31,6 @@ HEADER_OPENERS = (CHANNEL, START, " to=", "to=", CONSTRAIN)
 FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
-
-
-def renders_harmony(template: str) -> bool:
-    """Whether a chat template writes harmony messages (gpt-oss's)."""
-    return CHANNEL in template
 
 
 @dataclass(frozen=True)
@@ -119,7 +115,7 @@ class HarmonyReply:
             self._pending = self._pending[at + len(marker) :]
             self._state = "between"
             return
-        keep = 0 if final else max(_partial_suffix(self._pending, marker) for marker in BODY_ENDS)
+        keep = 0 if final else max(partial_suffix(self._pending, marker) for marker in BODY_ENDS)
         self._send(deltas, self._pending[: len(self._pending) - keep])
         self._pending = self._pending[len(self._pending) - keep :]
 
@@ -130,7 +126,7 @@ class HarmonyReply:
             self._pending = self._pending[min(found) :]
             self._state = "header"
         else:
-            keep = max(_partial_suffix(self._pending, opener) for opener in (START, CHANNEL))
+            keep = max(partial_suffix(self._pending, opener) for opener in (START, CHANNEL))
             self._pending = self._pending[len(self._pending) - keep :] if keep else ""
 
     def _target_of(self, header: _Header) -> str:
@@ -170,11 +166,3 @@ def merged_message(deltas: list[dict]) -> dict:
     if calls:
         message["tool_calls"] = [calls[index] for index in sorted(calls)]
     return message
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many characters at the end of `text` begin `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0

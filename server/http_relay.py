@@ -17,8 +17,7 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tpserve.server.chat_reply import ChatReply
-from tpserve.server.harmony import HarmonyReply
+from tpserve.server.chat_parsing import ReplyReader
 from tpserve.server.http_errors import error_json, refusal_response, status_of
 from tpserve.server.lane_stream import Stream, merge_deltas
 from tpserve.server.openai_choices import total_usage
@@ -53,7 +52,7 @@ class Relay:
         shape: ReplyShape,
         echoes: list[str],
         n: int,
-        replies: list[ChatReply | HarmonyReply | None],
+        replies: list[ReplyReader | None],
     ) -> Response:
         texts = [[echo] for echo in echoes]
         token_ids: list[list[int]] = [[] for _ in submitted]
@@ -100,7 +99,7 @@ class Relay:
         usage: StreamUsage,
         echoes: list[str],
         n: int,
-        replies: list[ChatReply | HarmonyReply | None],
+        replies: list[ReplyReader | None],
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; events then cancels the
         # streams, so their lanes are freed at the host's next boundary.
@@ -140,7 +139,7 @@ class Relay:
         events: list[Event],
         shape: ReplyShape,
         out: ChoiceChunks,
-        reply: ChatReply | HarmonyReply | None,
+        reply: ReplyReader | None,
         echoes: list[str],
         usages: dict[int, Usage],
     ) -> tuple[list[dict], RequestRefused | None]:
