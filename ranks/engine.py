@@ -75,8 +75,10 @@ class Engine:
             raise EngineError(
                 f"lane {lane}: cannot open on {len(blocks)} blocks with {num_cached} cached tokens"
             )
-        if num_copied and not 0 <= copy_from < self.num_blocks:
-            raise EngineError(f"lane {lane}: {num_copied} cached slots to copy from KV block {copy_from}")
+        if num_copied and not 0 <= copy_from < self.num_blocks or not num_copied and copy_from != -1:
+            raise EngineError(
+                f"lane {lane}: {num_copied} cached slots (of {num_cached}) to copy from KV block {copy_from}"
+            )
         if any(not 0 <= block < self.num_blocks for block in blocks[:num_shared]):
             raise EngineError(f"lane {lane} given a shared KV block outside the pool: {list(blocks)}")
         self._check_own(lane, blocks[num_shared:])

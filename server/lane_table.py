@@ -68,13 +68,16 @@ class LaneTable:
         computed slots hold the next tokens of `job`'s prompt: (that block, how many slots match),
         the longest match; (-1, 0) when none. Copying those slots gives the very bits a prefill would
         write (same prefix, same tokens at the same positions: vLLM's and SGLang's copy-on-write of
-        a partly matching block). At least the prompt's last token is still computed."""
+        a partly matching block). At least the prompt's last token is still computed, and a copy is
+        never a whole block: a whole block's match (a computed block the cache holds under another
+        block's key, or under none since that one went) copies all but its last slot, so the cached
+        count stays inside the block and no rank reads the copy as a shared block."""
         size = self.blocks.block_size
         start, end = num_shared * size, len(job.feed_ids) - 1
         if not self.blocks.prefix_caching or job.gathers_prompt_logprobs or end - start <= 0:
             return -1, 0
         keys = self._keys(job, num_shared)
-        wanted = job.cache_ids[start : min(end, start + size)]
+        wanted = job.cache_ids[start : min(end, start + size - 1)]
         best = (-1, 0)
         for other in self._jobs.values():
             computed = min(other.num_prefilled, start + size)

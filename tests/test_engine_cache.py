@@ -30,6 +30,8 @@ def shared_and_cold(model_dir: str, tp_rank: int, tp_size: int):
     engine.admit(1, first[:4] + own, num_cached=64)
     with pytest.raises(EngineError, match="cannot open"):
         engine.admit(2, first[:4], num_cached=70)  # a cached prefix is whole blocks
+    with pytest.raises(EngineError, match="to copy from KV block"):
+        engine.admit(2, first[:4], num_cached=64, copy_from=first[4])  # a copy is never a whole block
     refused = engine.check([(1, 60, (1,))])  # a write into a shared block
     # Turn two, warm with a partial match: lane 3 shares the 4 whole blocks and copies the 6
     # computed slots of lane 0's fifth block into its own, then computes only the turn.

@@ -68,3 +68,25 @@ def test_a_prompt_that_ends_where_the_match_does_still_computes_its_last_token()
     assert replies[1].finished.usage.cached_tokens == 85
     assert replies == [backend.solo_reply(first), backend.solo_reply(second)]
     backend.assert_clean()
+
+
+def test_a_whole_block_match_copies_all_but_its_last_slot():
+    # Y's prompt blocks are cached; X computes the same prompt itself (it asks for its prompt's log
+    # probabilities), so its blocks stay private; Z's prompt takes every free block and Y's first,
+    # the least recently released; C then matches X's first block whole. Read as a whole block the
+    # copy would be a shared block never written: C copies all but its last slot instead.
+    backend = FakeBackend(room=12 * 8)
+    host = make_host(backend)
+    prompt = SYSTEM[:17]
+    run_all(host, [host.submit(make_request(prompt, 2, ignore_eos=True))])
+    reader = make_request(prompt, 40, ignore_eos=True, prompt_logprobs=0)
+    streams = [host.submit(reader)]
+    prompt_computed(host, backend, reader)
+    run_all(host, [host.submit(make_request(tuple(range(100, 160)), 1, ignore_eos=True))])
+    assert host.block_stats().evictions == 1
+    late = make_request(prompt + (5, 6), 6, ignore_eos=True)
+    streams.append(host.submit(late))
+    replies = run_all(host, streams)
+    assert replies == [backend.solo_reply(reader), backend.solo_reply(late)]
+    assert replies[1].finished.usage.cached_tokens == 7
+    backend.assert_clean()
