@@ -136,7 +136,9 @@ class FakeBackend:
         if num_shared + bool(partial) > len(blocks):
             self._misuse(f"open of lane {lane} with {num_cached} cached tokens on {len(blocks)} blocks")
         if not partial and copy_from != -1:
-            self._misuse(f"open of lane {lane}: a copy from block {copy_from} with {num_cached} cached tokens")
+            self._misuse(
+                f"open of lane {lane}: a copy from block {copy_from} with {num_cached} cached tokens"
+            )
         if partial:
             self.num_copies += 1
             self._copy_slots(lane, copy_from, blocks[num_shared], partial)
