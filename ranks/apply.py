@@ -37,7 +37,9 @@ def apply_message(
             apply_message(engine, channel, inner)
         return apply_message(engine, channel, last, media, greedy, listed)
     if isinstance(msg, Admit):
-        engine.admit(msg.lane, msg.blocks, msg.num_cached)  # rank 0 chose them: nothing to vote on
+        engine.admit(
+            msg.lane, msg.blocks, msg.num_cached, msg.copy_from
+        )  # rank 0 chose them: nothing to vote on
         return None
     if isinstance(msg, Prefill):
         spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]

@@ -65,18 +65,25 @@ class Engine:
         self.refs: dict[int, int] = {}  # block id -> how many lanes' tables hold it
 
     # Admission ---------------------------------------------------------------------------------
-    def admit(self, lane: int, blocks: tuple[int, ...], num_cached: int = 0) -> None:
-        """Open `lane` on `blocks`, its first `num_cached` positions (whole blocks of a shared cached
-        prefix, which other lanes may hold) already computed; the rest of its blocks its own."""
+    def admit(self, lane: int, blocks: tuple[int, ...], num_cached: int = 0, copy_from: int = -1) -> None:
+        """Open `lane` on `blocks`, its first `num_cached` positions already computed: whole blocks
+        of a shared cached prefix (which other lanes may hold), then, when it ends inside a block,
+        that block's first slots copied from block `copy_from` (a partial match); the rest its own."""
         size = self.kv.block_size
-        num_shared = num_cached // size
-        if lane in self.lanes or num_cached % size or num_shared > len(blocks):
+        num_shared, num_copied = divmod(num_cached, size)
+        if lane in self.lanes or num_shared + bool(num_copied) > len(blocks):
             raise EngineError(
                 f"lane {lane}: cannot open on {len(blocks)} blocks with {num_cached} cached tokens"
+            )
+        if num_copied and not 0 <= copy_from < self.num_blocks or not num_copied and copy_from != -1:
+            raise EngineError(
+                f"lane {lane}: {num_copied} cached slots (of {num_cached}) to copy from KV block {copy_from}"
             )
         if any(not 0 <= block < self.num_blocks for block in blocks[:num_shared]):
             raise EngineError(f"lane {lane} given a shared KV block outside the pool: {list(blocks)}")
         self._check_own(lane, blocks[num_shared:])
+        if num_copied:
+            self.kv.copy_slots(copy_from, blocks[num_shared], num_copied)
         self.lanes[lane] = Lane([], num_cached)
         self._append(lane, blocks)
 

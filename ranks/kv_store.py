@@ -47,3 +47,11 @@ class KVPool:
 
     def layer(self, piece: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[piece][layer]
+
+    def copy_slots(self, source: int, target: int, num_slots: int) -> None:
+        """Copy block `source`'s first `num_slots` slots into block `target`, every piece and layer:
+        a prompt that matches a block only partly starts from the very bits its prefill would write."""
+        src = slice(source * self.block_size, source * self.block_size + num_slots)
+        dst = slice(target * self.block_size, target * self.block_size + num_slots)
+        for pool in (*self.k, *self.v):
+            pool[:, :, dst] = pool[:, :, src]

@@ -99,8 +99,8 @@ class Leader:
         self.profile = profile or NoProfile()  # the step timers, when measured (ranks/step_profile.py)
 
     # The Backend protocol ---------------------------------------------------------------------
-    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
-        self._apply_here(Admit(lane, blocks, num_cached))
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int, copy_from: int = -1) -> None:
+        self._apply_here(Admit(lane, blocks, num_cached, copy_from))
 
     def prefill(self, item) -> int | None:
         tokens = self.prefill_many([item])

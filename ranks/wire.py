@@ -53,7 +53,7 @@ __all__ = [
 
 # 6: a span says whether every row's logits are wanted and carries its rope positions; 7: a Mixed
 # pass carries any number of prompts; 8: only a prompt's first pass is voted on (ranks/apply.py)
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 128
@@ -72,12 +72,16 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 class Admit:
     """Open `lane` with `blocks` as its block table, its first `num_cached` positions a shared cached
     prefix already in those blocks (rank 0's lane host chose them: every rank's tables are the same by
-    construction, so nothing is voted)."""
+    construction, so nothing is voted). When `num_cached` ends inside a block, that block is the
+    lane's own and its first `num_cached % block_size` slots are copied from block `copy_from`,
+    which holds the same tokens after the same prefix (a partial match: the same bits a prefill
+    would write)."""
 
     KIND: ClassVar[int] = 1
     lane: int
     blocks: tuple[int, ...] = ()
     num_cached: int = 0
+    copy_from: int = -1
 
     def __post_init__(self):
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -275,7 +279,7 @@ def _payload(msg: Message) -> list:
     if isinstance(msg, Round):
         return steps_payload(msg.steps)
     if isinstance(msg, Admit):
-        return [msg.lane, msg.num_cached, *msg.blocks]
+        return [msg.lane, msg.num_cached, msg.copy_from, *msg.blocks]
     return [getattr(msg, field.name) for field in fields(msg)]
 
 
@@ -294,11 +298,11 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
     if cls is Round:
         return Round(steps_from(payload))
     if cls is Admit:
-        if len(payload) < 2:
+        if len(payload) < 3:
             raise WireError(
-                f"an Admit payload starts with its lane and cached length, got {len(payload)} ints"
+                f"an Admit payload starts with its lane, cached length and copy source, got {len(payload)} ints"
             )
-        return Admit(payload[0], tuple(payload[2:]), payload[1])
+        return Admit(payload[0], tuple(payload[3:]), payload[1], payload[2])
     num_fields = len(fields(cls))
     if len(payload) != num_fields:
         raise WireError(f"a {cls.__name__} payload holds {num_fields} ints, got {len(payload)}")

@@ -106,10 +106,12 @@ class Backend(Protocol):
     verifies_drafts: bool  # decode_drafts checks draft tokens (draft tokens are worth making)
     max_prefill_tokens: int  # most prompt tokens one pass takes (a longer prompt goes in chunks)
 
-    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int, copy_from: int = -1) -> None:
         """Open `lane` with `blocks` as its block table (more come with its passes). Its first
-        `num_cached` positions (whole blocks) are a shared cached prefix: those blocks already hold
-        their KV, other lanes may hold them too, and no pass writes into them. The lane host books
+        `num_cached` positions are cached: whole blocks of a shared prefix (they already hold their
+        KV, other lanes may hold them too, and no pass writes into them), then, when `num_cached` ends
+        inside a block, that block (the lane's own) gets its first `num_cached % block_size` slots
+        copied from block `copy_from`, a live lane's block holding the same tokens after the same prefix. The lane host books
         the blocks (server/kv_blocks.py): it never hands out for writing a block another lane holds."""
 
     def prefill(self, item: PrefillItem) -> int | None:

@@ -165,6 +165,13 @@ class KVBlocks:
         self._hit_tokens += len(blocks) * self.block_size
         return blocks
 
+    def note_copied(self, num_tokens: int, shared: bool) -> None:
+        """Count a partly matching block's copied slots as prompt tokens the cache supplied (`shared`:
+        share() already counted this prompt's hit)."""
+        if num_tokens:
+            self._hits += not shared
+            self._hit_tokens += num_tokens
+
     def register(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
         """Make held full blocks findable by their keys (blocks[i] holds the prefix keys[i] names).
         A key already naming another block keeps it (this block stays private)."""

@@ -57,10 +57,42 @@ class LaneTable:
         return self._keys(job, (len(job.feed_ids) - 1) // self.blocks.block_size)
 
     def cached_prefix(self, job: Job) -> tuple[int, int]:
-        """Before open: the prompt tokens shared blocks would supply now, and how many of those
-        blocks are unreferenced (taking them costs as many free blocks). Changes nothing."""
+        """Before open: the prompt tokens shared blocks (and a partly matching block's copied slots)
+        would supply now, and how many of those blocks are unreferenced (taking them costs as many
+        free blocks). Changes nothing."""
         num_found, num_idle = self.blocks.find(self._shareable(job))
-        return num_found * self.blocks.block_size, num_idle
+        return num_found * self.blocks.block_size + self._partial_match(job, num_found)[1], num_idle
+
+    def _partial_match(self, job: Job, num_shared: int) -> tuple[int, int]:
+        """A live lane's block that follows the same `num_shared` shared blocks and whose first
+        computed slots hold the next tokens of `job`'s prompt: (that block, how many slots match),
+        the longest match; (-1, 0) when none. Copying those slots gives the very bits a prefill would
+        write (same prefix, same tokens at the same positions: vLLM's and SGLang's copy-on-write of
+        a partly matching block). At least the prompt's last token is still computed, and a copy is
+        never a whole block: a whole block's match (a computed block the cache holds under another
+        block's key, or under none since that one went) copies all but its last slot, so the cached
+        count stays inside the block and no rank reads the copy as a shared block."""
+        size = self.blocks.block_size
+        start, end = num_shared * size, len(job.feed_ids) - 1
+        if not self.blocks.prefix_caching or job.gathers_prompt_logprobs or end - start <= 0:
+            return -1, 0
+        keys = self._keys(job, num_shared)
+        wanted = job.cache_ids[start : min(end, start + size - 1)]
+        best = (-1, 0)
+        for other in self._jobs.values():
+            computed = min(other.num_prefilled, start + size)
+            if other is job or computed <= start + best[1] or len(other.blocks) <= num_shared:
+                continue
+            if num_shared and self._keys(other, num_shared)[-1] != keys[-1]:
+                continue
+            num_equal = 0
+            for mine, theirs in zip(wanted, other.cache_ids[start:computed]):
+                if mine != theirs:
+                    break
+                num_equal += 1
+            if num_equal > best[1]:
+                best = (other.blocks[num_shared], num_equal)
+        return best
 
     def shares_uncomputed(self, job: Job, computing: list[Job]) -> bool:
         """Whether a job of `computing` (whose prompts go in a pass now or in later chunks) will
@@ -88,11 +120,14 @@ class LaneTable:
             raise RuntimeError("no free lane to open")
         lane = min(self._free)
         shared = self.blocks.share(self._shareable(job))
-        num_cached = len(shared) * self.blocks.block_size
+        # The source is a live lane's block: held, so this allocation cannot take it.
+        copy_from, num_copied = self._partial_match(job, len(shared))
+        self.blocks.note_copied(num_copied, bool(shared))
+        num_cached = len(shared) * self.blocks.block_size + num_copied
         blocks = shared + self.blocks.allocate(
             self.blocks.blocks_for(max(num_tokens, num_cached)) - len(shared)
         )
-        _, error = attempt(self._backend.open, lane, blocks, num_cached)
+        _, error = attempt(self._backend.open, lane, blocks, num_cached, copy_from)
         if error is not None:
             self.blocks.free(blocks)
             raise BackendBroken(f"opening lane {lane} failed: {error!r}") from error

@@ -59,10 +59,10 @@ class RecordingBackend:
     verifies_drafts = _inner_figure("verifies_drafts")
     max_prefill_tokens = _inner_figure("max_prefill_tokens")
 
-    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int, copy_from: int = -1) -> None:
         # Block ids are left out: they depend on what ran beside the stream, and a batched run's
         # files must read as a solo run's. A cached prefix is written: the prefill starts after it.
-        self._inner.open(lane, blocks, num_cached)
+        self._inner.open(lane, blocks, num_cached, copy_from)
         self._num_streams += 1
         path = self._out_dir / f"stream-{self._num_streams:04d}.jsonl"
         self._files[lane] = path.open("w", encoding="utf-8")

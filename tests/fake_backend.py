@@ -121,18 +121,27 @@ class FakeBackend:
         self.broken = False
         self.num_calls_after_broken = 0
         self.misuse: list[str] = []
+        self.num_copies = 0  # opens that copied a partly matching block's slots
 
     # ---- the Backend protocol ----
 
-    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
-        """The first num_cached positions are shared blocks of a cached prefix: read back through
-        the table like any others, so sharing the wrong blocks changes the reply."""
+    def open(self, lane: int, blocks: tuple[int, ...], num_cached: int, copy_from: int = -1) -> None:
+        """The first num_cached positions are shared blocks of a cached prefix, then the slots copied
+        from `copy_from` into the lane's next block: read back through the table like any others, so
+        sharing or copying the wrong slots changes the reply."""
         self._call()
         if not 0 <= lane < self.num_lanes or lane in self.lanes:
             self._misuse(f"open of lane {lane}, which is out of range or already open")
         num_shared, partial = divmod(num_cached, self.block_size)
-        if partial or num_shared > len(blocks):
+        if num_shared + bool(partial) > len(blocks):
             self._misuse(f"open of lane {lane} with {num_cached} cached tokens on {len(blocks)} blocks")
+        if not partial and copy_from != -1:
+            self._misuse(
+                f"open of lane {lane}: a copy from block {copy_from} with {num_cached} cached tokens"
+            )
+        if partial:
+            self.num_copies += 1
+            self._copy_slots(lane, copy_from, blocks[num_shared], partial)
         self.num_opens += 1
         self.lanes[lane] = _Lane([], num_cached)
         for block in blocks[:num_shared]:
@@ -143,6 +152,13 @@ class FakeBackend:
             self.refs[block] = self.refs.get(block, 0) + 1
             self.lanes[lane].table.append(block)
         self._extend(lane, blocks[num_shared:])
+
+    def _copy_slots(self, lane: int, source: int, target: int, num_slots: int) -> None:
+        if target in self.refs or any((source, offset) not in self.slots for offset in range(num_slots)):
+            self._misuse(f"lane {lane} copies {num_slots} uncomputed slots of block {source} into {target}")
+            return
+        for offset in range(num_slots):
+            self.slots[(target, offset)] = self.slots[(source, offset)]
 
     def prefill(self, item: PrefillItem) -> int | None:
         self._call()

@@ -207,8 +207,8 @@ def watch_opens(leader) -> Iterator[list[int]]:
     lanes_open: list[int] = []
     inner = leader.open
 
-    def watched(lane: int, blocks: tuple[int, ...], num_cached: int) -> None:
-        inner(lane, blocks, num_cached)
+    def watched(lane: int, blocks: tuple[int, ...], num_cached: int, copy_from: int = -1) -> None:
+        inner(lane, blocks, num_cached, copy_from)
         lanes_open.append(len(leader.engine.lanes))
 
     leader.open = watched

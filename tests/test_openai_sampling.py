@@ -71,7 +71,14 @@ def test_each_adjustment_changes_the_reply_and_batched_equals_alone(client):
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
-    assert together == alone + alone
+    assert [what_it_says(reply) for reply in together] == [what_it_says(reply) for reply in alone * 2]
+
+
+def what_it_says(reply):
+    """A reply less its cached_tokens, which depend on what else is live: batched, a prompt may copy
+    the prefix a lane beside it is computing."""
+    text, token_ids, finish_reason, usage = reply
+    return text, token_ids, finish_reason, usage.completion_tokens, usage.prompt_tokens
 
 
 def test_penalties_are_what_they_say(client):
