@@ -17,13 +17,13 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 
+from tpserve.gguf_families import family_of
 from tpserve.gguf_tensors import MAX_SHARD_BYTES, plan_tensors, write_weights
 from tpserve.gguf_tokenizer import build_tokenizer, build_tokenizer_config
 from tpserve.ranks.errors import ModelFileError, UserError
@@ -31,22 +31,6 @@ from tpserve.ranks.errors import ModelFileError, UserError
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "gguf_source.json"
-
-
-@dataclass(frozen=True)
-class Family:
-    """A GGUF `general.architecture` the importer knows, and what it becomes in config.json."""
-
-    architecture: str
-    model_type: str
-    permutes_qk: bool  # llama.cpp's convert_hf_to_gguf reorders q/k rows for its rotary kernel
-
-
-FAMILIES = {
-    "llama": Family("LlamaForCausalLM", "llama", permutes_qk=True),
-    "qwen2": Family("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
-    "qwen3": Family("Qwen3ForCausalLM", "qwen3", permutes_qk=False),
-}
 
 
 def import_gguf(
@@ -69,8 +53,8 @@ def import_gguf(
     reader = _open(gguf_path)
     metadata = read_metadata(reader)
     config = build_config(metadata, reader.tensors, gguf_path)
-    family = FAMILIES[metadata["general.architecture"]]
-    plan = plan_tensors(reader.tensors, config, family.permutes_qk, gguf_path, keep_blocks=not dequantize)
+    family = family_of(metadata["general.architecture"], gguf_path)
+    plan = plan_tensors(reader.tensors, config, family, gguf_path, keep_blocks=not dequantize)
     tokenizer = build_tokenizer(metadata, gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -116,11 +100,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) -> dict[str, Any]:
     """config.json for the model the GGUF's metadata and tensor list describe."""
     arch = metadata.get("general.architecture")
-    family = FAMILIES.get(arch)
-    if family is None:
-        raise ModelFileError(
-            gguf_path, f"architecture {arch!r} is not supported (known: {', '.join(FAMILIES)})"
-        )
+    family = family_of(arch, gguf_path)
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in metadata:
@@ -168,6 +148,12 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
             config["rope_scaling"]["original_max_position_embeddings"] = need(
                 "rope.scaling.original_context_length"
             )
+        if scaling == "yarn":
+            for key, default in family.yarn.items():
+                value = metadata.get(f"{arch}.rope.scaling.yarn_{key}", default)
+                config["rope_scaling"][key] = _float32(value) if isinstance(value, float) else value
+    if family.extra_config is not None:
+        config |= family.extra_config(metadata, names, need, gguf_path)
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if f"tokenizer.ggml.{key}" in metadata:
             config[name] = metadata[f"tokenizer.ggml.{key}"]

@@ -1,0 +1,178 @@
+"""A tiny transformers checkpoint written as GGUF the way llama.cpp's convert_hf_to_gguf writes its
+architecture: the same tensor names, shapes and metadata keys (gguf-py's GGUFWriter), experts stacked
+[E, out, in] a projection, gpt-oss's interleaved gate_up_proj split into gate and up.
+
+`write_gguf` returns the checkpoint's tensors as the GGUF holds them: where experts were quantized,
+their values rounded, so a transformers model loaded from those (`write_reference`) is the model
+the GGUF describes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+Q = gguf.GGMLQuantizationType
+ARCHS = {"Qwen3MoeForCausalLM": "qwen3moe", "GptOssForCausalLM": "gpt-oss"}
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def write_gguf(model_dir: Path, gguf_path: Path, expert_type: Q = Q.F32) -> dict[str, np.ndarray]:
+    """`model_dir`'s model as GGUF at `gguf_path`, its experts in `expert_type`."""
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    hf = load_file(str(model_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(gguf_path), arch)
+    _write_metadata(writer, config, arch)
+    _write_vocab(writer, model_dir)
+    for name in sorted(hf):
+        if name in GLOBAL_NAMES:
+            writer.add_tensor(GLOBAL_NAMES[name], hf[name])
+            continue
+        layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+        # gpt-oss's post_attention_layernorm is the norm before its experts (ATTN_POST_NORM)
+        post = "post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"
+        gguf_leaf = {"post_attention_layernorm.weight": post}.get(leaf, LAYER_NAMES.get(leaf))
+        if gguf_leaf is not None:
+            writer.add_tensor(f"blk.{layer}.{gguf_leaf}", hf[name])
+    for layer in range(config["num_hidden_layers"]):
+        stacks = _qwen3moe_experts(hf, layer) if arch == "qwen3moe" else _gpt_oss_experts(hf, layer)
+        for leaf, (values, put_back) in stacks.items():
+            if expert_type == Q.F32 or leaf.endswith(".bias"):
+                writer.add_tensor(f"blk.{layer}.{leaf}", values)
+                continue
+            raw = gguf.quants.quantize(values, expert_type)
+            writer.add_tensor(f"blk.{layer}.{leaf}", raw, raw_dtype=expert_type)
+            put_back(gguf.quants.dequantize(raw, expert_type).reshape(values.shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def write_reference(model_dir: Path, out_dir: Path, tensors: dict[str, np.ndarray]) -> Path:
+    """A copy of `model_dir` holding `tensors` (write_gguf's, rounded as the GGUF holds them)."""
+    shutil.copytree(model_dir, out_dir)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def _qwen3moe_experts(hf: dict, layer: int) -> dict:
+    """Qwen2MoeModel's merge: experts.N.{gate,up,down}_proj stacked [E, out, in]."""
+    prefix = f"model.layers.{layer}.mlp.experts."
+    num_experts = len({n for n in hf if n.startswith(prefix) and n.endswith("gate_proj.weight")})
+    stacks = {}
+    for proj, leaf in (
+        ("gate_proj", "ffn_gate_exps"),
+        ("up_proj", "ffn_up_exps"),
+        ("down_proj", "ffn_down_exps"),
+    ):
+        names = [f"{prefix}{e}.{proj}.weight" for e in range(num_experts)]
+        if not names:  # a dense layer (mlp_only_layers)
+            continue
+
+        def put_back(values, names=names):
+            hf.update({n: np.ascontiguousarray(v) for n, v in zip(names, values)})
+
+        stacks[f"{leaf}.weight"] = (np.stack([hf[n] for n in names]), put_back)
+    return stacks
+
+
+def _gpt_oss_experts(hf: dict, layer: int) -> dict:
+    """GptOssModel's split of float experts: gate_up_proj [E, hidden, 2I] transposed to [E, 2I,
+    hidden], gate rows the even ones, up the odd; down_proj [E, I, hidden] transposed; the gate_up bias
+    split likewise."""
+    stem = f"model.layers.{layer}.mlp.experts."
+    gate_up, down = hf.pop(stem + "gate_up_proj"), hf.pop(stem + "down_proj")
+    bias = hf.pop(stem + "gate_up_proj_bias")
+    rounded = {stem + "gate_up_proj": gate_up.copy(), stem + "down_proj": down.copy()}
+
+    def into(name: str, columns: slice):
+        def put_back(values):  # [E, out, in] back to the input-first stored layout
+            rounded[name][..., columns] = values.transpose(0, 2, 1)
+
+        return put_back
+
+    hf.update(rounded)
+    hf[stem + "gate_up_proj_bias"] = bias
+    transposed = gate_up.transpose(0, 2, 1)
+    return {
+        "ffn_gate_exps.weight": (np.ascontiguousarray(transposed[:, 0::2]), into(stem + "gate_up_proj", slice(0, None, 2))),
+        "ffn_up_exps.weight": (np.ascontiguousarray(transposed[:, 1::2]), into(stem + "gate_up_proj", slice(1, None, 2))),
+        "ffn_down_exps.weight": (np.ascontiguousarray(down.transpose(0, 2, 1)), into(stem + "down_proj", slice(None))),
+        "ffn_gate_exps.bias": (np.ascontiguousarray(bias[:, 0::2]), None),
+        "ffn_up_exps.bias": (np.ascontiguousarray(bias[:, 1::2]), None),
+    }  # fmt: skip
+
+
+def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    else:
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+def _write_vocab(writer: gguf.GGUFWriter, model_dir: Path) -> None:
+    """The tests' byte-level BPE as llama.cpp's _set_vocab_gpt2 writes one."""
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([3 if token in specials else 1 for token in tokens])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)

@@ -1,0 +1,94 @@
+"""`import-gguf` of mixtures of experts (qwen3moe, gpt-oss): tiny models transformers writes itself,
+converted to GGUF as llama.cpp's converter writes them (tests/hf_to_gguf.py), imported, and served
+against transformers' forward of the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from hf_reference import check_against_transformers
+from hf_to_gguf import write_gguf, write_reference
+from safetensors.numpy import load_file
+from tiny_hf_models import write_hf_model
+
+from tpserve.gguf_import import import_gguf
+from tpserve.kernels.linear import ROW_TILE
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.model_config import load_model_config
+
+Q = gguf.GGMLQuantizationType
+
+
+def imported(tmp_path: Path, family: str, expert_type: Q = Q.F32, **overrides) -> tuple[Path, Path]:
+    """(the import's model directory, the transformers checkpoint of the model its GGUF holds)."""
+    hf_dir = write_hf_model(tmp_path / "hf", family, **overrides)
+    tensors = write_gguf(hf_dir, tmp_path / "model.gguf", expert_type)
+    reference = write_reference(hf_dir, tmp_path / "reference", tensors)
+    return import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False), reference
+
+
+def test_qwen3moe_float_import_matches_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "qwen3-moe")
+    config = json.loads((out_dir / "config.json").read_text())
+    assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"]) == ("qwen3_moe", 8, 3)
+    assert config["moe_intermediate_size"] == 18 and config["mlp_only_layers"] == [1]
+    moe = load_model_config(out_dir).moe
+    assert moe.sparse_layers == (0, 2) and moe.normalize_top_k
+    weights = load_file(str(out_dir / "model.safetensors"))
+    hf = load_file(str(reference / "model.safetensors"))
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    np.testing.assert_array_equal(weights[name], hf[name])
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize("expert_type", [Q.Q8_0, Q.Q4_0], ids=["q8_0", "q4_0"])
+def test_qwen3moe_quantized_experts_stay_in_blocks_and_match_transformers(tmp_path, expert_type):
+    out_dir, reference = imported(tmp_path, "qwen3-moe", expert_type, moe_intermediate_size=32)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    bits = 8 if expert_type == Q.Q8_0 else 4
+    stem = "model.layers.0.mlp.experts.3."
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert f"{stem}{proj}.weight_q{bits}" in weights and f"{stem}{proj}.weight" not in weights
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_gpt_oss_float_import_matches_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "gpt-oss")
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["model_type"] == "gpt_oss" and config["sliding_window"] == 8
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    }
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_gpt_oss_mxfp4_experts_become_five_bit_blocks_and_match_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "gpt-oss", Q.MXFP4, intermediate_size=32)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    stem = "model.layers.1.mlp.experts.2."
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert f"{stem}{proj}.weight_q5" in weights and f"{stem}{proj}.weight" not in weights
+    assert weights[f"{stem}gate_proj.weight_d"].dtype == np.float16
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_an_unknown_architecture_is_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "deepseek2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="architecture 'deepseek2' is not supported"):
+        import_gguf(tmp_path / "other.gguf", tmp_path / "out", progress=False)

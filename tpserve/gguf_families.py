@@ -1,0 +1,100 @@
+"""The GGUF architectures `import-gguf` knows: what each becomes in config.json, and how llama.cpp's
+convert_hf_to_gguf wrote it.
+
+Dense `llama` (q/k rows permuted for llama.cpp's rotary kernel), `qwen2` and `qwen3`; and the
+mixtures of experts `qwen3moe` and `gpt-oss`, whose experts llama.cpp stacks into one tensor a
+projection (`blk.N.ffn_gate_exps.weight` [E, I, hidden] in torch order, `ffn_up_exps`, `ffn_down_exps`
+[E, hidden, I]; gpt-oss's gate and up split out of its interleaved gate_up_proj, biases beside them as
+`.bias`). The router is `ffn_gate_inp`. A qwen3moe layer without one is dense (Qwen3-MoE's
+`mlp_only_layers`). gpt-oss keeps its sinks as `attn_sinks.weight`, the norm before its experts as
+`post_attention_norm`, and alternates sliding (even) and full (odd) layers, as llama.cpp computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpserve.ranks.errors import ModelFileError
+
+# transformers' GptOssConfig: yarn's correction range and its untruncated bounds, which GGUF keeps
+# only where the writer knew the yarn keys
+GPT_OSS_YARN = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+
+
+def _qwen3moe(metadata: dict[str, Any], names: set[str], need: Callable[[str], Any], gguf_path: Path) -> dict:
+    num_layers = need("block_count")
+    return {
+        "num_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": need("expert_feed_forward_length"),
+        # llama.cpp renormalises qwen3moe's top k whatever the file says; Qwen3-MoE's own do too
+        "norm_topk_prob": bool(metadata.get("qwen3moe.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    }
+
+
+def _gpt_oss(metadata: dict[str, Any], names: set[str], need: Callable[[str], Any], gguf_path: Path) -> dict:
+    num_layers = need("block_count")
+    extra = {
+        "num_local_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "intermediate_size": need("expert_feed_forward_length"),
+        "sliding_window": need("attention.sliding_window"),
+        "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
+        "attention_bias": True,
+    }
+    missing = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if missing:
+        raise ModelFileError(gguf_path, f"gpt-oss layers {missing} have no router (ffn_gate_inp)")
+    return extra
+
+
+@dataclass(frozen=True)
+class Family:
+    """A GGUF `general.architecture` the importer knows, and what it becomes in config.json."""
+
+    architecture: str
+    model_type: str
+    permutes_qk: bool  # llama.cpp's convert_hf_to_gguf reorders q/k rows for its rotary kernel
+    layer_names: dict[str, str] = field(default_factory=dict)  # GGUF leaf -> HF leaf, beyond the dense ones
+    extra_config: Callable[..., dict[str, Any]] | None = None  # (metadata, tensor names, need, path) -> keys
+    yarn: dict[str, Any] = field(default_factory=dict)  # yarn keys GGUF may leave out
+
+
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
+}
+_GPT_OSS_NAMES = _MOE_NAMES | {
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    "ffn_gate_exps.bias": "mlp.experts.{}.gate_proj.bias",
+    "ffn_up_exps.bias": "mlp.experts.{}.up_proj.bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",  # [E, hidden], kept whole
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+}
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", "llama", permutes_qk=True),
+    "qwen2": Family("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
+    "qwen3": Family("Qwen3ForCausalLM", "qwen3", permutes_qk=False),
+    "qwen3moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", False, _MOE_NAMES, _qwen3moe),
+    "gpt-oss": Family("GptOssForCausalLM", "gpt_oss", False, _GPT_OSS_NAMES, _gpt_oss, GPT_OSS_YARN),
+}
+
+
+def family_of(arch: Any, gguf_path: Path) -> Family:
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise ModelFileError(
+            gguf_path, f"architecture {arch!r} is not supported (known: {', '.join(FAMILIES)})"
+        )
+    return family
