@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -47,8 +48,11 @@ GLOBAL_NAMES = {
 }
 
 
-def write_gguf(model_dir: Path, gguf_path: Path, expert_type: Q = Q.F32) -> dict[str, np.ndarray]:
-    """`model_dir`'s model as GGUF at `gguf_path`, its experts in `expert_type`."""
+def write_gguf(
+    model_dir: Path, gguf_path: Path, expert_type: Q = Q.F32, random_blocks: Callable | None = None
+) -> dict[str, np.ndarray]:
+    """`model_dir`'s model as GGUF at `gguf_path`, its experts in `expert_type`: quantized by gguf-py,
+    or (a K-quant, which gguf-py cannot quantize to) `random_blocks(shape, expert_type)`'s raw blocks."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     hf = load_file(str(model_dir / "model.safetensors"))
@@ -71,7 +75,11 @@ def write_gguf(model_dir: Path, gguf_path: Path, expert_type: Q = Q.F32) -> dict
             if expert_type == Q.F32 or leaf.endswith(".bias"):
                 writer.add_tensor(f"blk.{layer}.{leaf}", values)
                 continue
-            raw = gguf.quants.quantize(values, expert_type)
+            raw = (
+                random_blocks(values.shape, expert_type)
+                if random_blocks is not None
+                else gguf.quants.quantize(values, expert_type)
+            )
             writer.add_tensor(f"blk.{layer}.{leaf}", raw, raw_dtype=expert_type)
             put_back(gguf.quants.dequantize(raw, expert_type).reshape(values.shape))
     writer.write_header_to_file()

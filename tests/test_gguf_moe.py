@@ -13,6 +13,7 @@ import pytest
 from hf_reference import check_against_transformers
 from hf_to_gguf import write_gguf, write_reference
 from safetensors.numpy import load_file
+from test_gguf_import import RANDOM_BLOCKS
 from tiny_hf_models import write_hf_model
 
 from tpserve.gguf_import import import_gguf
@@ -23,10 +24,12 @@ from tpserve.ranks.model_config import load_model_config
 Q = gguf.GGMLQuantizationType
 
 
-def imported(tmp_path: Path, family: str, expert_type: Q = Q.F32, **overrides) -> tuple[Path, Path]:
+def imported(
+    tmp_path: Path, family: str, expert_type: Q = Q.F32, random_blocks=None, **overrides
+) -> tuple[Path, Path]:
     """(the import's model directory, the transformers checkpoint of the model its GGUF holds)."""
     hf_dir = write_hf_model(tmp_path / "hf", family, **overrides)
-    tensors = write_gguf(hf_dir, tmp_path / "model.gguf", expert_type)
+    tensors = write_gguf(hf_dir, tmp_path / "model.gguf", expert_type, random_blocks)
     reference = write_reference(hf_dir, tmp_path / "reference", tensors)
     return import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False), reference
 
@@ -53,6 +56,21 @@ def test_qwen3moe_quantized_experts_stay_in_blocks_and_match_transformers(tmp_pa
     stem = "model.layers.0.mlp.experts.3."
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert f"{stem}{proj}.weight_q{bits}" in weights and f"{stem}{proj}.weight" not in weights
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize("expert_type", [Q.Q4_K, Q.Q6_K], ids=["q4_k", "q6_k"])
+def test_qwen3moe_k_quant_experts_stay_in_blocks_and_match_transformers(tmp_path, expert_type):
+    rng = np.random.default_rng(0)
+
+    def random_blocks(shape, qtype):  # [E, out, in] -> raw super-blocks [E, out, bytes]
+        return RANDOM_BLOCKS[qtype](shape[0] * shape[1], shape[2], rng).reshape(shape[0], shape[1], -1)
+
+    sizes = {"hidden_size": 256, "moe_intermediate_size": 256}
+    out_dir, reference = imported(tmp_path, "qwen3-moe", expert_type, random_blocks, **sizes)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    suffix = "_q4" if expert_type == Q.Q4_K else "_q6"
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" + suffix in weights
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
