@@ -244,7 +244,8 @@ def _stored_tensor(
     if stacked is not None and not per_expert:
         return StoredExpertPart(handles, files, config, stacked, dtype)
     fused = fused_part(config, name)
-    if fused is not None and stored_name(files, name) is None and stored_name(files, fused[0]) is not None:
+    whole_stored = fused is not None and (stored_name(files, fused[0]) or stored_blocks(files, fused[0]))
+    if whole_stored and stored_name(files, name) is None:
         whole = _stored_tensor(model_dir, config, files, handles, fused[0], dtype)
         return StoredRows(whole, *fused)
     scheme = config.quantization

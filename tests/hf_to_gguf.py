@@ -19,7 +19,27 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 Q = gguf.GGMLQuantizationType
-ARCHS = {"Qwen3MoeForCausalLM": "qwen3moe", "GptOssForCausalLM": "gpt-oss"}
+ARCHS = {
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "GptOssForCausalLM": "gpt-oss",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+}
+# each architecture's names for the norms after attention (and around gemma3's MLP), and fused weights
+ARCH_NAMES = {
+    "qwen3moe": {"post_attention_layernorm.weight": "ffn_norm.weight"},
+    "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+    "gemma3": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+    "phi3": {
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
+    },
+}
 LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -49,27 +69,40 @@ GLOBAL_NAMES = {
 
 
 def write_gguf(
-    model_dir: Path, gguf_path: Path, expert_type: Q = Q.F32, random_blocks: Callable | None = None
+    model_dir: Path,
+    gguf_path: Path,
+    expert_type: Q = Q.F32,
+    random_blocks: Callable | None = None,
+    layer_type: Q = Q.F32,
 ) -> dict[str, np.ndarray]:
     """`model_dir`'s model as GGUF at `gguf_path`, its experts in `expert_type`: quantized by gguf-py,
-    or (a K-quant, which gguf-py cannot quantize to) `random_blocks(shape, expert_type)`'s raw blocks."""
+    or (a K-quant, which gguf-py cannot quantize to) `random_blocks(shape, expert_type)`'s raw blocks;
+    the layers' other matrices in `layer_type` (gguf-py's)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     hf = load_file(str(model_dir / "model.safetensors"))
+    rope = config.get("rope_parameters") or {}
     writer = gguf.GGUFWriter(str(gguf_path), arch)
     _write_metadata(writer, config, arch)
     _write_vocab(writer, model_dir)
     for name in sorted(hf):
+        # Gemma3Model's norm_shift: llama.cpp's norms scale by w, Gemma3RMSNorm's by 1 + w
+        values = hf[name] + np.float32(1) if arch == "gemma3" and name.endswith("norm.weight") else hf[name]
         if name in GLOBAL_NAMES:
-            writer.add_tensor(GLOBAL_NAMES[name], hf[name])
+            writer.add_tensor(GLOBAL_NAMES[name], values)
             continue
         layer, leaf = name.removeprefix("model.layers.").split(".", 1)
-        # gpt-oss's post_attention_layernorm is the norm before its experts (ATTN_POST_NORM)
-        post = "post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"
-        gguf_leaf = {"post_attention_layernorm.weight": post}.get(leaf, LAYER_NAMES.get(leaf))
-        if gguf_leaf is not None:
-            writer.add_tensor(f"blk.{layer}.{gguf_leaf}", hf[name])
-    for layer in range(config["num_hidden_layers"]):
+        gguf_leaf = ARCH_NAMES[arch].get(leaf, LAYER_NAMES.get(leaf))
+        if gguf_leaf is not None and (layer_type == Q.F32 or values.ndim != 2):
+            writer.add_tensor(f"blk.{layer}.{gguf_leaf}", values)
+        elif gguf_leaf is not None:
+            raw = gguf.quants.quantize(values, layer_type)
+            writer.add_tensor(f"blk.{layer}.{gguf_leaf}", raw, raw_dtype=layer_type)
+            hf[name] = gguf.quants.dequantize(raw, layer_type).reshape(values.shape)
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # Phi3MiniModel's extra tensors
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    for layer in range(config["num_hidden_layers"]) if arch in ("qwen3moe", "gpt-oss") else ():
         stacks = _qwen3moe_experts(hf, layer) if arch == "qwen3moe" else _gpt_oss_experts(hf, layer)
         for leaf, (values, put_back) in stacks.items():
             if expert_type == Q.F32 or leaf.endswith(".bias"):
@@ -151,18 +184,36 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # gemma3's global layers'
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if arch in ("qwen3moe", "gpt-oss"):
+        writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     if arch == "qwen3moe":
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    else:
+    elif arch == "gpt-oss":
         writer.add_expert_feed_forward_length(config["intermediate_size"])
+    if arch in ("gpt-oss", "gemma3"):
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3":
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        # llama.cpp's own pattern is every sixth layer global; a tiny model's own, written out
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+    if arch == "phi3":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        writer.add_rope_scaling_orig_ctx_len(
+            rope.get("original_max_position_embeddings", config["max_position_embeddings"])
+        )
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])

@@ -25,11 +25,16 @@ Q = gguf.GGMLQuantizationType
 
 
 def imported(
-    tmp_path: Path, family: str, expert_type: Q = Q.F32, random_blocks=None, **overrides
+    tmp_path: Path,
+    family: str,
+    expert_type: Q = Q.F32,
+    random_blocks=None,
+    layer_type: Q = Q.F32,
+    **overrides,
 ) -> tuple[Path, Path]:
     """(the import's model directory, the transformers checkpoint of the model its GGUF holds)."""
     hf_dir = write_hf_model(tmp_path / "hf", family, **overrides)
-    tensors = write_gguf(hf_dir, tmp_path / "model.gguf", expert_type, random_blocks)
+    tensors = write_gguf(hf_dir, tmp_path / "model.gguf", expert_type, random_blocks, layer_type)
     reference = write_reference(hf_dir, tmp_path / "reference", tensors)
     return import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False), reference
 
@@ -110,3 +115,40 @@ def test_an_unknown_architecture_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ModelFileError, match="architecture 'deepseek2' is not supported"):
         import_gguf(tmp_path / "other.gguf", tmp_path / "out", progress=False)
+
+
+def test_gemma3_import_takes_the_norms_one_off_and_matches_transformers(tmp_path):
+    # llama.cpp scales q.k by head_dim^-1/2 on every gemma3 but the 27B: a model it can describe
+    out_dir, reference = imported(tmp_path, "gemma3", query_pre_attn_scalar=16)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["final_logit_softcapping"] == 30.0
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and config["rope_theta"] == 1e6
+    weights = load_file(str(out_dir / "model.safetensors"))
+    hf = load_file(str(reference / "model.safetensors"))
+    name = "model.layers.1.post_feedforward_layernorm.weight"
+    np.testing.assert_allclose(weights[name], hf[name], rtol=0, atol=2.0**-23)
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope"])
+def test_phi3_fused_weights_and_longrope_factors_match_transformers(tmp_path, variant):
+    out_dir, reference = imported(tmp_path, variant)
+    config = json.loads((out_dir / "config.json").read_text())
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert (
+        "model.layers.0.self_attn.qkv_proj.weight" in weights
+        and "model.layers.0.mlp.gate_up_proj.weight" in weights
+    )
+    if variant == "phi3-longrope":
+        assert config["rope_scaling"]["short_factor"] == [1.0 + 0.25 * i for i in range(8)]
+        assert config["original_max_position_embeddings"] == 256
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path):
+    out_dir, reference = imported(tmp_path, "phi3", layer_type=Q.Q8_0)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert "model.layers.1.self_attn.qkv_proj.weight_q8" in weights
+    assert "model.layers.1.mlp.gate_up_proj.weight_q8" in weights
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)

@@ -1,7 +1,13 @@
 """The GGUF architectures `import-gguf` knows: what each becomes in config.json, and how llama.cpp's
 convert_hf_to_gguf wrote it.
 
-Dense `llama` (q/k rows permuted for llama.cpp's rotary kernel), `qwen2` and `qwen3`; and the
+Dense `llama` (q/k rows permuted for llama.cpp's rotary kernel), `qwen2` and `qwen3`. `gemma3`, whose
+norms llama.cpp stores plus one (Gemma3RMSNorm scales by 1 + w; the import takes the one off again),
+whose norms around attention and the MLP are `post_attention_norm`, `ffn_norm` and `post_ffw_norm`,
+and whose layers llama.cpp makes global every sixth (unless the file says otherwise), the local ones
+on a rotary base of 10000, scaling q.k by head_dim^-1/2 (hidden / heads for the 62-layer 27B). `phi3`,
+its q/k/v fused as `attn_qkv` and gate/up as `ffn_up` (ranks/fused_tensors.py splits them on load),
+its longrope factors as the tensors `rope_factors_short` and `rope_factors_long`. And the
 mixtures of experts `qwen3moe` and `gpt-oss`, whose experts llama.cpp stacks into one tensor a
 projection (`blk.N.ffn_gate_exps.weight` [E, I, hidden] in torch order, `ffn_up_exps`, `ffn_down_exps`
 [E, hidden, I]; gpt-oss's gate and up split out of its interleaved gate_up_proj, biases beside them as
@@ -17,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tpserve.ranks.errors import ModelFileError
 
 # transformers' GptOssConfig: yarn's correction range and its untruncated bounds, which GGUF keeps
@@ -24,8 +32,8 @@ from tpserve.ranks.errors import ModelFileError
 GPT_OSS_YARN = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 
 
-def _qwen3moe(metadata: dict[str, Any], names: set[str], need: Callable[[str], Any], gguf_path: Path) -> dict:
-    num_layers = need("block_count")
+def _qwen3moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    num_layers, names = need("block_count"), set(tensors)
     return {
         "num_experts": need("expert_count"),
         "num_experts_per_tok": need("expert_used_count"),
@@ -37,8 +45,8 @@ def _qwen3moe(metadata: dict[str, Any], names: set[str], need: Callable[[str], A
     }
 
 
-def _gpt_oss(metadata: dict[str, Any], names: set[str], need: Callable[[str], Any], gguf_path: Path) -> dict:
-    num_layers = need("block_count")
+def _gpt_oss(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    num_layers, names = need("block_count"), set(tensors)
     extra = {
         "num_local_experts": need("expert_count"),
         "num_experts_per_tok": need("expert_used_count"),
@@ -53,6 +61,51 @@ def _gpt_oss(metadata: dict[str, Any], names: set[str], need: Callable[[str], An
     return extra
 
 
+def _gemma3(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    num_layers, hidden, num_heads = (
+        need("block_count"),
+        need("embedding_length"),
+        need("attention.head_count"),
+    )
+    pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
+    sliding = (
+        [bool(p) for p in pattern]
+        if isinstance(pattern, list)
+        else [bool((i + 1) % pattern) for i in range(num_layers)]
+    )
+    extra = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": need("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": hidden // num_heads if num_layers == 62 else metadata.get("gemma3.attention.key_length", hidden // num_heads),
+        "rope_local_base_freq": float(metadata.get("gemma3.rope.freq_base_swa", 10000.0)),
+    }  # fmt: skip
+    cap = metadata.get("gemma3.final_logit_softcapping")
+    if cap:
+        extra["final_logit_softcapping"] = float(str(np.float32(cap)))
+    return extra
+
+
+def _phi3(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    window = metadata.get("phi3.attention.sliding_window", 0)
+    extra: dict[str, Any] = {"sliding_window": window or None}
+    original = metadata.get("phi3.rope.scaling.original_context_length")
+    if original:
+        extra["original_max_position_embeddings"] = original
+    if "rope_factors_short.weight" in tensors:
+        if not original:
+            raise ModelFileError(
+                gguf_path, "longrope factors but no phi3.rope.scaling.original_context_length"
+            )
+        extra["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": [float(v) for v in tensors["rope_factors_short.weight"].data],
+            "long_factor": [float(v) for v in tensors["rope_factors_long.weight"].data],
+            "original_max_position_embeddings": original,
+        }
+    return extra
+
+
 @dataclass(frozen=True)
 class Family:
     """A GGUF `general.architecture` the importer knows, and what it becomes in config.json."""
@@ -61,8 +114,12 @@ class Family:
     model_type: str
     permutes_qk: bool  # llama.cpp's convert_hf_to_gguf reorders q/k rows for its rotary kernel
     layer_names: dict[str, str] = field(default_factory=dict)  # GGUF leaf -> HF leaf, beyond the dense ones
-    extra_config: Callable[..., dict[str, Any]] | None = None  # (metadata, tensor names, need, path) -> keys
+    extra_config: Callable[..., dict[str, Any]] | None = (
+        None  # (metadata, tensors by name, need, path) -> keys
+    )
     yarn: dict[str, Any] = field(default_factory=dict)  # yarn keys GGUF may leave out
+    norm_shift: float = 0.0  # what llama.cpp added to every norm weight (taken off again)
+    config_tensors: tuple[str, ...] = ()  # tensors read into config.json, not written
 
 
 _MOE_NAMES = {
@@ -82,12 +139,22 @@ _GPT_OSS_NAMES = _MOE_NAMES | {
     "attn_sinks.weight": "self_attn.sinks",
 }
 
+_GEMMA3_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_PHI3_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_PHI3_CONFIG_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", "llama", permutes_qk=True),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", permutes_qk=False),
     "qwen3moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", False, _MOE_NAMES, _qwen3moe),
     "gpt-oss": Family("GptOssForCausalLM", "gpt_oss", False, _GPT_OSS_NAMES, _gpt_oss, GPT_OSS_YARN),
+    "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA3_NAMES, _gemma3, norm_shift=1.0),
+    "phi3": Family("Phi3ForCausalLM", "phi3", False, _PHI3_NAMES, _phi3, config_tensors=_PHI3_CONFIG_TENSORS),
 }
 
 

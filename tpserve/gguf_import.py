@@ -153,7 +153,7 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
                 value = metadata.get(f"{arch}.rope.scaling.yarn_{key}", default)
                 config["rope_scaling"][key] = _float32(value) if isinstance(value, float) else value
     if family.extra_config is not None:
-        config |= family.extra_config(metadata, names, need, gguf_path)
+        config |= family.extra_config(metadata, {t.name: t for t in tensors}, need, gguf_path)
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if f"tokenizer.ggml.{key}" in metadata:
             config[name] = metadata[f"tokenizer.ggml.{key}"]

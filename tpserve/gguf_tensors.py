@@ -74,6 +74,7 @@ class PlannedTensor:
     rotary_heads: int  # > 0: undo llama.cpp's q/k permutation over this many heads
     keeps_blocks: bool = False  # written in its own blocks (a matrix of one of KEPT_TYPES)
     expert: int | None = None  # this expert's slice of a stacked [E, ...] source
+    shift: float = 0.0  # taken off every value (what llama.cpp added to gemma3's norms)
 
     @property
     def num_bytes(self) -> int:
@@ -87,6 +88,8 @@ def plan_tensors(
     """Map every GGUF tensor to its Hugging Face name, refusing unknown names and types up front."""
     plan = []
     for tensor in tensors:
+        if tensor.name in family.config_tensors:
+            continue
         if tensor.tensor_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(qtype.name for qtype in SUPPORTED_TYPES))
             raise ModelFileError(
@@ -115,7 +118,8 @@ def plan_tensors(
                 f"tensor {tensor.name} has {shape[0]} rows, not {rotary_heads} heads x {config['head_dim']}",
             )
         blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(shape) == 2
-        plan.append(PlannedTensor(tensor, name, shape, rotary_heads, blocks))
+        shift = family.norm_shift if name.endswith("norm.weight") else 0.0
+        plan.append(PlannedTensor(tensor, name, shape, rotary_heads, blocks, shift=shift))
     return sorted(plan, key=lambda item: _storage_order(item.name))
 
 
@@ -155,6 +159,8 @@ def read_tensor(planned: PlannedTensor, gguf_path: Path) -> np.ndarray:
     values = values.reshape(planned.shape).astype(np.float32, copy=False)
     if planned.rotary_heads:
         values = unpermute_rotary_rows(values, planned.rotary_heads)
+    if planned.shift:
+        values = values - np.float32(planned.shift)
     return np.ascontiguousarray(values)
 
 
