@@ -74,17 +74,18 @@ def write_gguf(
     expert_type: Q = Q.F32,
     random_blocks: Callable | None = None,
     layer_type: Q = Q.F32,
+    pre: str = "default",
 ) -> dict[str, np.ndarray]:
     """`model_dir`'s model as GGUF at `gguf_path`, its experts in `expert_type`: quantized by gguf-py,
     or (a K-quant, which gguf-py cannot quantize to) `random_blocks(shape, expert_type)`'s raw blocks;
-    the layers' other matrices in `layer_type` (gguf-py's)."""
+    the layers' other matrices in `layer_type` (gguf-py's); `pre` names llama.cpp's pre-tokenizer."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     hf = load_file(str(model_dir / "model.safetensors"))
     rope = config.get("rope_parameters") or {}
     writer = gguf.GGUFWriter(str(gguf_path), arch)
     _write_metadata(writer, config, arch)
-    _write_vocab(writer, model_dir)
+    _write_vocab(writer, model_dir, pre)
     for name in sorted(hf):
         # Gemma3Model's norm_shift: llama.cpp's norms scale by w, Gemma3RMSNorm's by 1 + w
         values = hf[name] + np.float32(1) if arch == "gemma3" and name.endswith("norm.weight") else hf[name]
@@ -220,7 +221,7 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
-def _write_vocab(writer: gguf.GGUFWriter, model_dir: Path) -> None:
+def _write_vocab(writer: gguf.GGUFWriter, model_dir: Path, pre: str) -> None:
     """The tests' byte-level BPE as llama.cpp's _set_vocab_gpt2 writes one."""
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
@@ -228,7 +229,7 @@ def _write_vocab(writer: gguf.GGUFWriter, model_dir: Path) -> None:
     specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
     merges = [" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
     writer.add_token_types([3 if token in specials else 1 for token in tokens])

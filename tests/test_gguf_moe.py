@@ -15,6 +15,7 @@ from hf_to_gguf import write_gguf, write_reference
 from safetensors.numpy import load_file
 from test_gguf_import import RANDOM_BLOCKS
 from tiny_hf_models import write_hf_model
+from tokenizers import Tokenizer
 
 from tpserve.gguf_import import import_gguf
 from tpserve.kernels.linear import ROW_TILE
@@ -103,6 +104,15 @@ def test_gpt_oss_mxfp4_experts_become_five_bit_blocks_and_match_transformers(tmp
         assert f"{stem}{proj}.weight_q5" in weights and f"{stem}{proj}.weight" not in weights
     assert weights[f"{stem}gate_proj.weight_d"].dtype == np.float16
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_gpt_oss_o200k_pre_tokenizer_splits_as_llama_cpp_does(tmp_path):
+    hf_dir = write_hf_model(tmp_path / "hf", "gpt-oss")
+    write_gguf(hf_dir, tmp_path / "model.gguf", pre="gpt-4o")
+    out_dir = import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False)
+    pre_tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json")).pre_tokenizer
+    pieces = [piece for piece, _ in pre_tokenizer.pre_tokenize_str("HelloWorld's 12345")]
+    assert pieces == ["Hello", "World's", "Ġ", "123", "45"]
 
 
 def test_an_unknown_architecture_is_refused_by_name(tmp_path):

@@ -30,6 +30,13 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k's (gpt-oss, GPT-4o): llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O, as the original tokenizer.json says
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class PreTokenizerRule:
@@ -52,6 +59,7 @@ PRE_TOKENIZER_RULES: dict[str, PreTokenizerRule] = {
     "llama-v3": PreTokenizerRule(split_regex=_LLAMA3_SPLIT, ignore_merges=True),
     "qwen2": PreTokenizerRule(split_regex=_QWEN2_SPLIT, nfc=True),
     "deepseek-r1-qwen": PreTokenizerRule(split_regex=_QWEN2_SPLIT, nfc=True),
+    "gpt-4o": PreTokenizerRule(split_regex=_O200K_SPLIT),
 }
 
 
