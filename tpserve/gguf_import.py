@@ -4,7 +4,8 @@ The directory holds config.json, safetensors under Hugging Face tensor names (Q4
 Q8_0 weights in their own blocks, tpserve/gguf_blocks.py; the rest float32),
 tokenizer.json, tokenizer_config.json, generation_config.json and gguf_source.json (which file it
 came from, so `prepare` can tell a stale import). Other quantized tensors are dequantized with the
-`gguf` package; the q/k row permutation llama.cpp applies to llama-architecture models is undone.
+`gguf` package. What llama.cpp's converter did to each architecture (the llama q/k row permutation,
+gemma3's norms plus one, stacked experts) is undone (tpserve/gguf_families.py says what each is).
 Everything is written to a hidden sibling directory first and renamed at the end, so a crash never
 leaves a half-made model behind.
 """
