@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from hf_reference import check_against_transformers
 from hf_to_gguf import write_gguf, write_reference
+from multiproc import RankPool
 from safetensors.numpy import load_file
 from test_gguf_import import RANDOM_BLOCKS
+from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
 from tokenizers import Tokenizer
 
@@ -162,3 +164,17 @@ def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path):
     assert "model.layers.1.self_attn.qkv_proj.weight_q8" in weights
     assert "model.layers.1.mlp.gate_up_proj.weight_q8" in weights
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize(
+    ("family", "expert_type", "sizes"),
+    [("qwen3-moe", Q.Q4_0, {"moe_intermediate_size": 64}), ("gpt-oss", Q.MXFP4, {"intermediate_size": 64})],
+    ids=["qwen3moe-q4_0", "gpt-oss-mxfp4"],
+)
+def test_imported_experts_in_blocks_tp2_equal_tp1_and_batched_equals_solo(
+    tmp_path, family, expert_type, sizes
+):
+    # served as stored (int4), each piece's 32 of every expert's intermediate columns its own blocks
+    out_dir, _ = imported(tmp_path, family, expert_type, **sizes)
+    with RankPool(2) as pool:
+        check_tp2_equals_tp1_and_batched_equals_solo(pool, str(out_dir), "int4")
