@@ -62,27 +62,26 @@ def _gpt_oss(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any]
 
 
 def _gemma3(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
-    num_layers, hidden, num_heads = (
-        need("block_count"),
-        need("embedding_length"),
-        need("attention.head_count"),
-    )
+    num_layers = need("block_count")
+    # one flag a layer (true: sliding), or every pattern-th layer global
     pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
-    sliding = (
-        [bool(p) for p in pattern]
-        if isinstance(pattern, list)
-        else [bool((i + 1) % pattern) for i in range(num_layers)]
-    )
+    if isinstance(pattern, list):
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [bool((layer + 1) % pattern) for layer in range(num_layers)]
+    head_dim = need("embedding_length") // need("attention.head_count")
+    if num_layers != 62:  # the 27B scales by (hidden / heads)^-1/2, the others by head_dim's
+        head_dim = metadata.get("gemma3.attention.key_length", head_dim)
     extra = {
         "hidden_act": "gelu_pytorch_tanh",
         "sliding_window": need("attention.sliding_window"),
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "query_pre_attn_scalar": hidden // num_heads if num_layers == 62 else metadata.get("gemma3.attention.key_length", hidden // num_heads),
-        "rope_local_base_freq": float(metadata.get("gemma3.rope.freq_base_swa", 10000.0)),
-    }  # fmt: skip
+        "layer_types": ["sliding_attention" if slides else "full_attention" for slides in sliding],
+        "query_pre_attn_scalar": head_dim,
+        "rope_local_base_freq": shortest_float32(metadata.get("gemma3.rope.freq_base_swa", 10000.0)),
+    }
     cap = metadata.get("gemma3.final_logit_softcapping")
     if cap:
-        extra["final_logit_softcapping"] = float(str(np.float32(cap)))
+        extra["final_logit_softcapping"] = shortest_float32(cap)
     return extra
 
 
@@ -99,8 +98,8 @@ def _phi3(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], g
             )
         extra["rope_scaling"] = {
             "rope_type": "longrope",
-            "short_factor": [float(v) for v in tensors["rope_factors_short.weight"].data],
-            "long_factor": [float(v) for v in tensors["rope_factors_long.weight"].data],
+            "short_factor": [shortest_float32(v) for v in tensors["rope_factors_short.weight"].data],
+            "long_factor": [shortest_float32(v) for v in tensors["rope_factors_long.weight"].data],
             "original_max_position_embeddings": original,
         }
     return extra
@@ -113,10 +112,10 @@ class Family:
     architecture: str
     model_type: str
     permutes_qk: bool  # llama.cpp's convert_hf_to_gguf reorders q/k rows for its rotary kernel
-    layer_names: dict[str, str] = field(default_factory=dict)  # GGUF leaf -> HF leaf, beyond the dense ones
-    extra_config: Callable[..., dict[str, Any]] | None = (
-        None  # (metadata, tensors by name, need, path) -> keys
-    )
+    # GGUF leaf -> HF leaf, beyond (or instead of) the dense ones; "{}": an expert's number
+    layer_names: dict[str, str] = field(default_factory=dict)
+    # (metadata, tensors by name, need, path) -> config.json keys beyond the dense ones
+    extra_config: Callable[..., dict[str, Any]] | None = None
     yarn: dict[str, Any] = field(default_factory=dict)  # yarn keys GGUF may leave out
     norm_shift: float = 0.0  # what llama.cpp added to every norm weight (taken off again)
     config_tensors: tuple[str, ...] = ()  # tensors read into config.json, not written
@@ -156,6 +155,12 @@ FAMILIES = {
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA3_NAMES, _gemma3, norm_shift=1.0),
     "phi3": Family("Phi3ForCausalLM", "phi3", False, _PHI3_NAMES, _phi3, config_tensors=_PHI3_CONFIG_TENSORS),
 }
+
+
+def shortest_float32(value: float) -> float:
+    """GGUF stores these as float32; the shortest decimal that round-trips (1e-05, not
+    9.999999747378752e-06) is what the original config.json said."""
+    return float(str(np.float32(value)))
 
 
 def family_of(arch: Any, gguf_path: Path) -> Family:

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 
-from tpserve.gguf_families import family_of
+from tpserve.gguf_families import family_of, shortest_float32
 from tpserve.gguf_tensors import MAX_SHARD_BYTES, plan_tensors, write_weights
 from tpserve.gguf_tokenizer import build_tokenizer, build_tokenizer_config
 from tpserve.ranks.errors import ModelFileError, UserError
@@ -131,8 +130,8 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _float32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": shortest_float32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": shortest_float32(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": need("context_length"),
         "vocab_size": int(embedding.shape[1]),
         "tie_word_embeddings": "output.weight" not in names,
@@ -143,7 +142,7 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
     if scaling not in ("none", ""):
         config["rope_scaling"] = {
             "rope_type": scaling,
-            "factor": _float32(need("rope.scaling.factor")),
+            "factor": shortest_float32(need("rope.scaling.factor")),
         }
         if f"{arch}.rope.scaling.original_context_length" in metadata:
             config["rope_scaling"]["original_max_position_embeddings"] = need(
@@ -152,7 +151,7 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
         if scaling == "yarn":
             for key, default in family.yarn.items():
                 value = metadata.get(f"{arch}.rope.scaling.yarn_{key}", default)
-                config["rope_scaling"][key] = _float32(value) if isinstance(value, float) else value
+                config["rope_scaling"][key] = shortest_float32(value) if isinstance(value, float) else value
     if family.extra_config is not None:
         config |= family.extra_config(metadata, {t.name: t for t in tensors}, need, gguf_path)
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
@@ -250,9 +249,3 @@ def _is_running(pid: int) -> bool:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _float32(value: float) -> float:
-    # GGUF stores these as float32; the shortest decimal that round-trips (1e-05, not
-    # 9.999999747378752e-06) is what the original config.json said.
-    return float(str(np.float32(value)))
