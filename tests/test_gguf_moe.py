@@ -19,6 +19,7 @@ from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
 from tokenizers import Tokenizer
 
+from tpserve.gguf_blocks import read_mxfp4
 from tpserve.gguf_import import import_gguf
 from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.errors import ModelFileError
@@ -178,3 +179,19 @@ def test_imported_experts_in_blocks_tp2_equal_tp1_and_batched_equals_solo(
     out_dir, _ = imported(tmp_path, family, expert_type, **sizes)
     with RankPool(2) as pool:
         check_tp2_equals_tp1_and_batched_equals_solo(pool, str(out_dir), "int4")
+
+
+def test_mxfp4_blocks_hold_what_gguf_dequantizes_and_a_nan_scale_is_refused(tmp_path):
+    rng = np.random.default_rng(1)
+    raw = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.MXFP4)  # [4, 2 * 17]
+    blocks = read_mxfp4(raw, 4, 64)
+    assert blocks.bits == 5 and blocks.d.dtype == np.float16
+    np.testing.assert_array_equal(blocks.dequantize(), gguf.quants.dequantize(raw, Q.MXFP4))
+    hf_dir = write_hf_model(tmp_path / "hf", "gpt-oss", intermediate_size=32)
+    write_gguf(hf_dir, tmp_path / "model.gguf", Q.MXFP4)
+    reader = gguf.GGUFReader(tmp_path / "model.gguf", "r+")
+    stored = next(t for t in reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    stored.data[1, 5, 17] = 255  # expert 1, row 5: its second block's scale
+    reader.data.flush()
+    with pytest.raises(ModelFileError, match="blk.0.ffn_up_exps.weight has a NaN MXFP4 scale"):
+        import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False)
