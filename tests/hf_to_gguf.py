@@ -17,6 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from safetensors.numpy import load_file, save_file
+from test_gguf_import import llama_cpp_permute
 
 Q = gguf.GGMLQuantizationType
 ARCHS = {
@@ -24,6 +25,7 @@ ARCHS = {
     "GptOssForCausalLM": "gpt-oss",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "llama",
 }
 # each architecture's names for the norms after attention (and around gemma3's MLP), and fused weights
 ARCH_NAMES = {
@@ -33,6 +35,10 @@ ARCH_NAMES = {
         "post_attention_layernorm.weight": "post_attention_norm.weight",
         "pre_feedforward_layernorm.weight": "ffn_norm.weight",
         "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+    "llama": {
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     },
     "phi3": {
         "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -94,6 +100,9 @@ def write_gguf(
             continue
         layer, leaf = name.removeprefix("model.layers.").split(".", 1)
         gguf_leaf = ARCH_NAMES[arch].get(leaf, LAYER_NAMES.get(leaf))
+        if arch == "llama" and leaf in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            heads = config["num_attention_heads" if "q_proj" in leaf else "num_key_value_heads"]
+            values = llama_cpp_permute(values, heads)
         if gguf_leaf is not None and (layer_type == Q.F32 or values.ndim != 2):
             writer.add_tensor(f"blk.{layer}.{gguf_leaf}", values)
         elif gguf_leaf is not None:
@@ -103,8 +112,17 @@ def write_gguf(
     if arch == "phi3" and rope.get("rope_type") == "longrope":  # Phi3MiniModel's extra tensors
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    for layer in range(config["num_hidden_layers"]) if arch in ("qwen3moe", "gpt-oss") else ():
-        stacks = _qwen3moe_experts(hf, layer) if arch == "qwen3moe" else _gpt_oss_experts(hf, layer)
+    for layer in range(config["num_hidden_layers"]):
+        if arch == "gpt-oss":
+            stacks = _gpt_oss_experts(hf, layer)
+        elif arch == "llama":  # Mixtral's block_sparse_moe.experts.N.w1 (gate), w3 (up), w2 (down)
+            stacks = _stacked_experts(
+                hf, f"model.layers.{layer}.block_sparse_moe.experts.", ("w1", "w3", "w2")
+            )
+        else:
+            stacks = _stacked_experts(
+                hf, f"model.layers.{layer}.mlp.experts.", ("gate_proj", "up_proj", "down_proj")
+            )
         for leaf, (values, put_back) in stacks.items():
             if expert_type == Q.F32 or leaf.endswith(".bias"):
                 writer.add_tensor(f"blk.{layer}.{leaf}", values)
@@ -130,18 +148,14 @@ def write_reference(model_dir: Path, out_dir: Path, tensors: dict[str, np.ndarra
     return out_dir
 
 
-def _qwen3moe_experts(hf: dict, layer: int) -> dict:
-    """Qwen2MoeModel's merge: experts.N.{gate,up,down}_proj stacked [E, out, in]."""
-    prefix = f"model.layers.{layer}.mlp.experts."
-    num_experts = len({n for n in hf if n.startswith(prefix) and n.endswith("gate_proj.weight")})
+def _stacked_experts(hf: dict, prefix: str, projections: tuple[str, str, str]) -> dict:
+    """Qwen2MoeModel's (and LlamaModel's, for Mixtral) merge: each expert's gate, up and down stacked
+    [E, out, in]; nothing where the layer is dense (Qwen3-MoE's mlp_only_layers)."""
+    num_experts = len({n for n in hf if n.startswith(prefix) and n.endswith(f".{projections[0]}.weight")})
     stacks = {}
-    for proj, leaf in (
-        ("gate_proj", "ffn_gate_exps"),
-        ("up_proj", "ffn_up_exps"),
-        ("down_proj", "ffn_down_exps"),
-    ):
+    for proj, leaf in zip(projections, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
         names = [f"{prefix}{e}.{proj}.weight" for e in range(num_experts)]
-        if not names:  # a dense layer (mlp_only_layers)
+        if not names:
             continue
 
         def put_back(values, names=names):
@@ -192,7 +206,7 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
     rope = rope.get("full_attention", rope)  # gemma3's global layers'
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if arch in ("qwen3moe", "gpt-oss"):
+    if arch in ("qwen3moe", "gpt-oss", "llama"):
         writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
         writer.add_expert_used_count(config["num_experts_per_tok"])
     if arch == "qwen3moe":

@@ -83,6 +83,17 @@ def test_qwen3moe_k_quant_experts_stay_in_blocks_and_match_transformers(tmp_path
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
+def test_mixtral_written_as_llama_with_experts_imports_unpermuted_and_matches_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "mixtral", Q.Q8_0, intermediate_size=32)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert "model.layers.1.block_sparse_moe.experts.6.w2.weight_q8" in weights
+    name = "model.layers.1.self_attn.k_proj.weight"  # float32: its permutation undone exactly
+    np.testing.assert_array_equal(weights[name], load_file(str(reference / "model.safetensors"))[name])
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
 def test_gpt_oss_float_import_matches_transformers(tmp_path):
     out_dir, reference = imported(tmp_path, "gpt-oss")
     config = json.loads((out_dir / "config.json").read_text())

@@ -1,7 +1,8 @@
 """The GGUF architectures `import-gguf` knows: what each becomes in config.json, and how llama.cpp's
 convert_hf_to_gguf wrote it.
 
-Dense `llama` (q/k rows permuted for llama.cpp's rotary kernel), `qwen2` and `qwen3`. `gemma3`, whose
+Dense `llama` (q/k rows permuted for llama.cpp's rotary kernel; with experts, Mixtral), `qwen2` and
+`qwen3`. `gemma3`, whose
 norms llama.cpp stores plus one (Gemma3RMSNorm scales by 1 + w; the import takes the one off again),
 whose norms around attention and the MLP are `post_attention_norm`, `ffn_norm` and `post_ffw_norm`,
 and whose layers llama.cpp makes global every sixth (unless the file says otherwise), the local ones
@@ -43,6 +44,10 @@ def _qwen3moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
     }
+
+
+def _mixtral(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    return {"num_local_experts": need("expert_count"), "num_experts_per_tok": need("expert_used_count")}
 
 
 def _gpt_oss(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
@@ -138,6 +143,14 @@ _GPT_OSS_NAMES = _MOE_NAMES | {
     "attn_sinks.weight": "self_attn.sinks",
 }
 
+_MIXTRAL_NAMES = {
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{}.w2.weight",
+}
+# llama.cpp writes Mixtral as `llama` with experts (an expert count in its metadata)
+MIXTRAL = Family("MixtralForCausalLM", "mixtral", True, _MIXTRAL_NAMES, _mixtral)
 _GEMMA3_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -163,7 +176,10 @@ def shortest_float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def family_of(arch: Any, gguf_path: Path) -> Family:
+def family_of(metadata: dict[str, Any], gguf_path: Path) -> Family:
+    arch = metadata.get("general.architecture")
+    if arch == "llama" and metadata.get("llama.expert_count"):
+        return MIXTRAL
     family = FAMILIES.get(arch)
     if family is None:
         raise ModelFileError(

@@ -53,7 +53,7 @@ def import_gguf(
     reader = _open(gguf_path)
     metadata = read_metadata(reader)
     config = build_config(metadata, reader.tensors, gguf_path)
-    family = family_of(metadata["general.architecture"], gguf_path)
+    family = family_of(metadata, gguf_path)
     plan = plan_tensors(reader.tensors, config, family, gguf_path, keep_blocks=not dequantize)
     tokenizer = build_tokenizer(metadata, gguf_path)
 
@@ -100,7 +100,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) -> dict[str, Any]:
     """config.json for the model the GGUF's metadata and tensor list describe."""
     arch = metadata.get("general.architecture")
-    family = family_of(arch, gguf_path)
+    family = family_of(metadata, gguf_path)
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in metadata:
