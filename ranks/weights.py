@@ -239,10 +239,13 @@ def _stored_tensor(
     qweight in its place), or (a GGUF import's) blocks, or one expert's part of stacked experts
     (float or MXFP4, decoded to dtype)."""
     stacked = stacked_part(config, name)
-    if stacked is not None:
+    # a GGUF import writes gpt-oss's experts one at a time, as other families store theirs
+    per_expert = stored_name(files, name) is not None or stored_blocks(files, name) is not None
+    if stacked is not None and not per_expert:
         return StoredExpertPart(handles, files, config, stacked, dtype)
     fused = fused_part(config, name)
-    if fused is not None and stored_name(files, name) is None and stored_name(files, fused[0]) is not None:
+    whole_stored = fused is not None and (stored_name(files, fused[0]) or stored_blocks(files, fused[0]))
+    if whole_stored and stored_name(files, name) is None:
         whole = _stored_tensor(model_dir, config, files, handles, fused[0], dtype)
         return StoredRows(whole, *fused)
     scheme = config.quantization

@@ -28,9 +28,13 @@ def engine_of(model_dir, row_tile: int, max_positions: int = 256) -> Engine:
     return Engine(model, kv)
 
 
-def check_against_transformers(model_dir, row_tile: int, max_positions: int = 256) -> None:
+def check_against_transformers(
+    model_dir, row_tile: int, max_positions: int = 256, reference_dir=None
+) -> None:
     """A 90-token prompt in two chunks then two decode steps: logits within float32 rounding of
-    transformers'; and for several prompts the same greedy tokens as transformers' generate."""
+    transformers'; and for several prompts the same greedy tokens as transformers' generate.
+    reference_dir: the transformers checkpoint of the same model, where model_dir is not one (a GGUF
+    import)."""
     torch.set_num_threads(1)
     engine = engine_of(model_dir, row_tile, max_positions)
     ids = PROMPTS[0]
@@ -40,7 +44,9 @@ def check_against_transformers(model_dir, row_tile: int, max_positions: int = 25
     # a mixture of experts in transformers' plain loop over experts (its grouped products need
     # 16-byte strides, which tiny odd expert widths do not have)
     eager = {"experts_implementation": "eager"} if engine.model.config.moe else {}
-    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **eager)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        reference_dir or model_dir, dtype=torch.float32, **eager
+    )
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
     for got, row in zip(ours, (49, 87, 88, 89)):

@@ -36,9 +36,20 @@ from tpserve.kernels.block_weights import BLOCK
 SUPER_BLOCK = 256  # a K-quant's inputs per super-block: 8 blocks
 SUB_BLOCK = 16  # Q6_K's inputs per sub-scale
 _Q = gguf.GGMLQuantizationType
-KEPT_TYPES = frozenset({_Q.Q3_K, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
-# float16, or float32 for Q4_K and Q5_K
-SCALE_BYTES = {_Q.Q4_0: 2, _Q.Q4_1: 2, _Q.Q4_K: 4, _Q.Q5_0: 2, _Q.Q5_1: 2, _Q.Q5_K: 4, _Q.Q8_0: 2}
+KEPT_TYPES = frozenset(
+    {_Q.Q3_K, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0, _Q.MXFP4}
+)
+# float16, or float32 for Q4_K and Q5_K (and an MXFP4 scale float16 cannot hold)
+SCALE_BYTES = {
+    _Q.Q4_0: 2,
+    _Q.Q4_1: 2,
+    _Q.Q4_K: 4,
+    _Q.Q5_0: 2,
+    _Q.Q5_1: 2,
+    _Q.Q5_K: 4,
+    _Q.Q8_0: 2,
+    _Q.MXFP4: 4,
+}
 
 
 def kept_bytes(qtype, num_values: int) -> int:
@@ -109,6 +120,8 @@ def read_blocks(data: np.ndarray, qtype, shape: tuple[int, int]) -> Blocks | Six
         return _read_q3_k(data, num_out, num_in)
     if qtype == _Q.Q5_K:
         return _read_q5_k(data, num_out, num_in)
+    if qtype == _Q.MXFP4:
+        return read_mxfp4(data, num_out, num_in)
     raw = np.ascontiguousarray(data).reshape(num_out, num_in // BLOCK, -1)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]
     if qtype == _Q.Q8_0:
@@ -125,6 +138,28 @@ def read_blocks(data: np.ndarray, qtype, shape: tuple[int, int]) -> Blocks | Six
     q = _nibbles(raw[..., at + 4 : at + 20]) | ((high & 1).astype(np.uint8) << 4)
     m = (-16 * d).astype(np.float16) if m is None else m
     return Blocks(q.reshape(num_out, num_in), d, m, bits=5)
+
+
+def read_mxfp4(data: np.ndarray, num_out: int, num_in: int) -> Blocks:
+    """MXFP4 as the same values in 5-bit blocks, as ranks/mxfp4.py serves gpt-oss's HF experts: a
+    block's 17 bytes are an e8m0 scale e (2^(e - 127)) and 16 bytes whose byte j holds code j (low
+    nibble) and code j + 16 (high). Code c is an e2m1 value v (gguf's kvalues hold 2 v, -12..12), so
+    weight = 2^(e - 128) * 2v = d * q + m with q = 2v + 16 (4..28), d = 2^(e - 128), m = -16 d: exact.
+    d and m are float16 where every one fits it exactly, else float32 (a scale of 2^-128 is a float32
+    subnormal, exact too); a NaN scale (255) comes out as a NaN d, which the import refuses."""
+    raw = np.ascontiguousarray(data).reshape(num_out, num_in // BLOCK, 17)
+    doubled = np.array(gguf.quants.MXFP4.kvalues, dtype=np.int8)
+    q = (doubled[_nibbles(raw[..., 1:])] + 16).astype(np.uint8).reshape(num_out, num_in)
+    e = raw[..., 0].astype(np.int32)
+    d = np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 128).astype(np.float32))
+    m = d * np.float32(-16)
+    if np.isfinite(m).all() and _holds_in_half(d) and _holds_in_half(m):
+        d, m = d.astype(np.float16), m.astype(np.float16)
+    return Blocks(q, d, m, bits=5)
+
+
+def _holds_in_half(values: np.ndarray) -> bool:
+    return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@ The directory holds config.json, safetensors under Hugging Face tensor names (Q4
 Q8_0 weights in their own blocks, tpserve/gguf_blocks.py; the rest float32),
 tokenizer.json, tokenizer_config.json, generation_config.json and gguf_source.json (which file it
 came from, so `prepare` can tell a stale import). Other quantized tensors are dequantized with the
-`gguf` package; the q/k row permutation llama.cpp applies to llama-architecture models is undone.
+`gguf` package. What llama.cpp's converter did to each architecture (the llama q/k row permutation,
+gemma3's norms plus one, stacked experts) is undone (tpserve/gguf_families.py says what each is).
 Everything is written to a hidden sibling directory first and renamed at the end, so a crash never
 leaves a half-made model behind.
 """
@@ -17,13 +18,12 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 
+from tpserve.gguf_families import family_of, shortest_float32
 from tpserve.gguf_tensors import MAX_SHARD_BYTES, plan_tensors, write_weights
 from tpserve.gguf_tokenizer import build_tokenizer, build_tokenizer_config
 from tpserve.ranks.errors import ModelFileError, UserError
@@ -31,22 +31,6 @@ from tpserve.ranks.errors import ModelFileError, UserError
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "gguf_source.json"
-
-
-@dataclass(frozen=True)
-class Family:
-    """A GGUF `general.architecture` the importer knows, and what it becomes in config.json."""
-
-    architecture: str
-    model_type: str
-    permutes_qk: bool  # llama.cpp's convert_hf_to_gguf reorders q/k rows for its rotary kernel
-
-
-FAMILIES = {
-    "llama": Family("LlamaForCausalLM", "llama", permutes_qk=True),
-    "qwen2": Family("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
-    "qwen3": Family("Qwen3ForCausalLM", "qwen3", permutes_qk=False),
-}
 
 
 def import_gguf(
@@ -69,8 +53,8 @@ def import_gguf(
     reader = _open(gguf_path)
     metadata = read_metadata(reader)
     config = build_config(metadata, reader.tensors, gguf_path)
-    family = FAMILIES[metadata["general.architecture"]]
-    plan = plan_tensors(reader.tensors, config, family.permutes_qk, gguf_path, keep_blocks=not dequantize)
+    family = family_of(metadata, gguf_path)
+    plan = plan_tensors(reader.tensors, config, family, gguf_path, keep_blocks=not dequantize)
     tokenizer = build_tokenizer(metadata, gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -116,11 +100,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) -> dict[str, Any]:
     """config.json for the model the GGUF's metadata and tensor list describe."""
     arch = metadata.get("general.architecture")
-    family = FAMILIES.get(arch)
-    if family is None:
-        raise ModelFileError(
-            gguf_path, f"architecture {arch!r} is not supported (known: {', '.join(FAMILIES)})"
-        )
+    family = family_of(metadata, gguf_path)
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in metadata:
@@ -150,8 +130,8 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _float32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": shortest_float32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": shortest_float32(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": need("context_length"),
         "vocab_size": int(embedding.shape[1]),
         "tie_word_embeddings": "output.weight" not in names,
@@ -162,12 +142,18 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
     if scaling not in ("none", ""):
         config["rope_scaling"] = {
             "rope_type": scaling,
-            "factor": _float32(need("rope.scaling.factor")),
+            "factor": shortest_float32(need("rope.scaling.factor")),
         }
         if f"{arch}.rope.scaling.original_context_length" in metadata:
             config["rope_scaling"]["original_max_position_embeddings"] = need(
                 "rope.scaling.original_context_length"
             )
+        if scaling == "yarn":
+            for key, default in family.yarn.items():
+                value = metadata.get(f"{arch}.rope.scaling.yarn_{key}", default)
+                config["rope_scaling"][key] = shortest_float32(value) if isinstance(value, float) else value
+    if family.extra_config is not None:
+        config |= family.extra_config(metadata, {t.name: t for t in tensors}, need, gguf_path)
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if f"tokenizer.ggml.{key}" in metadata:
             config[name] = metadata[f"tokenizer.ggml.{key}"]
@@ -263,9 +249,3 @@ def _is_running(pid: int) -> bool:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _float32(value: float) -> float:
-    # GGUF stores these as float32; the shortest decimal that round-trips (1e-05, not
-    # 9.999999747378752e-06) is what the original config.json said.
-    return float(str(np.float32(value)))

@@ -5,9 +5,11 @@ an unknown tensor or type is refused up front. A Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q
 weight matrix is kept in its own blocks (tpserve/gguf_blocks.py): `X.weight_q4`, `X.weight_q5` or
 `X.weight_q8` with `X.weight_d` (and `X.weight_m`), float16 but for Q4_K's and Q5_K's float32, or
 Q6_K's (and Q3_K's, in the same form) `X.weight_q6`, `X.weight_sc` and `X.weight_d`; Q2_K is
-dequantized to float32. llama.cpp
+dequantized to float32; MXFP4 (gpt-oss's experts) becomes the same values in 5-bit blocks. llama.cpp
 stores llama-architecture q/k rows permuted for its rotary kernel; `unpermute_rotary_rows` undoes
-that exactly, blocks included.
+that exactly, blocks included. A mixture of experts' stacked tensors ([E, out, in], or a bias [E, I])
+are written one expert at a time under the names the engine reads (`mlp.experts.N.gate_proj.weight`),
+each expert's rows its own blocks, so nothing about them is rounded either.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from tpserve.gguf_blocks import KEPT_TYPES, kept_bytes, read_blocks
+from tpserve.gguf_families import Family
 from tpserve.ranks.errors import ModelFileError
 
 # Shards stay well under the sizes that make single files awkward to copy or memory-map.
@@ -33,7 +36,7 @@ MAX_SHARD_BYTES = 2 << 30
 _Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset(
     {_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0}
-    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.MXFP4}
 )
 
 
@@ -70,6 +73,8 @@ class PlannedTensor:
     shape: tuple[int, ...]
     rotary_heads: int  # > 0: undo llama.cpp's q/k permutation over this many heads
     keeps_blocks: bool = False  # written in its own blocks (a matrix of one of KEPT_TYPES)
+    expert: int | None = None  # this expert's slice of a stacked [E, ...] source
+    shift: float = 0.0  # taken off every value (what llama.cpp added to gemma3's norms)
 
     @property
     def num_bytes(self) -> int:
@@ -78,11 +83,13 @@ class PlannedTensor:
 
 
 def plan_tensors(
-    tensors: list[Any], config: dict[str, Any], permutes_qk: bool, gguf_path: Path, keep_blocks: bool = True
+    tensors: list[Any], config: dict[str, Any], family: Family, gguf_path: Path, keep_blocks: bool = True
 ) -> list[PlannedTensor]:
     """Map every GGUF tensor to its Hugging Face name, refusing unknown names and types up front."""
     plan = []
     for tensor in tensors:
+        if tensor.name in family.config_tensors:
+            continue
         if tensor.tensor_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(qtype.name for qtype in SUPPORTED_TYPES))
             raise ModelFileError(
@@ -90,9 +97,16 @@ def plan_tensors(
                 f"tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be imported "
                 f"(supported: {supported})",
             )
-        name = _hf_name(tensor.name, gguf_path)
+        name = _hf_name(tensor.name, family, gguf_path)
         # GGUF lists dimensions fastest-varying first; torch lists them slowest first.
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        if "{}" in name:  # one expert's slice of a stacked tensor at a time
+            blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(shape) == 3
+            plan += [
+                PlannedTensor(tensor, name.format(e), shape[1:], 0, blocks, expert=e) for e in range(shape[0])
+            ]
+            continue
+        permutes_qk = family.permutes_qk
         rotary_heads = 0
         if permutes_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             rotary_heads = config["num_attention_heads"]
@@ -104,7 +118,8 @@ def plan_tensors(
                 f"tensor {tensor.name} has {shape[0]} rows, not {rotary_heads} heads x {config['head_dim']}",
             )
         blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(shape) == 2
-        plan.append(PlannedTensor(tensor, name, shape, rotary_heads, blocks))
+        shift = family.norm_shift if name.endswith("norm.weight") else 0.0
+        plan.append(PlannedTensor(tensor, name, shape, rotary_heads, blocks, shift=shift))
     return sorted(plan, key=lambda item: _storage_order(item.name))
 
 
@@ -124,7 +139,9 @@ def read_arrays(planned: PlannedTensor, gguf_path: Path) -> dict[str, np.ndarray
     if not planned.keeps_blocks:
         return {planned.name: read_tensor(planned, gguf_path)}
     tensor = planned.source
-    blocks = read_blocks(tensor.data, tensor.tensor_type, planned.shape)
+    blocks = read_blocks(_data(planned), tensor.tensor_type, planned.shape)
+    if tensor.tensor_type == _Q.MXFP4 and not np.isfinite(blocks.d).all():
+        raise ModelFileError(gguf_path, f"tensor {tensor.name} has a NaN MXFP4 scale (255)")
     if planned.rotary_heads:
         rows = np.arange(planned.shape[0])
         blocks = blocks.rows(unpermute_rotary_rows(rows, planned.rotary_heads))
@@ -134,7 +151,7 @@ def read_arrays(planned: PlannedTensor, gguf_path: Path) -> dict[str, np.ndarray
 def read_tensor(planned: PlannedTensor, gguf_path: Path) -> np.ndarray:
     """The tensor as float32 in torch layout, with llama.cpp's permutation undone."""
     tensor = planned.source
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    values = gguf.quants.dequantize(_data(planned), tensor.tensor_type)
     if values.size != int(np.prod(planned.shape)):
         raise ModelFileError(
             gguf_path, f"tensor {tensor.name} holds {values.size} values, not {planned.shape}"
@@ -142,15 +159,25 @@ def read_tensor(planned: PlannedTensor, gguf_path: Path) -> np.ndarray:
     values = values.reshape(planned.shape).astype(np.float32, copy=False)
     if planned.rotary_heads:
         values = unpermute_rotary_rows(values, planned.rotary_heads)
+    if planned.shift:
+        values = values - np.float32(planned.shift)
     return np.ascontiguousarray(values)
 
 
-def _hf_name(gguf_name: str, gguf_path: Path) -> str:
+def _data(planned: PlannedTensor) -> np.ndarray:
+    """The tensor's stored values or blocks [out, ...] (its expert's, of a stacked tensor)."""
+    data = planned.source.data
+    return data if planned.expert is None else data[planned.expert]
+
+
+def _hf_name(gguf_name: str, family: Family, gguf_path: Path) -> str:
+    """The Hugging Face name; an expert's holds "{}" where its number goes."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    names = _LAYER_NAMES | family.layer_names
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise ModelFileError(gguf_path, f"tensor {gguf_name} is not one the importer knows how to place")
 
 

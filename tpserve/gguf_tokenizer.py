@@ -1,9 +1,9 @@
 """Rebuilds a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) from a GGUF's metadata.
 
 A GGUF carries no tokenizer.json: it stores the vocabulary, the merges, each token's type and the name
-of llama.cpp's pre-tokenizer (`tokenizer.ggml.pre`). Only byte-level BPE (`tokenizer.ggml.model ==
-"gpt2"`) is rebuilt; the splitting rules follow llama.cpp's `llama-vocab.cpp`, which is what the file
-was made to be read by.
+of llama.cpp's pre-tokenizer (`tokenizer.ggml.pre`). Byte-level BPE (`tokenizer.ggml.model == "gpt2"`)
+is rebuilt here, its splitting rules following llama.cpp's `llama-vocab.cpp`, which is what the file
+was made to be read by; a SentencePiece vocabulary ("llama") in tpserve/gguf_spm.py.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from tpserve.gguf_spm import build_spm_tokenizer
 from tpserve.ranks.errors import ModelFileError
 
 # llama.cpp's token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
@@ -28,6 +29,13 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# o200k's (gpt-oss, GPT-4o): llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O, as the original tokenizer.json says
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -52,15 +60,19 @@ PRE_TOKENIZER_RULES: dict[str, PreTokenizerRule] = {
     "llama-v3": PreTokenizerRule(split_regex=_LLAMA3_SPLIT, ignore_merges=True),
     "qwen2": PreTokenizerRule(split_regex=_QWEN2_SPLIT, nfc=True),
     "deepseek-r1-qwen": PreTokenizerRule(split_regex=_QWEN2_SPLIT, nfc=True),
+    "gpt-4o": PreTokenizerRule(split_regex=_O200K_SPLIT),
 }
 
 
 def build_tokenizer(metadata: dict[str, Any], gguf_path: Path) -> Tokenizer:
     """The byte-level BPE tokenizer the GGUF describes, with its control tokens as special tokens."""
     kind = metadata.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return build_spm_tokenizer(metadata, gguf_path)
     if kind != "gpt2":
         raise ModelFileError(
-            gguf_path, f"tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE is)"
+            gguf_path,
+            f"tokenizer model {kind!r} is not supported ('gpt2' byte-level BPE and 'llama' SentencePiece are)",
         )
     pre_name = metadata.get("tokenizer.ggml.pre", "default")
     rule = PRE_TOKENIZER_RULES.get(pre_name)
@@ -110,7 +122,10 @@ def build_tokenizer_config(metadata: dict[str, Any], gguf_path: Path) -> dict[st
     tokens: list[str] = _require(metadata, "tokenizer.ggml.tokens", gguf_path)
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS where the file does not say, for a SentencePiece vocabulary
+        "add_bos_token": bool(
+            metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.model") == "llama")
+        ),
         "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
     }

@@ -1,0 +1,208 @@
+"""`import-gguf` of mixtures of experts (qwen3moe, gpt-oss): tiny models transformers writes itself,
+converted to GGUF as llama.cpp's converter writes them (tests/hf_to_gguf.py), imported, and served
+against transformers' forward of the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from hf_reference import check_against_transformers
+from hf_to_gguf import write_gguf, write_reference
+from multiproc import RankPool
+from safetensors.numpy import load_file
+from test_gguf_import import RANDOM_BLOCKS
+from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
+from tiny_hf_models import write_hf_model
+from tokenizers import Tokenizer
+
+from tpserve.gguf_blocks import read_mxfp4
+from tpserve.gguf_import import import_gguf
+from tpserve.kernels.linear import ROW_TILE
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.model_config import load_model_config
+
+Q = gguf.GGMLQuantizationType
+
+
+def imported(
+    tmp_path: Path,
+    family: str,
+    expert_type: Q = Q.F32,
+    random_blocks=None,
+    layer_type: Q = Q.F32,
+    **overrides,
+) -> tuple[Path, Path]:
+    """(the import's model directory, the transformers checkpoint of the model its GGUF holds)."""
+    hf_dir = write_hf_model(tmp_path / "hf", family, **overrides)
+    tensors = write_gguf(hf_dir, tmp_path / "model.gguf", expert_type, random_blocks, layer_type)
+    reference = write_reference(hf_dir, tmp_path / "reference", tensors)
+    return import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False), reference
+
+
+def test_qwen3moe_float_import_matches_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "qwen3-moe")
+    config = json.loads((out_dir / "config.json").read_text())
+    assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"]) == ("qwen3_moe", 8, 3)
+    assert config["moe_intermediate_size"] == 18 and config["mlp_only_layers"] == [1]
+    moe = load_model_config(out_dir).moe
+    assert moe.sparse_layers == (0, 2) and moe.normalize_top_k
+    weights = load_file(str(out_dir / "model.safetensors"))
+    hf = load_file(str(reference / "model.safetensors"))
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    np.testing.assert_array_equal(weights[name], hf[name])
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize("expert_type", [Q.Q8_0, Q.Q4_0], ids=["q8_0", "q4_0"])
+def test_qwen3moe_quantized_experts_stay_in_blocks_and_match_transformers(tmp_path, expert_type):
+    out_dir, reference = imported(tmp_path, "qwen3-moe", expert_type, moe_intermediate_size=32)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    bits = 8 if expert_type == Q.Q8_0 else 4
+    stem = "model.layers.0.mlp.experts.3."
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert f"{stem}{proj}.weight_q{bits}" in weights and f"{stem}{proj}.weight" not in weights
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize("expert_type", [Q.Q4_K, Q.Q6_K], ids=["q4_k", "q6_k"])
+def test_qwen3moe_k_quant_experts_stay_in_blocks_and_match_transformers(tmp_path, expert_type):
+    rng = np.random.default_rng(0)
+
+    def random_blocks(shape, qtype):  # [E, out, in] -> raw super-blocks [E, out, bytes]
+        return RANDOM_BLOCKS[qtype](shape[0] * shape[1], shape[2], rng).reshape(shape[0], shape[1], -1)
+
+    sizes = {"hidden_size": 256, "moe_intermediate_size": 256}
+    out_dir, reference = imported(tmp_path, "qwen3-moe", expert_type, random_blocks, **sizes)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    suffix = "_q4" if expert_type == Q.Q4_K else "_q6"
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" + suffix in weights
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_mixtral_written_as_llama_with_experts_imports_unpermuted_and_matches_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "mixtral", Q.Q8_0, intermediate_size=32)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert "model.layers.1.block_sparse_moe.experts.6.w2.weight_q8" in weights
+    name = "model.layers.1.self_attn.k_proj.weight"  # float32: its permutation undone exactly
+    np.testing.assert_array_equal(weights[name], load_file(str(reference / "model.safetensors"))[name])
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_gpt_oss_float_import_matches_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "gpt-oss")
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["model_type"] == "gpt_oss" and config["sliding_window"] == 8
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    }
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_gpt_oss_mxfp4_experts_become_five_bit_blocks_and_match_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "gpt-oss", Q.MXFP4, intermediate_size=32)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    stem = "model.layers.1.mlp.experts.2."
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert f"{stem}{proj}.weight_q5" in weights and f"{stem}{proj}.weight" not in weights
+    assert weights[f"{stem}gate_proj.weight_d"].dtype == np.float16
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_gpt_oss_o200k_pre_tokenizer_splits_as_llama_cpp_does(tmp_path):
+    hf_dir = write_hf_model(tmp_path / "hf", "gpt-oss")
+    write_gguf(hf_dir, tmp_path / "model.gguf", pre="gpt-4o")
+    out_dir = import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False)
+    pre_tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json")).pre_tokenizer
+    pieces = [piece for piece, _ in pre_tokenizer.pre_tokenize_str("HelloWorld's 12345")]
+    assert pieces == ["Hello", "World's", "Ġ", "123", "45"]
+
+
+def test_an_unknown_architecture_is_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "deepseek2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="architecture 'deepseek2' is not supported"):
+        import_gguf(tmp_path / "other.gguf", tmp_path / "out", progress=False)
+
+
+def test_gemma3_import_takes_the_norms_one_off_and_matches_transformers(tmp_path):
+    # llama.cpp scales q.k by head_dim^-1/2 on every gemma3 but the 27B: a model it can describe
+    out_dir, reference = imported(tmp_path, "gemma3", query_pre_attn_scalar=16)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["final_logit_softcapping"] == 30.0
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and config["rope_theta"] == 1e6
+    weights = load_file(str(out_dir / "model.safetensors"))
+    hf = load_file(str(reference / "model.safetensors"))
+    name = "model.layers.1.post_feedforward_layernorm.weight"
+    np.testing.assert_allclose(weights[name], hf[name], rtol=0, atol=2.0**-23)
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope"])
+def test_phi3_fused_weights_and_longrope_factors_match_transformers(tmp_path, variant):
+    out_dir, reference = imported(tmp_path, variant)
+    config = json.loads((out_dir / "config.json").read_text())
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert (
+        "model.layers.0.self_attn.qkv_proj.weight" in weights
+        and "model.layers.0.mlp.gate_up_proj.weight" in weights
+    )
+    if variant == "phi3-longrope":
+        assert config["rope_scaling"]["short_factor"] == [1.0 + 0.25 * i for i in range(8)]
+        assert config["original_max_position_embeddings"] == 256
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path):
+    out_dir, reference = imported(tmp_path, "phi3", layer_type=Q.Q8_0)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert "model.layers.1.self_attn.qkv_proj.weight_q8" in weights
+    assert "model.layers.1.mlp.gate_up_proj.weight_q8" in weights
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+@pytest.mark.parametrize(
+    ("family", "expert_type", "sizes"),
+    [("qwen3-moe", Q.Q4_0, {"moe_intermediate_size": 64}), ("gpt-oss", Q.MXFP4, {"intermediate_size": 64})],
+    ids=["qwen3moe-q4_0", "gpt-oss-mxfp4"],
+)
+def test_imported_experts_in_blocks_tp2_equal_tp1_and_batched_equals_solo(
+    tmp_path, family, expert_type, sizes
+):
+    # served as stored (int4), each piece's 32 of every expert's intermediate columns its own blocks
+    out_dir, _ = imported(tmp_path, family, expert_type, **sizes)
+    with RankPool(2) as pool:
+        check_tp2_equals_tp1_and_batched_equals_solo(pool, str(out_dir), "int4")
+
+
+def test_mxfp4_blocks_hold_what_gguf_dequantizes_and_a_nan_scale_is_refused(tmp_path):
+    rng = np.random.default_rng(1)
+    raw = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.MXFP4)  # [4, 2 * 17]
+    blocks = read_mxfp4(raw, 4, 64)
+    assert blocks.bits == 5 and blocks.d.dtype == np.float16
+    np.testing.assert_array_equal(blocks.dequantize(), gguf.quants.dequantize(raw, Q.MXFP4))
+    hf_dir = write_hf_model(tmp_path / "hf", "gpt-oss", intermediate_size=32)
+    write_gguf(hf_dir, tmp_path / "model.gguf", Q.MXFP4)
+    reader = gguf.GGUFReader(tmp_path / "model.gguf", "r+")
+    stored = next(t for t in reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    stored.data[1, 5, 17] = 255  # expert 1, row 5: its second block's scale
+    reader.data.flush()
+    with pytest.raises(ModelFileError, match="blk.0.ffn_up_exps.weight has a NaN MXFP4 scale"):
+        import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False)
