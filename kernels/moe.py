@@ -54,6 +54,35 @@ def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     return torch.softmax(top.float(), dim=-1), experts
 
 
+def route_grouped_sigmoid(
+    logits: torch.Tensor,
+    correction: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's routing (DeepSeek-V3's "noaux_tc"): logits [T, E] float32, correction [E] float32
+    -> (weights [T, k] float32, experts [T, k] int64). The choice reads sigmoid scores plus the
+    correction: each group's score is the sum of its two best, the topk_group best groups are kept
+    and the k best experts among theirs chosen. The weights are the chosen experts' sigmoid scores
+    (no correction), renormalised where `normalize` (sum + 1e-20, as transformers does), times
+    `scale`. Every step is per row; the k slots come in descending order of choice, a row's own."""
+    scores = logits.sigmoid()
+    choice = scores + correction
+    grouped = choice.view(choice.shape[0], num_groups, -1)  # [T, groups, E / groups]
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], True)
+    choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(scores)
+    experts = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
+
+
 def routed_bias(weights: torch.Tensor, experts: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
     """Sum over each row's k chosen experts of weight * that expert's bias: [T, hidden] float32.
     biases: [E, hidden]. Added in the route's slot order, one slot at a time: a row's own order."""
