@@ -33,9 +33,15 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     # contiguous [n, I] the loop would run over n * I elements at once, the scalar tail (whose exp
     # rounds unlike the vector one) falling on other elements as n changes: a row's bits would
     # depend on the rows beside it. Clamps, sums and products round alike either way.
-    sigmoid = torch.empty(gate.shape[0], gate.shape[1] + 1, dtype=gate.dtype, device=gate.device)[:, :-1]
+    sigmoid = _rows_apart(gate)
     torch.mul(gate, alpha, out=sigmoid).sigmoid_()
     return (up + 1) * (gate * sigmoid)
+
+
+def _rows_apart(x: torch.Tensor) -> torch.Tensor:
+    """An empty [n, m] like x whose rows lie apart (row stride m + 1): an elementwise op written
+    into it runs row by row, so a row's bits do not depend on how many rows ran beside it."""
+    return torch.empty(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)[:, :-1]
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +75,8 @@ def route_grouped_sigmoid(
     and the k best experts among theirs chosen. The weights are the chosen experts' sigmoid scores
     (no correction), renormalised where `normalize` (sum + 1e-20, as transformers does), times
     `scale`. Every step is per row; the k slots come in descending order of choice, a row's own."""
-    scores = logits.sigmoid()
+    scores = _rows_apart(logits)  # (the sigmoid row by row: see clamped_swiglu)
+    scores.copy_(logits).sigmoid_()
     choice = scores + correction
     grouped = choice.view(choice.shape[0], num_groups, -1)  # [T, groups, E / groups]
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
