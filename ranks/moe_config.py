@@ -164,6 +164,10 @@ def parse_moe_config(raw: dict, family: str, num_layers: int, path: str | Path) 
 
 def _parse_glm4_moe(raw: dict, num_experts: int, top_k: int, num_layers: int, count, path) -> MoeConfig:
     """GLM-4.5's routing, shared expert and dense first layers, refusing shapes its router cannot take."""
+    # DeepSeek-style keys some GLM configs carry: only GLM-4.5's own choice is computed
+    for key, computed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if raw.get(key, computed) != computed:
+            raise ModelFileError(path, f"Glm4MoeForCausalLM: {key} {raw[key]!r} is not implemented")
     num_groups = count("n_group", raw.get("n_group", 1))
     topk_group = count("topk_group", raw.get("topk_group", 1))
     scale = raw.get("routed_scaling_factor", 1.0)

@@ -102,6 +102,8 @@ REFUSED = {
     ),
     "odd-rotary": ({"partial_rotary_factor": 0.3125}, "partial rotary over 5 of 16 dims: not an even count"),
     "activation": ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    "scoring": ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not implemented"),
+    "layer-freq": ({"moe_layer_freq": 2}, "moe_layer_freq 2 is not implemented"),
     "softcap": ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not implemented"),
 }
 
