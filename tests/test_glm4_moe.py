@@ -1,63 +1,18 @@
-"""GLM-4.5/4.6 (ranks/model_glm4_moe.py) against transformers' own Glm4MoeForCausalLM on tiny models it
-writes itself: a dense first layer, grouped sigmoid routing with its correction bias, the routed weights
-scaled, shared experts, q/k norms and biases, rotary on part of each head; tp=2 against tp=1 bit for
-bit, batched against solo, chunks against the whole prompt, in float32 and in int4."""
+"""GLM-4.5/4.6 (ranks/model_glm4_moe.py): what its config says (dense first layers, grouped routing,
+shared experts, partial rotary) and what it refuses, and its router worked by hand. Against
+transformers' own Glm4MoeForCausalLM, tp=2 against tp=1, batched against solo, chunks and int4: the
+glm4-moe variants of tests/test_moe.py; in bfloat16: tests/test_bfloat16_families.py; through the
+daemon: tests/test_moe_daemon.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import check_against_transformers, check_chunks_equal_whole
-from multiproc import RankPool
-from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
 
-from tpserve.kernels.linear import ROW_TILE
 from tpserve.kernels.moe import route_grouped_sigmoid
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.model_config import load_model_config, parse_model_config
-
-VARIANTS = {
-    "glm4-moe": {},
-    # no q/k norms nor biases, the weights not renormalised, rotary on 12 of 16 dims, one group
-    "glm4-moe-plain": {
-        "use_qk_norm": False,
-        "attention_bias": False,
-        "norm_topk_prob": False,
-        "partial_rotary_factor": 0.75,
-        "n_group": 1,
-        "topk_group": 1,
-        "n_shared_experts": 1,
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2) as ranks:
-        yield ranks
-
-
-@pytest.mark.parametrize("row_tile", [0, ROW_TILE], ids=["plain", "batch-invariant"])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_glm4_moe_matches_transformers(tmp_path, variant, row_tile):
-    check_against_transformers(write_hf_model(tmp_path / variant, "glm4-moe", **VARIANTS[variant]), row_tile)
-
-
-def test_a_glm4_moe_prompt_in_chunks_has_the_whole_prompts_logits(tmp_path):
-    check_chunks_equal_whole(write_hf_model(tmp_path / "glm4-moe", "glm4-moe"), 13)
-
-
-def test_glm4_moe_tp2_equals_tp1_and_batched_equals_solo(pool, tmp_path):
-    model_dir = str(write_hf_model(tmp_path / "glm4-moe", "glm4-moe"))
-    check_tp2_equals_tp1_and_batched_equals_solo(pool, model_dir, "none")
-
-
-def test_int4_glm4_moe_tp2_equals_tp1_and_batched_equals_solo(pool, tmp_path):
-    # every expert's, the shared experts' and the dense layer's slices in 4-bit blocks of 32 inputs
-    widths = {"moe_intermediate_size": 64, "intermediate_size": 128}
-    model_dir = str(write_hf_model(tmp_path / "glm4-moe", "glm4-moe", **widths))
-    check_tp2_equals_tp1_and_batched_equals_solo(pool, model_dir, "int4")
 
 
 def test_glm4_moe_reads_its_dense_layers_routing_shared_experts_and_rotary(tmp_path):
