@@ -7,7 +7,7 @@ import math
 
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.sharding import Split, piece_range, pieces_of_rank, rule_for
-from tpserve.ranks.weights import expected_shape, required_names
+from tpserve.ranks.weight_names import expected_shape, required_names
 
 ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -33,9 +33,15 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     # contiguous [n, I] the loop would run over n * I elements at once, the scalar tail (whose exp
     # rounds unlike the vector one) falling on other elements as n changes: a row's bits would
     # depend on the rows beside it. Clamps, sums and products round alike either way.
-    sigmoid = torch.empty(gate.shape[0], gate.shape[1] + 1, dtype=gate.dtype, device=gate.device)[:, :-1]
+    sigmoid = _rows_apart(gate)
     torch.mul(gate, alpha, out=sigmoid).sigmoid_()
     return (up + 1) * (gate * sigmoid)
+
+
+def _rows_apart(x: torch.Tensor) -> torch.Tensor:
+    """An empty [n, m] like x whose rows lie apart (row stride m + 1): an elementwise op written
+    into it runs row by row, so a row's bits do not depend on how many rows ran beside it."""
+    return torch.empty(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)[:, :-1]
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +58,36 @@ def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     """gpt-oss's routing: the k largest logits [T, E], softmaxed among themselves in float32."""
     top, experts = torch.topk(logits, top_k, dim=-1)
     return torch.softmax(top.float(), dim=-1), experts
+
+
+def route_grouped_sigmoid(
+    logits: torch.Tensor,
+    correction: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's routing (DeepSeek-V3's "noaux_tc"): logits [T, E] float32, correction [E] float32
+    -> (weights [T, k] float32, experts [T, k] int64). The choice reads sigmoid scores plus the
+    correction: each group's score is the sum of its two best, the topk_group best groups are kept
+    and the k best experts among theirs chosen. The weights are the chosen experts' sigmoid scores
+    (no correction), renormalised where `normalize` (sum + 1e-20, as transformers does), times
+    `scale`. Every step is per row; the k slots come in descending order of choice, a row's own."""
+    scores = _rows_apart(logits)  # (the sigmoid row by row: see clamped_swiglu)
+    scores.copy_(logits).sigmoid_()
+    choice = scores + correction
+    grouped = choice.view(choice.shape[0], num_groups, -1)  # [T, groups, E / groups]
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(topk_group, dim=-1)[1], True)
+    choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(scores)
+    experts = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
 
 
 def routed_bias(weights: torch.Tensor, experts: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:

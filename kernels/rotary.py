@@ -58,15 +58,42 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -
     return mixed, attention_factor
 
 
-class Rotary:
-    """cos/sin tables for positions 0..max_positions-1, shape [max_positions, head_dim] each."""
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims [head_dim] under which a partial rotary is rotate-half over the
+    whole head: new dim j holds old dim order[j].
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, max_positions: int, device="cpu"):
-        inv_freq, factor = inverse_frequencies(head_dim, theta, scaling)
+    A partial rotary (GLM-4.5's) turns pairs (i, i + R/2) of the first R dims and leaves the rest;
+    rotate-half over D turns pairs (j, j + D/2). With q's and k's dims reordered alike (their dot
+    products unchanged), the rotating pairs sit at (j, j + D/2) for j < R/2 and the resting dims pair
+    with each other at rate zero (cos 1, sin 0: unchanged), so every attention kernel serves it."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = [*range(half), *range(rotary_dim, rotary_dim + rest)]
+    second = [*range(half, rotary_dim), *range(rotary_dim + rest, head_dim)]
+    return torch.tensor(first + second)
+
+
+class Rotary:
+    """cos/sin tables for positions 0..max_positions-1, shape [max_positions, head_dim] each.
+    rotary_dim: a partial rotary's rotating dims (0: all), laid out as partial_rotary_order says."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: RopeScaling,
+        max_positions: int,
+        device="cpu",
+        rotary_dim: int = 0,
+    ):
+        inv_freq, factor = inverse_frequencies(rotary_dim or head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos = (angles.cos() * factor).to(device)
-        self.sin = (angles.sin() * factor).to(device)
+        cos, sin = angles.cos() * factor, angles.sin() * factor  # [max_positions, R/2]
+        if rotary_dim:  # the resting pairs: cos 1, sin 0 (not scaled: they are no rotary's)
+            rest = (head_dim - rotary_dim) // 2
+            cos = torch.cat([cos, torch.ones(max_positions, rest)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(max_positions, rest)], dim=-1)
+        self.cos = torch.cat([cos, cos], dim=-1).to(device)
+        self.sin = torch.cat([sin, sin], dim=-1).to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for these positions ([T, 1, D] each, in dtype): built once per pass.

@@ -30,6 +30,8 @@ FAMILIES = {
     "Gemma3ForCausalLM": "gemma3",
     # attention sinks, sliding and full layers, biased experts (ranks/model_gpt_oss.py)
     "GptOssForCausalLM": "gpt_oss",
+    # grouped sigmoid routing, a shared expert, partial rotary (ranks/model_glm4_moe.py)
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # A vision-language checkpoint's text_config names its decoder by model_type only.
@@ -73,6 +75,7 @@ class ModelConfig:
     gemma3: Gemma3Shape | None = None  # Gemma 3's own keys (ranks/model_gemma3.py)
     o_bias: bool = False  # a bias on o_proj (gpt-oss), added once after the reduce
     sinks: bool = False  # a sink logit per query head in every softmax (gpt-oss)
+    rotary_dim: int = 0  # the leading dims of a head that rotate (GLM-4.5's half; 0: all of them)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -214,7 +217,8 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         o_bias=family == "gpt_oss" and bool(raw.get("attention_bias", False)),
         sinks=family == "gpt_oss",
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3")
+        or (family == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         architecture=architecture,
@@ -222,7 +226,22 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         windows=windows if any(windows) else (),
         moe=parse_moe_config(raw, family, need("num_hidden_layers"), path),
         gemma3=parse_gemma3(raw, path) if family == "gemma3" else None,
+        rotary_dim=_rotary_dim(raw, rope, family, head_dim, path),
     )
+
+
+def _rotary_dim(raw: dict, rope: dict, family: str, head_dim: int, path: str | Path) -> int:
+    """The dims of a head that rotate, as transformers counts them (int(head_dim * factor)); 0 for
+    all. Only GLM-4.5's partial rotary is computed (transformers' default for it: half)."""
+    if family != "glm4_moe":
+        return 0  # ranks/unsupported.py refused a partial factor
+    factor = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ModelFileError(path, f"partial_rotary_factor must be in (0, 1], not {factor!r}")
+    dim = int(head_dim * factor)
+    if dim % 2 or dim < 2:
+        raise ModelFileError(path, f"partial rotary over {dim} of {head_dim} dims: not an even count")
+    return 0 if dim == head_dim else dim
 
 
 def _with_longrope_defaults(rope_scaling: dict | None, raw: dict) -> dict | None:

@@ -1,6 +1,8 @@
 """One layer's mixture of experts on one rank: the router (whole on every rank) and each piece's
 slices of every expert (TP within experts: each expert's intermediate dimension cut into the
-pieces, as the dense MLP's is; bench/moe_split.py measured it against expert parallelism)."""
+pieces, as the dense MLP's is; bench/moe_split.py measured it against expert parallelism), and a
+shared expert's slice where the family has one (GLM-4.5: cut as the dense MLP is, its partial sum
+added to the routed one before the pieces' sums are reduced)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import functools
 import torch
 
 from tpserve.kernels.linear import linear
-from tpserve.kernels.moe import clamped_swiglu, expert_sum, route, route_top_logits, silu_glu
+from tpserve.kernels.moe import (
+    clamped_swiglu,
+    expert_sum,
+    route,
+    route_grouped_sigmoid,
+    route_top_logits,
+    silu_glu,
+)
 from tpserve.kernels.weight_formats import served_as
 from tpserve.ranks.moe_config import MoeConfig
 from tpserve.ranks.packing import fuse, pack_weight
@@ -19,11 +28,25 @@ class Router:
     """A sparse layer's router: every token's k experts and their weights, once per layer (every
     piece reads the same route)."""
 
-    def __init__(self, moe: MoeConfig, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        moe: MoeConfig,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        correction: torch.Tensor | None = None,
+    ):
         self.moe, self.weight, self.bias = moe, weight, bias  # [num_experts, hidden], [num_experts]
+        self.correction = correction  # [num_experts] float32 (grouped routing's)
 
     def route(self, x: torch.Tensor, num_real: int, row_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [rows, hidden], the first num_real real (the rest a pass's padding, not routed)."""
+        grouped = self.moe.grouped
+        if grouped is not None:  # GLM-4.5: its router's product in float32, as transformers' is
+            logits = linear(x[:num_real].float(), self.weight.float(), None, row_tile)
+            return route_grouped_sigmoid(
+                logits, self.correction, self.moe.num_experts_per_tok, grouped.num_groups,
+                grouped.topk_group, self.moe.normalize_top_k, grouped.scale,
+            )  # fmt: skip
         logits = linear(x[:num_real], self.weight, self.bias, row_tile)  # [T, num_experts]
         if self.moe.softmax_top_logits:  # gpt-oss: a softmax over the k largest logits
             return route_top_logits(logits, self.moe.num_experts_per_tok)
@@ -52,19 +75,33 @@ class PieceExperts:
             self.downs.append(pack_weight(tensors.pop(down), formats.down, dtype))
             if moe.biased:
                 self.gate_up_biases.append(fuse(tensors, list(moe.expert_bias_names(layer, expert))))
+        # the shared expert's slice (GLM-4.5): gate/up [2*S_piece, hidden], down [hidden, S_piece]
+        self.shared_gate_up = self.shared_down = None
+        if moe.shared_size:
+            gate, up, down = moe.shared_names(layer)
+            self.shared_gate_up = pack(fuse(tensors, [gate, up]))
+            self.shared_down = pack_weight(tensors.pop(down), formats.down, dtype)
 
     def products(self) -> list:
-        return [*self.gate_ups, *self.downs]
+        shared = [self.shared_gate_up, self.shared_down] if self.shared_gate_up is not None else []
+        return [*self.gate_ups, *self.downs, *shared]
 
     def biases(self) -> list:
         return self.gate_up_biases or []
 
     def probed(self) -> list[tuple[str, object]]:
         """The products the start-up probe checks: one expert's (every expert's have its shapes)."""
-        return [("expert gate_up", self.gate_ups[0]), ("expert down", self.downs[0])]
+        probed = [("expert gate_up", self.gate_ups[0]), ("expert down", self.downs[0])]
+        if self.shared_gate_up is not None:
+            probed += [
+                ("shared expert gate_up", self.shared_gate_up),
+                ("shared expert down", self.shared_down),
+            ]
+        return probed
 
     def forward(self, x: torch.Tensor, routes, num_real: int, row_tile: int) -> torch.Tensor:
-        """x: [rows, hidden] -> this piece's partial sum [rows, hidden] float32 (padding rows zero)."""
+        """x: [rows, hidden] -> this piece's partial sum [rows, hidden] float32 (padding rows: no
+        expert's)."""
         weights, experts = routes
         partial = expert_sum(
             x[:num_real], weights, experts, self.gate_ups, self.downs, row_tile,
@@ -72,4 +109,8 @@ class PieceExperts:
         )  # fmt: skip
         if num_real < x.shape[0]:
             partial = torch.nn.functional.pad(partial, (0, 0, 0, x.shape[0] - num_real))
-        return partial
+        if self.shared_gate_up is None:
+            return partial
+        # the shared expert on every row, as the dense MLP (padding rows' results are never read)
+        gate, up = linear(x, self.shared_gate_up, None, row_tile, num_real).chunk(2, dim=-1)
+        return partial + linear(silu_glu(gate, up), self.shared_down, None, row_tile, num_real).float()

@@ -48,6 +48,11 @@ SHARDING_TABLE: dict[str, tuple[Split, str | None]] = {
     "mlp.experts.E.gate_proj.weight": (Split.COLUMN, "expert_intermediate"),
     "mlp.experts.E.up_proj.weight": (Split.COLUMN, "expert_intermediate"),
     "mlp.experts.E.down_proj.weight": (Split.ROW, "expert_intermediate"),
+    # GLM-4.5's: the router's score correction whole, the shared expert cut as the dense MLP is
+    "mlp.gate.e_score_correction_bias": (Split.REPLICATED, None),
+    "mlp.shared_experts.gate_proj.weight": (Split.COLUMN, "shared_intermediate"),
+    "mlp.shared_experts.up_proj.weight": (Split.COLUMN, "shared_intermediate"),
+    "mlp.shared_experts.down_proj.weight": (Split.ROW, "shared_intermediate"),
     "block_sparse_moe.gate.weight": (Split.REPLICATED, None),
     "block_sparse_moe.experts.E.w1.weight": (Split.COLUMN, "expert_intermediate"),
     "block_sparse_moe.experts.E.w3.weight": (Split.COLUMN, "expert_intermediate"),
@@ -83,13 +88,14 @@ def split_evenly(total: int, num_parts: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class Piece:
     """One piece's share: KV heads [kv_start, kv_end), MLP columns, vocabulary rows, and every
-    expert's intermediate columns (a mixture of experts)."""
+    expert's intermediate columns and the shared expert's (a mixture of experts)."""
 
     index: int
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
     expert_intermediate: tuple[int, int] = (0, 0)
+    shared_intermediate: tuple[int, int] = (0, 0)
 
     def num_kv_heads(self) -> int:
         return self.kv_heads[1] - self.kv_heads[0]
@@ -100,7 +106,8 @@ def plan_pieces(config: ModelConfig) -> list[Piece]:
     mlp = split_evenly(config.intermediate_size, NUM_PIECES)
     vocab = split_evenly(config.vocab_size, NUM_PIECES)
     experts = split_evenly(config.moe.expert_size if config.moe else 0, NUM_PIECES)
-    return [Piece(i, kv[i], mlp[i], vocab[i], experts[i]) for i in range(NUM_PIECES)]
+    shared = split_evenly(config.moe.shared_size if config.moe else 0, NUM_PIECES)
+    return [Piece(i, kv[i], mlp[i], vocab[i], experts[i], shared[i]) for i in range(NUM_PIECES)]
 
 
 def pieces_of_rank(config: ModelConfig, tp_rank: int, tp_size: int) -> list[Piece]:
@@ -126,5 +133,7 @@ def piece_range(config: ModelConfig, piece: Piece, unit: str) -> tuple[int, int]
         return piece.intermediate
     if unit == "expert_intermediate":
         return piece.expert_intermediate
+    if unit == "shared_intermediate":
+        return piece.shared_intermediate
     width = config.head_dim * (config.num_queries_per_kv if unit == "q_heads" else 1)
     return piece.kv_heads[0] * width, piece.kv_heads[1] * width

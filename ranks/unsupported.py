@@ -24,12 +24,11 @@ REFUSED_ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
     "Qwen3_5MoeForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
-    "Glm4MoeForCausalLM": "its mixture of experts with a shared expert",
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.
 FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
-WINDOWLESS = ("llama",)  # transformers' Llama has no sliding window, whatever the config carries
+WINDOWLESS = ("llama", "glm4_moe")  # transformers' have no sliding window, whatever the config carries
 ACTIVATIONS = ("silu", "swish")  # SwiGLU's
 # Layer kinds tpserve computes: full causal attention, and causal within a sliding window.
 FULL_LAYERS = ("full_attention",)
@@ -69,11 +68,12 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
             refuse(f"{key} {raw[key]!r} (only {'GeGLU' if gemma3 else 'SwiGLU'}'s {activations[0]} is)")
     if raw.get("mlp_bias"):
         refuse("mlp_bias (biases on gate, up and down)")
-    if family not in ("qwen2", "gpt_oss") and raw.get("attention_bias"):  # gpt-oss: o_proj's too
+    # gpt-oss: o_proj's too; GLM-4.5: q, k and v only
+    if family not in ("qwen2", "gpt_oss", "glm4_moe") and raw.get("attention_bias"):
         refuse("attention_bias (transformers puts a bias on o_proj too)")
     rope = raw.get("rope_parameters") or {}
     partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    if partial != 1.0 and family != "glm4_moe":  # GLM-4.5's: ranks/model_glm4_moe.py
         refuse(f"partial rotary embedding (partial_rotary_factor {partial})")
     if gemma3 and set(rope) <= {"full_attention", "sliding_attention"}:
         rope = {}  # ranks/gemma3_config.py reads them

@@ -1,6 +1,6 @@
-"""Gemma 3 and gpt-oss served in bfloat16: as near float32 as transformers' own bfloat16 forward is
-(their norms scale in float32 and round once, as theirs do), tp=2 == tp=1 bit for bit, batched ==
-solo."""
+"""Gemma 3, gpt-oss and GLM-4.5 served in bfloat16: as near float32 as transformers' own bfloat16
+forward is (Gemma's and gpt-oss's norms scale in float32 and round once, GLM's router computes in
+float32, as theirs do), tp=2 == tp=1 bit for bit, batched == solo."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.loader import load_rank_model
 
-FAMILIES = ("gemma3", "gpt-oss")
+FAMILIES = ("gemma3", "gpt-oss", "glm4-moe")
 PROMPTS = [tuple((7 * i + 3) % 300 for i in range(40)), tuple((5 * i + 2) % 250 for i in range(70))]
 
 
@@ -41,7 +41,7 @@ def prompt_logits(model_dir, dtype: torch.dtype, ids) -> torch.Tensor:
 def test_bfloat16_logits_are_as_near_float32_as_transformers_bfloat16(tmp_path, family):
     torch.set_num_threads(1)
     model_dir = write_hf_model(tmp_path / family, family)
-    eager = {"experts_implementation": "eager"} if family == "gpt-oss" else {}
+    eager = {"experts_implementation": "eager"} if family != "gemma3" else {}
     references = {
         dtype: transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **eager)
         for dtype in (torch.float32, torch.bfloat16)

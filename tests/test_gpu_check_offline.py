@@ -16,7 +16,7 @@ import torch
 
 from bench.random_model import GEOMETRIES, model_config, num_parameters, tensor_shapes, write_random_model
 from tpserve.ranks.model_config import load_model_config, parse_model_config
-from tpserve.ranks.weights import expected_shape, required_names
+from tpserve.ranks.weight_names import expected_shape, required_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OFFLINE_SITE = """

@@ -1,5 +1,6 @@
 """A mixture of experts through the real two-rank daemon: replies batched equal replies alone, greedy
-ones equal transformers' generate; so do a sliding-window model's past its window."""
+ones equal transformers' generate (Qwen3-MoE's, GLM-4.5's, which also answers a chat); so do a
+sliding-window model's past its window."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from daemon import read_reply, running_daemon, solo_then_together
 from hf_reference import assert_daemon_replies_are_transformers_greedy
+from test_http_api import post
 from tiny_hf_models import transformers, write_hf_model
 
 from tpserve.v1 import serving_pb2
@@ -29,6 +31,20 @@ def test_qwen3_moe_replies_batched_equal_their_solo_runs_and_transformers(tmp_pa
         solo, together = solo_then_together(served, requests)
         note = "Qwen3MoeForCausalLM's sliding window of 300 tokens never binds at a context of 256"
         assert note in served.logs()
+    assert_daemon_replies_are_transformers_greedy(model_dir, PROMPTS, solo, together, MAX_TOKENS)
+
+
+def test_glm4_moe_replies_batched_equal_their_solo_runs_and_transformers_and_it_chats(tmp_path):
+    model_dir = write_hf_model(tmp_path / "glm4-moe", "glm4-moe")
+    requests = [request(ids) for ids in PROMPTS] + [request(PROMPTS[2], temperature=0.9, seed=3)]
+    # a float32 KV pool, as transformers keeps (no near tie decided by the pool's rounding)
+    args = ("--lanes", "6", "--context", "256", "--max-prefill-tokens", "64", "--kv-dtype", "float32")
+    with running_daemon("spawn", model_dir, tmp_path / "logs", *args) as served:
+        solo, together = solo_then_together(served, requests)
+        chat = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "ignore_eos": True}
+        answer = post(served, "chat/completions", chat)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 6
     assert_daemon_replies_are_transformers_greedy(model_dir, PROMPTS, solo, together, MAX_TOKENS)
 
 

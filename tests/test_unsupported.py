@@ -67,10 +67,6 @@ REFUSED = {
         config_of("MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=3),
         "num_experts_per_tok 3 is more than the 2 experts",
     ),
-    "glm-moe": (
-        config_of("Glm4MoeForCausalLM"),
-        "Glm4MoeForCausalLM is not supported: its mixture of experts",
-    ),
     "dynamic-rope": (
         config_of("LlamaForCausalLM", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
         "unsupported rope scaling 'dynamic'",

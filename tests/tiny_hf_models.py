@@ -127,6 +127,29 @@ FAMILIES = {
             | kw
         )
     ),
+    # GLM-4.5: a dense first layer, then 8 experts in 4 groups (the best 2 kept, top 3 of theirs) of
+    # an odd width (18), two shared experts (36 wide: 18 + 18 a piece), the routed weights scaled,
+    # q/k norms, q/k/v biases, rotary on half of each head
+    "glm4-moe": lambda **kw: transformers.Glm4MoeConfig(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "head_dim": 16,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 3,
+                "moe_intermediate_size": 18,
+                "n_group": 4,
+                "topk_group": 2,
+                "n_shared_experts": 2,
+                "first_k_dense_replace": 1,
+                "routed_scaling_factor": 2.5,
+                "use_qk_norm": True,
+                "attention_bias": True,
+            }
+            | kw
+        )
+    ),
 }
 
 
@@ -145,6 +168,9 @@ def write_hf_model(out_dir: str | Path, family: str, seed: int = 0, **overrides)
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(noise * (1.0 if "embed_tokens" in name else 0.2))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's router: a correction that matters
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
     model.save_pretrained(out)
     tokenizer = build_tokenizer(320)
     tokenizer.save(str(out / "tokenizer.json"))
