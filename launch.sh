@@ -52,8 +52,14 @@ command -v setsid >/dev/null && own_session=(setsid)
 "${own_session[@]}" "$python" -m torch.distributed.run --standalone --nproc-per-node "$tp" \
     -m tpserve.cli serve "${args[@]}" &
 launcher=$!
-stop_ranks() { kill -TERM $(ps -o pid= --ppid "$launcher") 2>/dev/null || kill -TERM "$launcher" 2>/dev/null || true; }
-trap stop_ranks TERM INT HUP
+stop_ranks() {
+    ranks=$(ps -o pid= --ppid "$launcher" | tr -s ' \n' ' ')
+    echo "launch.sh: $1 received; SIGTERM to the ranks (${ranks:-none found: to torchrun})" >&2
+    kill -TERM $ranks 2>/dev/null || kill -TERM "$launcher" 2>/dev/null || true
+}
+trap 'stop_ranks SIGTERM' TERM
+trap 'stop_ranks SIGINT' INT
+trap 'stop_ranks SIGHUP' HUP
 while true; do
     code=0
     wait "$launcher" || code=$?

@@ -35,6 +35,7 @@ from tpserve.ranks.local_ranks import free_port
 from tpserve.v1 import serving_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
+AS_FROM_A_SHELL = Path(__file__).resolve().parent / "as_from_a_shell.py"
 # 3 specials + 256 bytes: the vocabulary the golden error files name ("... of 259 tokens").
 DAEMON_VOCAB_SIZE = 259
 START_TIMEOUT_S = 120.0  # two torch processes starting on a busy two-core machine
@@ -409,9 +410,10 @@ def launch(
     for name, command in commands.items():
         with open(log_dir / f"{name}.log", "wb") as log:
             # Its own session: a signal to this test's process group never reaches it, and a
-            # test can send one to the daemon's group (as Ctrl-C in its terminal would).
+            # test can send one to the daemon's group (as Ctrl-C in its terminal would), which
+            # starts with the signals a shell gives it (tests/as_from_a_shell.py).
             daemon.launched[name] = subprocess.Popen(
-                command,
+                [sys.executable, str(AS_FROM_A_SHELL), *command],
                 cwd=REPO,
                 env={**daemon_env(), **(env or {})},
                 stdin=subprocess.DEVNULL,

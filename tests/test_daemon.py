@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,8 @@ from daemon import (
     NOT_SERVING,
     SERVING,
     BackgroundReply,
+    children_of,
+    cmdline,
     daemon_env,
     one_lane_args,
     read_reply,
@@ -410,6 +413,29 @@ def test_launch_sh_serves_with_torchrun_and_drains_on_a_stop_signal(model_dir, t
     logs = served.logs()
     assert "follower: stop received" in logs and "rank0 INFO tpserve.server.daemon: stopped" in logs
     assert "Traceback" not in logs
+
+
+def test_ctrl_c_reaches_launch_sh_started_while_a_library_runs_system(model_dir, tmp_path):
+    # glibc's system() in another thread ignores SIGINT in this process while its command runs: a
+    # launch.sh forked then must still start as from a shell, and drain on Ctrl-C.
+    busy = threading.Thread(target=os.system, args=("exec sleep 300",))
+    busy.start()
+    wait_until(lambda: any("sleep 300" in cmdline(pid) for pid in children_of(os.getpid())), "system()", 30)
+    try:
+        with running_daemon("launch", model_dir, tmp_path, wait=False) as served:
+            for pid in children_of(os.getpid()):
+                if "sleep 300" in cmdline(pid):
+                    os.kill(pid, signal.SIGKILL)
+            busy.join()
+            served.wait_serving()
+            served.signal_group(signal.SIGINT)
+            assert served.wait_exits() == {"launch": 0}
+    finally:
+        for pid in children_of(os.getpid()):
+            if "sleep 300" in cmdline(pid):
+                os.kill(pid, signal.SIGKILL)
+        busy.join()
+    assert "launch.sh: SIGINT received" in served.logs()
 
 
 # ---- the README's flow, on the real default model ----
