@@ -2,7 +2,9 @@
 
 A text token's three are equal; an image's tokens take (start, start + row, start + column) over
 its merged grid, and the text after it continues from start + max(rows, columns) (transformers'
-get_rope_index). The rotary frequencies are split into mrope_section runs (t, h, w) and each run
+get_rope_index). A video's frame (temporal patch) f takes t = start + int(f * interval), where
+interval = tokens_per_second * the seconds one temporal patch spans, in float32 as transformers
+multiplies it; the text after a video continues from start + max(rows, columns) too. The rotary frequencies are split into mrope_section runs (t, h, w) and each run
 is turned by its own axis, in both halves of the head.
 
 Rank 0 works out a prompt's positions (`prompt_positions`) and sends them with its spans
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tpserve.kernels.rotary import Rotary
@@ -25,27 +28,30 @@ def media_positions(start: int, grid: tuple[int, int], frames: int = 1, interval
     rows, cols = grid
     t, h, w = [], [], []
     for frame in range(frames):
+        time = int(np.float32(frame) * np.float32(interval))  # float32, then truncated, as transformers
         for row in range(rows):
             for col in range(cols):
-                t.append(start + int(frame * interval))
+                t.append(start + time)
                 h.append(start + row)
                 w.append(start + col)
     return t, h, w
 
 
-def prompt_positions(length: int, media: Sequence[tuple[int, tuple[int, int]]]) -> list[list[int]]:
-    """A prompt's [t, h, w] position lists. media: (offset, merged (rows, columns)) per image, in
-    prompt order, each taking rows * columns tokens from its offset."""
+def prompt_positions(length: int, media: Sequence[tuple]) -> list[list[int]]:
+    """A prompt's [t, h, w] position lists. media: (offset, merged (rows, columns)) per image, or
+    (offset, (rows, columns), frames, interval) per video, in prompt order, each taking
+    frames * rows * columns tokens from its offset."""
     axes: list[list[int]] = [[], [], []]
     at = position = 0
-    for offset, (rows, cols) in media:
+    for offset, (rows, cols), *time in media:
+        frames, interval = time or (1, 1.0)
         for axis in axes:
             axis.extend(range(position, position + offset - at))
         position += offset - at
-        for axis, values in zip(axes, media_positions(position, (rows, cols))):
+        for axis, values in zip(axes, media_positions(position, (rows, cols), frames, interval)):
             axis.extend(values)
         position += max(rows, cols)
-        at = offset + rows * cols
+        at = offset + frames * rows * cols
     for axis in axes:
         axis.extend(range(position, position + length - at))
     return axes
@@ -56,7 +62,9 @@ def chunk_rope(images, start: int, num_tokens: int) -> tuple[int, ...]:
     prompt's images (offset, num_tokens, grid: merged (rows, columns), in prompt order); () where
     no image has a grid (a 1-D rotary, or a prompt without images). A chunk past the prompt's end (a
     resumed reply) continues the text positions."""
-    media = [(image.offset, image.grid) for image in images if image.grid is not None]
+    media = [
+        (image.offset, image.grid, image.frames, image.interval) for image in images if image.grid is not None
+    ]
     if not media:
         return ()
     axes = prompt_positions(start + num_tokens, media)
