@@ -1,5 +1,6 @@
 """Short videos the tests make with PyAV: blocks of random colour that change every frame (blocks,
-so lossy codecs keep frames apart), as MP4 (H.264) or WebM (VP9)."""
+so lossy codecs keep frames apart), as MP4 (H.264: the same bytes
+for the same seed) or WebM (VP9; its muxer writes a random segment id)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def block_video(seed: int, num_frames: int, size: tuple[int, int], fps: int = 4,
     with av.open(out, "w", format=fmt) as container:
         stream = container.add_stream(CODECS[fmt], rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"threads": "1"}  # the same bytes every time: encoder threads race
         for _ in range(num_frames):
             blocks = rng.integers(0, 256, (-(-height // 6), -(-width // 6), 3), dtype=np.uint8)
             pixels = np.repeat(np.repeat(blocks, 6, axis=0), 6, axis=1)[:height, :width]
