@@ -9,8 +9,10 @@ is turned by its own axis, in both halves of the head.
 
 Rank 0 works out a prompt's positions (`prompt_positions`) and sends them with its spans
 (ranks/wire.py Span.rope): the followers never see the images. After a prompt every position is
-its KV position plus the lane's delta (the last prompt token's largest + 1 - the prompt's length),
-which each rank keeps per lane (ranks/engine.py): decode steps travel as they always have.
+its KV position plus the lane's delta (the prompt's largest position + 1 - its length, as
+transformers' rope deltas: a video's last time position may pass the text after it), which rank 0
+sends after each span's positions and each rank keeps per lane (ranks/engine.py): decode steps
+travel as they always have.
 """
 
 from __future__ import annotations
@@ -57,23 +59,25 @@ def prompt_positions(length: int, media: Sequence[tuple]) -> list[list[int]]:
     return axes
 
 
+def span_rope(axes: list[list[int]], start: int, end: int) -> tuple[int, ...]:
+    """Positions start..end-1 of a prompt's [t, h, w] lists as a Span carries them: the t's, then
+    the h's, then the w's, then the lane's delta after them (the largest position up to `end` + 1
+    - end)."""
+    delta = max(max(axis[:end]) for axis in axes) + 1 - end
+    return (*(p for axis in axes for p in axis[start:end]), delta)
+
+
 def chunk_rope(images, start: int, num_tokens: int) -> tuple[int, ...]:
-    """A prompt chunk's rope positions as a Span carries them (its t's, then h's, then w's), for the
-    prompt's images (offset, num_tokens, grid: merged (rows, columns), in prompt order); () where
-    no image has a grid (a 1-D rotary, or a prompt without images). A chunk past the prompt's end (a
-    resumed reply) continues the text positions."""
+    """A prompt chunk's rope positions and delta as a Span carries them (span_rope), for the
+    prompt's images (offset, num_tokens, grid: merged (rows, columns), frames, interval, in prompt
+    order); () where no image has a grid (a 1-D rotary, or a prompt without images). A chunk past
+    the prompt's end (a resumed reply) continues the text positions."""
     media = [
         (image.offset, image.grid, image.frames, image.interval) for image in images if image.grid is not None
     ]
     if not media:
         return ()
-    axes = prompt_positions(start + num_tokens, media)
-    return tuple(p for axis in axes for p in axis[start : start + num_tokens])
-
-
-def rope_delta(last: Sequence[int], position: int) -> int:
-    """A lane's delta from its last prompt token's (t, h, w) and that token's KV position."""
-    return max(last) + 1 - (position + 1)
+    return span_rope(prompt_positions(start + num_tokens, media), start, start + num_tokens)
 
 
 class MRotary(Rotary):

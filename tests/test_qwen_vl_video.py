@@ -19,7 +19,7 @@ from tiny_qwen_vl import MERGE, TEMPORAL, VIDEO_TOKEN_ID, VISION_END_ID, VISION_
 from tiny_video import block_video
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.mrope import prompt_positions
+from tpserve.ranks.mrope import prompt_positions, span_rope
 from tpserve.server.qwen_videos import QwenVideoPreprocessor
 from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.validation import Limits
@@ -104,6 +104,15 @@ def test_an_odd_number_of_frames_repeats_the_last_and_a_long_video_keeps_max_fra
         pre.plan(short, "video")
 
 
+def test_a_videos_time_positions_step_by_the_interval_and_the_delta_follows_the_largest():
+    # One text token, a video of three temporal patches of one merged position each, 2.5 time
+    # positions apart (truncated: 0, 2, 5), two text tokens continuing from its grid (1 + 1).
+    axes = prompt_positions(6, [(1, (1, 1), 3, 2.5)])
+    assert axes == [[0, 1, 3, 6, 2, 3], [0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 2, 3]]
+    assert span_rope(axes, 0, 6)[-1] == 6 + 1 - 6  # past the prompt: from its largest position, 6
+    assert span_rope(axes, 4, 6) == (2, 3, 2, 3, 2, 3, 1)
+
+
 def video_prompt(merged_frames, before=(40, 41), after=(50, 51, 52, 53, 54, 55)):
     frames, rows, cols = merged_frames
     ids = (*before, VISION_START_ID, *[VIDEO_TOKEN_ID] * (frames * rows * cols), VISION_END_ID, *after)
@@ -127,7 +136,7 @@ def run_video(model_dir, prompt, image, tp_rank=0, tp_size=1, collectives=None):
         [(0, 0, prompt)],
         media_rows=[rows],
         media=image.features if tp_rank == 0 else None,
-        rope=[tuple(p for axis in axes for p in axis)],
+        rope=[span_rope(axes, 0, len(prompt))],
     )
     return decode_steps(engine, logits, [len(prompt)], [GREEDY], tp_rank, tp_size, NUM_STEPS)
 
@@ -189,3 +198,32 @@ def test_tp2_equals_tp1_bit_for_bit_with_a_video(qwen_dir, vision):
         pair_logits, pair_tokens = pool.run(_tp2, qwen_dir, prompt, image, timeout_s=120)[0]
     assert pair_tokens == solo_tokens
     torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
+
+
+def test_replies_continue_past_the_videos_last_time_position(qwen_dir, vision, tmp_path):
+    """A prompt ending soon after a video: its last time position (start + 5) is past the text's
+    (start + 4), and the reply's positions continue from the prompt's largest, as transformers'
+    rope deltas do."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.set_num_threads(1)
+    data = block_video(8, 10, (40, 34))
+    image = read_video(vision, data)
+    prompt, _ = video_prompt((image.frames, *image.grid), after=(50,))
+    ours_logits, ours_tokens = run_video(qwen_dir, prompt, image)
+    plan, _, _ = ours(qwen_dir, data)
+    pixels, grid, metadata = theirs(qwen_dir, data, plan.indices, tmp_path)
+    metadata.frames_indices = list(plan.indices)
+    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    theirs_logits, theirs_tokens = cached_greedy(
+        reference,
+        NUM_STEPS,
+        input_ids=ids,
+        pixel_values_videos=pixels,
+        video_grid_thw=torch.tensor([grid]),
+        second_per_grid_ts=torch.tensor([TEMPORAL / metadata.sampled_fps]),
+        mm_token_type_ids=(ids == VIDEO_TOKEN_ID).int() * 2,
+    )
+    torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
+    assert [step[0] for step in ours_tokens] == theirs_tokens
