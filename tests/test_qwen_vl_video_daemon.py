@@ -111,8 +111,9 @@ def test_a_webm_over_http_is_a_data_url_and_reads_as_over_grpc(served):
 def test_the_same_video_reuses_its_cache_entry_and_another_video_never_does(served):
     question = "what is in this video, the quick brown fox or the lazy dog?"
     replies = []
+    videos = {seed: block_video(seed, 10, SIZE) for seed in (21, 22)}  # one bytes object per video
     for seed in (21, 21, 22):
-        replies.append(generate(served, ask_video(block_video(seed, 10, SIZE), question)))
+        replies.append(generate(served, ask_video(videos[seed], question)))
         served.wait_idle()  # the reply's lane released, its blocks in the cache
     first, again, other = replies
     assert first.ok and again.ok and other.ok
