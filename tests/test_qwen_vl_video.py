@@ -79,6 +79,29 @@ def theirs(model_dir: str, data: bytes, indices, tmp_path):
     return torch.cat(patches), (len(per_frame) // TEMPORAL, grid[1], grid[2]), metadata
 
 
+def transformers_inputs(model_dir: str, data: bytes, prompt, tmp_path) -> dict:
+    """What transformers' forward reads for `prompt` (token ids, the video's pads widened) and the
+    video: its frames' pixels, video_grid_thw, second_per_grid_ts and the token types."""
+    plan, _, _ = ours(model_dir, data)
+    pixels, grid, metadata = theirs(model_dir, data, plan.indices, tmp_path)
+    ids = torch.tensor([list(prompt)])
+    return {
+        "input_ids": ids,
+        "pixel_values_videos": pixels,
+        "video_grid_thw": torch.tensor([grid]),
+        "second_per_grid_ts": torch.tensor([TEMPORAL / metadata.sampled_fps]),
+        "mm_token_type_ids": (ids == VIDEO_TOKEN_ID).int() * 2,
+    }
+
+
+def transformers_greedy(model_dir: str, data: bytes, prompt, tmp_path):
+    """transformers' own last-position logits and greedy tokens over NUM_STEPS, on its KV cache."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return cached_greedy(reference, NUM_STEPS, **transformers_inputs(model_dir, data, prompt, tmp_path))
+
+
 @pytest.mark.parametrize("fmt, size", [("mp4", (40, 34)), ("webm", (36, 24))])
 def test_frames_pixels_and_grid_match_transformers(qwen_dir, tmp_path, fmt, size):
     data = block_video(3, 10, size, fps=4, fmt=fmt)
@@ -142,8 +165,6 @@ def run_video(model_dir, prompt, image, tp_rank=0, tp_size=1, collectives=None):
 
 
 def test_logits_and_greedy_tokens_match_transformers(qwen_dir, vision, tmp_path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     torch.set_num_threads(1)
     data = block_video(5, 10, (40, 34))
     image = read_video(vision, data)
@@ -151,20 +172,7 @@ def test_logits_and_greedy_tokens_match_transformers(qwen_dir, vision, tmp_path)
     prompt, offset = video_prompt((image.frames, *image.grid))
     assert offset == image.offset
     ours_logits, ours_tokens = run_video(qwen_dir, prompt, image)
-    plan, _, _ = ours(qwen_dir, data)
-    pixels, grid, metadata = theirs(qwen_dir, data, plan.indices, tmp_path)
-    metadata.frames_indices = list(plan.indices)
-    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    theirs_logits, theirs_tokens = cached_greedy(
-        reference,
-        NUM_STEPS,
-        input_ids=ids,
-        pixel_values_videos=pixels,
-        video_grid_thw=torch.tensor([grid]),
-        second_per_grid_ts=torch.tensor([TEMPORAL / metadata.sampled_fps]),
-        mm_token_type_ids=(ids == VIDEO_TOKEN_ID).int() * 2,
-    )
+    theirs_logits, theirs_tokens = transformers_greedy(qwen_dir, data, prompt, tmp_path)
     torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert [step[0] for step in ours_tokens] == theirs_tokens
     # The time positions changed the logits: the same frames read as one instant give others.
@@ -204,26 +212,11 @@ def test_replies_continue_past_the_videos_last_time_position(qwen_dir, vision, t
     """A prompt ending soon after a video: its last time position (start + 5) is past the text's
     (start + 4), and the reply's positions continue from the prompt's largest, as transformers'
     rope deltas do."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     torch.set_num_threads(1)
     data = block_video(8, 10, (40, 34))
     image = read_video(vision, data)
     prompt, _ = video_prompt((image.frames, *image.grid), after=(50,))
     ours_logits, ours_tokens = run_video(qwen_dir, prompt, image)
-    plan, _, _ = ours(qwen_dir, data)
-    pixels, grid, metadata = theirs(qwen_dir, data, plan.indices, tmp_path)
-    metadata.frames_indices = list(plan.indices)
-    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    theirs_logits, theirs_tokens = cached_greedy(
-        reference,
-        NUM_STEPS,
-        input_ids=ids,
-        pixel_values_videos=pixels,
-        video_grid_thw=torch.tensor([grid]),
-        second_per_grid_ts=torch.tensor([TEMPORAL / metadata.sampled_fps]),
-        mm_token_type_ids=(ids == VIDEO_TOKEN_ID).int() * 2,
-    )
+    theirs_logits, theirs_tokens = transformers_greedy(qwen_dir, data, prompt, tmp_path)
     torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert [step[0] for step in ours_tokens] == theirs_tokens

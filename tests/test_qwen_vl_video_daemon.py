@@ -17,8 +17,8 @@ import torch
 from daemon import running_daemon
 from grpc_health.v1 import health_pb2
 from jinja2 import Template
-from test_qwen_vl_video import ours, theirs
-from tiny_qwen_vl import CHAT_TEMPLATE, MERGE, TEMPORAL, VIDEO_TOKEN_ID, write_tiny_qwen_vl
+from test_qwen_vl_video import ours, transformers_inputs
+from tiny_qwen_vl import CHAT_TEMPLATE, MERGE, VIDEO_TOKEN_ID, write_tiny_qwen_vl
 from tiny_video import MIME_TYPES, block_video
 from tokenizers import Tokenizer
 from vision_requests import MAX_TOKENS, VISION_ARGS, ask, corrupted, generate
@@ -56,24 +56,21 @@ def transformers_greedy(model_dir: str, video: bytes, text: str, tmp_path: Path)
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     plan, _, _ = ours(model_dir, video)
-    pixels, grid, metadata = theirs(model_dir, video, plan.indices, tmp_path)
-    metadata.frames_indices = list(plan.indices)
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}]
     rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     ids = tokenizer.encode(rendered, add_special_tokens=False).ids
     at = ids.index(VIDEO_TOKEN_ID)
-    num = grid[0] * grid[1] * grid[2] // MERGE**2
-    ids = torch.tensor([ids[:at] + [VIDEO_TOKEN_ID] * num + ids[at + 1 :]])
+    num = plan.grid[0] * plan.grid[1] * plan.grid[2] // MERGE**2
+    inputs = transformers_inputs(
+        model_dir, video, ids[:at] + [VIDEO_TOKEN_ID] * num + ids[at + 1 :], tmp_path
+    )
+    ids = inputs["input_ids"]
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids,
+            **inputs,
             attention_mask=torch.ones_like(ids),
-            pixel_values_videos=pixels,
-            video_grid_thw=torch.tensor([grid]),
-            second_per_grid_ts=torch.tensor([TEMPORAL / metadata.sampled_fps]),
-            mm_token_type_ids=(ids == VIDEO_TOKEN_ID).int() * 2,
             max_new_tokens=MAX_TOKENS,
             min_new_tokens=MAX_TOKENS,
             do_sample=False,
