@@ -67,17 +67,24 @@ def span_rope(axes: list[list[int]], start: int, end: int) -> tuple[int, ...]:
     return (*(p for axis in axes for p in axis[start:end]), delta)
 
 
-def chunk_rope(images, start: int, num_tokens: int) -> tuple[int, ...]:
+def chunk_rope(images, start: int, num_tokens: int, prompt_length: int = 0) -> tuple[int, ...]:
     """A prompt chunk's rope positions and delta as a Span carries them (span_rope), for the
     prompt's images (offset, num_tokens, grid: merged (rows, columns), frames, interval, in prompt
-    order); () where no image has a grid (a 1-D rotary, or a prompt without images). A chunk past
-    the prompt's end (a resumed reply) continues the text positions."""
+    order); () where no image has a grid (a 1-D rotary, or a prompt without images). Tokens past
+    `prompt_length` (a resumed reply's) sit where its decode steps put them: their KV position plus
+    the prompt's delta."""
     media = [
         (image.offset, image.grid, image.frames, image.interval) for image in images if image.grid is not None
     ]
     if not media:
         return ()
-    return span_rope(prompt_positions(start + num_tokens, media), start, start + num_tokens)
+    end = start + num_tokens
+    length = min(prompt_length or end, end)
+    axes = prompt_positions(length, media)
+    delta = max(max(axis) for axis in axes) + 1 - length
+    for axis in axes:
+        axis.extend(range(length + delta, end + delta))
+    return span_rope(axes, start, end)
 
 
 class MRotary(Rotary):

@@ -19,9 +19,10 @@ from tiny_qwen_vl import MERGE, TEMPORAL, VIDEO_TOKEN_ID, VISION_END_ID, VISION_
 from tiny_video import block_video
 
 from tpserve.kernels.sampling_params import SamplingParams
-from tpserve.ranks.mrope import prompt_positions, span_rope
+from tpserve.ranks.mrope import chunk_rope, prompt_positions, span_rope
 from tpserve.server.qwen_videos import QwenVideoPreprocessor
 from tpserve.server.qwen_vision_input import QwenVisionInput
+from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits
 from tpserve.server.videos import VideoLimits, decode_frames, read_header
 from tpserve.v1 import serving_pb2
@@ -134,6 +135,9 @@ def test_a_videos_time_positions_step_by_the_interval_and_the_delta_follows_the_
     assert axes == [[0, 1, 3, 6, 2, 3], [0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 2, 3]]
     assert span_rope(axes, 0, 6)[-1] == 6 + 1 - 6  # past the prompt: from its largest position, 6
     assert span_rope(axes, 4, 6) == (2, 3, 2, 3, 2, 3, 1)
+    # A resumed reply's tokens past the prompt: where its decode steps put them, KV position + 1.
+    video = PromptImage(1, 3, -5, None, (1, 1), 3, 2.5)
+    assert chunk_rope([video], 4, 4, prompt_length=6) == (2, 3, 7, 8, 2, 3, 7, 8, 2, 3, 7, 8, 1)
 
 
 def video_prompt(merged_frames, before=(40, 41), after=(50, 51, 52, 53, 54, 55)):
