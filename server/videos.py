@@ -100,12 +100,13 @@ def decode_frames(
     """prepare(frame) for the frames at `indices` (in order, as RGB images), decoding no further
     than the last one; each other frame is dropped as soon as it is decoded."""
     wanted, out = set(indices), {}
+    last = max(wanted)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
             stream.thread_type = "NONE"  # one decode thread per request: the submit threads bound it
             for index, frame in enumerate(container.decode(stream)):
-                if index > max(wanted):
+                if index > last:
                     break
                 if (frame.width, frame.height) != (header.width, header.height):
                     raise invalid_argument(f"{where}.media.data is a video whose frames change size")
