@@ -22,7 +22,7 @@ from tpserve.ranks.decode_runner import DecodeGraphs
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.kv_store import KVPool
 from tpserve.ranks.model import TPModel
-from tpserve.ranks.mrope import MRotary, rope_delta
+from tpserve.ranks.mrope import MRotary
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class Engine:
             state.drafts_from = 0
             state.passed = True
             if multimodal and rope is not None and rope[index]:
-                state.rope_delta = rope_delta([axis[-1] for axis in axes[index]], state.length - 1)
+                state.rope_delta = rope[index][-1]  # rank 0's: the prompt's largest position + 1 - its length
         return logits
 
     def _forward(self, views, token_ids, positions, logit_rows, rows, media, packed_media):
@@ -318,9 +318,10 @@ class Engine:
 
 
 def _rope_axes(given, start: int, length: int, delta: int) -> list[list[int]]:
-    """A span's (t, h, w) position lists: as given, or each KV position plus the lane's delta."""
+    """A span's (t, h, w) position lists: as given (then the delta after them), or each KV position
+    plus the lane's delta."""
     if given:
-        if len(given) != 3 * length:
+        if len(given) != 3 * length + 1:
             raise EngineError(f"{len(given)} rope positions for a span of {length} tokens")
         return [list(given[axis * length : (axis + 1) * length]) for axis in range(3)]
     return [list(range(start + delta, start + delta + length))] * 3

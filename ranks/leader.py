@@ -123,7 +123,8 @@ class Leader:
         for item in items:
             runs, rows = media_in_chunk(item.images, item.start, len(item.token_ids))
             every_row = item.prompt_logprobs >= 0
-            rope = chunk_rope(item.images, item.start, len(item.token_ids))  # () for a 1-D rotary
+            # () for a 1-D rotary
+            rope = chunk_rope(item.images, item.start, len(item.token_ids), item.prompt_length)
             spans.append(
                 Span(item.lane, item.start, tuple(item.token_ids), runs, item.blocks, every_row, rope)
             )

@@ -52,8 +52,9 @@ __all__ = [
 ]
 
 # 6: a span says whether every row's logits are wanted and carries its rope positions; 7: a Mixed
-# pass carries any number of prompts; 8: only a prompt's first pass is voted on (ranks/apply.py)
-WIRE_VERSION = 9
+# pass carries any number of prompts; 8: only a prompt's first pass is voted on (ranks/apply.py);
+# 10: a span's rope positions end with the lane's delta after it (a video's time may pass its text)
+WIRE_VERSION = 10
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 128

@@ -24,8 +24,9 @@ class Span:
     appended to the lane's block table before the pass. `every_row`: the pass returns the logits of
     every token of the span, not only its last (a prompt's log probabilities, rank 0's only; every
     rank takes part in those rows' logits gather, so every rank must know). `rope`: for a model with
-    multimodal rotary positions (ranks/mrope.py), the tokens' t, then h, then w positions
-    (3 * len(token_ids) ints), or empty: each token at its KV position plus the lane's delta.
+    multimodal rotary positions (ranks/mrope.py), the tokens' t, then h, then w positions, then the
+    lane's delta after the span (3 * len(token_ids) + 1 ints), or empty: each token at its KV
+    position plus the lane's delta.
     """
 
     lane: int
@@ -68,7 +69,7 @@ _SPAN_HEAD_SIZE = 7
 def spans_payload(spans: tuple[Span, ...]) -> list[int]:
     payload = [len(spans)]
     for span in spans:
-        if len(span.rope) not in (0, 3 * len(span.token_ids)):
+        if len(span.rope) not in (0, 3 * len(span.token_ids) + 1):
             raise WireError(f"a span of {len(span.token_ids)} tokens with {len(span.rope)} rope positions")
         payload += [span.lane, span.start, len(span.token_ids), len(span.media), len(span.blocks)]
         payload += [int(span.every_row), len(span.rope)]
@@ -118,7 +119,7 @@ def spans_from(payload: list[int]) -> tuple[Span, ...]:
         size = num_tokens + 2 * num_media + num_blocks + num_rope
         if every_row not in (0, 1):
             raise WireError(f"Prefill span {index}: every_row is {every_row}, not 0 or 1")
-        if num_rope not in (0, 3 * num_tokens):
+        if num_rope not in (0, 3 * num_tokens + 1):
             raise WireError(f"Prefill span {index}: {num_rope} rope positions for {num_tokens} tokens")
         if min(num_tokens, num_media, num_blocks) < 0 or at + size > len(payload):
             raise WireError(

@@ -69,6 +69,9 @@ class PrefillItem:
     # position start+k+1 (the chunk's next tokens, up to the prompt's end).
     prompt_logprobs: int = -1
     prompt_targets: tuple[int, ...] = ()
+    # The prompt's own length where the pass goes past it (a resumed reply's tokens, at the positions
+    # after the prompt's largest: ranks/mrope.py chunk_rope); 0: the pass ends inside the prompt.
+    prompt_length: int = 0
 
 
 @dataclass(frozen=True)

@@ -105,9 +105,13 @@ class ServeConfig:
     max_unread_tokens: int = 1024
     api_key: str = field(default="", repr=False)  # "": anyone may call; else Bearer KEY on both APIs
     vision: bool = False  # read image parts (a vision-language model only)
-    max_images: int = 4  # with --vision: image parts per request
+    max_images: int = 4  # with --vision: image and video parts per request
     max_image_bytes: int = 10 << 20  # with --vision: encoded bytes per image
     max_image_pixels: int = 4096 * 4096  # with --vision: width x height per image
+    max_video_bytes: int = 10 << 20  # with --vision: encoded bytes per video
+    max_video_seconds: float = 120.0  # with --vision: a video's duration
+    max_video_frames: int = 3600  # with --vision: frames in a video's file, before sampling
+    max_video_pixels: int = 1920 * 1080  # with --vision: width x height per video frame
     record: str = ""  # a directory: record every stream there
     # How chat replies are read over HTTP: "" reads the family from the chat template.
     tool_call_parser: str = ""  # hermes, llama3, mistral, harmony or none
@@ -185,6 +189,10 @@ _POSITIVE = {
     "max_images",
     "max_image_bytes",
     "max_image_pixels",
+    "max_video_bytes",
+    "max_video_seconds",
+    "max_video_frames",
+    "max_video_pixels",
 }
 
 

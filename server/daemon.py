@@ -126,6 +126,10 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
         max_images=config.max_images,
         max_image_bytes=config.max_image_bytes,
         max_image_pixels=config.max_image_pixels,
+        max_video_bytes=config.max_video_bytes,
+        max_video_seconds=config.max_video_seconds,
+        max_video_frames=config.max_video_frames,
+        max_video_pixels=config.max_video_pixels,
         max_logprobs=config.max_logprobs,
     )
 

@@ -322,6 +322,7 @@ class Admission:
             job.allowed_tokens() if last else None,
             job.counts,
             *_prompt_rows(job, start, num_tokens),
+            prompt_length=len(job.request.prompt_ids),
         )
 
     def _prefill(self, job: Job, item: PrefillItem | None) -> Outcome | None:

@@ -4,8 +4,9 @@ transformers 4 writes `preprocessor_config.json` (the image processor's own fiel
 `ProcessorMixin.save_pretrained` writes one `processor_config.json` with the image processor's fields
 under "image_processor" (and the processor's own beside them: patch_size, image_token), and no
 preprocessor_config.json. Where both are present, preprocessor_config.json is read, as transformers
-reads it first. Video processors' settings (`video_preprocessor_config.json`, or "video_processor"
-in processor_config.json) are not read: the families served here take no video.
+reads it first. A video processor's settings are read in transformers' order: processor_config.json's
+"video_processor", then `video_preprocessor_config.json`, then the image processor's file (a checkpoint
+saved before video processors had their own file, as Qwen2.5-VL's own are).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from tpserve.ranks.errors import ModelFileError
 
 PREPROCESSOR_FILE = "preprocessor_config.json"  # transformers 4
 PROCESSOR_FILE = "processor_config.json"  # transformers 5
+VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
 IMAGE_PROCESSOR_KEY = "image_processor"
+VIDEO_PROCESSOR_KEY = "video_processor"
 
 
 def image_processor_settings(model_dir: str | Path) -> tuple[dict, Path]:
@@ -38,6 +41,20 @@ def image_processor_settings(model_dir: str | Path) -> tuple[dict, Path]:
         preprocessor,
         f"missing, and so is {PROCESSOR_FILE} (a vision model needs its image processor's config)",
     )
+
+
+def video_processor_settings(model_dir: str | Path) -> tuple[dict, Path]:
+    """The video processor's fields and the file they came from."""
+    model_dir = Path(model_dir)
+    processor = model_dir / PROCESSOR_FILE
+    if processor.is_file():
+        settings = _json_object(processor).get(VIDEO_PROCESSOR_KEY)
+        if isinstance(settings, dict):
+            return settings, processor
+    video = model_dir / VIDEO_PREPROCESSOR_FILE
+    if video.is_file():
+        return _json_object(video), video
+    return image_processor_settings(model_dir)
 
 
 def _json_object(path: Path) -> dict:

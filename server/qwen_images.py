@@ -60,27 +60,48 @@ class QwenPreprocessor:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> QwenPreprocessor:
         raw, _ = image_processor_settings(model_dir)  # either file layout (server/processor_config.py)
+        return cls.from_settings(raw)
+
+    @classmethod
+    def from_settings(cls, raw: dict, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
+        """From a processor's fields; min_pixels and max_pixels where the fields name neither."""
         size = raw.get("size") or {}
         return cls(
-            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS),
-            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS),
+            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or min_pixels),
+            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or max_pixels),
             patch_size=int(raw.get("patch_size", 14)),
             temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
             merge_size=int(raw.get("merge_size", 2)),
             **value_settings(raw),
         )
 
-    def patches(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """float32 patches [grid_h * grid_w, 3 * T * P * P] and the grid (1, grid_h, grid_w)."""
-        image = image.convert("RGB")
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) after the smart resize: whole merge blocks of patches."""
         factor = self.patch_size * self.merge_size
-        height, width = smart_resize(image.height, image.width, factor, self.min_pixels, self.max_pixels)
+        return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+
+    def pixels(self, image: Image.Image) -> np.ndarray:
+        """float32 [3, H, W]: the image resized to its smart size, rescaled and normalised."""
+        image = image.convert("RGB")
+        height, width = self.resized_size(image.height, image.width)
         if (height, width) != (image.height, image.width):
             image = image.resize((width, height), resample=self.resample)
         array = np.asarray(image, dtype=np.float32)  # [H, W, 3]
-        array = rescaled(array, self.rescale_factor, self.mean, self.std).transpose(2, 0, 1)  # [3, H, W]
+        return rescaled(array, self.rescale_factor, self.mean, self.std).transpose(2, 0, 1)
+
+    def patches(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """float32 patches [grid_h * grid_w, 3 * T * P * P] and the grid (1, grid_h, grid_w): the one
+        image repeated over the temporal patch's frames."""
+        array = self.pixels(image)
+        return self.patchify(np.broadcast_to(array[None], (self.temporal_patch_size, *array.shape)))
+
+    def patchify(self, frames: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """frames [F, 3, H, W] (F a multiple of T) -> patches [t * gh * gw, 3 * T * P * P] laid out in
+        merge blocks, each patch its T frames' pixels, and the grid (t, gh, gw)."""
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        gh, gw = height // p, width // p
-        blocks = array.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-        return np.ascontiguousarray(frames.reshape(gh * gw, 3 * t * p * p), dtype=np.float32), (1, gh, gw)
+        num_frames, channels, height, width = frames.shape
+        gt, gh, gw = num_frames // t, height // p, width // p
+        blocks = frames.reshape(gt, t, channels, gh // m, m, p, gw // m, m, p)
+        blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, T, P, P]
+        flat = blocks.reshape(gt * gh * gw, channels * t * p * p)
+        return np.ascontiguousarray(flat, dtype=np.float32), (gt, gh, gw)

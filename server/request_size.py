@@ -2,9 +2,9 @@
 
 The text allowance is the HTTP API's long-standing body limit: far more than a context of text
 (longer prompts are refused by name before tokenizing, server/validation.py check_prompt_size).
-With vision, every image a request may carry (max_images of max_image_bytes) fits beside it, so a
-photo the image limits allow is never refused by the transport first; over HTTP that is the
-images' base64, which takes 4 bytes for every 3.
+With vision, every image or video a request may carry (max_images parts of the larger of
+max_image_bytes and max_video_bytes) fits beside it, so media the limits allow is never refused by
+the transport first; over HTTP that is the media's base64, which takes 4 bytes for every 3.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ TEXT_BYTES = 4 << 20
 
 
 def max_image_payload(config: ServeConfig) -> int:
-    return config.max_images * config.max_image_bytes if config.vision else 0
+    per_part = max(config.max_image_bytes, config.max_video_bytes)
+    return config.max_images * per_part if config.vision else 0
 
 
 def max_grpc_message_bytes(config: ServeConfig) -> int:

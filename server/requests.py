@@ -41,7 +41,7 @@ ERROR = "error"  # this stream failed (Finished.error says why)
 
 @dataclass(frozen=True)
 class PromptImage:
-    """An image's place in a prompt: positions offset..offset+num_tokens-1 hold its features.
+    """An image's (or a video's) place in a prompt: positions offset..offset+num_tokens-1 hold its features.
 
     `features` is opaque here (a [num_tokens, hidden] tensor the vision tower made; the lane host
     only hands it to the backend). `key` stands for the image's tokens in the prompt cache: it is
@@ -55,6 +55,10 @@ class PromptImage:
     # A Qwen-VL image's merged grid (rows, columns): its tokens' multimodal rotary positions
     # (ranks/mrope.py); None for a model whose rotary is 1-D.
     grid: tuple[int, int] | None = None
+    # A video's temporal patches, and the time positions between them (tokens_per_second * the
+    # seconds one spans): its tokens are frames * rows * columns; an image is one frame.
+    frames: int = 1
+    interval: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,10 @@ class ServingInfo:
     max_images: int = 4  # with --vision: image parts per request, bytes and pixels per image
     max_image_bytes: int = 10 << 20
     max_image_pixels: int = 4096 * 4096
+    max_video_bytes: int = 10 << 20  # per video: bytes, duration, frames in the file, pixels per frame
+    max_video_seconds: float = 120.0
+    max_video_frames: int = 3600
+    max_video_pixels: int = 1920 * 1080
     max_logprobs: int = 20  # likeliest tokens a request may ask per position; -1: the whole vocabulary
     model_aliases: tuple[str, ...] = ()  # more names the model answers to over HTTP
 

@@ -106,6 +106,10 @@ class Submitter:
             max_images=info.max_images,
             max_image_bytes=info.max_image_bytes,
             max_image_pixels=info.max_image_pixels,
+            max_video_bytes=info.max_video_bytes,
+            max_video_seconds=info.max_video_seconds,
+            max_video_frames=info.max_video_frames,
+            max_video_pixels=info.max_video_pixels,
             max_logprobs=info.max_logprobs,
             max_prompt_bytes=max_prompt_bytes(info.context_size, tokenizer.longest_token_bytes),
         )
@@ -165,7 +169,7 @@ class Submitter:
         images = ()
         if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
             media, wheres = _media_parts(request.messages)
-            images = self.vision.read(media, offsets, wheres, self.limits.max_image_pixels)
+            images = self.vision.read(media, offsets, wheres, self.limits)
         job = GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
@@ -320,10 +324,7 @@ class Submitter:
         for message in messages:
             if self.vision is not None:  # vision templates read content as a list of typed parts
                 parts = message.parts if message.parts else [serving_pb2.ContentPart(text=message.content)]
-                content = [
-                    {"type": "image"} if part.HasField("media") else {"type": "text", "text": part.text}
-                    for part in parts
-                ]
+                content = [_typed_part(part) for part in parts]
             else:
                 content = "".join(part.text for part in message.parts) if message.parts else message.content
             chat.append({"role": message.role, "content": content, **tool_fields(message)})
@@ -340,7 +341,14 @@ class Submitter:
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         if self.vision is None:
             return ids, []
-        return self.vision.expand(ids, num_images, *_media_parts(messages))
+        return self.vision.expand(ids, num_images, *_media_parts(messages), self.limits)
+
+
+def _typed_part(part) -> dict:
+    """A content part as transformers' multimodal chat templates read it."""
+    if not part.HasField("media"):
+        return {"type": "text", "text": part.text}
+    return {"type": "video" if part.media.mime_type.startswith("video/") else "image"}
 
 
 def _media_parts(messages) -> tuple[list, list[str]]:

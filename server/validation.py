@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.server.media_checks import VISION_NEEDED, check_media
+from tpserve.server.refusals import RequestRefused, invalid_argument
 
-MEDIA_TYPES = ("image/", "video/")
-VISION_NEEDED = "image and video inputs need a server started with --vision"
-IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
+__all__ = ["VISION_NEEDED", "Limits", "RequestRefused", "invalid_argument"]
+
 MAX_SEED = 2**63 - 1  # seeds travel between ranks as int64
 TPSERVE_DEFAULTS = SamplingParams()  # greedy, no filters: an unset field's value without generation_config
 
@@ -39,23 +38,14 @@ class Limits:
     max_images: int = 4  # image parts per request (with --vision)
     max_image_bytes: int = 10 << 20  # encoded bytes per image
     max_image_pixels: int = 4096 * 4096  # width x height per image, checked before decoding
+    # Per video, checked before a frame is decoded (server/videos.py).
+    max_video_bytes: int = 10 << 20
+    max_video_seconds: float = 120.0
+    max_video_frames: int = 3600  # frames in the file, before sampling
+    max_video_pixels: int = 1920 * 1080  # width x height per frame
     # The most UTF-8 bytes of prompt text that could fit the context (server/prompt_size.py),
     # checked before tokenizing; None where the tokenizer allows no such bound.
     max_prompt_bytes: int | None = None
-
-
-class RequestRefused(Exception):
-    """A request this server will not run: the gRPC status code and the message the client sees."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def invalid_argument(message: str) -> RequestRefused:
-    """A refusal with INVALID_ARGUMENT (a 400 over HTTP)."""
-    return RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _join_names(names: Sequence[str], last_word: str = "and") -> str:
@@ -109,36 +99,11 @@ def check_messages(messages, limits: Limits) -> None:
             if kind is None:
                 raise invalid_argument(f"{part_where} has neither text nor media")
             if kind == "media":
-                _check_media(part.media, part_where, limits)
+                check_media(part.media, part_where, limits)
     num_images = sum(part.HasField("media") for message in messages for part in message.parts)
     if num_images > limits.max_images:
         raise invalid_argument(
             f"at most {limits.max_images} images are allowed per request (got {num_images})"
-        )
-
-
-def _check_media(media, where: str, limits: Limits) -> None:
-    if not media.mime_type.startswith(MEDIA_TYPES):
-        raise invalid_argument(f"{where}.media.mime_type {media.mime_type!r} is not an image or video type")
-    if not limits.vision:
-        raise RequestRefused(grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
-    if not media.data:
-        raise invalid_argument(f"{where}.media.data is empty")
-    if media.mime_type.startswith("video/"):
-        raise invalid_argument(
-            f"{where}.media: video inputs are not supported (send a video's frames as images)"
-        )
-    if media.mime_type == "image/*":  # what the HTTP API makes of an image_url that is no data: URL
-        raise invalid_argument(
-            f"{where}.media is a URL; this server fetches none: send the image's bytes (a data: URL)"
-        )
-    if media.mime_type not in IMAGE_TYPES:
-        raise invalid_argument(
-            f"{where}.media.mime_type {media.mime_type!r} is not one of {', '.join(IMAGE_TYPES)}"
-        )
-    if len(media.data) > limits.max_image_bytes:
-        raise invalid_argument(
-            f"{where}.media.data is {len(media.data)} bytes; the most per image is {limits.max_image_bytes}"
         )
 
 

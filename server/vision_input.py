@@ -19,7 +19,7 @@ from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.vision import VisionTower, load_vision_tower
 from tpserve.server.images import Preprocessor, decode_image
 from tpserve.server.requests import PromptImage
-from tpserve.server.validation import RequestRefused
+from tpserve.server.validation import Limits, RequestRefused, invalid_argument
 
 
 def image_key(data: bytes) -> int:
@@ -44,12 +44,23 @@ class VisionInput:
         return cls(tower, Preprocessor.from_model_dir(model_dir), image_token)
 
     def expand(
-        self, ids: Sequence[int], num_images: int, media: Sequence = (), wheres: Sequence[str] = ()
+        self,
+        ids: Sequence[int],
+        num_images: int,
+        media: Sequence = (),
+        wheres: Sequence[str] = (),
+        limits=None,
     ) -> tuple[list[int], list[int]]:
         """Template token ids with one image token per image -> the prompt with each widened to
         tokens_per_image, and the images' offsets in it. Refuses when the counts disagree (the text
         itself held the image token, or the template wrote none). `media` and `wheres` (the parts
-        and where they sit) are not read: every image takes the same count here."""
+        and where they sit) say which part is a video, refused here: LLaVA reads images only; every
+        image takes the same count. `limits` is not read (the same call as server/qwen_vision_input.py's)."""
+        for part, where in zip(media, wheres):
+            if part.mime_type.startswith("video/"):
+                raise invalid_argument(
+                    f"{where}.media: this model reads no video inputs (send its frames as images)"
+                )
         found = [index for index, token in enumerate(ids) if token == self.image_token_id]
         if len(found) != num_images:
             raise RequestRefused(
@@ -65,10 +76,10 @@ class VisionInput:
             at = index + 1
         return out + list(ids[at:]), offsets
 
-    def read(self, media: Sequence, offsets: Sequence[int], wheres: Sequence[str], max_pixels: int):
+    def read(self, media: Sequence, offsets: Sequence[int], wheres: Sequence[str], limits: Limits):
         """The prompt's images (media parts in prompt order, at `offsets`) with their features."""
         pixels = [
-            self.preprocessor.pixels(decode_image(part.data, where, max_pixels))
+            self.preprocessor.pixels(decode_image(part.data, where, limits.max_image_pixels))
             for part, where in zip(media, wheres)
         ]
         images = []

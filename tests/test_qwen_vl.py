@@ -19,7 +19,7 @@ from tiny_qwen_vl import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, write_t
 
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.model_config import load_model_config
-from tpserve.ranks.mrope import prompt_positions
+from tpserve.ranks.mrope import prompt_positions, span_rope
 from tpserve.ranks.qwen_vision import load_qwen_vision_tower
 from tpserve.ranks.wire import Prefill, Span, WireError, decode, encode
 from tpserve.server.images import decode_image
@@ -64,8 +64,7 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
         open_lane(engine, lane, 200)
         spans.append((lane, 0, prompt))
         runs = [] if image is None else [(image[0], image[2])]
-        axes = prompt_positions(len(prompt), runs)
-        ropes.append(tuple(p for axis in axes for p in axis))
+        ropes.append(span_rope(prompt_positions(len(prompt), runs), 0, len(prompt)))
         rows = [] if image is None else list(range(image[0], image[0] + image[2][0] * image[2][1]))
         media_rows.append(rows)
         if image is not None and tp_rank == 0:
@@ -76,7 +75,7 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
         for start in range(0, len(prompt), chunk):
             end = min(start + chunk, len(prompt))
             here = [r for r in rows if start <= r < end]
-            rope = tuple(p for axis in axes for p in axis[start:end])
+            rope = span_rope(axes, start, end)
             feats = image[1][here[0] - rows[0] : here[-1] - rows[0] + 1] if here and tp_rank == 0 else None
             logits = engine.forward(
                 [(0, start, prompt[start:end])],
@@ -192,11 +191,12 @@ def test_tp2_equals_tp1_bit_for_bit_with_images(pool, qwen_dir):
 def test_rope_positions_travel_on_the_wire_and_a_wrong_count_is_refused():
     axes = prompt_positions(9, [(2, (2, 2))])
     assert axes == [[0, 1, 2, 2, 2, 2, 4, 5, 6], [0, 1, 2, 2, 3, 3, 4, 5, 6], [0, 1, 2, 3, 2, 3, 4, 5, 6]]
-    rope = tuple(p for axis in axes for p in axis)
+    rope = span_rope(axes, 0, 9)
+    assert rope[-1] == 6 + 1 - 9  # the delta after the prompt: its largest position + 1 - its length
     span = Span(3, 0, tuple(range(10, 19)), media=((2, 4),), blocks=(0, 1), rope=rope)
     assert decode(encode(Prefill((span,)))) == Prefill((span,))
     with pytest.raises(WireError, match="rope positions"):
-        encode(Prefill((Span(3, 0, (1, 2), rope=(0, 1, 2)),)))
+        encode(Prefill((Span(3, 0, (1, 2), rope=(0, 1, 2, 0, 1, 2)),)))
 
 
 def test_video_grids_with_temporal_patches_match_transformers(qwen_dir):

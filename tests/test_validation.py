@@ -61,15 +61,25 @@ def test_the_prompt_kind_is_whichever_one_is_set():
 
 def test_media_passes_on_a_vision_server_only():
     vision = Limits(context_size=100, vocab_size=50, vision=True)
-    for mime_type, code in (("image/png", None), ("video/mp4", grpc.StatusCode.INVALID_ARGUMENT)):
+    for mime_type in ("image/png", "video/mp4", "video/webm"):
         message = serving_pb2.ChatMessage(role="user")
         message.parts.add(media=serving_pb2.Media(mime_type=mime_type, data=b"\0"))
         request = serving_pb2.GenerateRequest(messages=[message])
         assert refusal(request).code == grpc.StatusCode.FAILED_PRECONDITION
-        if code is None:
-            assert check_generate(request, vision) == "messages"
-        else:  # video is refused clearly, even with --vision
-            assert refusal(request, vision).code == code
+        assert check_generate(request, vision) == "messages"
+
+
+def test_videos_are_refused_by_type_url_and_bytes_before_any_decoding():
+    vision = Limits(context_size=100, vocab_size=50, vision=True, max_video_bytes=8)
+    for mime_type, data, words in (
+        ("video/avi", b"\0", "is not one of video/mp4, video/webm"),
+        ("video/*", b"https://example.com/cat.mp4", "this server fetches none"),
+        ("video/mp4", bytes(9), "the most per video is 8 (max_video_bytes)"),
+    ):
+        message = serving_pb2.ChatMessage(role="user")
+        message.parts.add(media=serving_pb2.Media(mime_type=mime_type, data=data))
+        refused = refusal(serving_pb2.GenerateRequest(messages=[message]), vision)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and words in refused.message
 
 
 def test_unset_sampling_fields_take_the_defaults_and_a_fresh_seed():

@@ -45,7 +45,7 @@ def spans(draw):
         length = draw(st.integers(min_value=1, max_value=len(tokens) - offset))
         runs.append((offset, length))
         at = offset + length
-    rope = draw(st.lists(counts, min_size=3 * len(tokens), max_size=3 * len(tokens))) if runs else ()
+    rope = draw(st.lists(counts, min_size=3 * len(tokens) + 1, max_size=3 * len(tokens) + 1)) if runs else ()
     every_row = draw(st.booleans())
     return Span(draw(counts), draw(counts), tokens, tuple(runs), draw(block_lists), every_row, tuple(rope))
 

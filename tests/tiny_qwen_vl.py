@@ -19,7 +19,9 @@ VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(
 )
 PATCH, MERGE, TEMPORAL = 6, 2, 2
 MIN_PIXELS, MAX_PIXELS = 12 * 12, 12 * 12 * 80
-CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+CHAT_TEMPLATE = chat_template(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>"
+)
 
 
 def _tokenizer() -> Tokenizer:

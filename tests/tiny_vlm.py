@@ -12,14 +12,16 @@ from tiny_models import BASE, SPECIAL_TOKENS
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 
-def chat_template(image_text: str) -> str:
+def chat_template(image_text: str, video_text: str = "") -> str:
     """Content as transformers' multimodal templates take it, a list of typed parts; each image
-    part writes image_text."""
+    part writes image_text, each video part video_text (where given)."""
+    video = "{% elif part['type'] == 'video' %}" + video_text if video_text else ""
     return (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
         "{% for part in m['content'] %}{% if part['type'] == 'image' %}"
         + image_text
+        + video
         + "{% else %}{{ part['text'] }}"
         "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
