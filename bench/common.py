@@ -63,44 +63,44 @@ def submit_together(host: LaneHost, requests: Sequence[GenerationRequest]) -> li
 
 @dataclass
 class StreamRecord:
-    """What one stream sent: its tokens, when each arrived here, and how it ended."""
+    """What one stream sent: its tokens, when the lane host put each, and how it ended."""
 
     token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)  # time.perf_counter() per token
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() as the host put it
     finished: Finished | None = None
-    error: BaseException | None = None
 
 
 def watch_streams(streams: Sequence[Stream], timeout_s: float = STREAM_TIMEOUT_S) -> list[StreamRecord]:
-    """Read every stream to its end on its own thread, timing each token as it arrives."""
+    """Read every stream to its end, timing each token when the lane host puts it: a listener on
+    the scheduling thread drains its stream (no reader thread per stream, whose wait for the GIL
+    would show as a gap the engine never made)."""
     records = [StreamRecord() for _ in streams]
+    num_open, lock, done = [len(streams)], threading.Lock(), threading.Event()
 
-    def read(stream: Stream, record: StreamRecord) -> None:
-        try:
-            for event in stream.events(timeout_each=timeout_s):
+    def listener(stream: Stream, record: StreamRecord, order: threading.Lock):
+        def drain() -> None:
+            with order:  # listen() may call it once on this thread while the host calls it too
                 now = time.perf_counter()
-                if isinstance(event, TokenDelta):
-                    record.token_ids.extend(event.token_ids)
-                    record.token_times.extend([now] * len(event.token_ids))
-                elif isinstance(event, Finished):
-                    record.finished = event
-        except BaseException as error:  # reported by the caller, on its own thread
-            record.error = error
+                for event in stream.next_events(0):
+                    if isinstance(event, TokenDelta):
+                        record.token_ids.extend(event.token_ids)
+                        record.token_times.extend([now] * len(event.token_ids))
+                    elif isinstance(event, Finished) and record.finished is None:
+                        record.finished = event
+                        with lock:
+                            num_open[0] -= 1
+                            if num_open[0] == 0:
+                                done.set()
 
-    threads = [
-        threading.Thread(target=read, args=(stream, record), daemon=True)
-        for stream, record in zip(streams, records)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s)
-    for index, (thread, record) in enumerate(zip(threads, records)):
-        if thread.is_alive():
-            raise TimeoutError(f"stream {index} did not finish within {timeout_s:.0f} s")
-        if record.error is not None:
-            raise RuntimeError(f"stream {index} failed: {record.error!r}") from record.error
-        if record.finished is None or record.finished.error:
+        return drain
+
+    for stream, record in zip(streams, records):
+        stream.listen(listener(stream, record, threading.Lock()))
+    if streams and not done.wait(timeout_s):
+        unfinished = [index for index, record in enumerate(records) if record.finished is None]
+        raise TimeoutError(f"streams {unfinished} did not finish within {timeout_s:.0f} s")
+    for index, record in enumerate(records):
+        if record.finished.error:
             raise RuntimeError(f"stream {index} ended badly: {record.finished}")
     return records
 
