@@ -150,6 +150,7 @@ class TPModel:
                 moe,
                 replicated[moe.router_name(layer)],
                 replicated[moe.router_bias_name(layer)] if moe.biased else None,
+                replicated[moe.correction_name(layer)] if moe.grouped else None,
             )
             if moe and moe.is_sparse(layer)
             else None
@@ -173,7 +174,9 @@ class TPModel:
         self.max_positions = max_positions
         rotary_args = (config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device)
         section = getattr(config.vision, "mrope_section", None)  # a Qwen-VL's positions are (t, h, w)
-        self.rotary = MRotary(section, *rotary_args) if section else Rotary(*rotary_args)
+        self.rotary = (
+            MRotary(section, *rotary_args) if section else Rotary(*rotary_args, rotary_dim=config.rotary_dim)
+        )
         self.local_rotary: Rotary | None = None  # a family's own rotary for its sliding layers
         self.scale = config.head_dim**-0.5
         self.activation = F.silu  # the MLP's gate: SwiGLU

@@ -24,35 +24,21 @@ import dataclasses
 
 import torch
 
-from tpserve.kernels.rotary import Rotary, partial_rotary_order
+from tpserve.kernels.rotary import partial_rotary_order
 from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.int8_tensors import Int8Values
 from tpserve.ranks.model import TPModel
-from tpserve.ranks.moe import Router
 
 
 class Glm4MoeModel(TPModel):
+    """TPModel builds the rest from the config (its grouped routers, the partial rotary's tables):
+    only the heads' reorder comes first, before the weights are packed."""
+
     def __init__(self, config, weights, pieces, **options):
         if config.rotary_dim:
             _reorder_heads(config, weights, pieces)
         super().__init__(config, weights, pieces, **options)
-        if config.rotary_dim:
-            self.rotary = Rotary(
-                config.head_dim, config.rope_theta, config.rope_scaling, options["max_positions"],
-                self.device, config.rotary_dim,
-            )  # fmt: skip
-        moe = config.moe
-        self.routers = [
-            Router(
-                moe,
-                self.replicated[moe.router_name(layer)],
-                correction=self.replicated[moe.correction_name(layer)],
-            )
-            if moe.is_sparse(layer)
-            else None
-            for layer in range(config.num_layers)
-        ]
 
 
 def _reorder_heads(config, weights, pieces) -> None:

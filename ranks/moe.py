@@ -35,14 +35,16 @@ class Router:
         bias: torch.Tensor | None = None,
         correction: torch.Tensor | None = None,
     ):
+        if moe.grouped is not None:  # GLM-4.5: its router's product in float32, as transformers' is
+            weight = weight.float()
         self.moe, self.weight, self.bias = moe, weight, bias  # [num_experts, hidden], [num_experts]
         self.correction = correction  # [num_experts] float32 (grouped routing's)
 
     def route(self, x: torch.Tensor, num_real: int, row_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [rows, hidden], the first num_real real (the rest a pass's padding, not routed)."""
         grouped = self.moe.grouped
-        if grouped is not None:  # GLM-4.5: its router's product in float32, as transformers' is
-            logits = linear(x[:num_real].float(), self.weight.float(), None, row_tile)
+        if grouped is not None:
+            logits = linear(x[:num_real].float(), self.weight, None, row_tile)
             return route_grouped_sigmoid(
                 logits, self.correction, self.moe.num_experts_per_tok, grouped.num_groups,
                 grouped.topk_group, self.moe.normalize_top_k, grouped.scale,

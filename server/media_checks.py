@@ -21,6 +21,11 @@ IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 VIDEO_TYPES = ("video/mp4", "video/webm")
 
 
+def is_video(media) -> bool:
+    """A media part (gRPC's Media, or the HTTP API's as it makes one) holding a video."""
+    return media.mime_type.startswith("video/")
+
+
 def check_media(media, where: str, limits: Limits) -> None:
     if not media.mime_type.startswith(MEDIA_TYPES):
         raise invalid_argument(f"{where}.media.mime_type {media.mime_type!r} is not an image or video type")
@@ -28,7 +33,7 @@ def check_media(media, where: str, limits: Limits) -> None:
         raise RequestRefused(grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
     if not media.data:
         raise invalid_argument(f"{where}.media.data is empty")
-    if media.mime_type.startswith("video/"):
+    if is_video(media):
         _check_file(media, where, "video", VIDEO_TYPES, limits.max_video_bytes, " (max_video_bytes)")
     else:  # the image wording is frozen (tests/golden/errors/)
         _check_file(media, where, "image", IMAGE_TYPES, limits.max_image_bytes, "")

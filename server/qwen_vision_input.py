@@ -22,22 +22,15 @@ from PIL import Image
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
 from tpserve.server.images import FORMATS, decode_image
+from tpserve.server.media_checks import is_video
 from tpserve.server.qwen_images import QwenPreprocessor
 from tpserve.server.qwen_videos import QwenVideoPreprocessor, VideoPlan
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits, invalid_argument
-from tpserve.server.videos import VideoHeader, VideoLimits, decode_frames, read_header
+from tpserve.server.videos import VideoHeader, decode_frames, read_header
 from tpserve.server.vision_input import image_key
 
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
-
-
-def is_video(part) -> bool:
-    return part.mime_type.startswith("video/")
-
-
-def video_limits(limits: Limits) -> VideoLimits:
-    return VideoLimits(limits.max_video_seconds, limits.max_video_frames, limits.max_video_pixels)
 
 
 class QwenVisionInput:
@@ -87,7 +80,7 @@ class QwenVisionInput:
             raise invalid_argument(
                 f"{where}.media: this model reads no video inputs (its config names no video token)"
             )
-        header = read_header(data, where, video_limits(limits))
+        header = read_header(data, where, limits)
         return header, self.video.plan(header, where)
 
     def expand(

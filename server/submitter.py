@@ -21,6 +21,7 @@ from tpserve.server.engine_client import EngineClient
 from tpserve.server.grammar import Grammars
 from tpserve.server.heap import LARGE_REQUEST_BYTES, give_back_free_memory
 from tpserve.server.lane_stream import Stream
+from tpserve.server.media_checks import is_video
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.prompt_size import max_prompt_bytes
 from tpserve.server.requests import (
@@ -348,7 +349,7 @@ def _typed_part(part) -> dict:
     """A content part as transformers' multimodal chat templates read it."""
     if not part.HasField("media"):
         return {"type": "text", "text": part.text}
-    return {"type": "video" if part.media.mime_type.startswith("video/") else "image"}
+    return {"type": "video" if is_video(part.media) else "image"}
 
 
 def _media_parts(messages) -> tuple[list, list[str]]:

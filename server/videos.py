@@ -16,18 +16,11 @@ from dataclasses import dataclass
 import av
 from PIL import Image
 
-from tpserve.server.validation import RequestRefused, invalid_argument
+from tpserve.server.validation import Limits, RequestRefused, invalid_argument
 
 # PyAV's names for the demuxers read here (FFmpeg groups MP4 with QuickTime, WebM with Matroska).
 CONTAINERS = ("mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm")
 UNREADABLE = "is not a readable MP4 or WebM video"
-
-
-@dataclass(frozen=True)
-class VideoLimits:
-    max_seconds: float  # a video's duration
-    max_frames: int  # frames in the file, before sampling
-    max_pixels: int  # width x height per frame
 
 
 @dataclass(frozen=True)
@@ -40,7 +33,7 @@ class VideoHeader:
     height: int
 
 
-def read_header(data: bytes, where: str, limits: VideoLimits) -> VideoHeader:
+def read_header(data: bytes, where: str, limits: Limits) -> VideoHeader:
     """The video's frame count, rate and size, or a refusal naming the limit it passes."""
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
@@ -51,42 +44,42 @@ def read_header(data: bytes, where: str, limits: VideoLimits) -> VideoHeader:
         raise invalid_argument(f"{where}.media.data {UNREADABLE}") from error
 
 
-def _header(container, where: str, limits: VideoLimits) -> VideoHeader:
+def _header(container, where: str, limits: Limits) -> VideoHeader:
     if container.format.name not in CONTAINERS or not container.streams.video:
         raise invalid_argument(f"{where}.media.data {UNREADABLE}")
     stream = container.streams.video[0]
     width, height = stream.codec_context.width, stream.codec_context.height
     if width <= 0 or height <= 0:
         raise invalid_argument(f"{where}.media.data {UNREADABLE}")
-    if width * height > limits.max_pixels:
+    if width * height > limits.max_video_pixels:
         raise invalid_argument(
             f"{where}.media is a video of {width}x{height} frames; the most per frame is "
-            f"{limits.max_pixels} pixels (max_video_pixels)"
+            f"{limits.max_video_pixels} pixels (max_video_pixels)"
         )
     rate = stream.average_rate or stream.guessed_rate
     if not rate or rate <= 0:
         raise invalid_argument(f"{where}.media.data is a video without a frame rate")
     fps = float(rate)
-    if container.duration is not None and container.duration / av.time_base > limits.max_seconds:
+    if container.duration is not None and container.duration / av.time_base > limits.max_video_seconds:
         raise _too_long(where, container.duration / av.time_base, limits)
     num_frames = 0
     for packet in container.demux(stream):
         if packet.size:  # the demuxer's last packet is an empty flush
             num_frames += 1
-            if num_frames > limits.max_frames:
+            if num_frames > limits.max_video_frames:
                 raise invalid_argument(
-                    f"{where}.media is a video of more than {limits.max_frames} frames (max_video_frames)"
+                    f"{where}.media is a video of more than {limits.max_video_frames} frames (max_video_frames)"
                 )
-    if num_frames / fps > limits.max_seconds:
+    if num_frames / fps > limits.max_video_seconds:
         raise _too_long(where, num_frames / fps, limits)
     if num_frames == 0:
         raise invalid_argument(f"{where}.media.data is a video without frames")
     return VideoHeader(num_frames, fps, width, height)
 
 
-def _too_long(where: str, seconds: float, limits: VideoLimits) -> RequestRefused:
+def _too_long(where: str, seconds: float, limits: Limits) -> RequestRefused:
     return invalid_argument(
-        f"{where}.media is a video of {seconds:.1f} s; the most is {limits.max_seconds:g} s (max_video_seconds)"
+        f"{where}.media is a video of {seconds:.1f} s; the most is {limits.max_video_seconds:g} s (max_video_seconds)"
     )
 
 

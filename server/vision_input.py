@@ -18,6 +18,7 @@ import grpc
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.vision import VisionTower, load_vision_tower
 from tpserve.server.images import Preprocessor, decode_image
+from tpserve.server.media_checks import is_video
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits, RequestRefused, invalid_argument
 
@@ -57,7 +58,7 @@ class VisionInput:
         and where they sit) say which part is a video, refused here: LLaVA reads images only; every
         image takes the same count. `limits` is not read (the same call as server/qwen_vision_input.py's)."""
         for part, where in zip(media, wheres):
-            if part.mime_type.startswith("video/"):
+            if is_video(part):
                 raise invalid_argument(
                     f"{where}.media: this model reads no video inputs (send its frames as images)"
                 )

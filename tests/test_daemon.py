@@ -420,20 +420,19 @@ def test_ctrl_c_reaches_launch_sh_started_while_a_library_runs_system(model_dir,
     # launch.sh forked then must still start as from a shell, and drain on Ctrl-C.
     busy = threading.Thread(target=os.system, args=("exec sleep 300",))
     busy.start()
-    wait_until(lambda: any("sleep 300" in cmdline(pid) for pid in children_of(os.getpid())), "system()", 30)
+
+    def sleeping() -> list[int]:
+        return [pid for pid in children_of(os.getpid()) if "sleep 300" in cmdline(pid)]
+
+    wait_until(sleeping, "system()", 30)
     try:
         with running_daemon("launch", model_dir, tmp_path, wait=False) as served:
-            for pid in children_of(os.getpid()):
-                if "sleep 300" in cmdline(pid):
-                    os.kill(pid, signal.SIGKILL)
-            busy.join()
             served.wait_serving()
             served.signal_group(signal.SIGINT)
             assert served.wait_exits() == {"launch": 0}
     finally:
-        for pid in children_of(os.getpid()):
-            if "sleep 300" in cmdline(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid in sleeping():
+            os.kill(pid, signal.SIGKILL)
         busy.join()
     assert "launch.sh: SIGINT received" in served.logs()
 

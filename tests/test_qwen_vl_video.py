@@ -24,13 +24,15 @@ from tpserve.server.qwen_videos import QwenVideoPreprocessor
 from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits
-from tpserve.server.videos import VideoLimits, decode_frames, read_header
+from tpserve.server.videos import decode_frames, read_header
 from tpserve.v1 import serving_pb2
 
 NUM_STEPS = 6
 GREEDY = SamplingParams()
 LIMITS = Limits(context_size=1024, vocab_size=400)
-WIDE = VideoLimits(max_seconds=100, max_frames=100, max_pixels=1 << 20)
+WIDE = Limits(
+    context_size=1024, vocab_size=400, max_video_seconds=100, max_video_frames=100, max_video_pixels=1 << 20
+)
 
 
 @pytest.fixture(scope="module")

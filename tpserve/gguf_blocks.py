@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import gguf
 import numpy as np
+import torch
 
-from tpserve.kernels.block_weights import BLOCK
+from tpserve.kernels.block_weights import BLOCK, holds_in_half
 
 SUPER_BLOCK = 256  # a K-quant's inputs per super-block: 8 blocks
 SUB_BLOCK = 16  # Q6_K's inputs per sub-scale
@@ -153,13 +154,9 @@ def read_mxfp4(data: np.ndarray, num_out: int, num_in: int) -> Blocks:
     e = raw[..., 0].astype(np.int32)
     d = np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 128).astype(np.float32))
     m = d * np.float32(-16)
-    if np.isfinite(m).all() and _holds_in_half(d) and _holds_in_half(m):
+    if np.isfinite(m).all() and holds_in_half(torch.from_numpy(d)) and holds_in_half(torch.from_numpy(m)):
         d, m = d.astype(np.float16), m.astype(np.float16)
     return Blocks(q, d, m, bits=5)
-
-
-def _holds_in_half(values: np.ndarray) -> bool:
-    return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
