@@ -1,6 +1,6 @@
 """The C attention kernel's paths side by side: ms per layer call, and ms per decode round of the model.
 
-kernels/native/attention.c runs a plain path, an AVX2 path and an AVX-512 path, which give the same
+tpserve/kernels/native/attention.c runs a plain path, an AVX2 path and an AVX-512 path, which give the same
 bits (tests/test_attention.py); this times each path this CPU runs against the plain one, pass
 after pass, each case's median kept:
 - kernel: one layer call on rank 0's 2 KV heads of SmolLM2 (3 query heads each, head_dim 64): a decode

@@ -3,11 +3,11 @@
 At SmolLM2-135M's down_proj, whole (576 x 1536, tp=1) and one tp=2 rank's piece (576 x 768), each
 kind holds `--copies` copies of the weight and calls them in turn (bench/block_timing.py), so a
 product reads its weight from memory as a decode step does. Kinds, all on one thread:
-- fp16: kernels/fp16_linear.py's C kernel (on `--path`), batch-invariant by construction;
+- fp16: tpserve/kernels/fp16_linear.py's C kernel (on `--path`), batch-invariant by construction;
 - fbgemm: FBGEMM's float16 product called on the rows as they come (what served before; not
   batch-invariant on an AVX2 CPU);
 - fbgemm16: the same in tiles of 16 rows (the C kernel's fallback);
-- f32: the float32 weight through kernels/linear.py's 16-row tiles.
+- f32: the float32 weight through tpserve/kernels/linear.py's 16-row tiles.
 
     python -m bench.fp16_linear [--rows 1 16 64] [--copies 30] [--passes 7] [--path avx2] [--json FILE]
 """

@@ -1,5 +1,5 @@
 """A live stream's largest gap between tokens while a burst of the largest prompts arrives, with
-the APIs in rank 0's process and in a front process of their own (server/front_process.py).
+the APIs in rank 0's process and in a front process of their own (tpserve/server/front_process.py).
 
 Each mode starts the real daemon (`tpserve serve`, two ranks, the shipped default model unless
 --model), streams one greedy reply over gRPC, and once it runs steadily posts `--prompts` prompts of

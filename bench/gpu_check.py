@@ -6,7 +6,7 @@
 Offline, from a bare copy of the tree: `--random-model 1b` (or 8b) writes a random-weights Llama
 model of that geometry on the spot (bench/random_model.py), and nothing beyond torch, numpy,
 safetensors, tokenizers, jinja2, pyyaml and tqdm is imported (no gguf, no default model's package,
-no pip install: bench/source_tree.py maps the folders). Without either, the prepared default model.
+no pip install: the tree's tpserve/ imports as it is). Without either, the prepared default model.
 
 It records the machine (CPU model, vector extensions, BLAS, torch and its threads; the GPU, driver,
 CUDA and NCCL), then checks, each on ranks started for real:
@@ -41,12 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
+if __package__ in (None, ""):  # run as a script: make the repository root (and its tpserve/) importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.source_tree import import_tpserve_from_tree  # noqa: E402
-
-import_tpserve_from_tree()  # before the imports below, on a machine where nothing is installed
 
 import torch  # noqa: E402
 

@@ -1,5 +1,5 @@
 """What a GPU report says about the GPU it ran on (name, memory, driver, CUDA, NCCL); the CPU side
-comes from the project's own machine facts (kernels/machine.py), as the start-up probe logs them."""
+comes from the project's own machine facts (tpserve/kernels/machine.py), as the start-up probe logs them."""
 
 from __future__ import annotations
 

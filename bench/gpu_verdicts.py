@@ -2,7 +2,7 @@
 was not judged here ("no CUDA", "FlashInfer not installed", ...). Off a GPU every such row says so,
 so `--random-model` passes on the CPU and a CUDA run judges them all.
 
-- paged_kernel: FlashInfer's paged kernel (kernels/paged_attention.py) against SDPA through the same
+- paged_kernel: FlashInfer's paged kernel (tpserve/kernels/paged_attention.py) against SDPA through the same
   block tables, a prefill pass (prompt chunks) and a decode round, bfloat16;
 - decode_graphs: the launches a decode round makes with CUDA graphs and without (runtime launch
   calls counted by torch.profiler), and the host syncs of a graphed greedy round;

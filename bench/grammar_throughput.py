@@ -3,7 +3,7 @@ and without a JSON schema, in one run on one engine (the default model, greedy).
 
 The constrained streams follow a schema that cannot end before max_tokens (an array of at least
 200 strings), the free ones ignore EOS, so every reply is max_tokens long. Drafts are off for both:
-a constrained stream takes none (server/drafts.py), and this measures the mask, not the drafts.
+a constrained stream takes none (tpserve/server/drafts.py), and this measures the mask, not the drafts.
 Tokens/s is counted in the window where every stream decodes (bench/concurrency.py's window); the
 two kinds alternate, each its median over rounds.
 

@@ -1,11 +1,11 @@
 """Two ranks' mixture of experts: TP within experts against expert parallelism, one layer's critical path.
 
-TP within experts (what ranks/sharding.py does): every rank holds every expert's half of the
+TP within experts (what tpserve/ranks/sharding.py does): every rank holds every expert's half of the
 intermediate dimension, so each rank runs all k chosen experts of every row at half width; the two
 ranks' work is the same whatever the routing. Expert parallelism: each rank holds half the experts
 whole and runs only the chosen ones it holds; a layer waits for the busier rank. Both end in the
 same all-reduce of [T, hidden] (the row-parallel sum), which is left out. Each rank's share is timed
-on one thread through kernels/moe.py's expert_sum, with `--layers` copies of the layer cycled so a
+on one thread through tpserve/kernels/moe.py's expert_sum, with `--layers` copies of the layer cycled so a
 call reads its weights from memory as a decode step does; routes are drawn uniformly (a real
 router's skew only adds to expert parallelism's imbalance). Reported: ms per layer of the critical
 path (TP: rank 0's time, EP: the slower rank's), and EP / TP, at each row count, in one run.

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         def round_(position=position, engine=engine, num_lanes=num_lanes):
             return engine.forward([(lane, position, (7,)) for lane in range(num_lanes)])
 
-        round_()  # warm: views made once per shape (kernels/linear.py) are not a round's ops
+        round_()  # warm: views made once per shape (tpserve/kernels/linear.py) are not a round's ops
         model.collectives.calls = 0
         with CountOps() as counter:
             round_(position + 1)

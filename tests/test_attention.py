@@ -1,7 +1,7 @@
 """Batch-invariant attention: a row's output depends on its own query and keys only.
 
-Run against both batch-invariant kernels (the C one, kernels/native_attention.py, and the tiled
-products, kernels/tiled_attention.py) through the same plans the model builds: rows near the
+Run against both batch-invariant kernels (the C one, tpserve/kernels/native_attention.py, and the tiled
+products, tpserve/kernels/tiled_attention.py) through the same plans the model builds: rows near the
 start, chunks at several offsets, key counts across block edges, decode rounds and Verifies beside
 other lanes; float32 and (tiled) bfloat16; one and two torch threads.
 """

@@ -1,4 +1,4 @@
-"""Beam search's ranking (server/beam_search.py), against a fake model whose every next-token
+"""Beam search's ranking (tpserve/server/beam_search.py), against a fake model whose every next-token
 distribution depends on the whole history, so any slip in how beams grow shows."""
 
 from __future__ import annotations

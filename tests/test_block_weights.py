@@ -1,4 +1,4 @@
-"""Every block weight (kernels/q4_linear.py, q5_linear.py, q8_linear.py, q6_linear.py): a row is the
+"""Every block weight (tpserve/kernels/q4_linear.py, q5_linear.py, q8_linear.py, q6_linear.py): a row is the
 same at any batch and on every code path the CPU runs, and the product is its quantized operands'
 product, near the float one. What differs between them (their extreme blocks, rounding, layouts,
 refusals) is tested in test_q4_linear.py, test_q8_linear.py and test_q6_linear.py."""
@@ -67,7 +67,7 @@ def emulated(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
 def test_the_product_is_its_quantized_operands_product_and_near_the_float_one(kind, kernel):
     weight, rows = weight_and_rows()
     packed = kind(weight)
-    assert isinstance(packed, PackedWeight)  # kernels/linear.py's linear() dispatches on it
+    assert isinstance(packed, PackedWeight)  # tpserve/kernels/linear.py's linear() dispatches on it
     bias = torch.randn(weight.shape[0])
     got = packed(rows, bias)
     assert got.shape == (len(rows), weight.shape[0]) and got.dtype == torch.float32

@@ -1,4 +1,4 @@
-"""A rank's stop deadline (ranks/deadline.py): it leaves with exit code 1 at the deadline, and the
+"""A rank's stop deadline (tpserve/ranks/deadline.py): it leaves with exit code 1 at the deadline, and the
 kernel ends it soon after should a native call keep the interpreter from running the deadline."""
 
 from __future__ import annotations

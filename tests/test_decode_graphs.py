@@ -1,7 +1,7 @@
-"""Decode rounds padded to graph buckets (ranks/decode_graphs.py), run here eagerly as a GPU replays
+"""Decode rounds padded to graph buckets (tpserve/ranks/decode_graphs.py), run here eagerly as a GPU replays
 them: the bucket a round takes, the padding rows confined to the spare block, the real rows' logits
 the unpadded round's bit for bit; and greedy rows' ids taken where the logits are
-(kernels/device_sampling.py) equal to the host sampler's tokens."""
+(tpserve/kernels/device_sampling.py) equal to the host sampler's tokens."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Greedy rounds sampled where the logits are (kernels/device_sampling.py): the leader takes a round's
+"""Greedy rounds sampled where the logits are (tpserve/kernels/device_sampling.py): the leader takes a round's
 tokens on the device on a GPU, for a round of plain greedy rows whose logits nothing else reads,
 and copies back only the ids; here, on two CPU ranks told they are on a GPU, those ids equal the
 host sampler's tokens round after round."""

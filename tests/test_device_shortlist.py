@@ -1,4 +1,4 @@
-"""Sampled rows shortlisted where the logits are (kernels/device_sampling.py shortlist): over many
+"""Sampled rows shortlisted where the logits are (tpserve/kernels/device_sampling.py shortlist): over many
 random rows, seeds, positions and params, the host's draw over the shortlist is `sample`'s draw
 over the whole row, token for token, and the list holds every token the host sampler reads."""
 
@@ -178,7 +178,7 @@ def test_device_shortlisted_draws_equal_the_host_samplers_on_two_ranks(tmp_path)
 
 def test_a_device_that_never_gives_the_lists_size_is_a_timeout_not_a_hang():
     # The list's size is the one value the host must have before the list: it comes through the
-    # caller's copy with a deadline (ranks/device_wait.py), here a device whose copy never finishes.
+    # caller's copy with a deadline (tpserve/ranks/device_wait.py), here a device whose copy never finishes.
     class Never:
         def query(self) -> bool:
             return False

@@ -1,6 +1,6 @@
-"""Float16 weights (kernels/fp16_linear.py, the int8 format's down_proj): a row has the same bits alone
-and among any number of rows, on every code path this CPU runs, and near the float64 product; where
-no C kernel builds, FBGEMM's product in fixed tiles keeps the first promise."""
+"""Float16 weights (tpserve/kernels/fp16_linear.py, the int8 format's down_proj): a row has the same bits
+alone and among any number of rows, on every code path this CPU runs, and near the float64 product; where no C
+kernel builds, FBGEMM's product in fixed tiles keeps the first promise."""
 
 from __future__ import annotations
 

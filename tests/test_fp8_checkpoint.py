@@ -1,7 +1,7 @@
-"""Compressed-tensors fp8 checkpoints written by the compressed-tensors library (ranks/fp8_tensors.py):
-dequantized to float32 at load, so every quantize serves exactly what it serves for the library's
-dequantized float model, sharded like the float weights (the 3 KV heads split 2 + 1), tp=2 == tp=1,
-and corrupt tensors refused by name at load."""
+"""Compressed-tensors fp8 checkpoints written by the compressed-tensors library
+(tpserve/ranks/fp8_tensors.py): dequantized to float32 at load, so every quantize serves exactly what it
+serves for the library's dequantized float model, sharded like the float weights (the 3 KV heads split 2 + 1),
+tp=2 == tp=1, and corrupt tensors refused by name at load."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""An fp8 checkpoint's weights as a GPU serves them (ranks/packing.py pack_fp8): read as stored
-(ranks/fp8_tensors.py Fp8Values, a scale per output row), fused with each part keeping its scales,
-and put to torch._scaled_mm (kernels/fp8_linear.py Fp8Weight), run here through torch's CPU twin of
+"""An fp8 checkpoint's weights as a GPU serves them (tpserve/ranks/packing.py pack_fp8): read as stored
+(tpserve/ranks/fp8_tensors.py Fp8Values, a scale per output row), fused with each part keeping its scales,
+and put to torch._scaled_mm (tpserve/kernels/fp8_linear.py Fp8Weight), run here through torch's CPU twin of
 the product. Checked: which GPUs take them, that the fused fp8 weight holds the dequantized float
 model's values bit for bit, and that its product is that model's within fp8 input rounding."""
 

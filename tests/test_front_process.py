@@ -1,5 +1,5 @@
 """The front process against the real daemon: the APIs run in a process of their own beside rank
-0's engine loop (server/front_process.py), and the three processes live and die together.
+0's engine loop (tpserve/server/front_process.py), and the three processes live and die together.
 
 front_process auto is off on a host under 4 cores (this one), so these tests ask for it; here, what
 only it adds: its own pid, replies through it equal to the in-process ones (prompt log probabilities

@@ -1,8 +1,8 @@
-"""gpt-oss (ranks/model_gpt_oss.py) against transformers' own GptOssForCausalLM on a tiny model it writes
-itself: sliding (window 8) and full layers that a 90-token prompt outgrows, sinks, biases on q/k/v/o,
-the router and the experts, the clamped GLU, yarn; tp=2 against tp=1 bit for bit, batched against
-solo, chunks against the whole prompt. Then MXFP4: the decoding against the spec's table worked by
-hand, and a checkpoint re-encoded to MXFP4 against its float twin (and transformers' own reading)."""
+"""gpt-oss (tpserve/ranks/model_gpt_oss.py) against transformers' own GptOssForCausalLM on a tiny model it
+writes itself: sliding (window 8) and full layers that a 90-token prompt outgrows, sinks, biases on q/k/v/o,
+the router and the experts, the clamped GLU, yarn; tp=2 against tp=1 bit for bit, batched against solo, chunks
+against the whole prompt. Then MXFP4: the decoding against the spec's table worked by hand, and a checkpoint
+re-encoded to MXFP4 against its float twin (and transformers' own reading)."""
 
 from __future__ import annotations
 

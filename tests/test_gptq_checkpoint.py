@@ -1,5 +1,5 @@
 """GPTQ (v1 and v2) and AWQ (GEMM) int4 checkpoints, packed as AutoGPTQ and AutoAWQ pack them
-(tiny_gptq_models.py), read by ranks/gptq_tensors.py: served as the file's own 4-bit blocks in int4
+(tiny_gptq_models.py), read by tpserve/ranks/gptq_tensors.py: served as the file's own 4-bit blocks in int4
 and dequantized exactly in none and int8, sharded like the float weights (the llama variant's 3 KV
 heads split 2 + 1), every value AutoGPTQ's (AutoAWQ's) dequantization of the file bit for bit,
 tp=2 == tp=1 and batched == solo, and what tpserve does not serve refused by name."""

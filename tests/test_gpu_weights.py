@@ -1,6 +1,6 @@
 """The GPU's quantized weights, built here as they are on a GPU and run through the CPU twins of
-torch's kernels: 4-bit blocks packed for `_weight_int4pack_mm` (kernels/int4pack_linear.py) give the
-dequantized weight's product, and fp8 weights through `_scaled_mm` (kernels/fp8_linear.py) the
+torch's kernels: 4-bit blocks packed for `_weight_int4pack_mm` (tpserve/kernels/int4pack_linear.py) give the
+dequantized weight's product, and fp8 weights through `_scaled_mm` (tpserve/kernels/fp8_linear.py) the
 product of their stored values and scales, each within its rounding."""
 
 from __future__ import annotations

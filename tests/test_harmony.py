@@ -1,4 +1,4 @@
-"""The harmony reader (server/harmony.py) on reply texts as gpt-oss writes them, fed whole and one
+"""The harmony reader (tpserve/server/harmony.py) on reply texts as gpt-oss writes them, fed whole and one
 character at a time (a stream may split a reply anywhere): channels to reasoning_content and content,
 calls to tool_calls, and the forcing grammar for tool_choice required or named (llguidance accepts
 a harmony call and refuses bare JSON)."""

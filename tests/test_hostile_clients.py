@@ -146,7 +146,7 @@ def test_the_largest_prompts_are_refused_before_tokenizing_while_a_stream_goes_o
     after = rss_bytes(rank0)
     # The issue's bound. Kept refused bodies would be 24 x 4 MiB (~100 MB, a third of rank 0's ~300
     # MB); a refusal raised out of a worker thread's await kept its prompt in a cycle until the next
-    # full garbage collection, +15% here (server/http_api.py _on_worker).
+    # full garbage collection, +15% here (tpserve/server/http_api.py _on_worker).
     assert after <= before * 1.10, (before, after)
     assert daemon.health() == SERVING
     figures(
@@ -274,7 +274,7 @@ def test_a_kept_alive_connection_has_tcp_nodelay_on_the_daemons_end(daemon):
 
 # ---- overload ----
 
-MAX_RUNNING = 4 + 64 + 16  # lanes + queue places + the extra workers (server/grpc_server.py)
+MAX_RUNNING = 4 + 64 + 16  # lanes + queue places + the extra workers (tpserve/server/grpc_server.py)
 
 
 def test_past_the_grpc_pool_every_call_gets_the_queue_full_wording(daemon):

@@ -106,7 +106,7 @@ def test_garbage_and_stalled_connections_on_the_grpc_port_leave_every_client_ser
 
 def test_a_100_mb_grpc_message_is_refused_naming_the_limit_and_serving_goes_on(daemon):
     huge = serving_pb2.GenerateRequest(prompt="a" * (100 << 20), max_tokens=2).SerializeToString()
-    limit = 4 << 20  # no --vision: a context of text fits with room to spare (server/request_size.py)
+    limit = 4 << 20  # no --vision: a context of text fits with room to spare (tpserve/server/request_size.py)
     method = "/tpserve.v1.Serving/Generate"
     for _ in range(3):
         call = daemon.channel.unary_stream(method, request_serializer=None, response_deserializer=None)

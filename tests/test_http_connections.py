@@ -1,4 +1,4 @@
-"""The HTTP server's connections (server/http_connections.py), on a real uvicorn over loopback with a
+"""The HTTP server's connections (tpserve/server/http_connections.py), on a real uvicorn over loopback with a
 small app: TCP_NODELAY on every accepted socket, a request head's deadline (a silent or dribbling
 client is closed, a prompt one served), kept-alive connections closed when idle, the bound on
 open connections answered with a 503 error object, a client that stops reading a stream cut off
@@ -46,7 +46,7 @@ async def echo(request):
     READING.set()
     try:
         return JSONResponse({"length": len(await request.body())})
-    except ClientDisconnect:  # as the daemon's routes do (server/http_api.py)
+    except ClientDisconnect:  # as the daemon's routes do (tpserve/server/http_api.py)
         return JSONResponse({}, status_code=499)
 
 

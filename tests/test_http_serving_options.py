@@ -1,7 +1,7 @@
 """How the HTTP API is served, against the real two-rank daemon on loopback: several served model
 names (--served-model-name), a chat template file in place of the checkpoint's (--chat-template),
 CORS origins (--cors-origins), and vLLM's skip_special_tokens: false; each with the APIs in rank 0's
-process and in the front process (server/front_process.py), which must serve them the same.
+process and in the front process (tpserve/server/front_process.py), which must serve them the same.
 """
 
 from __future__ import annotations

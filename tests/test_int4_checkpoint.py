@@ -1,8 +1,8 @@
-"""Compressed-tensors int4 checkpoints written by the compressed-tensors library (ranks/int4_tensors.py):
-served as the file's own 4-bit blocks in int4 and dequantized exactly in none and int8, sharded like
-the float weights (the llama variant's 3 KV heads split 2 + 1), tp=2 == tp=1 and batched == solo bit
-for bit, near the library's own dequantized float model, and anything tpserve does not serve refused
-by name at load."""
+"""Compressed-tensors int4 checkpoints written by the compressed-tensors library
+(tpserve/ranks/int4_tensors.py): served as the file's own 4-bit blocks in int4 and dequantized exactly in none
+and int8, sharded like the float weights (the llama variant's 3 KV heads split 2 + 1), tp=2 == tp=1 and
+batched == solo bit for bit, near the library's own dequantized float model, and anything tpserve does not
+serve refused by name at load."""
 
 from __future__ import annotations
 

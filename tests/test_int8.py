@@ -1,4 +1,4 @@
-"""Int8 weights (kernels/int8_linear.py): a row is the same at any batch, near the float product, and
+"""Int8 weights (tpserve/kernels/int8_linear.py): a row is the same at any batch, near the float product, and
 refused by name where it cannot run. tp=2 == tp=1 and batched == solo on the tiny models are in
 test_tp_exact.py; through the daemon in test_daemon_exact.py."""
 

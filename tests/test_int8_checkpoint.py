@@ -1,7 +1,8 @@
-"""Compressed-tensors int8 checkpoints (ranks/int8_tensors.py, ranks/checkpoint_quantization.py): the
-file's own int8 values and scales are what the products compute with, sharded like the float weights
-(the llama variant's 3 KV heads split 2 + 1), tp=2 == tp=1 and batched == solo bit for bit, near the
-dequantized float model, and anything tpserve does not serve refused by name at load."""
+"""Compressed-tensors int8 checkpoints (tpserve/ranks/int8_tensors.py,
+tpserve/ranks/checkpoint_quantization.py): the file's own int8 values and scales are what the products compute
+with, sharded like the float weights (the llama variant's 3 KV heads split 2 + 1), tp=2 == tp=1 and batched ==
+solo bit for bit, near the dequantized float model, and anything tpserve does not serve refused by name at
+load."""
 
 from __future__ import annotations
 
@@ -181,7 +182,7 @@ def test_the_logits_are_near_those_of_the_dequantized_float_model(tmp_path, fmt)
     first_int8, first_float = int8_logits[0], float_logits[0]  # the prompt's logits
     error = (first_int8 - first_float).norm() / first_float.norm()
     # Only the inputs' rounding (int8 per row) stands between them: the weights are the same numbers.
-    # In 7 bits where FBGEMM's product lacks AVX-512 VNNI (kernels/int8_linear.py's reduce_range).
+    # In 7 bits where FBGEMM's product lacks AVX-512 VNNI (tpserve/kernels/int8_linear.py's reduce_range).
     bound = 0.15 if reduce_range() else 0.05
     assert 0 < error < bound, f"int8 logits {error:.4f} away from the dequantized float model (relative)"
     assert torch.equal(first_int8.argmax(-1), first_float.argmax(-1))

@@ -1,4 +1,4 @@
-"""The liveness link (ranks/liveness.py) in one process over loopback: beats keep both ends quiet, a
+"""The liveness link (tpserve/ranks/liveness.py) in one process over loopback: beats keep both ends quiet, a
 peer that ends is noticed at once, a silent one after dead_after_s, BYE is not a loss, a call that
 holds the GIL past dead_after_s is no loss but an interpreter stuck past stall_after_s is, and rank
 0 takes each follower rank once, with the token, and then listens no more. The peers that end or

@@ -1,4 +1,4 @@
-"""Loading on a GPU drops the checkpoint's pages from the page cache (ranks/weights.py): on a
+"""Loading on a GPU drops the checkpoint's pages from the page cache (tpserve/ranks/weights.py): on a
 unified-memory GPU that cache is the memory the KV pool needs next. Seen here with mincore on a
 model written for the test: its safetensors pages are resident after a read, and gone after a load
 that drops them (on a CPU a load keeps them unless asked: a CPU's restart reads them again)."""

@@ -1,4 +1,4 @@
-"""Rank 0's logit adjustments (kernels/logit_adjust.py) against a plain per-token reference, and the
+"""Rank 0's logit adjustments (tpserve/kernels/logit_adjust.py) against a plain per-token reference, and the
 draw that follows them: a row is adjusted the same alone or among other rows."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_moe_tp2_equals_tp1_and_batched_equals_solo(pool, tmp_path, variant):
 
 @pytest.mark.parametrize("variant", sorted(INT4_VARIANTS))
 def test_int4_experts_tp2_equal_tp1_and_batched_equals_solo(pool, tmp_path, variant):
-    # every expert's slices packed as the dense MLP's would be (kernels/weight_formats.py). (int8
+    # every expert's slices packed as the dense MLP's would be (tpserve/kernels/weight_formats.py). (int8
     # is left out: its float16 down product, FBGEMM's, gives a row other bits alone than batched
     # on this AVX2 CPU for the dense tiny models too, which the start-up probe refuses.)
     family, overrides = INT4_VARIANTS[variant]

@@ -1,4 +1,4 @@
-"""The C kernels (kernels/native.py): built once per machine, the same bits as the torch ops they
+"""The C kernels (tpserve/kernels/native.py): built once per machine, the same bits as the torch ops they
 replace where they claim to, and a missing or broken compiler named rather than crashing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The interface check at start-up (ranks/network.py), on this host's loopback: it needs no root and
+"""The interface check at start-up (tpserve/ranks/network.py), on this host's loopback: it needs no root and
 sends nothing. The two-host refusals (a master behind another interface) are in test_two_hosts.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The OpenAI bodies' fields as server/openai_fields.py lists them: each is honoured, accepted
+"""The OpenAI bodies' fields as tpserve/server/openai_fields.py lists them: each is honoured, accepted
 without effect, or refused by name; an unknown field is refused, never ignored.
 
 Parsing only (no daemon): tests/test_http_api.py and tests/test_openai_sampling.py send the same

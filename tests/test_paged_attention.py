@@ -1,4 +1,4 @@
-"""The paged kernel's tables (kernels/paged_attention.py): the CSR arrays FlashInfer reads are built
+"""The paged kernel's tables (tpserve/kernels/paged_attention.py): the CSR arrays FlashInfer reads are built
 from the engine's block tables, and gathering pages by them gives each stream's keys in position
 order; the kernel's SDPA fallback through those arrays gives span_attention's bits, alone and in
 the model's own passes. FlashInfer itself runs only on a GPU (bench/gpu_check.py checks it there)."""

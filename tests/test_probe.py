@@ -85,7 +85,7 @@ def test_a_shape_dependent_attention_is_refused(tmp_path):
         probe_model(model, product=linear, attention=shifted)
 
 
-# ---- the mixed pass (ranks/probe_mixed.py) ------------------------------------------------------
+# ---- the mixed pass (tpserve/ranks/probe_mixed.py) ------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -1,6 +1,6 @@
-"""4-bit weights (kernels/q4_linear.py): extreme blocks give every path the same bits, the weight is near
-the float one, packed blocks come back exactly, and bad input is refused by name. What both block
-weights promise alike (batch invariance, the paths agreeing, the product) is test_block_weights.py's."""
+"""4-bit weights (tpserve/kernels/q4_linear.py): extreme blocks give every path the same bits, the weight is
+near the float one, packed blocks come back exactly, and bad input is refused by name. What both block weights
+promise alike (batch invariance, the paths agreeing, the product) is test_block_weights.py's."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""5-bit weights (kernels/q5_linear.py): extreme blocks give every path the same bits, packed blocks come
-back exactly as d * q + m in either scale layout, and bad input is refused by name. What every block
+"""5-bit weights (tpserve/kernels/q5_linear.py): extreme blocks give every path the same bits, packed blocks
+come back exactly as d * q + m in either scale layout, and bad input is refused by name. What every block
 weight promises alike (batch invariance, the paths agreeing, the product) is test_block_weights.py's."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""6-bit weights (kernels/q6_linear.py): extreme blocks give every path the same bits, packed blocks come
-back exactly as d * sc * (q - 32), a tied embedding's rows are dequantize()'s, and bad input is refused
+"""6-bit weights (tpserve/kernels/q6_linear.py): extreme blocks give every path the same bits, packed blocks
+come back exactly as d * sc * (q - 32), a tied embedding's rows are dequantize()'s, and bad input is refused
 by name. What every block weight promises alike (batch invariance, the paths agreeing, the product) is
 test_block_weights.py's."""
 

@@ -1,4 +1,4 @@
-"""8-bit block weights (kernels/q8_linear.py): extreme blocks give every path the exact product, the
+"""8-bit block weights (tpserve/kernels/q8_linear.py): extreme blocks give every path the exact product, the
 weight is near the float one, checkpoint blocks come back exactly, the embedding rows are the head's
 own, and bad input is refused by name. What both block weights promise alike (batch invariance, the
 paths agreeing, the product) is test_block_weights.py's."""

@@ -1,5 +1,5 @@
-"""The front process's text (server/remote_engine.py RemoteReply) against the lane host's own: the
-same deltas, the same ending and usage, from the engine's bare tokens (server/front_wire.py)."""
+"""The front process's text (tpserve/server/remote_engine.py RemoteReply) against the lane host's own: the
+same deltas, the same ending and usage, from the engine's bare tokens (tpserve/server/front_wire.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A step is a plan (server/step_plan.py): the scheduler's schedule() reads only, so the same state
+"""A step is a plan (tpserve/server/step_plan.py): the scheduler's schedule() reads only, so the same state
 gives the same plan and planning calls nothing on the engine; the pass that runs is the plan's, and
 replies stay exactly their solo runs. On the fake backend, which models blocks."""
 

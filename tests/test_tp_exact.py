@@ -2,7 +2,7 @@
 
 tp=2 runs in two real processes, its forward collectives over gloo or over shared memory; tp=1
 runs here. Thanks to the piece layout
-(ranks/sharding.py) and batch-invariant products the logits agree bit for bit, so the tokens do.
+(tpserve/ranks/sharding.py) and batch-invariant products the logits agree bit for bit, so the tokens do.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _tp2_adjusted(ctx, model_dir):
 
 
 def test_tp2_equals_tp1_and_batched_equals_solo_with_penalties_bias_and_min_tokens(pool, tmp_path):
-    """The logit adjustments (kernels/logit_adjust.py) keep both promises: tp=2's tokens are tp=1's,
+    """The logit adjustments (tpserve/kernels/logit_adjust.py) keep both promises: tp=2's tokens are tp=1's,
     and each stream of the batch draws its solo run's tokens."""
     model_dir = str(write_tiny_model(tmp_path / "llama", "llama"))
     torch.set_num_threads(1)
@@ -215,7 +215,7 @@ def test_each_stream_of_a_batch_has_the_logits_of_its_solo_run(tmp_path, variant
         assert torch.equal(together[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
 
 
-# ---- quantized weights (kernels/weight_formats.py) ----
+# ---- quantized weights (tpserve/kernels/weight_formats.py) ----
 
 QUANTIZED = ["int8", "int4"]
 
@@ -254,7 +254,7 @@ def on_the_4_bit_grid(model_dir: str) -> str:
     return model_dir
 
 
-# int8's inputs go in 7 bits where FBGEMM's product lacks AVX-512 VNNI (kernels/int8_linear.py's
+# int8's inputs go in 7 bits where FBGEMM's product lacks AVX-512 VNNI (tpserve/kernels/int8_linear.py's
 # reduce_range: 8 bits would saturate its int16 sums there): twice the rounding step.
 INT8_BOUND = 0.15 if reduce_range() else 0.05
 

@@ -154,7 +154,7 @@ def noise_png(size: tuple[int, int], seed: int) -> bytes:
 def test_an_image_the_limits_allow_is_not_refused_by_the_transport_first(model_dir, tmp_path):
     """A 4.3 MB photo under max_image_bytes was refused by the transports' own 4 MiB limits first
     (HTTP 413, gRPC RESOURCE_EXHAUSTED); they now fit every image the limits allow
-    (server/request_size.py), and the image limit is the one a larger image hears about."""
+    (tpserve/server/request_size.py), and the image limit is the one a larger image hears about."""
     limit = 5_000_000
     args = (*VISION_ARGS, "--max-images", "1", "--max-image-bytes", str(limit))
     image = noise_png((1200, 1200), seed=81)

@@ -10,14 +10,14 @@ inputs holds 8 blocks of 32, each with 6-bit sc and mn beside the super-block's 
 weight = (d sc) q - dmin mn, so its blocks are d = d sc and m = -dmin mn, exact in float32 (11
 significant bits times 6) though not in float16. They dequantize exactly to what the `gguf`
 package's dequantize gives (Q4_0's and Q5_0's zeros aside: +0.0 where gguf gives -0.0), and the
-engine serves them as they are (kernels/q4_linear.py, kernels/q5_linear.py, kernels/q8_linear.py),
-so nothing is rounded twice.
+engine serves them as they are (tpserve/kernels/q4_linear.py, tpserve/kernels/q5_linear.py,
+tpserve/kernels/q8_linear.py), so nothing is rounded twice.
 
 Q6_K's super-block of 256 inputs holds 16 int8 sub-scales sc (one per 16 inputs), 6-bit values q
 (a low nibble and 2 high bits each) and a float16 d: weight = d * sc * (q - 32), each exact in
 float32 (11 significant bits times 7 times 5). It is written as
     q6: [out, in] uint8 values 0..63, sc: [out, in / 16] int8, d: [out, in / 256] float16
-and served by its own kernel (kernels/q6_linear.py). Q3_K's super-block has the same shape, 3-bit
+and served by its own kernel (tpserve/kernels/q6_linear.py). Q3_K's super-block has the same shape, 3-bit
 values v in -4..3 and 6-bit sub-scales s in 0..63: weight = d * (s - 32) * v, written as six-bit
 blocks q = v + 32, sc = s - 32 (exact; 0.875 bytes a weight served, against the GGUF's 0.43). Q2_K
 is not kept: its 16 inputs share a scale and a minimum, which no kernel here takes; it is
@@ -142,7 +142,7 @@ def read_blocks(data: np.ndarray, qtype, shape: tuple[int, int]) -> Blocks | Six
 
 
 def read_mxfp4(data: np.ndarray, num_out: int, num_in: int) -> Blocks:
-    """MXFP4 as the same values in 5-bit blocks, as ranks/mxfp4.py serves gpt-oss's HF experts: a
+    """MXFP4 as the same values in 5-bit blocks, as tpserve/ranks/mxfp4.py serves gpt-oss's HF experts: a
     block's 17 bytes are an e8m0 scale e (2^(e - 127)) and 16 bytes whose byte j holds code j (low
     nibble) and code j + 16 (high). Code c is an e2m1 value v (gguf's kvalues hold 2 v, -12..12), so
     weight = 2^(e - 128) * 2v = d * q + m with q = 2v + 16 (4..28), d = 2^(e - 128), m = -16 d: exact.

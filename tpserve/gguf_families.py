@@ -7,7 +7,7 @@ norms llama.cpp stores plus one (Gemma3RMSNorm scales by 1 + w; the import takes
 whose norms around attention and the MLP are `post_attention_norm`, `ffn_norm` and `post_ffw_norm`,
 and whose layers llama.cpp makes global every sixth (unless the file says otherwise), the local ones
 on a rotary base of 10000, scaling q.k by head_dim^-1/2 (hidden / heads for the 62-layer 27B). `phi3`,
-its q/k/v fused as `attn_qkv` and gate/up as `ffn_up` (ranks/fused_tensors.py splits them on load),
+its q/k/v fused as `attn_qkv` and gate/up as `ffn_up` (tpserve/ranks/fused_tensors.py splits them on load),
 its longrope factors as the tensors `rope_factors_short` and `rope_factors_long`. And the
 mixtures of experts `qwen3moe` and `gpt-oss`, whose experts llama.cpp stacks into one tensor a
 projection (`blk.N.ffn_gate_exps.weight` [E, I, hidden] in torch order, `ffn_up_exps`, `ffn_down_exps`

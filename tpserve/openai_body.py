@@ -1,6 +1,6 @@
 """A tpserve.v1 GenerateRequest as the OpenAI HTTP request that asks the same: the path under /v1 and
 the JSON body. `tpserve bench --openai-url` sends its prompts this way, to tpserve or any other
-OpenAI-compatible server; the reverse of the server's own translation (server/openai_request.py).
+OpenAI-compatible server; the reverse of the server's own translation (tpserve/server/openai_request.py).
 """
 
 from __future__ import annotations

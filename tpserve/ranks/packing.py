@@ -1,0 +1,165 @@
+"""A rank's loaded weights as the products take them: fused (q/k/v, gate/up) and packed in their format.
+
+A loaded weight is float, a compressed-tensors checkpoint's int8 (tpserve/ranks/int8_tensors.py) or blocks:
+a GGUF import's (tpserve/ranks/block_tensors.py), a compressed-tensors int4 checkpoint's
+(tpserve/ranks/int4_tensors.py) or a GPTQ or AWQ one's (tpserve/ranks/gptq_tensors.py). A checkpoint's int8 is
+served as stored whatever the format asked; blocks are served as stored where the format takes their
+bits; anything else is quantized (or kept float) as tpserve/kernels/weight_formats.py says. On a GPU, 4-bit
+blocks go to torch's int4 weight-only product (tpserve/kernels/int4pack_linear.py) and a compressed-tensors
+checkpoint's fp8 weights (tpserve/ranks/fp8_tensors.py) to torch._scaled_mm (tpserve/kernels/fp8_linear.py)
+instead of bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.kernels.fp8_linear import Fp8Weight, fp8_unfit
+from tpserve.kernels.int4pack_linear import Int4PackWeight, int4pack_unfit
+from tpserve.kernels.int8_linear import Int8Weight
+from tpserve.kernels.q4_linear import Q4Weight
+from tpserve.kernels.q5_linear import Q5Weight
+from tpserve.kernels.q6_linear import Q6Weight
+from tpserve.kernels.q8_linear import Q8Weight
+from tpserve.kernels.stacked_weight import StackedWeight
+from tpserve.kernels.weight_formats import quantize_weight
+from tpserve.ranks.block_tensors import BlockValues, cat_blocks
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.fp8_tensors import Fp8Values
+from tpserve.ranks.int8_tensors import Int8Values
+
+ASYMMETRIC = {4: Q4Weight, 5: Q5Weight}  # block weights d * q + m, by their values' bits
+# _scaled_mm with a scale per input row and per output channel: Hopper (sm_90) and newer under CUDA
+FP8_ROWWISE_CAPABILITY = (9, 0)
+
+
+@dataclass
+class MixedParts:
+    """The parts of one fused product stored in different forms (a Q4_K_M GGUF's Q4_K q and k beside
+    its Q6_K v, or blocks beside floats): stacked at packing (pack_weight)."""
+
+    parts: list[torch.Tensor | BlockValues]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.q.shape[0] if isinstance(p, BlockValues) else p.shape[0] for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        """[sum of out, in] float32: every part's exact values."""
+        return torch.cat([p.dequantize() if isinstance(p, BlockValues) else p.float() for p in self.parts])
+
+
+def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockValues | MixedParts:
+    """The weights `names`, taken out of `tensors`, stacked by rows (q/k/v, gate/up): all float, all
+    int8 each keeping its scales, or all in blocks of one width (else their MixedParts)."""
+    parts = [tensors.pop(name) for name in names]
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        return torch.cat(parts)
+    if all(isinstance(part, Int8Values) for part in parts):
+        return Int8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
+    if all(isinstance(part, Fp8Values) for part in parts):  # each part keeps its rows' scales
+        return Fp8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
+    if all(isinstance(part, BlockValues) for part in parts) and len({p.bits for p in parts}) == 1:
+        return cat_blocks(parts)
+    if not any(isinstance(part, Int8Values) for part in parts):  # floats and blocks (a mixed GGUF)
+        return MixedParts(parts)
+    raise ModelFileError(", ".join(names), "one fused product, stored partly in int8 and partly in float")
+
+
+def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, kind: str, dtype=torch.float32):
+    """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
+    (down_proj included: the file chose int8 for it); a GGUF's blocks are served as stored where
+    `kind` is int4 (and 8- and 6-bit ones where it is q8: a Q6_K head keeps its 6 bits; 4- and
+    5-bit heads go to 8 bits, as a float head does), mixed parts
+    each in its own form, stacked (tpserve/kernels/stacked_weight.py); anything else goes through
+    quantize_weight (blocks dequantized first, exactly, to `dtype` where they stay float: int8 and
+    none serve a Q6_K's exact values as they serve a Q4's)."""
+    if isinstance(weight, MixedParts):
+        if kind != "int4" or weight.num_rows == 0:  # no KV head: an empty q/k/v
+            return pack_weight(weight.dequantize(), kind, dtype)
+        # Blocks in 4 bits are per output row, so each part packed alone is the fused product's rows.
+        return StackedWeight([pack_weight(part, kind, dtype) for part in weight.parts])
+    if isinstance(weight, Fp8Values):
+        return pack_fp8(weight, kind, dtype)
+    if isinstance(weight, BlockValues):
+        if weight.q.numel() == 0:
+            return weight.q.to(dtype)
+        if _on_gpu_in_int4(weight, kind, dtype):
+            return Int4PackWeight.from_blocks(weight.q, weight.d, weight.m, dtype)
+        if kind == "int4" and weight.bits in (4, 5):
+            return ASYMMETRIC[weight.bits].from_blocks(weight.q, weight.d, weight.m)
+        if kind in ("int4", "q8") and weight.bits == 8:
+            return Q8Weight.from_blocks(weight.q, weight.d)
+        if kind in ("int4", "q8") and weight.bits == 6:
+            return Q6Weight.from_blocks(weight.q, weight.sc, weight.d)
+        weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
+    if not isinstance(weight, Int8Values):
+        return quantize_weight(weight, kind)
+    if weight.values.numel() == 0:  # a piece holding no KV head has an empty q/k/v
+        return weight.values.float()
+    return Int8Weight.from_int8(weight.values, weight.scales)
+
+
+def _on_gpu_in_int4(weight: BlockValues, kind: str, dtype: torch.dtype) -> bool:
+    """Whether 4-bit blocks on a GPU are served by torch's int4 product (tpserve/kernels/int4pack_linear.py)
+    rather than expanded to bfloat16: a GPU's weights in bfloat16 (the CUDA kernel's rows) whose
+    shape the packed layout takes; `quantize` on a GPU is "none" (the CPU formats do not run there)."""
+    return (
+        kind == "none"
+        and weight.bits == 4
+        and dtype == torch.bfloat16
+        and weight.q.device.type == "cuda"
+        and int4pack_unfit(*weight.q.shape, weight.q.device) is None
+    )
+
+
+def fp8_on_gpu(
+    device_type: str, capability: tuple[int, int], kind: str, dtype: torch.dtype, shape: tuple[int, int]
+) -> bool:
+    """Whether a checkpoint's fp8 weight [out, in] is served in fp8 by torch._scaled_mm: on a GPU
+    with row-wise scaled products (sm_90 and newer), weights in bfloat16 (the product's output),
+    quantize none (the CPU formats do not run there) and a shape _scaled_mm takes."""
+    return (
+        device_type == "cuda"
+        and tuple(capability) >= FP8_ROWWISE_CAPABILITY
+        and kind == "none"
+        and dtype == torch.bfloat16
+        and 0 not in shape
+        and fp8_unfit(*shape, device_type) is None
+    )
+
+
+def pack_fp8(weight: Fp8Values, kind: str, dtype: torch.dtype):
+    """An fp8 weight kept as stored (only a GPU's are: tpserve/ranks/weights.py dequantizes the CPU's at
+    load):
+    in fp8 where fp8_on_gpu says so, else dequantized to `dtype` and served as a float weight."""
+    device = weight.values.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    if fp8_on_gpu(device.type, capability, kind, dtype, tuple(weight.values.shape)):
+        return Fp8Weight(weight.values, weight.scales, dtype)
+    return quantize_weight(weight.dequantize().to(dtype if kind == "none" else torch.float32), kind)
+
+
+def describe_serving(kinds: tuple[str, ...], quantize: str, device_type: str = "cpu") -> str:
+    """In words: which of a checkpoint's quantized layers are served as the file stores them, and
+    which `quantize` decides (fp8 on a GPU: tpserve/ranks/packing.py fp8_on_gpu)."""
+    stored = ["int8"] if "int8" in kinds else []
+    dequantized = ["fp8"] if "fp8" in kinds else []
+    (stored if quantize == "int4" else dequantized).extend(["int4"] if "int4" in kinds else [])
+    said = [f"its {' and '.join(stored)} layers served as stored"] if stored else []
+    if dequantized:
+        said.append(f"its {' and '.join(dequantized)} layers dequantized to float32")
+    if "fp8" in kinds and device_type == "cuda":
+        said[-1] += (
+            " (the fp8 ones served in fp8 by torch._scaled_mm instead where the GPU is sm_90+ and the dtype bfloat16)"
+        )
+    if "mxfp4" in kinds:  # gpt-oss's experts (tpserve/ranks/mxfp4.py)
+        said.append(
+            "its mxfp4 experts served as stored, in 5-bit blocks"
+            if quantize == "int4"
+            else "its mxfp4 experts dequantized exactly to dtype"
+        )
+    also = "them and to " if dequantized or ("mxfp4" in kinds and quantize != "int4") else ""
+    return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"

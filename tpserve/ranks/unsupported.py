@@ -1,0 +1,135 @@
+"""What a checkpoint asks for that tpserve does not compute, refused by name rather than served wrong.
+
+A config key that changes the math (logit soft-capping, a bias on o_proj, a partial rotary) and
+that the model does not implement would otherwise load and give wrong logits with no word said.
+Each is refused here, naming the model, the feature and its value. Sliding windows are computed
+(per layer, by every attention kernel); this file reads which layers slide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tpserve.kernels.rope_scaling import RopeScaling
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.gemma3_config import GEMMA3_ACTIVATIONS
+
+# Known architectures tpserve does not load, and what in them it does not compute.
+REFUSED_ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and its mixture of experts",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA) and its mixture of experts",
+    "Qwen3NextForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
+    "Qwen3_5ForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
+    "Qwen3_5ForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
+    "Qwen3_5MoeForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
+    "Qwen3_5MoeForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
+    "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
+}
+# Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
+# `use_sliding_window`); in the others a `sliding_window` set is a window in force.
+FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
+WINDOWLESS = ("llama", "glm4_moe")  # transformers' have no sliding window, whatever the config carries
+ACTIVATIONS = ("silu", "swish")  # SwiGLU's
+# Layer kinds tpserve computes: full causal attention, and causal within a sliding window.
+FULL_LAYERS = ("full_attention",)
+SLIDING_LAYERS = ("sliding_attention",)
+
+
+def refuse_architecture(architectures: list[str], path: str | Path) -> None:
+    """A known architecture that tpserve does not implement, refused with what it lacks."""
+    for architecture in architectures:
+        if architecture in REFUSED_ARCHITECTURES:
+            raise ModelFileError(
+                path,
+                f"{architecture} is not supported: {REFUSED_ARCHITECTURES[architecture]} not implemented",
+            )
+
+
+def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | Path) -> None:
+    """Every config key of `raw` that changes the math and that the model does not compute."""
+
+    def refuse(feature: str) -> None:
+        raise ModelFileError(path, f"{architecture}: {feature} is not implemented")
+
+    if raw.get("kv_lora_rank"):
+        refuse(f"multi-head latent attention (MLA, kv_lora_rank {raw['kv_lora_rank']})")
+    kinds = sorted(set(raw.get("layer_types") or ()) - set(FULL_LAYERS) - set(SLIDING_LAYERS))
+    if kinds:
+        refuse(f"layer_types {kinds}")
+    gemma3 = family == "gemma3"  # its GeGLU, final soft-capping and rotary per layer type
+    for key in (
+        ("attn_logit_softcapping",) if gemma3 else ("attn_logit_softcapping", "final_logit_softcapping")
+    ):
+        if raw.get(key) is not None:
+            refuse(f"{key} {raw[key]}")
+    activations = GEMMA3_ACTIVATIONS if gemma3 else ACTIVATIONS
+    for key in ("hidden_act", "hidden_activation"):
+        if key in raw and raw[key] not in activations:
+            refuse(f"{key} {raw[key]!r} (only {'GeGLU' if gemma3 else 'SwiGLU'}'s {activations[0]} is)")
+    if raw.get("mlp_bias"):
+        refuse("mlp_bias (biases on gate, up and down)")
+    # gpt-oss: o_proj's too; GLM-4.5: q, k and v only
+    if family not in ("qwen2", "gpt_oss", "glm4_moe") and raw.get("attention_bias"):
+        refuse("attention_bias (transformers puts a bias on o_proj too)")
+    rope = raw.get("rope_parameters") or {}
+    partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and family != "glm4_moe":  # GLM-4.5's: tpserve/ranks/model_glm4_moe.py
+        refuse(f"partial rotary embedding (partial_rotary_factor {partial})")
+    if gemma3 and set(rope) <= {"full_attention", "sliding_attention"}:
+        rope = {}  # tpserve/ranks/gemma3_config.py reads them
+    if any(isinstance(value, dict) for value in rope.values()):
+        refuse("rotary parameters per layer type")
+
+
+def layer_windows(raw: dict, family: str, path: str | Path) -> tuple[int, ...]:
+    """Each layer's sliding window (tokens a query sees, its own included; 0: the whole context).
+    `layer_types` (transformers 5 writes it) says which layers slide; without it the family's own
+    rule does."""
+    window = raw.get("sliding_window")
+    num_layers = int(raw.get("num_hidden_layers", 0))
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ModelFileError(path, f"layer_types names {len(layer_types)} layers of {num_layers}")
+        sliding = [kind in SLIDING_LAYERS for kind in layer_types]
+    elif family in WINDOWLESS:
+        sliding = [False] * num_layers
+    elif family == "gemma3":  # older configs: every sliding_window_pattern-th layer global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        sliding = [bool((layer + 1) % pattern) for layer in range(num_layers)]
+    elif family in FLAGGED_WINDOW:  # layers from max_window_layers on slide, where the flag is on
+        first = raw.get("max_window_layers", 28)
+        sliding = [bool(raw.get("use_sliding_window")) and layer >= first for layer in range(num_layers)]
+    else:
+        sliding = [window is not None] * num_layers
+    if any(sliding) and not window:
+        raise ModelFileError(path, "sliding-window layers but no sliding_window given")
+    return tuple(int(window) if slides else 0 for slides in sliding)
+
+
+def check_served_context(
+    architecture: str, window: int | None, scaling: RopeScaling, context_size: int, path
+) -> str | None:
+    """Refuses longrope past its original context; else a line for the log where a sliding window
+    is in force, None where none is."""
+    original = scaling.original_max_position_embeddings
+    if scaling.rope_type == "longrope" and context_size > original:
+        # transformers switches to the long factors once a sequence outgrows the original context,
+        # re-rotating every position: not implemented.
+        raise ModelFileError(
+            path,
+            f"{architecture}: longrope's long factors (past {original} positions) are not implemented: "
+            f"serve --context {original} or less, where the short factors hold",
+        )
+    if window is None:
+        return None
+    # transformers' window: a query sees the `window` latest positions, itself included.
+    if context_size > window:
+        return (
+            f"{architecture} attends within a sliding window of {window} tokens on its sliding layers "
+            f"(a context of {context_size}): keys behind every window are not read"
+        )
+    return (
+        f"{architecture}'s sliding window of {window} tokens never binds at a context of {context_size}: "
+        "full attention is exact"
+    )

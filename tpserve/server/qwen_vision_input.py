@@ -1,0 +1,145 @@
+"""Rank 0's image and video inputs for a Qwen2.5-VL model: as tpserve/server/vision_input.py's for LLaVA,
+except that a part's token count follows its size (smart resize to the patch grid, then the 2x2 merge) and,
+for a video, its frames (two per temporal patch).
+
+The chat template writes one image pad (or video pad) token per part; each becomes the merged grid's
+frames * rows * columns positions, which the part's header alone says (no pixel or frame is decoded
+before the request is otherwise accepted: tpserve/server/videos.py counts a video's frames by demuxing
+only). Each part carries its merged grid, frames and time step, from which the leader works out the
+chunks' multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is the bytes' hash.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
+from tpserve.server.images import FORMATS, decode_image
+from tpserve.server.media_checks import is_video
+from tpserve.server.qwen_images import QwenPreprocessor
+from tpserve.server.qwen_videos import QwenVideoPreprocessor, VideoPlan
+from tpserve.server.requests import PromptImage
+from tpserve.server.validation import Limits, invalid_argument
+from tpserve.server.videos import VideoHeader, decode_frames, read_header
+from tpserve.server.vision_input import image_key
+
+DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
+
+
+class QwenVisionInput:
+    def __init__(
+        self,
+        tower: QwenVisionTower,
+        preprocessor: QwenPreprocessor,
+        image_token: str,
+        video: QwenVideoPreprocessor | None = None,
+    ):
+        self.tower = tower
+        self.preprocessor = preprocessor
+        self.video = video
+        self.image_token_id = tower.config.image_token_id
+        self.video_token_id = tower.config.video_token_id
+        self.image_token = image_token  # its text, for the refusal when the counts disagree
+        self._lock = threading.Lock()  # one image or video through the tower at a time: bounded memory
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, config: ModelConfig, image_token: str, dtype, device="cpu"
+    ):
+        tower = load_qwen_vision_tower(model_dir, config.vision, dtype, device)
+        video = (
+            QwenVideoPreprocessor.from_model_dir(model_dir)
+            if config.vision.video_token_id is not None
+            else None
+        )
+        return cls(tower, QwenPreprocessor.from_model_dir(model_dir), image_token, video)
+
+    def merged_grid(self, data: bytes, where: str) -> tuple[int, int]:
+        """(rows, columns) of an image's merged grid, from its header (the size) only."""
+        try:
+            with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+                width, height = image.size
+        except Exception as error:  # an untrusted file: every way Pillow can fail is one refusal
+            raise invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image") from error
+        if width <= 0 or height <= 0:
+            raise invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image")
+        height, width = self.preprocessor.resized_size(height, width)
+        factor = self.preprocessor.patch_size * self.preprocessor.merge_size
+        return height // factor, width // factor
+
+    def video_plan(self, data: bytes, where: str, limits: Limits) -> tuple[VideoHeader, VideoPlan]:
+        """A video's header, and which frames it reads and their grid, from a demux pass alone."""
+        if self.video is None:
+            raise invalid_argument(
+                f"{where}.media: this model reads no video inputs (its config names no video token)"
+            )
+        header = read_header(data, where, limits)
+        return header, self.video.plan(header, where)
+
+    def expand(
+        self,
+        ids: Sequence[int],
+        num_images: int,
+        media: Sequence = (),
+        wheres: Sequence[str] = (),
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> tuple[list[int], list[int]]:
+        """Template token ids with one pad token per image or video -> the prompt with each widened
+        to its merged grid's frames * rows * columns, and the parts' offsets in it."""
+        pads = {self.image_token_id, self.video_token_id} - {None}
+        found = [index for index, token in enumerate(ids) if token in pads]
+        if len(found) != num_images or len(media) != num_images:
+            raise invalid_argument(
+                f"the prompt holds {len(found)} image tokens for {num_images} image parts "
+                f"(the text may not contain {self.image_token!r})"
+            )
+        out, offsets, at = [], [], 0
+        wheres = list(wheres) or [f"image {number}" for number in range(num_images)]
+        for index, part, where in zip(found, media, wheres):
+            if is_video(part):
+                token = self.video_token_id
+                _, plan = self.video_plan(part.data, where, limits)
+                merge = self.preprocessor.merge_size
+                count = plan.grid[0] * (plan.grid[1] // merge) * (plan.grid[2] // merge)
+            else:
+                token = self.image_token_id
+                rows, cols = self.merged_grid(part.data, where)
+                count = rows * cols
+            if ids[index] != token:
+                raise invalid_argument(f"{where}: the chat template wrote the wrong pad token for this part")
+            out += ids[at:index]
+            offsets.append(len(out))
+            out += [token] * count
+            at = index + 1
+        return out + list(ids[at:]), offsets
+
+    def read(self, media: Sequence, offsets: Sequence[int], wheres: Sequence[str], limits: Limits):
+        """The prompt's images and videos (media parts in prompt order, at `offsets`) with their features."""
+        merge = self.tower.config.spatial_merge_size
+        images = []
+        for part, offset, where in zip(media, offsets, wheres):
+            interval = 1.0
+            if is_video(part):
+                header, plan = self.video_plan(part.data, where, limits)
+                frames = decode_frames(part.data, where, header, plan.indices, self.video.frames.pixels)
+                patches, grid = self.video.patches(frames)
+                # transformers multiplies tokens_per_second by second_per_grid_ts in float32
+                interval = float(
+                    np.float32(self.tower.config.tokens_per_second) * np.float32(plan.seconds_per_grid)
+                )
+            else:
+                image = decode_image(part.data, where, limits.max_image_pixels)
+                patches, grid = self.preprocessor.patches(image)
+            with self._lock:
+                features = self.tower.features(patches, grid)
+            merged = (grid[1] // merge, grid[2] // merge)
+            key = image_key(part.data)
+            images.append(PromptImage(offset, features.shape[0], key, features, merged, grid[0], interval))
+        return tuple(images)

@@ -1,0 +1,92 @@
+"""Rank 0's image inputs for a vision-language model: decoded, prepared and read before admission.
+
+A request's image parts are decoded and preprocessed (tpserve/server/images.py), then read by the vision
+tower and projector (tpserve/ranks/vision.py, on rank 0 only) into features, one image at a time. The chat
+template writes one image token per image; each becomes `tokens_per_image` positions, where the
+features go. Each image's prompt-cache key comes from a hash of its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.vision import VisionTower, load_vision_tower
+from tpserve.server.images import Preprocessor, decode_image
+from tpserve.server.media_checks import is_video
+from tpserve.server.requests import PromptImage
+from tpserve.server.validation import Limits, RequestRefused, invalid_argument
+
+
+def image_key(data: bytes) -> int:
+    """A negative int64 from the bytes' SHA-256: never a token id, and the same only for the same image."""
+    return -1 - (int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 2)
+
+
+class VisionInput:
+    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, image_token: str):
+        self.tower = tower
+        self.preprocessor = preprocessor
+        self.image_token_id = tower.config.image_token_id
+        self.tokens_per_image = tower.config.tokens_per_image
+        self.image_token = image_token  # its text, for the refusal when the counts disagree
+        self._lock = threading.Lock()  # one image through the tower at a time: bounded memory
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, config: ModelConfig, image_token: str, dtype, device="cpu"
+    ):
+        tower = load_vision_tower(model_dir, config.vision, dtype, device)
+        return cls(tower, Preprocessor.from_model_dir(model_dir), image_token)
+
+    def expand(
+        self,
+        ids: Sequence[int],
+        num_images: int,
+        media: Sequence = (),
+        wheres: Sequence[str] = (),
+        limits=None,
+    ) -> tuple[list[int], list[int]]:
+        """Template token ids with one image token per image -> the prompt with each widened to
+        tokens_per_image, and the images' offsets in it. Refuses when the counts disagree (the text
+        itself held the image token, or the template wrote none). `media` and `wheres` (the parts
+        and where they sit) say which part is a video, refused here: LLaVA reads images only; every
+        image takes the same count. `limits` is not read (the same call as
+        tpserve/server/qwen_vision_input.py's)."""
+        for part, where in zip(media, wheres):
+            if is_video(part):
+                raise invalid_argument(
+                    f"{where}.media: this model reads no video inputs (send its frames as images)"
+                )
+        found = [index for index, token in enumerate(ids) if token == self.image_token_id]
+        if len(found) != num_images:
+            raise RequestRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the prompt holds {len(found)} image tokens for {num_images} image parts "
+                f"(the text may not contain {self.image_token!r})",
+            )
+        out, offsets, at = [], [], 0
+        for index in found:
+            out += ids[at:index]
+            offsets.append(len(out))
+            out += [self.image_token_id] * self.tokens_per_image
+            at = index + 1
+        return out + list(ids[at:]), offsets
+
+    def read(self, media: Sequence, offsets: Sequence[int], wheres: Sequence[str], limits: Limits):
+        """The prompt's images (media parts in prompt order, at `offsets`) with their features."""
+        pixels = [
+            self.preprocessor.pixels(decode_image(part.data, where, limits.max_image_pixels))
+            for part, where in zip(media, wheres)
+        ]
+        images = []
+        for part, offset, array in zip(media, offsets, pixels):
+            with self._lock:
+                features = self.tower.features(array)
+            images.append(PromptImage(offset, self.tokens_per_image, image_key(part.data), features))
+        return tuple(images)
