@@ -46,6 +46,32 @@ def test_text_is_released_token_by_token_without_stop_strings():
     assert not stream.finish()
 
 
+def lone_space_dropping_decode(ids):
+    """As a SentencePiece tokenizer decodes: the window's first piece loses its leading space."""
+    text = piece_decode(ids)
+    return text[1:] if text.startswith(" ") else text
+
+
+def test_a_token_with_no_text_goes_out_at_once_and_the_next_keeps_its_space():
+    # A skipped special token (<|im_end|> with skip_special_tokens) adds nothing to the text: its id
+    # is sent with the step that sampled it, not held until visible text follows.
+    stream = TextStream(lone_space_dropping_decode)
+    assert stream.push(ids_of("Hel")[0]).text == "Hel"
+    silent = stream.push(ids_of("")[0])
+    assert (silent.token_ids, silent.text) == (tuple(ids_of("")), "")
+    out = stream.push(ids_of(" W")[0])
+    assert (out.token_ids, out.text) == (tuple(ids_of(" W")), " W")
+
+
+def test_a_token_with_no_text_waits_behind_text_held_for_a_stop_string():
+    stream = TextStream(piece_decode, stop=["STOP"])
+    assert stream.push(ids_of("ab")[0]).text == "ab"
+    assert not stream.push(ids_of("ST")[0]), "ST may begin STOP"
+    assert not stream.push(ids_of("")[0]), "tokens go out in order: the silent one waits behind ST"
+    out = stream.push(ids_of("o")[0])
+    assert (out.token_ids, out.text) == (tuple(ids_of("ST", "", "o")), "STo")
+
+
 def test_incomplete_utf8_is_held_until_its_last_byte():
     stream = TextStream(byte_decode)
     first = stream.push(0xC3)

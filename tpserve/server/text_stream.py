@@ -5,6 +5,8 @@ tokenizer that drops a leading space on a lone token still gets it right) and on
 characters are kept. Text is held back while:
 - the decode ends in U+FFFD (an incomplete UTF-8 sequence whose next bytes are still to come);
 - its end could still be the start of a stop string.
+A token that adds no text at all (a special token, skipped) is released at once, with none: its id
+goes out with the step that sampled it, not with the next visible text.
 A stop string is matched on the reply's text across token boundaries; the matched text and anything
 after it is never released. Token ids travel with their text: a token is released once text it
 produced is released (a token whose text straddles a stop string's start is released, cut).
@@ -78,6 +80,13 @@ class TextStream:
             return
         before = self._detokenize(self._ids[self._prefix_offset : self._read_offset])
         after = self._detokenize(self._ids[self._prefix_offset :])
+        if not final and after == before:
+            # Tokens with no text at all (a special token the reply skips): decoded, as nothing, so
+            # they go out now, not with the next visible text. The window keeps its start, so the
+            # next token is still decoded after the text before them.
+            self._token_ends += [len(self._text)] * (self.num_tokens - len(self._token_ends))
+            self._read_offset = len(self._ids)
+            return
         if not final and (len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR)):
             # Nothing new yet, or a character whose bytes are split over tokens still to come.
             return
