@@ -13,7 +13,7 @@ from tpserve.kernels.weight_formats import QUANTIZE_CHOICES, auto_quantize
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the weights' and KV's types a rank can run
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: the device's (for_device)
 MAX_DRAFT_TOKENS = 15  # a batch-invariant decode product holds 16 rows: the token and 15 drafts
-STEP_TOKENS_CPU = 64  # bench.long_prompt_gap --step-tokens (bench/README.md): why 64
+STEP_TOKENS_CPU = 32  # bench.long_prompt_gap --step-tokens (bench/README.md): why 32
 __all__ = ["DTYPE_CHOICES", "DTYPE_NAMES", "MAX_DRAFT_TOKENS", "QUANTIZE_CHOICES", "EngineSettings"]
 
 
