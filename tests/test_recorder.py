@@ -77,12 +77,30 @@ def test_a_record_holds_positions_tokens_and_features_step_by_step(tmp_path):
     (lines,) = records(tmp_path / "rec")
     steps = [json.loads(line) for line in lines]
     assert steps[0] == {"step": "open"}
-    assert steps[1] == {"step": "prefill", "start": 0, "token_ids": [4, 5]}
-    last_chunk = steps[2]
-    assert (last_chunk["start"], last_chunk["position"], last_chunk["fed"]) == (2, 2, 6)
-    assert [step["sampled"] for step in steps[2:]] == list(reply.token_ids)
-    assert [(step["position"], step["fed"]) for step in steps[3:]] == list(zip((3, 4), reply.token_ids))
-    assert all(len(step["features"]) == 3 for step in steps[2:])
+    # The prompt ran in two chunks of at most 2 tokens: one line, as a whole pass writes it.
+    prompt = steps[1]
+    assert (prompt["start"], prompt["token_ids"], prompt["position"], prompt["fed"]) == (0, [4, 5, 6], 2, 6)
+    assert [step["sampled"] for step in steps[1:]] == list(reply.token_ids)
+    assert [(step["position"], step["fed"]) for step in steps[2:]] == list(zip((3, 4), reply.token_ids))
+    assert all(len(step["features"]) == 3 for step in steps[1:])
+    (whole,), _ = run([request], tmp_path / "whole", max_prefill_tokens=8)
+    assert whole == reply
+    assert records(tmp_path / "whole") == records(tmp_path / "rec")
+
+
+def test_a_prompt_closed_before_its_end_writes_its_chunks_so_far(tmp_path):
+    backend = FakeBackend(num_lanes=1, max_prefill_tokens=2)
+    host = LaneHost(RecordingBackend(backend, tmp_path), detokenize=fake_detokenize, eos_ids=EOS_IDS)
+    stream = host.submit(make_request([4, 5, 6, 7, 8], 3, ignore_eos=True))
+    host.step()  # its first chunk, [4, 5]
+    stream.cancel()
+    run_all(host, [stream])
+    (lines,) = records(tmp_path)
+    assert [json.loads(line) for line in lines] == [
+        {"step": "open"},
+        {"step": "prefill", "start": 0, "token_ids": [4, 5]},
+    ]
+    backend.assert_clean()
 
 
 def test_a_resumed_background_stream_continues_in_a_new_file(tmp_path):

@@ -5,20 +5,23 @@ background stream that yields and resumes gets a second file). One JSON object p
 
     {"step": "open"}
     {"step": "cached", "num_tokens": 32}                               shared blocks of a cached prefix
-    {"step": "prefill", "start": 0, "token_ids": [...]}                  a chunk that samples nothing
-    {"step": "prefill", "start": 64, "token_ids": [...], "position": 70, "fed": 9, "sampled": 12, "features": [...]}
+    {"step": "prefill", "start": 0, "token_ids": [...], "position": 70, "fed": 9, "sampled": 12, "features": [...]}
     {"step": "decode", "position": 71, "fed": 12, "sampled": 30, "features": [...]}
+    {"step": "prefill", "start": 0, "token_ids": [...]}                  a prompt closed before its end
 
 `position` is where the fed token went; the sampled token goes at position + 1. `features` are the
-inner backend's top logits (Backend.top_logits) when it keeps them, else absent. A prompt in a
-joint prefill_many is written exactly as after its own prefill, and a pass that was refused or failed
-writes nothing, so a batched run and a solo run can be compared file by file. Every operation of the
+inner backend's top logits (Backend.top_logits) when it keeps them, else absent. A prompt is one
+line however it was cut into chunks (the chunks beside a decode round depend on what else ran), held
+until its last chunk; a prompt in a joint prefill_many is written exactly as after its own prefill,
+and a pass that was refused or failed writes nothing, so a batched run and a solo run can be
+compared file by file. Every operation of the
 Backend protocol is forwarded unchanged, flags included (drafts stay on when recording); a Verify is
 written as the decode steps of the samples its stream keeps, so drafts on or off, and however many a
 round checked, write the same lines.
 
 A stream's file is closed when its lane closes. Only a broken engine leaves files open (its lanes are
-forgotten, never closed, and the process exits); every line is flushed as written, so they lose nothing.
+forgotten, never closed, and the process exits); every line is flushed as written, so they lose
+nothing but the chunks of a prompt held for its line.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class RecordingBackend:
         if any(self._out_dir.glob(FILE_PATTERN)):
             raise FileExistsError(f"{self._out_dir} already holds a recording; record into an empty folder")
         self._files: dict[int, IO[str]] = {}
+        self._chunks: dict[int, tuple[int, list[int]]] = {}  # lane -> a prompt's start and ids so far
         self._num_streams = 0
 
     # The inner backend's figures and flags, read through (they are the inner's to change).
@@ -109,6 +113,9 @@ class RecordingBackend:
         try:
             self._inner.close(lane)
         finally:
+            start, token_ids = self._chunks.pop(lane, (0, []))
+            if token_ids:
+                self._write(lane, {"step": "prefill", "start": start, "token_ids": token_ids})
             file = self._files.pop(lane, None)
             if file is not None:
                 file.close()
@@ -130,12 +137,15 @@ class RecordingBackend:
             self._write_prefill(item, next(ended) if item.last else None)
 
     def _write_prefill(self, item: PrefillItem, token: int | None) -> None:
-        step: dict = {"step": "prefill", "start": item.start, "token_ids": list(item.token_ids)}
-        if item.last:
-            position = item.start + len(item.token_ids) - 1
-            step |= {"position": position, "fed": item.token_ids[-1], "sampled": token}
-            step = self._with_features(item.lane, step)
-        self._write(item.lane, step)
+        start, token_ids = self._chunks.pop(item.lane, (item.start, []))
+        token_ids += item.token_ids
+        if not item.last:
+            self._chunks[item.lane] = (start, token_ids)
+            return
+        position = item.start + len(item.token_ids) - 1
+        step = {"step": "prefill", "start": start, "token_ids": token_ids}
+        step |= {"position": position, "fed": item.token_ids[-1], "sampled": token}
+        self._write(item.lane, self._with_features(item.lane, step))
 
     def _with_features(self, lane: int, step: dict) -> dict:
         features = self._inner.top_logits(lane)
