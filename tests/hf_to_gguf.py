@@ -220,8 +220,9 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
         # llama.cpp's own pattern is every sixth layer global; a tiny model's own, written out
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
-    if arch == "phi3":
-        writer.add_rope_dimension_count(head_dim)
+    if arch == "phi3":  # Phi3MiniModel: int(partial_rotary_factor * hidden) // heads
+        partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // config["num_attention_heads"])
         writer.add_sliding_window(config.get("sliding_window") or 0)
         writer.add_rope_scaling_orig_ctx_len(
             rope.get("original_max_position_embeddings", config["max_position_embeddings"])

@@ -20,7 +20,7 @@ from tiny_hf_models import write_hf_model
 from tokenizers import Tokenizer
 
 from tpserve.gguf_blocks import read_mxfp4
-from tpserve.gguf_import import import_gguf
+from tpserve.gguf_import import import_gguf, rotary_factor
 from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.model_config import load_model_config
@@ -155,7 +155,7 @@ def test_gemma3_import_takes_the_norms_one_off_and_matches_transformers(tmp_path
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
-@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope"])
+@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope", "phi4-mini"])
 def test_phi3_fused_weights_and_longrope_factors_match_transformers(tmp_path, variant):
     out_dir, reference = imported(tmp_path, variant)
     config = json.loads((out_dir / "config.json").read_text())
@@ -167,11 +167,21 @@ def test_phi3_fused_weights_and_longrope_factors_match_transformers(tmp_path, va
     if variant == "phi3-longrope":
         assert config["rope_scaling"]["short_factor"] == [1.0 + 0.25 * i for i in range(8)]
         assert config["original_max_position_embeddings"] == 256
+    if variant == "phi4-mini":  # rope.dimension_count 12 of 16, the longrope factors for those 12
+        assert config["partial_rotary_factor"] == 0.75 and len(config["rope_scaling"]["short_factor"]) == 6
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
-def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path):
-    out_dir, reference = imported(tmp_path, "phi3", layer_type=Q.Q8_0)
+def test_a_rotary_dimension_count_becomes_a_factor_transformers_counts_back():
+    # 30 / 44 * 44 is 29.999999999999996: int() would count 29 dims
+    for rotary_dim, head_dim in ((30, 44), (12, 16), (96, 128), (6, 47)):
+        assert int(head_dim * rotary_factor(rotary_dim, head_dim)) == rotary_dim
+
+
+@pytest.mark.parametrize("variant", ["phi3", "phi4-mini"])
+def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path, variant):
+    # (Phi-4-mini's: q's and k's rows reordered for its partial rotary, blocks and scales alike)
+    out_dir, reference = imported(tmp_path, variant, layer_type=Q.Q8_0)
     weights = load_file(str(out_dir / "model.safetensors"))
     assert "model.layers.1.self_attn.qkv_proj.weight_q8" in weights
     assert "model.layers.1.mlp.gate_up_proj.weight_q8" in weights

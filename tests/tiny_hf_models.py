@@ -41,6 +41,21 @@ FAMILIES = {
             "long_factor": [4.0] * 8,
         },
     ),
+    # Phi-4-mini's shape: rotary on 12 of 16 dims (partial_rotary_factor 0.75), longrope's short
+    # factors for those 12 (6 of them) within the original context
+    "phi4-mini": lambda **kw: transformers.Phi3Config(
+        **(
+            SMALL
+            | {"max_position_embeddings": 1024, "original_max_position_embeddings": 256}
+            | {"partial_rotary_factor": 0.75}
+            | kw
+        ),
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.5 * i for i in range(6)],
+            "long_factor": [4.0] * 6,
+        },
+    ),
     # sliding windows of 8 tokens (tests/test_sliding_window.py): Mistral's on every layer, Qwen2's
     # from max_window_layers on, Qwen3's where layer_types says so
     "mistral-window": lambda **kw: transformers.MistralConfig(**(SMALL | {"sliding_window": 8} | kw)),

@@ -8,7 +8,8 @@ whose norms around attention and the MLP are `post_attention_norm`, `ffn_norm` a
 and whose layers llama.cpp makes global every sixth (unless the file says otherwise), the local ones
 on a rotary base of 10000, scaling q.k by head_dim^-1/2 (hidden / heads for the 62-layer 27B). `phi3`,
 its q/k/v fused as `attn_qkv` and gate/up as `ffn_up` (tpserve/ranks/fused_tensors.py splits them on load),
-its longrope factors as the tensors `rope_factors_short` and `rope_factors_long`. And the
+its longrope factors as the tensors `rope_factors_short` and `rope_factors_long` (half the rotary
+dims each: Phi-4-mini rotates `phi3.rope.dimension_count` of a head's dims, its partial rotary). And the
 mixtures of experts `qwen3moe` and `gpt-oss`, whose experts llama.cpp stacks into one tensor a
 projection (`blk.N.ffn_gate_exps.weight` [E, I, hidden] in torch order, `ffn_up_exps`, `ffn_down_exps`
 [E, hidden, I]; gpt-oss's gate and up split out of its interleaved gate_up_proj, biases beside them as
@@ -124,6 +125,7 @@ class Family:
     yarn: dict[str, Any] = field(default_factory=dict)  # yarn keys GGUF may leave out
     norm_shift: float = 0.0  # what llama.cpp added to every norm weight (taken off again)
     config_tensors: tuple[str, ...] = ()  # tensors read into config.json, not written
+    partial_rotary: bool = False  # a rope.dimension_count below the head's (Phi-4-mini's, GLM-4.5's)
 
 
 _MOE_NAMES = {
@@ -166,7 +168,15 @@ FAMILIES = {
     "qwen3moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", False, _MOE_NAMES, _qwen3moe),
     "gpt-oss": Family("GptOssForCausalLM", "gpt_oss", False, _GPT_OSS_NAMES, _gpt_oss, GPT_OSS_YARN),
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA3_NAMES, _gemma3, norm_shift=1.0),
-    "phi3": Family("Phi3ForCausalLM", "phi3", False, _PHI3_NAMES, _phi3, config_tensors=_PHI3_CONFIG_TENSORS),
+    "phi3": Family(
+        "Phi3ForCausalLM",
+        "phi3",
+        False,
+        _PHI3_NAMES,
+        _phi3,
+        config_tensors=_PHI3_CONFIG_TENSORS,
+        partial_rotary=True,
+    ),
 }
 
 

@@ -29,6 +29,7 @@ from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.moe import PieceExperts, Router
 from tpserve.ranks.mrope import MRotary
 from tpserve.ranks.packing import fuse, pack_weight
+from tpserve.ranks.partial_rotary import reorder_heads
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
 
@@ -132,6 +133,8 @@ class TPModel:
     ):
         self.config = config
         self.pieces = pieces
+        if config.rotary_dim:  # q's and k's head dims reordered before they are packed
+            reorder_heads(config, weights, pieces)
         self.tp_rank, self.tp_size, self.collectives = tp_rank, tp_size, collectives
         self.replicated = weights.replicated
         self.dtype, self.device = weights.dtype, next(iter(weights.replicated.values())).device

@@ -12,8 +12,10 @@ clamped (ClampedSwiglu).
 GLM-4.5/4.6 (`Glm4MoeForCausalLM`, experts named as Qwen3-MoE's) routes by sigmoid scores instead
 (GroupedSigmoidRouting: a correction bias steers the choice, grouped top-k, the weights scaled), adds
 a shared expert (`mlp.shared_experts.*`, an always-on SwiGLU MLP) to every sparse layer's sum, and
-keeps its first `first_k_dense_replace` layers dense. Its multi-token-prediction layers
-(`num_nextn_predict_layers`) are a draft model beside the decoder and are not read.
+keeps its first `first_k_dense_replace` layers dense ("GLM-4.5: Agentic, Reasoning, and Coding (ARC)
+Foundation Models", Zhipu AI & Tsinghua, 2025; its partial rotary: tpserve/ranks/partial_rotary.py).
+Its multi-token-prediction layers (`num_nextn_predict_layers`) are a draft model beside the decoder
+and are not read.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ REFUSED_ARCHITECTURES = {
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.
 FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
+# Families whose partial rotary is computed (tpserve/ranks/partial_rotary.py), and transformers'
+# default partial_rotary_factor for each
+PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}
 WINDOWLESS = ("llama", "glm4_moe")  # transformers' have no sliding window, whatever the config carries
 ACTIVATIONS = ("silu", "swish")  # SwiGLU's
 # Layer kinds tpserve computes: full causal attention, and causal within a sliding window.
@@ -73,7 +76,7 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
         refuse("attention_bias (transformers puts a bias on o_proj too)")
     rope = raw.get("rope_parameters") or {}
     partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and family != "glm4_moe":  # GLM-4.5's: tpserve/ranks/model_glm4_moe.py
+    if partial != 1.0 and family not in PARTIAL_ROTARY:
         refuse(f"partial rotary embedding (partial_rotary_factor {partial})")
     if gemma3 and set(rope) <= {"full_attention", "sliding_attention"}:
         rope = {}  # tpserve/ranks/gemma3_config.py reads them
