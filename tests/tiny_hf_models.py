@@ -116,6 +116,22 @@ FAMILIES = {
             | kw
         )
     ),
+    # Qwen2-MoE: a dense layer among the sparse ones, odd widths (experts 18: 9 + 9 a piece, the
+    # shared expert 20: 10 + 10), q/k/v biases, the top 3 weights as the softmax left them
+    "qwen2-moe": lambda **kw: transformers.Qwen2MoeConfig(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "num_experts": 8,
+                "num_experts_per_tok": 3,
+                "moe_intermediate_size": 18,
+                "shared_expert_intermediate_size": 20,
+                "mlp_only_layers": [1],
+            }
+            | kw
+        )
+    ),
     # gpt-oss: sliding (window 8) and full layers, sinks, biases, 4 experts top 2 of an odd width
     # (18: 9 + 9 a piece), yarn over an original context of 64 (max 256: factor 4)
     "gpt-oss": lambda **kw: transformers.GptOssConfig(

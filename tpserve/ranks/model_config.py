@@ -22,7 +22,7 @@ from tpserve.ranks.unsupported import (
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
 # Every family here is a Llama-style decoder; they differ in biases, q/k norms, fused weights and
-# (Mixtral, Qwen3-MoE) a mixture of experts in place of the MLP.
+# (Mixtral, Qwen3-MoE, Qwen2-MoE, gpt-oss, GLM-4.5) a mixture of experts in place of the MLP.
 FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -32,6 +32,7 @@ FAMILIES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",  # mixtures of experts (tpserve/ranks/moe_config.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # a shared expert, its output gated by a sigmoid
     # local and global layers, GeGLU, four norms a layer (tpserve/ranks/model_gemma3.py)
     "Gemma3ForCausalLM": "gemma3",
     # attention sinks, sliding and full layers, biased experts (tpserve/ranks/model_gpt_oss.py)
@@ -223,7 +224,9 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qkv_bias=family == "qwen2"
+        or (family == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+        or bool(raw.get("attention_bias", False)),
         o_bias=family == "gpt_oss" and bool(raw.get("attention_bias", False)),
         sinks=family == "gpt_oss",
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3")

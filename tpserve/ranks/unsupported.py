@@ -27,7 +27,7 @@ REFUSED_ARCHITECTURES = {
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.
-FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
+FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 # Families whose partial rotary is computed (tpserve/ranks/partial_rotary.py), and transformers'
 # default partial_rotary_factor for each
 PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}
@@ -100,6 +100,11 @@ def layer_windows(raw: dict, family: str, path: str | Path) -> tuple[int, ...]:
     elif family == "gemma3":  # older configs: every sliding_window_pattern-th layer global
         pattern = int(raw.get("sliding_window_pattern", 6))
         sliding = [bool((layer + 1) % pattern) for layer in range(num_layers)]
+    elif family == "qwen2_moe" and raw.get("use_sliding_window"):
+        # transformers 4 slid the layers from max_window_layers on, 5 the even ones below it
+        raise ModelFileError(
+            path, "Qwen2MoeForCausalLM: use_sliding_window without layer_types is not implemented"
+        )
     elif family in FLAGGED_WINDOW:  # layers from max_window_layers on slide, where the flag is on
         first = raw.get("max_window_layers", 28)
         sliding = [bool(raw.get("use_sliding_window")) and layer >= first for layer in range(num_layers)]
