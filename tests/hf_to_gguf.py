@@ -22,6 +22,7 @@ from test_gguf_import import llama_cpp_permute
 Q = gguf.GGMLQuantizationType
 ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
     "GptOssForCausalLM": "gpt-oss",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
@@ -30,6 +31,13 @@ ARCHS = {
 # each architecture's names for the norms after attention (and around gemma3's MLP), and fused weights
 ARCH_NAMES = {
     "qwen3moe": {"post_attention_layernorm.weight": "ffn_norm.weight"},
+    "qwen2moe": {
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+        "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    },
     "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
     "gemma3": {
         "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -206,11 +214,13 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
     rope = rope.get("full_attention", rope)  # gemma3's global layers'
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if arch in ("qwen3moe", "gpt-oss", "llama"):
+    if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama"):
         writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
         writer.add_expert_used_count(config["num_experts_per_tok"])
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     elif arch == "gpt-oss":
         writer.add_expert_feed_forward_length(config["intermediate_size"])
     if arch in ("gpt-oss", "gemma3"):

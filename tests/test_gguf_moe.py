@@ -1,4 +1,4 @@
-"""`import-gguf` of mixtures of experts (qwen3moe, gpt-oss): tiny models transformers writes itself,
+"""`import-gguf` of mixtures of experts (qwen3moe, qwen2moe, gpt-oss): tiny models transformers writes itself,
 converted to GGUF as llama.cpp's converter writes them (tests/hf_to_gguf.py), imported, and served
 against transformers' forward of the same model."""
 
@@ -54,6 +54,17 @@ def test_qwen3moe_float_import_matches_transformers(tmp_path):
     hf = load_file(str(reference / "model.safetensors"))
     name = "model.layers.2.mlp.experts.5.down_proj.weight"
     np.testing.assert_array_equal(weights[name], hf[name])
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_qwen2moe_shared_expert_and_its_gate_import_and_match_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "qwen2-moe", Q.Q8_0, moe_intermediate_size=32)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert (config["model_type"], config["shared_expert_intermediate_size"]) == ("qwen2_moe", 20)
+    assert config["mlp_only_layers"] == [1] and not config["norm_topk_prob"] and config["qkv_bias"]
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert weights["model.layers.2.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert "model.layers.0.mlp.experts.4.up_proj.weight_q8" in weights
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
@@ -190,8 +201,12 @@ def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path, variant):
 
 @pytest.mark.parametrize(
     ("family", "expert_type", "sizes"),
-    [("qwen3-moe", Q.Q4_0, {"moe_intermediate_size": 64}), ("gpt-oss", Q.MXFP4, {"intermediate_size": 64})],
-    ids=["qwen3moe-q4_0", "gpt-oss-mxfp4"],
+    [
+        ("qwen3-moe", Q.Q4_0, {"moe_intermediate_size": 64}),
+        ("qwen2-moe", Q.Q4_0, {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}),
+        ("gpt-oss", Q.MXFP4, {"intermediate_size": 64}),
+    ],
+    ids=["qwen3moe-q4_0", "qwen2moe-q4_0", "gpt-oss-mxfp4"],
 )
 def test_imported_experts_in_blocks_tp2_equal_tp1_and_batched_equals_solo(
     tmp_path, family, expert_type, sizes

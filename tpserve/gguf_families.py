@@ -14,7 +14,8 @@ mixtures of experts `qwen3moe` and `gpt-oss`, whose experts llama.cpp stacks int
 projection (`blk.N.ffn_gate_exps.weight` [E, I, hidden] in torch order, `ffn_up_exps`, `ffn_down_exps`
 [E, hidden, I]; gpt-oss's gate and up split out of its interleaved gate_up_proj, biases beside them as
 `.bias`). The router is `ffn_gate_inp`. A qwen3moe layer without one is dense (Qwen3-MoE's
-`mlp_only_layers`). gpt-oss keeps its sinks as `attn_sinks.weight`, the norm before its experts as
+`mlp_only_layers`). `qwen2moe` is qwen3moe's layout plus a shared expert (`ffn_gate_shexp`,
+`ffn_up_shexp`, `ffn_down_shexp`) and its gate (`ffn_gate_inp_shexp`, one row). gpt-oss keeps its sinks as `attn_sinks.weight`, the norm before its experts as
 `post_attention_norm`, and alternates sliding (even) and full (odd) layers, as llama.cpp computes it.
 """
 
@@ -44,6 +45,17 @@ def _qwen3moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any
         "norm_topk_prob": bool(metadata.get("qwen3moe.expert_weights_norm", True)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    }
+
+
+def _qwen2moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    """qwen3moe's keys, the shared expert's width, and Qwen2's q/k/v biases (no o bias)."""
+    return _qwen3moe(metadata, tensors, need, gguf_path) | {
+        # llama.cpp never renormalises qwen2moe's top k, nor do Qwen1.5-MoE's and Qwen2-57B's configs
+        "norm_topk_prob": bool(metadata.get("qwen2moe.expert_weights_norm", False)),
+        "shared_expert_intermediate_size": need("expert_shared_feed_forward_length"),
+        "qkv_bias": "blk.0.attn_q.bias" in tensors,
+        "attention_bias": False,
     }
 
 
@@ -134,6 +146,12 @@ _MOE_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
 }
+_QWEN2MOE_NAMES = _MOE_NAMES | {
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",  # [1, hidden] (or [hidden])
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
 _GPT_OSS_NAMES = _MOE_NAMES | {
     "ffn_gate_inp.weight": "mlp.router.weight",
     "ffn_gate_inp.bias": "mlp.router.bias",
@@ -166,6 +184,7 @@ FAMILIES = {
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", permutes_qk=False),
     "qwen3moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", False, _MOE_NAMES, _qwen3moe),
+    "qwen2moe": Family("Qwen2MoeForCausalLM", "qwen2_moe", False, _QWEN2MOE_NAMES, _qwen2moe),
     "gpt-oss": Family("GptOssForCausalLM", "gpt_oss", False, _GPT_OSS_NAMES, _gpt_oss, GPT_OSS_YARN),
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA3_NAMES, _gemma3, norm_shift=1.0),
     "phi3": Family(

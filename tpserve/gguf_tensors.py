@@ -100,6 +100,8 @@ def plan_tensors(
         name = _hf_name(tensor.name, family, gguf_path)
         # GGUF lists dimensions fastest-varying first; torch lists them slowest first.
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        if name.endswith(".shared_expert_gate.weight"):  # llama.cpp reads it as [hidden]; HF's [1, hidden]
+            shape = (1, shape[-1])
         if "{}" in name:  # one expert's slice of a stacked tensor at a time
             blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(shape) == 3
             plan += [
