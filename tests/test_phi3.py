@@ -4,6 +4,8 @@ tp=2 against tp=1, batched against solo, chunks against the whole prompt."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hf_reference import check_against_transformers, check_chunks_equal_whole
@@ -14,7 +16,7 @@ from tiny_hf_models import write_hf_model
 from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.loader import load_rank_model
-from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.model_config import load_model_config, parse_model_config
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +57,23 @@ def test_phi3_with_a_sliding_window_matches_transformers_past_it(tmp_path):
     # outgrows: every layer slides.
     model_dir = write_hf_model(tmp_path / "phi3", "phi3", sliding_window=20)
     check_against_transformers(model_dir, ROW_TILE)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"lm_head_bias": True}, "lm_head_bias (a bias on the head) is not implemented"),
+        ({"partial_rotary_factor": 0.3125}, "partial rotary over 5 of 16 dims: not an even count"),
+        (
+            {"partial_rotary_factor": 0.5},
+            "longrope's short_factor must hold 4 numbers (half the rotary dims)",
+        ),
+    ],
+    ids=["head-bias", "odd-rotary", "factors-for-other-dims"],
+)
+def test_phi4_mini_shapes_not_computed_are_refused_by_name(tmp_path, fields, message):
+    raw = json.loads((write_hf_model(tmp_path / "phi4-mini", "phi4-mini") / "config.json").read_text())
+    raw["rope_parameters"].pop("partial_rotary_factor")
+    with pytest.raises(ModelFileError) as refused:
+        parse_model_config(raw | fields)
+    assert message in str(refused.value)

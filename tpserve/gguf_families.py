@@ -20,8 +20,9 @@ unpermuted: its rotary is rotate-half already) has the same shared expert withou
 score correction as `exp_probs_b.bias`, dense leading layers (`leading_dense_block_count`), the norm
 before the MLP as `post_attention_norm`, a partial rotary (`rope.dimension_count`), and its
 multi-token-prediction layers as extra blocks (`nextn_predict_layers` of them, counted in
-`block_count`, with `nextn.*` tensors): tpserve runs no MTP drafts, so they are skipped. gpt-oss keeps its sinks as `attn_sinks.weight`, the norm before its experts as
-`post_attention_norm`, and alternates sliding (even) and full (odd) layers, as llama.cpp computes it.
+`block_count`, with `nextn.*` tensors): tpserve runs no MTP drafts, so they are skipped. gpt-oss
+keeps its sinks as `attn_sinks.weight`, the norm before its experts as `post_attention_norm`, and
+alternates sliding (even) and full (odd) layers, as llama.cpp computes it.
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
             refuse(f"{key} {raw[key]!r} (only {'GeGLU' if gemma3 else 'SwiGLU'}'s {activations[0]} is)")
     if raw.get("mlp_bias"):
         refuse("mlp_bias (biases on gate, up and down)")
+    if raw.get("lm_head_bias"):  # (Phi-4-mini's config names it, false)
+        refuse("lm_head_bias (a bias on the head)")
     # gpt-oss: o_proj's too; GLM-4.5: q, k and v only
     if family not in ("qwen2", "gpt_oss", "glm4_moe") and raw.get("attention_bias"):
         refuse("attention_bias (transformers puts a bias on o_proj too)")
