@@ -20,16 +20,26 @@ from safetensors.numpy import load_file, save_file
 from test_gguf_import import llama_cpp_permute
 
 Q = gguf.GGMLQuantizationType
+NUM_MTP = 1  # glm4moe: one multi-token-prediction layer, as GLM-4.5's
 ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
     "GptOssForCausalLM": "gpt-oss",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "llama",
+    "Glm4MoeForCausalLM": "glm4moe",
 }
 # each architecture's names for the norms after attention (and around gemma3's MLP), and fused weights
 ARCH_NAMES = {
     "qwen3moe": {"post_attention_layernorm.weight": "ffn_norm.weight"},
+    "qwen2moe": {
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+        "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    },
     "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
     "gemma3": {
         "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -39,6 +49,13 @@ ARCH_NAMES = {
     "llama": {
         "post_attention_layernorm.weight": "ffn_norm.weight",
         "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    },
+    "glm4moe": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     },
     "phi3": {
         "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -109,6 +126,8 @@ def write_gguf(
             raw = gguf.quants.quantize(values, layer_type)
             writer.add_tensor(f"blk.{layer}.{gguf_leaf}", raw, raw_dtype=layer_type)
             hf[name] = gguf.quants.dequantize(raw, layer_type).reshape(values.shape)
+    if arch == "glm4moe":  # the MTP layer transformers does not build, as llama.cpp writes it
+        _write_mtp_layer(writer, config)
     if arch == "phi3" and rope.get("rope_type") == "longrope":  # Phi3MiniModel's extra tensors
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
@@ -146,6 +165,23 @@ def write_reference(model_dir: Path, out_dir: Path, tensors: dict[str, np.ndarra
     shutil.copytree(model_dir, out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def _write_mtp_layer(writer: gguf.GGUFWriter, config: dict) -> None:
+    """A multi-token-prediction block past the decoder's (blk.L, L = num_hidden_layers): some of a
+    layer's tensors and its nextn.* ones, random (nothing should read them)."""
+    hidden, stem = config["hidden_size"], f"blk.{config['num_hidden_layers']}."
+    rng = np.random.default_rng(0)
+    shapes = {
+        "attn_norm.weight": (hidden,),
+        "attn_q.weight": (hidden, hidden),
+        "nextn.eh_proj.weight": (hidden, 2 * hidden),
+        "nextn.enorm.weight": (hidden,),
+        "nextn.hnorm.weight": (hidden,),
+        "nextn.shared_head_norm.weight": (hidden,),
+    }
+    for leaf, shape in shapes.items():
+        writer.add_tensor(stem + leaf, rng.standard_normal(shape).astype(np.float32))
 
 
 def _stacked_experts(hf: dict, prefix: str, projections: tuple[str, str, str]) -> dict:
@@ -193,7 +229,8 @@ def _gpt_oss_experts(hf: dict, layer: int) -> dict:
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
-    writer.add_block_count(config["num_hidden_layers"])
+    # Glm4MoeModel counts its multi-token-prediction layers as blocks too
+    writer.add_block_count(config["num_hidden_layers"] + (NUM_MTP if arch == "glm4moe" else 0))
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
@@ -206,11 +243,25 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
     rope = rope.get("full_attention", rope)  # gemma3's global layers'
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if arch in ("qwen3moe", "gpt-oss", "llama"):
-        writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
+    if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama", "glm4moe"):
+        experts = config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe", "glm4moe"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "glm4moe":  # TextModel's group counts, Glm4MoeModel's own keys
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+        partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
+        writer.add_rope_dimension_count(int(head_dim * partial))
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_nextn_predict_layers(NUM_MTP)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     elif arch == "gpt-oss":
         writer.add_expert_feed_forward_length(config["intermediate_size"])
     if arch in ("gpt-oss", "gemma3"):
@@ -220,8 +271,9 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
         # llama.cpp's own pattern is every sixth layer global; a tiny model's own, written out
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
-    if arch == "phi3":
-        writer.add_rope_dimension_count(head_dim)
+    if arch == "phi3":  # Phi3MiniModel: int(partial_rotary_factor * hidden) // heads
+        partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // config["num_attention_heads"])
         writer.add_sliding_window(config.get("sliding_window") or 0)
         writer.add_rope_scaling_orig_ctx_len(
             rope.get("original_max_position_embeddings", config["max_position_embeddings"])

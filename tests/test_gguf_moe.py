@@ -1,4 +1,4 @@
-"""`import-gguf` of mixtures of experts (qwen3moe, gpt-oss): tiny models transformers writes itself,
+"""`import-gguf` of mixtures of experts (qwen3moe, qwen2moe, gpt-oss, glm4moe): tiny models transformers writes itself,
 converted to GGUF as llama.cpp's converter writes them (tests/hf_to_gguf.py), imported, and served
 against transformers' forward of the same model."""
 
@@ -20,7 +20,7 @@ from tiny_hf_models import write_hf_model
 from tokenizers import Tokenizer
 
 from tpserve.gguf_blocks import read_mxfp4
-from tpserve.gguf_import import import_gguf
+from tpserve.gguf_import import import_gguf, rotary_factor
 from tpserve.kernels.linear import ROW_TILE
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.model_config import load_model_config
@@ -55,6 +55,46 @@ def test_qwen3moe_float_import_matches_transformers(tmp_path):
     name = "model.layers.2.mlp.experts.5.down_proj.weight"
     np.testing.assert_array_equal(weights[name], hf[name])
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_qwen2moe_shared_expert_and_its_gate_import_and_match_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "qwen2-moe", Q.Q8_0, moe_intermediate_size=32)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert (config["model_type"], config["shared_expert_intermediate_size"]) == ("qwen2_moe", 20)
+    assert config["mlp_only_layers"] == [1] and not config["norm_topk_prob"] and config["qkv_bias"]
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert weights["model.layers.2.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert "model.layers.0.mlp.experts.4.up_proj.weight_q8" in weights
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_glm4moe_import_skips_its_mtp_layer_and_matches_transformers(tmp_path):
+    out_dir, reference = imported(tmp_path, "glm4-moe", Q.Q8_0, moe_intermediate_size=32)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["first_k_dense_replace"]) == (
+        "glm4_moe",
+        3,
+        1,
+    )
+    assert (config["n_group"], config["topk_group"], config["routed_scaling_factor"]) == (4, 2, 2.5)
+    assert config["partial_rotary_factor"] == 0.5 and config["use_qk_norm"] and config["attention_bias"]
+    weights = load_file(str(out_dir / "model.safetensors"))
+    hf = load_file(str(reference / "model.safetensors"))
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    np.testing.assert_array_equal(weights[name], hf[name])
+    assert "model.layers.2.mlp.shared_experts.down_proj.weight" in weights
+    assert not any(name.startswith("model.layers.3.") for name in weights)  # the MTP layer's
+    check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+
+
+def test_glm4moe_softmax_gating_is_refused_by_name(tmp_path):
+    write_gguf(write_hf_model(tmp_path / "hf", "glm4-moe"), tmp_path / "model.gguf")
+    reader = gguf.GGUFReader(tmp_path / "model.gguf", "r+")
+    field = reader.fields["glm4moe.expert_gating_func"]
+    field.parts[field.data[0]][0] = gguf.ExpertGatingFuncType.SOFTMAX
+    reader.data.flush()
+    with pytest.raises(ModelFileError, match="expert_gating_func 1 is not sigmoid"):
+        import_gguf(tmp_path / "model.gguf", tmp_path / "imported", progress=False)
 
 
 @pytest.mark.parametrize("expert_type", [Q.Q8_0, Q.Q4_0], ids=["q8_0", "q4_0"])
@@ -155,7 +195,7 @@ def test_gemma3_import_takes_the_norms_one_off_and_matches_transformers(tmp_path
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
-@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope"])
+@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope", "phi4-mini"])
 def test_phi3_fused_weights_and_longrope_factors_match_transformers(tmp_path, variant):
     out_dir, reference = imported(tmp_path, variant)
     config = json.loads((out_dir / "config.json").read_text())
@@ -167,11 +207,21 @@ def test_phi3_fused_weights_and_longrope_factors_match_transformers(tmp_path, va
     if variant == "phi3-longrope":
         assert config["rope_scaling"]["short_factor"] == [1.0 + 0.25 * i for i in range(8)]
         assert config["original_max_position_embeddings"] == 256
+    if variant == "phi4-mini":  # rope.dimension_count 12 of 16, the longrope factors for those 12
+        assert config["partial_rotary_factor"] == 0.75 and len(config["rope_scaling"]["short_factor"]) == 6
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
-def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path):
-    out_dir, reference = imported(tmp_path, "phi3", layer_type=Q.Q8_0)
+def test_a_rotary_dimension_count_becomes_a_factor_transformers_counts_back():
+    # 30 / 44 * 44 is 29.999999999999996: int() would count 29 dims
+    for rotary_dim, head_dim in ((30, 44), (12, 16), (96, 128), (6, 47)):
+        assert int(head_dim * rotary_factor(rotary_dim, head_dim)) == rotary_dim
+
+
+@pytest.mark.parametrize("variant", ["phi3", "phi4-mini"])
+def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path, variant):
+    # (Phi-4-mini's: q's and k's rows reordered for its partial rotary, blocks and scales alike)
+    out_dir, reference = imported(tmp_path, variant, layer_type=Q.Q8_0)
     weights = load_file(str(out_dir / "model.safetensors"))
     assert "model.layers.1.self_attn.qkv_proj.weight_q8" in weights
     assert "model.layers.1.mlp.gate_up_proj.weight_q8" in weights
@@ -180,8 +230,13 @@ def test_phi3_fused_weights_in_blocks_are_split_on_load(tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "expert_type", "sizes"),
-    [("qwen3-moe", Q.Q4_0, {"moe_intermediate_size": 64}), ("gpt-oss", Q.MXFP4, {"intermediate_size": 64})],
-    ids=["qwen3moe-q4_0", "gpt-oss-mxfp4"],
+    [
+        ("qwen3-moe", Q.Q4_0, {"moe_intermediate_size": 64}),
+        ("qwen2-moe", Q.Q4_0, {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}),
+        ("gpt-oss", Q.MXFP4, {"intermediate_size": 64}),
+        ("glm4-moe", Q.Q4_0, {"moe_intermediate_size": 64, "intermediate_size": 128}),
+    ],
+    ids=["qwen3moe-q4_0", "qwen2moe-q4_0", "gpt-oss-mxfp4", "glm4moe-q4_0"],
 )
 def test_imported_experts_in_blocks_tp2_equal_tp1_and_batched_equals_solo(
     tmp_path, family, expert_type, sizes

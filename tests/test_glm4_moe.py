@@ -1,5 +1,5 @@
-"""GLM-4.5/4.6 (tpserve/ranks/model_glm4_moe.py): what its config says (dense first layers, grouped routing,
-shared experts, partial rotary) and what it refuses, and its router worked by hand. Against
+"""GLM-4.5/4.6 (tpserve/ranks/moe_config.py, tpserve/ranks/partial_rotary.py): what its config says
+(dense first layers, grouped routing, shared experts, partial rotary) and what it refuses, and its router worked by hand. Against
 transformers' own Glm4MoeForCausalLM, tp=2 against tp=1, batched against solo, chunks and int4: the
 glm4-moe variants of tests/test_moe.py; in bfloat16: tests/test_bfloat16_families.py; through the
 daemon: tests/test_moe_daemon.py."""

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE, GLM-4.5): against transformers' own models, which write the
+"""Mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE, GLM-4.5): against transformers' own models, which write the
 tiny checkpoints themselves; tp=2 against tp=1 bit for bit, every stream of a batch against its solo
 run, chunks against the whole prompt. (GLM-4.5's own config and routing: tests/test_glm4_moe.py.)"""
 
@@ -17,12 +17,20 @@ from bench.moe_models import main as moe_models_main
 from bench.moe_split import run_moe_split
 from tpserve.kernels.linear import ROW_TILE
 from tpserve.kernels.moe import expert_sum, route
-from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.model_config import load_model_config, parse_model_config
 
 VARIANTS = {
     "mixtral": ("mixtral", {}),
     "qwen3-moe": ("qwen3-moe", {}),
     "qwen3-moe-unnormalised": ("qwen3-moe", {"norm_topk_prob": False, "mlp_only_layers": []}),
+    # Qwen2-MoE (tests/tiny_hf_models.py: a gated shared expert, layer 1 dense), and normalised with
+    # only every second layer sparse (decoder_sparse_step)
+    "qwen2-moe": ("qwen2-moe", {}),
+    "qwen2-moe-step": (
+        "qwen2-moe",
+        {"norm_topk_prob": True, "decoder_sparse_step": 2, "mlp_only_layers": []},
+    ),
     # GLM-4.5 (tests/tiny_hf_models.py: grouped routing, shared experts, q/k norms and biases, half
     # rotary), and without q/k norms nor biases, unnormalised, rotary on 12 of 16 dims, one group
     "glm4-moe": ("glm4-moe", {}),
@@ -42,6 +50,7 @@ VARIANTS = {
 # int4: blocks of 32 inputs in every piece of every expert (GLM's shared and dense MLPs too)
 INT4_VARIANTS = {
     "mixtral": ("mixtral", {}),
+    "qwen2-moe": ("qwen2-moe", {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}),
     "glm4-moe": ("glm4-moe", {"moe_intermediate_size": 64, "intermediate_size": 128}),
 }
 
@@ -77,7 +86,7 @@ def test_int4_experts_tp2_equal_tp1_and_batched_equals_solo(pool, tmp_path, vari
 
 
 @pytest.mark.parametrize("first_cut", [13, 33])
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe", "glm4-moe"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe", "qwen2-moe", "glm4-moe"])
 def test_a_prompt_in_chunks_and_decode_steps_has_the_logits_of_the_whole_prompt(tmp_path, variant, first_cut):
     # (a cut at 13 caught GLM's router sigmoid rounding its vector tail on other rows per batch)
     check_chunks_equal_whole(write_hf_model(tmp_path / variant, variant), first_cut)
@@ -87,6 +96,22 @@ def test_qwen3_moe_reads_its_dense_and_sparse_layers(tmp_path):
     moe = load_model_config(write_hf_model(tmp_path / "m", "qwen3-moe", decoder_sparse_step=1)).moe
     assert moe.sparse_layers == (0, 2) and moe.num_experts == 8 and moe.num_experts_per_tok == 3
     assert moe.normalize_top_k and moe.expert_size == 18
+
+
+def test_qwen2_moe_reads_its_gated_shared_expert_and_dense_layers(tmp_path):
+    config = load_model_config(write_hf_model(tmp_path / "m", "qwen2-moe"))
+    moe = config.moe
+    assert config.family == "qwen2_moe" and config.qkv_bias and moe.sparse_layers == (0, 2)
+    assert moe.shared_size == 20 and moe.shared_gate and not moe.normalize_top_k
+    assert moe.shared_names(0)[2] == "model.layers.0.mlp.shared_expert.down_proj.weight"
+
+
+def test_qwen2_moe_sliding_layers_it_cannot_place_are_refused_by_name(tmp_path):
+    # transformers 4 slid the layers from max_window_layers on, 5 the even ones below it
+    raw = json.loads((write_hf_model(tmp_path / "m", "qwen2-moe") / "config.json").read_text())
+    raw = {k: v for k, v in raw.items() if k != "layer_types"} | {"use_sliding_window": True}
+    with pytest.raises(ModelFileError, match="use_sliding_window without layer_types is not implemented"):
+        parse_model_config(raw)
 
 
 def test_the_split_benchmark_times_both_splits_of_the_same_experts():

@@ -41,6 +41,21 @@ FAMILIES = {
             "long_factor": [4.0] * 8,
         },
     ),
+    # Phi-4-mini's shape: rotary on 12 of 16 dims (partial_rotary_factor 0.75), longrope's short
+    # factors for those 12 (6 of them) within the original context
+    "phi4-mini": lambda **kw: transformers.Phi3Config(
+        **(
+            SMALL
+            | {"max_position_embeddings": 1024, "original_max_position_embeddings": 256}
+            | {"partial_rotary_factor": 0.75}
+            | kw
+        ),
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.5 * i for i in range(6)],
+            "long_factor": [4.0] * 6,
+        },
+    ),
     # sliding windows of 8 tokens (tests/test_sliding_window.py): Mistral's on every layer, Qwen2's
     # from max_window_layers on, Qwen3's where layer_types says so
     "mistral-window": lambda **kw: transformers.MistralConfig(**(SMALL | {"sliding_window": 8} | kw)),
@@ -96,6 +111,22 @@ FAMILIES = {
                 "num_experts_per_tok": 3,
                 "moe_intermediate_size": 18,
                 "norm_topk_prob": True,
+                "mlp_only_layers": [1],
+            }
+            | kw
+        )
+    ),
+    # Qwen2-MoE: a dense layer among the sparse ones, odd widths (experts 18: 9 + 9 a piece, the
+    # shared expert 20: 10 + 10), q/k/v biases, the top 3 weights as the softmax left them
+    "qwen2-moe": lambda **kw: transformers.Qwen2MoeConfig(
+        **(
+            SMALL
+            | {
+                "num_hidden_layers": 3,
+                "num_experts": 8,
+                "num_experts_per_tok": 3,
+                "moe_intermediate_size": 18,
+                "shared_expert_intermediate_size": 20,
                 "mlp_only_layers": [1],
             }
             | kw

@@ -8,13 +8,21 @@ whose norms around attention and the MLP are `post_attention_norm`, `ffn_norm` a
 and whose layers llama.cpp makes global every sixth (unless the file says otherwise), the local ones
 on a rotary base of 10000, scaling q.k by head_dim^-1/2 (hidden / heads for the 62-layer 27B). `phi3`,
 its q/k/v fused as `attn_qkv` and gate/up as `ffn_up` (tpserve/ranks/fused_tensors.py splits them on load),
-its longrope factors as the tensors `rope_factors_short` and `rope_factors_long`. And the
+its longrope factors as the tensors `rope_factors_short` and `rope_factors_long` (half the rotary
+dims each: Phi-4-mini rotates `phi3.rope.dimension_count` of a head's dims, its partial rotary). And the
 mixtures of experts `qwen3moe` and `gpt-oss`, whose experts llama.cpp stacks into one tensor a
 projection (`blk.N.ffn_gate_exps.weight` [E, I, hidden] in torch order, `ffn_up_exps`, `ffn_down_exps`
 [E, hidden, I]; gpt-oss's gate and up split out of its interleaved gate_up_proj, biases beside them as
 `.bias`). The router is `ffn_gate_inp`. A qwen3moe layer without one is dense (Qwen3-MoE's
-`mlp_only_layers`). gpt-oss keeps its sinks as `attn_sinks.weight`, the norm before its experts as
-`post_attention_norm`, and alternates sliding (even) and full (odd) layers, as llama.cpp computes it.
+`mlp_only_layers`). `qwen2moe` is qwen3moe's layout plus a shared expert (`ffn_gate_shexp`,
+`ffn_up_shexp`, `ffn_down_shexp`) and its gate (`ffn_gate_inp_shexp`, one row). `glm4moe` (GLM-4.5/4.6,
+unpermuted: its rotary is rotate-half already) has the same shared expert without a gate, the router's
+score correction as `exp_probs_b.bias`, dense leading layers (`leading_dense_block_count`), the norm
+before the MLP as `post_attention_norm`, a partial rotary (`rope.dimension_count`), and its
+multi-token-prediction layers as extra blocks (`nextn_predict_layers` of them, counted in
+`block_count`, with `nextn.*` tensors): tpserve runs no MTP drafts, so they are skipped. gpt-oss
+keeps its sinks as `attn_sinks.weight`, the norm before its experts as `post_attention_norm`, and
+alternates sliding (even) and full (odd) layers, as llama.cpp computes it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from tpserve.ranks.errors import ModelFileError
 # transformers' GptOssConfig: yarn's correction range and its untruncated bounds, which GGUF keeps
 # only where the writer knew the yarn keys
 GPT_OSS_YARN = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+SIGMOID_GATING = 2  # gguf's ExpertGatingFuncType.SIGMOID
 
 
 def _qwen3moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
@@ -43,6 +52,52 @@ def _qwen3moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any
         "norm_topk_prob": bool(metadata.get("qwen3moe.expert_weights_norm", True)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    }
+
+
+def _qwen2moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    """qwen3moe's keys, the shared expert's width, and Qwen2's q/k/v biases (no o bias)."""
+    return _qwen3moe(metadata, tensors, need, gguf_path) | {
+        # llama.cpp never renormalises qwen2moe's top k, nor do Qwen1.5-MoE's and Qwen2-57B's configs
+        "norm_topk_prob": bool(metadata.get("qwen2moe.expert_weights_norm", False)),
+        "shared_expert_intermediate_size": need("expert_shared_feed_forward_length"),
+        "qkv_bias": "blk.0.attn_q.bias" in tensors,
+        "attention_bias": False,
+    }
+
+
+def _glm4moe(metadata: dict[str, Any], tensors: dict, need: Callable[[str], Any], gguf_path: Path) -> dict:
+    """GLM-4.5's routing keys, its dense leading layers, shared experts and q/k norms. llama.cpp's
+    block_count counts the multi-token-prediction layers past the decoder's; they are not imported."""
+    num_mtp = metadata.get("glm4moe.nextn_predict_layers", 0)
+    num_layers = need("block_count") - num_mtp
+    gating = metadata.get("glm4moe.expert_gating_func", SIGMOID_GATING)
+    if gating != SIGMOID_GATING:
+        raise ModelFileError(
+            gguf_path, f"glm4moe.expert_gating_func {gating} is not sigmoid (2): not implemented"
+        )
+    routed = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    first_sparse = metadata.get("glm4moe.leading_dense_block_count", routed[0] if routed else num_layers)
+    if routed != list(range(first_sparse, num_layers)):
+        raise ModelFileError(
+            gguf_path,
+            f"glm4moe layers {first_sparse}..{num_layers - 1} should each have a router (ffn_gate_inp)",
+        )
+    return {
+        "num_hidden_layers": num_layers,
+        "num_nextn_predict_layers": num_mtp,
+        "n_routed_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": need("expert_feed_forward_length"),
+        "n_shared_experts": metadata.get("glm4moe.expert_shared_count", 1),
+        "first_k_dense_replace": first_sparse,
+        # older converters wrote no groups: GLM-4.5's and 4.6's are one group, all kept
+        "n_group": metadata.get("glm4moe.expert_group_count", 1),
+        "topk_group": metadata.get("glm4moe.expert_group_used_count", 1),
+        "routed_scaling_factor": shortest_float32(metadata.get("glm4moe.expert_weights_scale", 1.0)),
+        # as llama.cpp reads it: renormalised only where the file says so
+        "norm_topk_prob": bool(metadata.get("glm4moe.expert_weights_norm", False)),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
     }
 
 
@@ -124,6 +179,8 @@ class Family:
     yarn: dict[str, Any] = field(default_factory=dict)  # yarn keys GGUF may leave out
     norm_shift: float = 0.0  # what llama.cpp added to every norm weight (taken off again)
     config_tensors: tuple[str, ...] = ()  # tensors read into config.json, not written
+    partial_rotary: bool = False  # a rope.dimension_count below the head's (Phi-4-mini's, GLM-4.5's)
+    mtp_layers: bool = False  # blocks past num_hidden_layers are multi-token prediction's (not imported)
 
 
 _MOE_NAMES = {
@@ -131,6 +188,19 @@ _MOE_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
+}
+_QWEN2MOE_NAMES = _MOE_NAMES | {
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",  # [1, hidden] (or [hidden])
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+_GLM4MOE_NAMES = _MOE_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
 _GPT_OSS_NAMES = _MOE_NAMES | {
     "ffn_gate_inp.weight": "mlp.router.weight",
@@ -164,9 +234,27 @@ FAMILIES = {
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", permutes_qk=False),
     "qwen3moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", False, _MOE_NAMES, _qwen3moe),
+    "qwen2moe": Family("Qwen2MoeForCausalLM", "qwen2_moe", False, _QWEN2MOE_NAMES, _qwen2moe),
+    "glm4moe": Family(
+        "Glm4MoeForCausalLM",
+        "glm4_moe",
+        False,
+        _GLM4MOE_NAMES,
+        _glm4moe,
+        partial_rotary=True,
+        mtp_layers=True,
+    ),
     "gpt-oss": Family("GptOssForCausalLM", "gpt_oss", False, _GPT_OSS_NAMES, _gpt_oss, GPT_OSS_YARN),
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA3_NAMES, _gemma3, norm_shift=1.0),
-    "phi3": Family("Phi3ForCausalLM", "phi3", False, _PHI3_NAMES, _phi3, config_tensors=_PHI3_CONFIG_TENSORS),
+    "phi3": Family(
+        "Phi3ForCausalLM",
+        "phi3",
+        False,
+        _PHI3_NAMES,
+        _phi3,
+        config_tensors=_PHI3_CONFIG_TENSORS,
+        partial_rotary=True,
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -114,7 +115,7 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
         raise ModelFileError(gguf_path, "per-layer head counts are not supported")
     head_dim = metadata.get(f"{arch}.attention.key_length", hidden_size // num_heads)
     rotary_dim = metadata.get(f"{arch}.rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and not family.partial_rotary:
         raise ModelFileError(gguf_path, f"partial rotary ({rotary_dim} of {head_dim} dims) is not supported")
     names = {tensor.name for tensor in tensors}
     if "token_embd.weight" not in names:
@@ -138,6 +139,8 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
         "attention_bias": "blk.0.attn_q.bias" in names,
         "torch_dtype": "float32",
     }
+    if family.partial_rotary:  # written even where whole: GLM-4.5's config reads half by default
+        config["partial_rotary_factor"] = rotary_factor(rotary_dim, head_dim)
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", ""):
         config["rope_scaling"] = {
@@ -158,6 +161,15 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], gguf_path: Path) 
         if f"tokenizer.ggml.{key}" in metadata:
             config[name] = metadata[f"tokenizer.ggml.{key}"]
     return config
+
+
+def rotary_factor(rotary_dim: int, head_dim: int) -> float:
+    """The partial_rotary_factor from which transformers counts `rotary_dim` rotating dims again
+    (int(head_dim * factor)): rotary_dim / head_dim, nudged up where that product falls just short."""
+    factor = rotary_dim / head_dim
+    while int(head_dim * factor) < rotary_dim:
+        factor = math.nextafter(factor, 1.0)
+    return factor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

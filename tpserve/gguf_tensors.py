@@ -15,6 +15,7 @@ each expert's rows its own blocks, so nothing about them is rounded either.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from tqdm import tqdm
 from tpserve.gguf_blocks import KEPT_TYPES, kept_bytes, read_blocks
 from tpserve.gguf_families import Family
 from tpserve.ranks.errors import ModelFileError
+
+logger = logging.getLogger(__name__)
 
 # Shards stay well under the sizes that make single files awkward to copy or memory-map.
 MAX_SHARD_BYTES = 2 << 30
@@ -86,9 +89,13 @@ def plan_tensors(
     tensors: list[Any], config: dict[str, Any], family: Family, gguf_path: Path, keep_blocks: bool = True
 ) -> list[PlannedTensor]:
     """Map every GGUF tensor to its Hugging Face name, refusing unknown names and types up front."""
-    plan = []
+    plan, num_mtp_tensors = [], 0
     for tensor in tensors:
         if tensor.name in family.config_tensors:
+            continue
+        layer = _LAYER_TENSOR.fullmatch(tensor.name)
+        if family.mtp_layers and layer and int(layer.group(1)) >= config["num_hidden_layers"]:
+            num_mtp_tensors += 1  # a multi-token-prediction layer's (GLM-4.5's nextn): no drafts here
             continue
         if tensor.tensor_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(qtype.name for qtype in SUPPORTED_TYPES))
@@ -100,6 +107,8 @@ def plan_tensors(
         name = _hf_name(tensor.name, family, gguf_path)
         # GGUF lists dimensions fastest-varying first; torch lists them slowest first.
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        if name.endswith(".shared_expert_gate.weight"):  # llama.cpp reads it as [hidden]; HF's [1, hidden]
+            shape = (1, shape[-1])
         if "{}" in name:  # one expert's slice of a stacked tensor at a time
             blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(shape) == 3
             plan += [
@@ -120,6 +129,10 @@ def plan_tensors(
         blocks = keep_blocks and tensor.tensor_type in KEPT_TYPES and len(shape) == 2
         shift = family.norm_shift if name.endswith("norm.weight") else 0.0
         plan.append(PlannedTensor(tensor, name, shape, rotary_heads, blocks, shift=shift))
+    if num_mtp_tensors:
+        logger.info(
+            "%s: %d tensors of its multi-token-prediction layers not imported", gguf_path, num_mtp_tensors
+        )
     return sorted(plan, key=lambda item: _storage_order(item.name))
 
 

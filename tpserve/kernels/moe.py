@@ -44,6 +44,12 @@ def _rows_apart(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)[:, :-1]
 
 
+def sigmoid_by_rows(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) [n, m] in x's dtype, each row's computed on its own (see clamped_swiglu): GLM-4.5's
+    router scores, Qwen2-MoE's shared-expert gate ([n, 1], in the model's dtype as transformers')."""
+    return _rows_apart(x).copy_(x).sigmoid_()
+
+
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] -> (weights [T, k] float32, experts [T, k] int64): a softmax over every expert
     in float32, its k largest, renormalised to sum to one where the family does (Mixtral, and
@@ -75,8 +81,7 @@ def route_grouped_sigmoid(
     and the k best experts among theirs chosen. The weights are the chosen experts' sigmoid scores
     (no correction), renormalised where `normalize` (sum + 1e-20, as transformers does), times
     `scale`. Every step is per row; the k slots come in descending order of choice, a row's own."""
-    scores = _rows_apart(logits)  # (the sigmoid row by row: see clamped_swiglu)
-    scores.copy_(logits).sigmoid_()
+    scores = sigmoid_by_rows(logits)
     choice = scores + correction
     grouped = choice.view(choice.shape[0], num_groups, -1)  # [T, groups, E / groups]
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]

@@ -29,6 +29,7 @@ from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.moe import PieceExperts, Router
 from tpserve.ranks.mrope import MRotary
 from tpserve.ranks.packing import fuse, pack_weight
+from tpserve.ranks.partial_rotary import reorder_heads
 from tpserve.ranks.sharding import Piece, split_evenly
 from tpserve.ranks.weights import RankWeights
 
@@ -132,6 +133,8 @@ class TPModel:
     ):
         self.config = config
         self.pieces = pieces
+        if config.rotary_dim:  # q's and k's head dims reordered before they are packed
+            reorder_heads(config, weights, pieces)
         self.tp_rank, self.tp_size, self.collectives = tp_rank, tp_size, collectives
         self.replicated = weights.replicated
         self.dtype, self.device = weights.dtype, next(iter(weights.replicated.values())).device
@@ -151,6 +154,7 @@ class TPModel:
                 replicated[moe.router_name(layer)],
                 replicated[moe.router_bias_name(layer)] if moe.biased else None,
                 replicated[moe.correction_name(layer)] if moe.grouped else None,
+                replicated[moe.shared_gate_name(layer)] if moe.shared_gate else None,
             )
             if moe and moe.is_sparse(layer)
             else None
@@ -275,7 +279,7 @@ class TPModel:
         return linear(attended, layer.w_o, None, self.row_tile, plan.num_tokens)
 
     def _mlp(self, layer: PieceLayer, x: torch.Tensor, plan: PassPlan, routes) -> torch.Tensor:
-        if layer.experts is not None:  # routes: the layer's (weights, experts), [T, k] each
+        if layer.experts is not None:  # routes: the layer's Routes (tpserve/ranks/moe.py)
             return layer.experts.forward(x, routes, plan.num_tokens, self.row_tile)
         gate, up = linear(x, layer.w_gate_up, None, self.row_tile, plan.num_tokens).chunk(2, dim=-1)
         return linear(self.activation(gate) * up, layer.w_down, None, self.row_tile, plan.num_tokens)

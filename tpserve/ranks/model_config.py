@@ -13,24 +13,31 @@ from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_config import Gemma3Shape, global_and_local_rope, parse_gemma3
 from tpserve.ranks.moe_config import MoeConfig, parse_moe_config
 from tpserve.ranks.qwen_vision_config import QWEN_VL_ARCHITECTURES, QwenVisionConfig, parse_qwen_vision_config
-from tpserve.ranks.unsupported import layer_windows, refuse_architecture, refuse_unimplemented
+from tpserve.ranks.unsupported import (
+    PARTIAL_ROTARY,
+    layer_windows,
+    refuse_architecture,
+    refuse_unimplemented,
+)
 from tpserve.ranks.vision_config import VISION_ARCHITECTURES, VisionConfig, parse_vision_config
 
 # Every family here is a Llama-style decoder; they differ in biases, q/k norms, fused weights and
-# (Mixtral, Qwen3-MoE) a mixture of experts in place of the MLP.
+# (Mixtral, Qwen3-MoE, Qwen2-MoE, gpt-oss, GLM-4.5) a mixture of experts in place of the MLP.
 FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored fused (tpserve/ranks/fused_tensors.py)
+    # q/k/v and gate/up stored fused (tpserve/ranks/fused_tensors.py); Phi-4-mini's partial rotary
+    "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",  # mixtures of experts (tpserve/ranks/moe_config.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # a shared expert, its output gated by a sigmoid
     # local and global layers, GeGLU, four norms a layer (tpserve/ranks/model_gemma3.py)
     "Gemma3ForCausalLM": "gemma3",
     # attention sinks, sliding and full layers, biased experts (tpserve/ranks/model_gpt_oss.py)
     "GptOssForCausalLM": "gpt_oss",
-    # grouped sigmoid routing, a shared expert, partial rotary (tpserve/ranks/model_glm4_moe.py)
+    # grouped sigmoid routing, a shared expert, partial rotary (tpserve/ranks/moe_config.py)
     "Glm4MoeForCausalLM": "glm4_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -75,7 +82,8 @@ class ModelConfig:
     gemma3: Gemma3Shape | None = None  # Gemma 3's own keys (tpserve/ranks/model_gemma3.py)
     o_bias: bool = False  # a bias on o_proj (gpt-oss), added once after the reduce
     sinks: bool = False  # a sink logit per query head in every softmax (gpt-oss)
-    rotary_dim: int = 0  # the leading dims of a head that rotate (GLM-4.5's half; 0: all of them)
+    # the leading dims of a head that rotate (GLM-4.5's half, Phi-4-mini's 3/4; 0: all of them)
+    rotary_dim: int = 0
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -194,9 +202,11 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     scaling = parse_rope_scaling(_with_longrope_defaults(rope_scaling, raw), path)
-    if scaling.rope_type == "longrope" and len(scaling.short_factor) != head_dim // 2:
+    rotary_dim = _rotary_dim(raw, rope, family, head_dim, path)
+    if scaling.rope_type == "longrope" and len(scaling.short_factor) != (rotary_dim or head_dim) // 2:
         raise ModelFileError(
-            path, f"longrope's short_factor must hold {head_dim // 2} numbers (head_dim / 2)"
+            path,
+            f"longrope's short_factor must hold {(rotary_dim or head_dim) // 2} numbers (half the rotary dims)",
         )
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -214,7 +224,9 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qkv_bias=family == "qwen2"
+        or (family == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+        or bool(raw.get("attention_bias", False)),
         o_bias=family == "gpt_oss" and bool(raw.get("attention_bias", False)),
         sinks=family == "gpt_oss",
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3")
@@ -226,16 +238,18 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         windows=windows if any(windows) else (),
         moe=parse_moe_config(raw, family, need("num_hidden_layers"), path),
         gemma3=parse_gemma3(raw, path) if family == "gemma3" else None,
-        rotary_dim=_rotary_dim(raw, rope, family, head_dim, path),
+        rotary_dim=rotary_dim,
     )
 
 
 def _rotary_dim(raw: dict, rope: dict, family: str, head_dim: int, path: str | Path) -> int:
     """The dims of a head that rotate, as transformers counts them (int(head_dim * factor)); 0 for
-    all. Only GLM-4.5's partial rotary is computed (transformers' default for it: half)."""
-    if family != "glm4_moe":
+    all. Only GLM-4.5's and Phi-3's partial rotary is computed (tpserve/ranks/partial_rotary.py;
+    transformers' default factor: GLM's half, Phi-3's one)."""
+    if family not in PARTIAL_ROTARY:
         return 0  # tpserve/ranks/unsupported.py refused a partial factor
-    factor = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
+    default = PARTIAL_ROTARY[family]
+    factor = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", default))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise ModelFileError(path, f"partial_rotary_factor must be in (0, 1], not {factor!r}")
     dim = int(head_dim * factor)

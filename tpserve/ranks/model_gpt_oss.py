@@ -51,7 +51,8 @@ class GptOssModel(TPModel):
         partial = self._sum_pieces(
             (layer.experts.forward(x, routes, plan.num_tokens, self.row_tile) for layer in pieces), x
         )
-        biases = routed_bias(*routes, self.replicated[self.config.moe.down_bias_name(index)])  # [T, hidden]
+        down_biases = self.replicated[self.config.moe.down_bias_name(index)]
+        biases = routed_bias(routes.weights, routes.experts, down_biases)  # [T, hidden]
         out = self._reduce(partial)
         out[: plan.num_tokens] += biases.to(out.dtype)  # (padding rows: none routed)
         return out

@@ -1,12 +1,14 @@
 """One layer's mixture of experts on one rank: the router (whole on every rank) and each piece's
 slices of every expert (TP within experts: each expert's intermediate dimension cut into the
 pieces, as the dense MLP's is; bench/moe_split.py measured it against expert parallelism), and a
-shared expert's slice where the family has one (GLM-4.5: cut as the dense MLP is, its partial sum
-added to the routed one before the pieces' sums are reduced)."""
+shared expert's slice where the family has one (GLM-4.5, Qwen2-MoE: cut as the dense MLP is, its
+partial sum added to the routed one before the pieces' sums are reduced; Qwen2-MoE's scaled first by
+its gate, which the router computes once for every piece)."""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +19,7 @@ from tpserve.kernels.moe import (
     route,
     route_grouped_sigmoid,
     route_top_logits,
+    sigmoid_by_rows,
     silu_glu,
 )
 from tpserve.kernels.weight_formats import served_as
@@ -24,9 +27,17 @@ from tpserve.ranks.moe_config import MoeConfig
 from tpserve.ranks.packing import fuse, pack_weight
 
 
+class Routes(NamedTuple):
+    """A sparse layer's route, the same for every piece."""
+
+    weights: torch.Tensor  # [T, k] float32 (T: the pass's real rows)
+    experts: torch.Tensor  # [T, k] int64
+    shared_scale: torch.Tensor | None = None  # [rows, 1]: the shared expert's gate (Qwen2-MoE's)
+
+
 class Router:
     """A sparse layer's router: every token's k experts and their weights, once per layer (every
-    piece reads the same route)."""
+    piece reads the same route), and the shared expert's gate where it has one."""
 
     def __init__(
         self,
@@ -34,14 +45,26 @@ class Router:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         correction: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ):
         if moe.grouped is not None:  # GLM-4.5: its router's product in float32, as transformers' is
             weight = weight.float()
         self.moe, self.weight, self.bias = moe, weight, bias  # [num_experts, hidden], [num_experts]
         self.correction = correction  # [num_experts] float32 (grouped routing's)
+        # Qwen2-MoE's [1, hidden], held as [2, hidden] (a zero row below): a product with one output
+        # runs as a matrix-vector product whose rows' bits change with their number, even in row tiles
+        self.shared_gate = None if shared_gate is None else torch.nn.functional.pad(shared_gate, (0, 0, 0, 1))
 
-    def route(self, x: torch.Tensor, num_real: int, row_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [rows, hidden], the first num_real real (the rest a pass's padding, not routed)."""
+    def route(self, x: torch.Tensor, num_real: int, row_tile: int) -> Routes:
+        """x: [rows, hidden], the first num_real real (the rest a pass's padding, not routed; the
+        shared expert's gate covers every row, as the shared expert does)."""
+        weights, experts = self._choose(x, num_real, row_tile)
+        if self.shared_gate is None:
+            return Routes(weights, experts)
+        logits = linear(x, self.shared_gate, None, row_tile, num_real)[:, :1]  # [rows, 1]
+        return Routes(weights, experts, sigmoid_by_rows(logits))
+
+    def _choose(self, x: torch.Tensor, num_real: int, row_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
         grouped = self.moe.grouped
         if grouped is not None:
             logits = linear(x[:num_real].float(), self.weight, None, row_tile)
@@ -77,7 +100,7 @@ class PieceExperts:
             self.downs.append(pack_weight(tensors.pop(down), formats.down, dtype))
             if moe.biased:
                 self.gate_up_biases.append(fuse(tensors, list(moe.expert_bias_names(layer, expert))))
-        # the shared expert's slice (GLM-4.5): gate/up [2*S_piece, hidden], down [hidden, S_piece]
+        # the shared expert's slice (GLM-4.5, Qwen2-MoE): gate/up [2*S_piece, hidden], down [hidden, S_piece]
         self.shared_gate_up = self.shared_down = None
         if moe.shared_size:
             gate, up, down = moe.shared_names(layer)
@@ -101,12 +124,11 @@ class PieceExperts:
             ]
         return probed
 
-    def forward(self, x: torch.Tensor, routes, num_real: int, row_tile: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routes: Routes, num_real: int, row_tile: int) -> torch.Tensor:
         """x: [rows, hidden] -> this piece's partial sum [rows, hidden] float32 (padding rows: no
         expert's)."""
-        weights, experts = routes
         partial = expert_sum(
-            x[:num_real], weights, experts, self.gate_ups, self.downs, row_tile,
+            x[:num_real], routes.weights, routes.experts, self.gate_ups, self.downs, row_tile,
             gate_up_biases=self.gate_up_biases, glu=self.glu,
         )  # fmt: skip
         if num_real < x.shape[0]:
@@ -115,4 +137,7 @@ class PieceExperts:
             return partial
         # the shared expert on every row, as the dense MLP (padding rows' results are never read)
         gate, up = linear(x, self.shared_gate_up, None, row_tile, num_real).chunk(2, dim=-1)
-        return partial + linear(silu_glu(gate, up), self.shared_down, None, row_tile, num_real).float()
+        shared = linear(silu_glu(gate, up), self.shared_down, None, row_tile, num_real).float()
+        if routes.shared_scale is not None:  # each piece's slice scaled alike: the sum's scale
+            shared = shared * routes.shared_scale
+        return partial + shared

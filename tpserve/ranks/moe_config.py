@@ -12,8 +12,13 @@ clamped (ClampedSwiglu).
 GLM-4.5/4.6 (`Glm4MoeForCausalLM`, experts named as Qwen3-MoE's) routes by sigmoid scores instead
 (GroupedSigmoidRouting: a correction bias steers the choice, grouped top-k, the weights scaled), adds
 a shared expert (`mlp.shared_experts.*`, an always-on SwiGLU MLP) to every sparse layer's sum, and
-keeps its first `first_k_dense_replace` layers dense. Its multi-token-prediction layers
-(`num_nextn_predict_layers`) are a draft model beside the decoder and are not read.
+keeps its first `first_k_dense_replace` layers dense ("GLM-4.5: Agentic, Reasoning, and Coding (ARC)
+Foundation Models", Zhipu AI & Tsinghua, 2025; its partial rotary: tpserve/ranks/partial_rotary.py).
+Its multi-token-prediction layers (`num_nextn_predict_layers`) are a draft model beside the decoder
+and are not read.
+Qwen2-MoE (`Qwen2MoeForCausalLM`: Qwen1.5-MoE, Qwen2-57B-A14B) routes and names its experts as
+Qwen3-MoE does, and adds a shared expert (`mlp.shared_expert.*`, `shared_expert_intermediate_size`
+wide) whose output each token scales by sigmoid(`mlp.shared_expert_gate`(x)), a gate [1, hidden].
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from pathlib import Path
 
 from tpserve.ranks.errors import ModelFileError
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "glm4_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "glm4_moe")
 _EXPERT_NAME = re.compile(
     r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(\w+)\.(weight|bias)$"
 )
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # transformers' GptOssConfig defaults
+QWEN2_MOE_SHARED_SIZE = 5632  # transformers' Qwen2MoeConfig default shared_expert_intermediate_size
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,9 @@ class MoeConfig:
     swiglu: ClampedSwiglu | None = None  # None: SwiGLU's silu(gate) * up
     stacked: bool = False  # every expert in one tensor a projection (tpserve/ranks/stacked_experts.py)
     grouped: GroupedSigmoidRouting | None = None  # GLM-4.5's routing (None: a softmax's)
-    shared_size: int = 0  # the shared expert's intermediate size (GLM-4.5's; 0: none)
+    shared_size: int = 0  # the shared expert's intermediate size (GLM-4.5's, Qwen2-MoE's; 0: none)
+    shared_stem: str = "shared_experts."  # its module's name ("shared_expert.": Qwen2-MoE's)
+    shared_gate: bool = False  # its output scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE's)
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -91,8 +99,12 @@ class MoeConfig:
 
     def shared_names(self, layer: int) -> tuple[str, str, str]:
         """The shared expert's gate [S, hidden], up [S, hidden] and down [hidden, S] (shared_size S)."""
-        stem = f"model.layers.{layer}.{self.prefix}shared_experts."
+        stem = f"model.layers.{layer}.{self.prefix}{self.shared_stem}"
         return tuple(stem + leaf + ".weight" for leaf in self.leaves)
+
+    def shared_gate_name(self, layer: int) -> str:
+        """The shared expert's gate [1, hidden] (shared_gate only): one logit a token."""
+        return f"model.layers.{layer}.{self.prefix}shared_expert_gate.weight"
 
     def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Expert `expert`'s gate [I, hidden], up [I, hidden] and down [hidden, I] in layer `layer`."""
@@ -125,7 +137,7 @@ def parse_moe_config(raw: dict, family: str, num_layers: int, path: str | Path) 
             raise ModelFileError(path, f"{key!r} must be a positive integer, not {value!r}")
         return value
 
-    if raw.get("shared_expert_intermediate_size"):
+    if family != "qwen2_moe" and raw.get("shared_expert_intermediate_size"):
         raise ModelFileError(path, "a shared expert (shared_expert_intermediate_size) is not implemented")
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, GLM's is n_routed_experts
     num_experts = count(
@@ -153,12 +165,21 @@ def parse_moe_config(raw: dict, family: str, num_layers: int, path: str | Path) 
             num_experts, top_k, count("intermediate_size", raw.get("intermediate_size")), True,
             tuple(range(num_layers)), "block_sparse_moe.", ("w1", "w3", "w2"),
         )  # fmt: skip
+    # Qwen3-MoE and Qwen2-MoE: dense where mlp_only_layers or decoder_sparse_step say so
     step = count("decoder_sparse_step", raw.get("decoder_sparse_step", 1))
-    dense = set(raw.get("mlp_only_layers") or ())
-    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    dense = raw.get("mlp_only_layers") or ()
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense):
+        raise ModelFileError(path, f"'mlp_only_layers' must name layers 0..{num_layers - 1}, not {dense!r}")
+    sparse = tuple(i for i in range(num_layers) if i not in set(dense) and (i + 1) % step == 0)
+    shared = {}
+    if family == "qwen2_moe":  # 0 wide: no shared expert (transformers' would add zeros)
+        size = raw.get("shared_expert_intermediate_size", QWEN2_MOE_SHARED_SIZE)
+        size = 0 if size == 0 else count("shared_expert_intermediate_size", size)
+        shared = {"shared_size": size, "shared_stem": "shared_expert.", "shared_gate": bool(size)}
     return MoeConfig(
         num_experts, top_k, count("moe_intermediate_size", raw.get("moe_intermediate_size")),
         bool(raw.get("norm_topk_prob", False)), sparse, "mlp.", ("gate_proj", "up_proj", "down_proj"),
+        **shared,
     )  # fmt: skip
 
 

@@ -53,6 +53,11 @@ SHARDING_TABLE: dict[str, tuple[Split, str | None]] = {
     "mlp.shared_experts.gate_proj.weight": (Split.COLUMN, "shared_intermediate"),
     "mlp.shared_experts.up_proj.weight": (Split.COLUMN, "shared_intermediate"),
     "mlp.shared_experts.down_proj.weight": (Split.ROW, "shared_intermediate"),
+    # Qwen2-MoE's: its shared expert cut as GLM's, the gate on its output whole
+    "mlp.shared_expert.gate_proj.weight": (Split.COLUMN, "shared_intermediate"),
+    "mlp.shared_expert.up_proj.weight": (Split.COLUMN, "shared_intermediate"),
+    "mlp.shared_expert.down_proj.weight": (Split.ROW, "shared_intermediate"),
+    "mlp.shared_expert_gate.weight": (Split.REPLICATED, None),
     "block_sparse_moe.gate.weight": (Split.REPLICATED, None),
     "block_sparse_moe.experts.E.w1.weight": (Split.COLUMN, "expert_intermediate"),
     "block_sparse_moe.experts.E.w3.weight": (Split.COLUMN, "expert_intermediate"),

@@ -27,7 +27,10 @@ REFUSED_ARCHITECTURES = {
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.
-FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
+FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+# Families whose partial rotary is computed (tpserve/ranks/partial_rotary.py), and transformers'
+# default partial_rotary_factor for each
+PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}
 WINDOWLESS = ("llama", "glm4_moe")  # transformers' have no sliding window, whatever the config carries
 ACTIVATIONS = ("silu", "swish")  # SwiGLU's
 # Layer kinds tpserve computes: full causal attention, and causal within a sliding window.
@@ -68,12 +71,14 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
             refuse(f"{key} {raw[key]!r} (only {'GeGLU' if gemma3 else 'SwiGLU'}'s {activations[0]} is)")
     if raw.get("mlp_bias"):
         refuse("mlp_bias (biases on gate, up and down)")
+    if raw.get("lm_head_bias"):  # (Phi-4-mini's config names it, false)
+        refuse("lm_head_bias (a bias on the head)")
     # gpt-oss: o_proj's too; GLM-4.5: q, k and v only
     if family not in ("qwen2", "gpt_oss", "glm4_moe") and raw.get("attention_bias"):
         refuse("attention_bias (transformers puts a bias on o_proj too)")
     rope = raw.get("rope_parameters") or {}
     partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and family != "glm4_moe":  # GLM-4.5's: tpserve/ranks/model_glm4_moe.py
+    if partial != 1.0 and family not in PARTIAL_ROTARY:
         refuse(f"partial rotary embedding (partial_rotary_factor {partial})")
     if gemma3 and set(rope) <= {"full_attention", "sliding_attention"}:
         rope = {}  # tpserve/ranks/gemma3_config.py reads them
@@ -97,6 +102,11 @@ def layer_windows(raw: dict, family: str, path: str | Path) -> tuple[int, ...]:
     elif family == "gemma3":  # older configs: every sliding_window_pattern-th layer global
         pattern = int(raw.get("sliding_window_pattern", 6))
         sliding = [bool((layer + 1) % pattern) for layer in range(num_layers)]
+    elif family == "qwen2_moe" and raw.get("use_sliding_window"):
+        # transformers 4 slid the layers from max_window_layers on, 5 the even ones below it
+        raise ModelFileError(
+            path, "Qwen2MoeForCausalLM: use_sliding_window without layer_types is not implemented"
+        )
     elif family in FLAGGED_WINDOW:  # layers from max_window_layers on slide, where the flag is on
         first = raw.get("max_window_layers", 28)
         sliding = [bool(raw.get("use_sliding_window")) and layer >= first for layer in range(num_layers)]

@@ -20,7 +20,9 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
         return (moe.num_experts, config.hidden_size)
     if moe and name.endswith(".e_score_correction_bias"):  # GLM-4.5's router
         return (moe.num_experts,)
-    if moe and ".shared_experts." in name:
+    if moe and name.endswith(".shared_expert_gate.weight"):  # Qwen2-MoE's
+        return (1, config.hidden_size)
+    if moe and f".{moe.prefix}{moe.shared_stem}" in name:
         down = name.endswith("down_proj.weight")
         return (config.hidden_size, moe.shared_size) if down else (moe.shared_size, config.hidden_size)
     key = name.rsplit(".", 2)
@@ -78,6 +80,7 @@ def required_names(config: ModelConfig) -> list[str]:
         names += [moe.router_bias_name(layer), moe.down_bias_name(layer)] if moe.biased else []
         names += [moe.correction_name(layer)] if moe.grouped else []
         names += list(moe.shared_names(layer)) if moe.shared_size else []
+        names += [moe.shared_gate_name(layer)] if moe.shared_gate else []
         for expert in range(moe.num_experts):
             names += moe.expert_names(layer, expert)
             names += moe.expert_bias_names(layer, expert) if moe.biased else ()
