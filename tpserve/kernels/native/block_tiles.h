@@ -1,4 +1,4 @@
-/* The loops the block kernels (q4_linear.c, q8_linear.c, q6_linear.c) share: which rows and outputs each tile
+/* The loops the block kernels (q4_linear.c, q8_linear.c, q6_linear.c, mxfp4_linear.c) share: which rows and outputs each tile
  * takes, the order it walks the blocks in, the prefetch, the stores, the dispatch by path and the
  * entry point; each kernel keeps its own arithmetic per block.
  *
