@@ -59,11 +59,10 @@ def main(argv=None) -> int:
     args = product_args(__doc__, "the block kernels' code path", argv)
     report = run_mxfp4_linear(tuple(args.rows), args.copies, args.passes, path=args.path)
     print_products(report, "mxfp4", ("float32", "q5", "q4"), kernels="q4, q5 and mxfp4")
-    for result in report["results"]:
-        shape, held = result["shape"], result["bytes"]
-        print(
-            f"{shape[0]}x{shape[1]}: bytes mxfp4 {held['mxfp4']}, q5 {held['q5']} ({held['mxfp4'] / held['q5']:.3f}x)"
-        )
+    held = {tuple(r["shape"]): r["bytes"] for r in report["results"]}  # per shape, whatever the rows
+    for (num_out, num_in), kinds in held.items():
+        ratio = kinds["mxfp4"] / kinds["q5"]
+        print(f"{num_out}x{num_in}: bytes mxfp4 {kinds['mxfp4']}, q5 {kinds['q5']} (mxfp4/q5 {ratio:.3f})")
     return finish(report, args.json)
 
 

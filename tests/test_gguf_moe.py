@@ -10,10 +10,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from hf_reference import check_against_transformers
 from hf_to_gguf import write_gguf, write_reference
 from multiproc import RankPool
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from test_gguf_import import RANDOM_BLOCKS
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
@@ -22,8 +23,10 @@ from tokenizers import Tokenizer
 from tpserve.gguf_blocks import read_mxfp4
 from tpserve.gguf_import import import_gguf
 from tpserve.kernels.linear import ROW_TILE
+from tpserve.kernels.mxfp4_linear import Mxfp4Weight
 from tpserve.ranks.block_tensors import MXFP4
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config
 
 Q = gguf.GGMLQuantizationType
@@ -119,6 +122,14 @@ def test_gpt_oss_mxfp4_experts_keep_their_codes_and_scales_and_match_transformer
         assert f"{stem}{proj}.weight_mxfp4" in weights and f"{stem}{proj}.weight" not in weights
     assert weights[f"{stem}gate_proj.weight_e8m0"].dtype == np.uint8
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+    served = load_rank_model(
+        out_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    assert all(isinstance(g, Mxfp4Weight) for piece in served.layers[1] for g in piece.experts.gate_ups)
+    weights[f"{stem}up_proj.weight_e8m0"][3, 0] = 255  # a NaN scale, written after the import
+    save_file(weights, str(out_dir / "model.safetensors"))
+    with pytest.raises(ModelFileError, match=r"up_proj.weight_e8m0 holds a NaN MXFP4 scale \(255\)"):
+        load_rank_model(out_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4")
 
 
 def test_gpt_oss_o200k_pre_tokenizer_splits_as_llama_cpp_does(tmp_path):

@@ -136,8 +136,9 @@ def test_int4_serves_mxfp4_experts_as_stored_in_mxfp4_blocks(mxfp4_pair):
                 assert torch.equal(gate_up.dequantize(), float_gate_up)
 
 
-def test_mxfp4_experts_tp2_equal_tp1_and_batched_equals_solo(pool, mxfp4_pair):
-    check_tp2_equals_tp1_and_batched_equals_solo(pool, str(mxfp4_pair[0]), "none")
+@pytest.mark.parametrize("quantize", ["none", "int4"])  # int4: the gate/up pieces in MXFP4 blocks
+def test_mxfp4_experts_tp2_equal_tp1_and_batched_equals_solo(pool, mxfp4_pair, quantize):
+    check_tp2_equals_tp1_and_batched_equals_solo(pool, str(mxfp4_pair[0]), quantize)
 
 
 def test_a_gpt_oss_20b_config_reads_its_layers_experts_and_rope():

@@ -47,10 +47,10 @@ def scale_values() -> torch.Tensor:
 
 
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """codes: uint8 [out, in] in 0..15; scales: uint8 [out, in / 32] in 0..254 -> [out, in] float32,
-    each value e2m1 * 2^(s - 127) exactly (or infinite: a scale past 2^125)."""
-    values = e2m1_values()[codes.long()].view(*scales.shape, BLOCK)
-    return (values * scale_values()[scales.long()].unsqueeze(-1)).view(codes.shape)
+    """codes: uint8 [out, in] in 0..15; scales: uint8 [out, in / 32] in 0..254 -> [out, in] float32 on
+    their device, each value e2m1 * 2^(s - 127) exactly (or infinite: a scale past 2^125)."""
+    values = e2m1_values().to(codes.device)[codes.long()].view(*scales.shape, BLOCK)
+    return (values * scale_values().to(codes.device)[scales.long()].unsqueeze(-1)).view(codes.shape)
 
 
 class Mxfp4Weight(PackedWeight):

@@ -48,12 +48,10 @@ static inline float half_scale(uint8_t s) {
 
 static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q,
                                  int64_t at) {
+    uint8_t codes[BLOCK];
+    scalar_nibbles(blk, o, codes);
     int32_t dot = 0;
-    for (int c = 0; c < CHUNKS; c++)
-        for (int j = 0; j < 4; j++) {
-            uint8_t byte = blk[c * 64 + o * 4 + j];
-            dot += DOUBLED[byte & 15] * a[8 * c + j] + DOUBLED[byte >> 4] * a[8 * c + 4 + j];
-        }
+    for (int k = 0; k < BLOCK; k++) dot += DOUBLED[codes[k]] * a[k];
     return fmaf(half_scale(blk[SCALES_AT + o]) * q.da[at], (float)dot, acc);
 }
 
@@ -95,14 +93,7 @@ VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group
             lo[h] = _mm512_shuffle_epi8(shifted, _mm512_and_si512(v, low));
             hi[h] = _mm512_shuffle_epi8(shifted, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         }
-        for (int r = 0; r < R; r++) {
-            const int8_t *ar = a + (int64_t)r * K + 8 * c;
-            __m512i a_lo = _mm512_set1_epi32(load4(ar)), a_hi = _mm512_set1_epi32(load4(ar + 4));
-            for (int h = 0; h < NG; h++) {
-                dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], lo[h], a_lo);
-                dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], hi[h], a_hi);
-            }
-        }
+        vnni_chunk_dots(dot, lo, hi, a, K, R, NG, c);
     }
 }
 
@@ -129,12 +120,7 @@ AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, con
         __m256i hi = _mm256_shuffle_epi8(shifted, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
         if (c % 2 == 0)
             for (int r = 0; r < R; r++) pairs[r] = _mm256_setzero_si256();
-        for (int r = 0; r < R; r++) {
-            const int8_t *ar = a + (int64_t)r * K + 8 * c;
-            __m256i a_lo = _mm256_set1_epi32(load4(ar)), a_hi = _mm256_set1_epi32(load4(ar + 4));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, a_lo));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, a_hi));
-        }
+        avx2_chunk_pairs(pairs, lo, hi, a, K, R, c);
         if (c % 2 == 1)
             for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], ones));
     }
