@@ -3,8 +3,9 @@
 A block is 32 values in 4-bit e2m1 sharing one e8m0 scale byte s, the power of two 2^(s - 127) (255 is
 NaN): tpserve/kernels/mxfp4_linear.py, which serves the blocks as stored under `int4`. Stored:
 `*_blocks` uint8 [..., rows, cols / 32, 16], two codes a byte, the element with the even index in the
-low nibble; `*_scales` uint8 [..., rows, cols / 32]. A GGUF's MXFP4 (tpserve/gguf_blocks.py) holds
-the same codes and scales in another nibble order; both come here as codes, a byte each.
+low nibble; `*_scales` uint8 [..., rows, cols / 32]. Unpacked here to codes a byte each, they are
+what a GGUF's MXFP4 import writes (tpserve/gguf_blocks.py, from its own nibble order), and both are
+decoded by the kernel's one `dequantize_codes`.
 
 Every value is some m * 2^k with m of at most two significant bits, so its float32 product is exact
 (or infinite: a scale past 2^125); dequantized, it reaches the engine's dtype unrounded or is refused.
