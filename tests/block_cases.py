@@ -1,12 +1,12 @@
 """What the block weight tests (test_block_weights.py, test_q4_linear.py, test_q8_linear.py,
-test_q6_linear.py, test_q5_linear.py) share: the kinds, the paths each runs here, and the weights and rows they are tried on."""
+test_q6_linear.py, test_q5_linear.py, test_mxfp4_linear.py) share: the kinds, the paths each runs here, and the weights and rows they are tried on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tpserve.kernels import q4_linear, q5_linear, q6_linear, q8_linear
+from tpserve.kernels import mxfp4_linear, q4_linear, q5_linear, q6_linear, q8_linear
 from tpserve.kernels.block_weights import BLOCK, BlockKernel, check_block_shape
 
 # Output counts that fill whole groups of 16, leave a lone group (the VNNI path pairs groups), and
@@ -41,6 +41,7 @@ KINDS = (
     ("q5f32", q5_float32_scales, q5_linear.KERNEL_F32),
     ("q8", q8_linear.Q8Weight, q8_linear.KERNEL),
     ("q6", q6_linear.Q6Weight, q6_linear.KERNEL),
+    ("mxfp4", mxfp4_linear.Mxfp4Weight, mxfp4_linear.KERNEL),
 )
 # how their refusals name them
 BITS = {
@@ -50,6 +51,7 @@ BITS = {
     q5_float32_scales: "5-bit",
     q8_linear.Q8Weight: "8-bit",
     q6_linear.Q6Weight: "6-bit",
+    mxfp4_linear.Mxfp4Weight: "MXFP4",
 }
 
 

@@ -27,6 +27,7 @@ from bench.concurrency import run_concurrency
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
 from bench.drafts import run_drafts
 from bench.fp16_linear import run_fp16_linear
+from bench.mxfp4_linear import run_mxfp4_linear
 from bench.q6_linear import run_q6_linear
 from bench.q8_linear import run_q8_linear
 from bench.shared_prefix import main as shared_prefix_main
@@ -169,6 +170,14 @@ def test_the_6_bit_benchmark_times_every_kind_with_its_bytes():
     for r in report["results"]:
         assert set(r["ms"]) == {"float32", "q4", "q5f32", "q8", "q6"} and r["q6_over_q4"] > 0
         assert r["bytes"]["q6"] == 48 * 64 * 7 // 8 and r["bytes"]["q5f32"] == 48 * 64 * 7 // 8
+
+
+def test_the_mxfp4_benchmark_times_every_kind_with_its_bytes():
+    report = run_mxfp4_linear(rows=(1, 3), num_copies=2, num_passes=1, shapes=((48, 64),))
+    assert [(r["shape"], r["rows"]) for r in report["results"]] == [([48, 64], 1), ([48, 64], 3)]
+    for r in report["results"]:
+        assert set(r["ms"]) == {"float32", "q4", "q5", "mxfp4"} and r["mxfp4_over_q5"] > 0
+        assert r["bytes"]["mxfp4"] == 48 * 64 * 17 // 32 and r["bytes"]["q5"] == 48 * 64 * 3 // 4
 
 
 def test_percentile_interpolates_between_ranks():

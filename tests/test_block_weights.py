@@ -1,7 +1,8 @@
-"""Every block weight (tpserve/kernels/q4_linear.py, q5_linear.py, q8_linear.py, q6_linear.py): a row is the
-same at any batch and on every code path the CPU runs, and the product is its quantized operands'
-product, near the float one. What differs between them (their extreme blocks, rounding, layouts,
-refusals) is tested in test_q4_linear.py, test_q8_linear.py and test_q6_linear.py."""
+"""Every block weight (tpserve/kernels/q4_linear.py, q5_linear.py, q8_linear.py, q6_linear.py,
+mxfp4_linear.py): a row is the same at any batch and on every code path the CPU runs, and the product is
+its quantized operands' product, near the float one. What differs between them (their extreme blocks,
+rounding, layouts, refusals) is tested in test_q4_linear.py, test_q8_linear.py, test_q6_linear.py and
+test_mxfp4_linear.py."""
 
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from hf_reference import check_against_transformers
 from hf_to_gguf import write_gguf, write_reference
 from multiproc import RankPool
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from test_gguf_import import RANDOM_BLOCKS
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_hf_models import write_hf_model
@@ -22,7 +23,10 @@ from tokenizers import Tokenizer
 from tpserve.gguf_blocks import read_mxfp4
 from tpserve.gguf_import import import_gguf, rotary_factor
 from tpserve.kernels.linear import ROW_TILE
+from tpserve.kernels.mxfp4_linear import Mxfp4Weight
+from tpserve.ranks.block_tensors import MXFP4
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import load_model_config
 
 Q = gguf.GGMLQuantizationType
@@ -150,14 +154,22 @@ def test_gpt_oss_float_import_matches_transformers(tmp_path):
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
 
 
-def test_gpt_oss_mxfp4_experts_become_five_bit_blocks_and_match_transformers(tmp_path):
+def test_gpt_oss_mxfp4_experts_keep_their_codes_and_scales_and_match_transformers(tmp_path):
     out_dir, reference = imported(tmp_path, "gpt-oss", Q.MXFP4, intermediate_size=32)
     weights = load_file(str(out_dir / "model.safetensors"))
     stem = "model.layers.1.mlp.experts.2."
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        assert f"{stem}{proj}.weight_q5" in weights and f"{stem}{proj}.weight" not in weights
-    assert weights[f"{stem}gate_proj.weight_d"].dtype == np.float16
+        assert f"{stem}{proj}.weight_mxfp4" in weights and f"{stem}{proj}.weight" not in weights
+    assert weights[f"{stem}gate_proj.weight_e8m0"].dtype == np.uint8
     check_against_transformers(out_dir, ROW_TILE, reference_dir=reference)
+    served = load_rank_model(
+        out_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4"
+    )
+    assert all(isinstance(g, Mxfp4Weight) for piece in served.layers[1] for g in piece.experts.gate_ups)
+    weights[f"{stem}up_proj.weight_e8m0"][3, 0] = 255  # a NaN scale, written after the import
+    save_file(weights, str(out_dir / "model.safetensors"))
+    with pytest.raises(ModelFileError, match=r"up_proj.weight_e8m0 holds a NaN MXFP4 scale \(255\)"):
+        load_rank_model(out_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4")
 
 
 def test_gpt_oss_o200k_pre_tokenizer_splits_as_llama_cpp_does(tmp_path):
@@ -251,7 +263,7 @@ def test_mxfp4_blocks_hold_what_gguf_dequantizes_and_a_nan_scale_is_refused(tmp_
     rng = np.random.default_rng(1)
     raw = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.MXFP4)  # [4, 2 * 17]
     blocks = read_mxfp4(raw, 4, 64)
-    assert blocks.bits == 5 and blocks.d.dtype == np.float16
+    assert blocks.bits == MXFP4 and blocks.d.dtype == np.uint8 and int(blocks.q.max()) <= 15
     np.testing.assert_array_equal(blocks.dequantize(), gguf.quants.dequantize(raw, Q.MXFP4))
     hf_dir = write_hf_model(tmp_path / "hf", "gpt-oss", intermediate_size=32)
     write_gguf(hf_dir, tmp_path / "model.gguf", Q.MXFP4)

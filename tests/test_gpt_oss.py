@@ -19,7 +19,7 @@ from tiny_hf_models import write_hf_model
 from tiny_models import BASE
 
 from tpserve.kernels.linear import ROW_TILE
-from tpserve.kernels.q5_linear import Q5Weight
+from tpserve.kernels.mxfp4_linear import Mxfp4Weight
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.loader import load_rank_model
 from tpserve.ranks.model_config import parse_model_config
@@ -122,7 +122,7 @@ def test_transformers_reads_our_mxfp4_checkpoint_to_our_logits(mxfp4_pair):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_int4_serves_mxfp4_experts_as_stored_in_five_bit_blocks(mxfp4_pair):
+def test_int4_serves_mxfp4_experts_as_stored_in_mxfp4_blocks(mxfp4_pair):
     # nothing rounded twice: every expert's gate/up blocks hold exactly the twin's float values
     # (the down pieces, 48 columns, are off the block edges here: served from their values)
     mxfp4, twin = (
@@ -132,12 +132,13 @@ def test_int4_serves_mxfp4_experts_as_stored_in_five_bit_blocks(mxfp4_pair):
     for packed, plain in zip(mxfp4.layers, twin.layers):
         for piece, float_piece in zip(packed, plain):
             for gate_up, float_gate_up in zip(piece.experts.gate_ups, float_piece.experts.gate_ups):
-                assert isinstance(gate_up, Q5Weight)
+                assert isinstance(gate_up, Mxfp4Weight)
                 assert torch.equal(gate_up.dequantize(), float_gate_up)
 
 
-def test_mxfp4_experts_tp2_equal_tp1_and_batched_equals_solo(pool, mxfp4_pair):
-    check_tp2_equals_tp1_and_batched_equals_solo(pool, str(mxfp4_pair[0]), "none")
+@pytest.mark.parametrize("quantize", ["none", "int4"])  # int4: the gate/up pieces in MXFP4 blocks
+def test_mxfp4_experts_tp2_equal_tp1_and_batched_equals_solo(pool, mxfp4_pair, quantize):
+    check_tp2_equals_tp1_and_batched_equals_solo(pool, str(mxfp4_pair[0]), quantize)
 
 
 def test_a_gpt_oss_20b_config_reads_its_layers_experts_and_rope():

@@ -1,5 +1,5 @@
 """A GGUF tensor's own blocks, unpacked: what `import-gguf` keeps for Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
-Q6_K and Q8_0 weights.
+Q6_K, Q8_0 and MXFP4 weights.
 
 Each block holds 32 consecutive inputs of one output row. Written out in torch layout:
     q: [out, in] uint8 values 0..15 (4-bit) or 0..31 (5-bit), or int8 values (8-bit), one byte each
@@ -21,7 +21,10 @@ and served by its own kernel (tpserve/kernels/q6_linear.py). Q3_K's super-block 
 values v in -4..3 and 6-bit sub-scales s in 0..63: weight = d * (s - 32) * v, written as six-bit
 blocks q = v + 32, sc = s - 32 (exact; 0.875 bytes a weight served, against the GGUF's 0.43). Q2_K
 is not kept: its 16 inputs share a scale and a minimum, which no kernel here takes; it is
-dequantized to float32 (and quantized again at load where the format asks for it).
+dequantized to float32 (and quantized again at load where the format asks for it). MXFP4
+(gpt-oss's experts) is written as its codes and scale bytes, as tpserve/ranks/mxfp4.py reads the HF
+checkpoints' (tpserve/ranks/block_tensors.py):
+    q: [out, in] uint8 e2m1 codes 0..15, a byte each, d: [out, in / 32] uint8 e8m0 scale bytes
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import gguf
 import numpy as np
 import torch
 
-from tpserve.kernels.block_weights import BLOCK, holds_in_half
+from tpserve.kernels.block_weights import BLOCK
+from tpserve.kernels.mxfp4_linear import dequantize_codes
+from tpserve.ranks.block_tensors import MXFP4, SUFFIXES
 
 SUPER_BLOCK = 256  # a K-quant's inputs per super-block: 8 blocks
 SUB_BLOCK = 16  # Q6_K's inputs per sub-scale
@@ -40,35 +45,30 @@ _Q = gguf.GGMLQuantizationType
 KEPT_TYPES = frozenset(
     {_Q.Q3_K, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0, _Q.MXFP4}
 )
-# float16, or float32 for Q4_K and Q5_K (and an MXFP4 scale float16 cannot hold)
-SCALE_BYTES = {
-    _Q.Q4_0: 2,
-    _Q.Q4_1: 2,
-    _Q.Q4_K: 4,
-    _Q.Q5_0: 2,
-    _Q.Q5_1: 2,
-    _Q.Q5_K: 4,
-    _Q.Q8_0: 2,
-    _Q.MXFP4: 4,
-}
+# float16, or float32 for Q4_K and Q5_K
+SCALE_BYTES = {_Q.Q4_0: 2, _Q.Q4_1: 2, _Q.Q4_K: 4, _Q.Q5_0: 2, _Q.Q5_1: 2, _Q.Q5_K: 4, _Q.Q8_0: 2}
 
 
 def kept_bytes(qtype, num_values: int) -> int:
     """The bytes a kept tensor of `num_values` weights is written in: one a value, then two scales a
-    block (Q6_K and Q3_K: an int8 a sub-block and a float16 a super-block)."""
+    block (Q6_K and Q3_K: an int8 a sub-block and a float16 a super-block; MXFP4: a scale byte)."""
     if qtype in (_Q.Q6_K, _Q.Q3_K):
         return num_values + num_values // SUB_BLOCK + num_values // SUPER_BLOCK * 2
+    if qtype == _Q.MXFP4:
+        return num_values + num_values // BLOCK
     return num_values + num_values // BLOCK * 2 * SCALE_BYTES[qtype]
 
 
 @dataclass(frozen=True)
 class Blocks:
-    q: np.ndarray  # [out, in] uint8 (4- and 5-bit) or int8 (8-bit)
-    d: np.ndarray  # [out, in / 32] float16 (float32 for Q4_K and Q5_K)
-    m: np.ndarray | None  # [out, in / 32] as d; None for 8 bits
-    bits: int = 4  # 4, 5 or 8: what the values are written under (`X.weight_q<bits>`)
+    q: np.ndarray  # [out, in] uint8 (4- and 5-bit, MXFP4's codes) or int8 (8-bit)
+    d: np.ndarray  # [out, in / 32] float16 (float32 for Q4_K and Q5_K; MXFP4's uint8 scale bytes)
+    m: np.ndarray | None  # [out, in / 32] as d; None for 8 bits and MXFP4
+    bits: int | str = 4  # 4, 5, 8 or MXFP4: what the values are written under (block_tensors.SUFFIXES)
 
     def dequantize(self) -> np.ndarray:
+        if self.bits == MXFP4:
+            return dequantize_codes(torch.from_numpy(self.q), torch.from_numpy(self.d)).numpy()
         d = self.d.astype(np.float32)[..., None]
         values = self.q.reshape(*self.d.shape, BLOCK).astype(np.float32) * d
         if self.m is not None:
@@ -81,7 +81,8 @@ class Blocks:
 
     def arrays(self, name: str) -> dict[str, np.ndarray]:
         """What the import writes for weight `name`, by safetensors name."""
-        arrays = {f"{name}_q{self.bits}": self.q, f"{name}_d": self.d}
+        scales = f"{name}_e8m0" if self.bits == MXFP4 else f"{name}_d"
+        arrays = {name + SUFFIXES[self.bits]: self.q, scales: self.d}
         if self.m is not None:
             arrays[f"{name}_m"] = self.m
         return arrays
@@ -142,21 +143,11 @@ def read_blocks(data: np.ndarray, qtype, shape: tuple[int, int]) -> Blocks | Six
 
 
 def read_mxfp4(data: np.ndarray, num_out: int, num_in: int) -> Blocks:
-    """MXFP4 as the same values in 5-bit blocks, as tpserve/ranks/mxfp4.py serves gpt-oss's HF experts: a
-    block's 17 bytes are an e8m0 scale e (2^(e - 127)) and 16 bytes whose byte j holds code j (low
-    nibble) and code j + 16 (high). Code c is an e2m1 value v (gguf's kvalues hold 2 v, -12..12), so
-    weight = 2^(e - 128) * 2v = d * q + m with q = 2v + 16 (4..28), d = 2^(e - 128), m = -16 d: exact.
-    d and m are float16 where every one fits it exactly, else float32 (a scale of 2^-128 is a float32
-    subnormal, exact too); a NaN scale (255) comes out as a NaN d, which the import refuses."""
+    """MXFP4's codes and scale bytes, as stored: a block's 17 bytes are an e8m0 scale byte (2^(e -
+    127); 255, NaN, is refused by the import) and 16 bytes whose byte j holds code j (low nibble)
+    and code j + 16 (high)."""
     raw = np.ascontiguousarray(data).reshape(num_out, num_in // BLOCK, 17)
-    doubled = np.array(gguf.quants.MXFP4.kvalues, dtype=np.int8)
-    q = (doubled[_nibbles(raw[..., 1:])] + 16).astype(np.uint8).reshape(num_out, num_in)
-    e = raw[..., 0].astype(np.int32)
-    d = np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 128).astype(np.float32))
-    m = d * np.float32(-16)
-    if np.isfinite(m).all() and holds_in_half(torch.from_numpy(d)) and holds_in_half(torch.from_numpy(m)):
-        d, m = d.astype(np.float16), m.astype(np.float16)
-    return Blocks(q, d, m, bits=5)
+    return Blocks(_nibbles(raw[..., 1:]).reshape(num_out, num_in), raw[..., 0].copy(), None, bits=MXFP4)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ an unknown tensor or type is refused up front. A Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q
 weight matrix is kept in its own blocks (tpserve/gguf_blocks.py): `X.weight_q4`, `X.weight_q5` or
 `X.weight_q8` with `X.weight_d` (and `X.weight_m`), float16 but for Q4_K's and Q5_K's float32, or
 Q6_K's (and Q3_K's, in the same form) `X.weight_q6`, `X.weight_sc` and `X.weight_d`; Q2_K is
-dequantized to float32; MXFP4 (gpt-oss's experts) becomes the same values in 5-bit blocks. llama.cpp
+dequantized to float32; MXFP4 (gpt-oss's experts) keeps its codes and scale bytes. llama.cpp
 stores llama-architecture q/k rows permuted for its rotary kernel; `unpermute_rotary_rows` undoes
 that exactly, blocks included. A mixture of experts' stacked tensors ([E, out, in], or a bias [E, I])
 are written one expert at a time under the names the engine reads (`mlp.experts.N.gate_proj.weight`),
@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from tpserve.gguf_blocks import KEPT_TYPES, kept_bytes, read_blocks
 from tpserve.gguf_families import Family
+from tpserve.kernels.mxfp4_linear import NAN_SCALE
 from tpserve.ranks.errors import ModelFileError
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def read_arrays(planned: PlannedTensor, gguf_path: Path) -> dict[str, np.ndarray
         return {planned.name: read_tensor(planned, gguf_path)}
     tensor = planned.source
     blocks = read_blocks(_data(planned), tensor.tensor_type, planned.shape)
-    if tensor.tensor_type == _Q.MXFP4 and not np.isfinite(blocks.d).all():
+    if tensor.tensor_type == _Q.MXFP4 and (blocks.d == NAN_SCALE).any():
         raise ModelFileError(gguf_path, f"tensor {tensor.name} has a NaN MXFP4 scale (255)")
     if planned.rotary_heads:
         rows = np.arange(planned.shape[0])

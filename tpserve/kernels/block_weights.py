@@ -7,7 +7,8 @@ where they are used. A checkpoint's scales are taken as they are, never rounded 
 8-bit weight refuses by name a float32 or bfloat16 scale that float16 does not hold exactly (GGUF's
 Q8_0 scales are float16), and the 4-bit weight keeps such scales in a float32 layout instead (GGUF's
 Q4_K: d * sc and -dmin * mn per block, exact in float32 only). A weight quantized here rounds its
-scales outwards to float16, so its blocks' range still covers every value.
+scales outwards to float16, so its blocks' range still covers every value. The MXFP4 weights
+(tpserve/kernels/mxfp4_linear.py) keep their checkpoint's e8m0 scale bytes, powers of two, as bytes.
 
 Every kernel is built from one set of loops (tpserve/kernels/native/block_tiles.h) with the same entry
 points, so one `BlockKernel` loads any of them, checks a product's arguments and runs it.

@@ -8,7 +8,8 @@
   (tpserve/kernels/q8_linear.py), one copy for both where they are tied. A GGUF's own blocks are served as
   stored (tpserve/ranks/packing.py): Q8_0 in 8 bits, Q6_K in 6 (tpserve/kernels/q6_linear.py), the head
   included;
-  Q5_0, Q5_1 and Q5_K in 5 (tpserve/kernels/q5_linear.py).
+  Q5_0, Q5_1 and Q5_K in 5 (tpserve/kernels/q5_linear.py); gpt-oss's MXFP4 experts in MXFP4
+  (tpserve/kernels/mxfp4_linear.py).
 - auto: int4 on an x86 CPU whose vector units the C kernel uses (AVX2 or AVX-512 VNNI), else int8
   where FBGEMM runs, else none.
 """
@@ -22,6 +23,7 @@ import torch
 
 from tpserve.kernels.fp16_linear import Fp16Weight
 from tpserve.kernels.int8_linear import Int8Weight, QuantizeError, int8_available
+from tpserve.kernels.mxfp4_linear import mxfp4_available
 from tpserve.kernels.q4_linear import BLOCK, Q4Weight, q4_available, supported_paths
 from tpserve.kernels.q5_linear import q5_available
 from tpserve.kernels.q6_linear import q6_available
@@ -87,8 +89,8 @@ def quantize_unavailable(kind: str, device: torch.device | str) -> str | None:
     if kind == "int4":
         if torch.device(device).type != "cpu":
             return f"int4 weights run on CPUs (our C kernel), not on {torch.device(device).type}"
-        # a GGUF's own 5- and 6-bit blocks are served by kernels of their own
-        return q4_available() or q8_available() or q5_available() or q6_available()
+        # a GGUF's own 5- and 6-bit blocks and MXFP4 experts are served by kernels of their own
+        return q4_available() or q8_available() or q5_available() or q6_available() or mxfp4_available()
     return None
 
 

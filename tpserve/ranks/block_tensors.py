@@ -5,7 +5,9 @@
 float16, or float32 as a Q4_K or Q5_K import writes them): weight = d * q + m. A Q6_K (or Q3_K)
 import's `X.weight_q6` (uint8 values 0..63) has `X.weight_sc` ([out, in / 16] int8) and
 `X.weight_d` ([out, in / 256] float16, one a super-block, read out to one a block of 32):
-weight = d * sc * (q - 32).
+weight = d * sc * (q - 32). A GGUF's MXFP4 (gpt-oss's experts) is `X.weight_mxfp4` (uint8 e2m1 codes
+0..15, a byte each) with `X.weight_e8m0` ([out, in / 32] uint8 scale bytes 0..254): weight =
+e2m1(code) * 2^(s - 127) (tpserve/kernels/mxfp4_linear.py).
 A column-parallel piece reads its rows of all of them, a row-parallel piece its columns of the values
 and the matching block columns of the scales, so a piece's blocks are the file's own. A piece whose
 columns do not start and end on a block edge (a tiny model's; no shipped model's) gets its columns'
@@ -20,29 +22,35 @@ from pathlib import Path
 import torch
 
 from tpserve.kernels.block_weights import BLOCK
+from tpserve.kernels.mxfp4_linear import NAN_SCALE, dequantize_codes
 from tpserve.kernels.q6_linear import HALF, dequantize_six_bit
 from tpserve.ranks.errors import ModelFileError
 
-SUFFIXES = ("_q4", "_q5", "_q8", "_q6")
+MXFP4 = "mxfp4"  # BlockValues.bits of MXFP4 blocks: e2m1 codes and e8m0 scale bytes
+# the values' stored name's suffix, by their bits
+SUFFIXES = {4: "_q4", 5: "_q5", 8: "_q8", 6: "_q6", MXFP4: "_mxfp4"}
 SCALE_DTYPES = ("F16", "F32")  # safetensors' names; float32 holds a Q4_K's d * sc and -dmin * mn
 SUPER_BLOCK = 256  # a Q6_K's inputs per stored d
-MAX_VALUE = {4: 15, 5: 31, 6: 63}  # unsigned values' range; 8-bit values are int8
+MAX_VALUE = {4: 15, 5: 31, 6: 63, MXFP4: 15}  # unsigned values' range; 8-bit values are int8
 
 
 @dataclass
 class BlockValues:
-    """One piece's weight in blocks: q [out, in] uint8 (4, 5 and 6 bits) or int8 (8 bits), d and m
-    [out, in / 32] float16 or float32, and for 6 bits sc [out, in / 16] int8."""
+    """One piece's weight in blocks: q [out, in] uint8 (4, 5 and 6 bits, and MXFP4's codes) or int8
+    (8 bits), d and m [out, in / 32] float16 or float32 (MXFP4: d the uint8 scale bytes), and for 6
+    bits sc [out, in / 16] int8."""
 
     q: torch.Tensor
     d: torch.Tensor
-    m: torch.Tensor | None  # None: 8 or 6 bits, symmetric
+    m: torch.Tensor | None  # None: 8 or 6 bits, symmetric, and MXFP4
     sc: torch.Tensor | None = None  # 6 bits: weight = d * sc * (q - 32)
-    bits: int = 4  # 4, 5, 6 or 8
+    bits: int | str = 4  # 4, 5, 6, 8 or MXFP4
 
     def dequantize(self) -> torch.Tensor:
-        """[out, in] float32: d * q + m, or d * sc * (q - 32), as the `gguf` package dequantizes the
-        file's blocks."""
+        """[out, in] float32: d * q + m, d * sc * (q - 32) or e2m1(q) * 2^(d - 127), as the `gguf`
+        package dequantizes the file's blocks."""
+        if self.bits == MXFP4:
+            return dequantize_codes(self.q, self.d)
         if self.sc is not None:
             return dequantize_six_bit(self.q, self.sc, self.d)
         values = self.q.float().view(*self.d.shape, BLOCK) * self.d.float().unsqueeze(-1)
@@ -59,23 +67,32 @@ def cat_blocks(parts: list[BlockValues]) -> BlockValues:
     return BlockValues(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, sc, parts[0].bits)
 
 
+def _named(bits: int | str) -> str:
+    return "MXFP4" if bits == MXFP4 else f"{bits}-bit"
+
+
+def _width(bits: int | str) -> str:
+    return "MXFP4's 4 bits" if bits == MXFP4 else f"{bits} bits"
+
+
 def stored_blocks(files: dict[str, Path], name: str) -> str | None:
     """The values' stored name, where `name` is kept in blocks in this checkpoint."""
-    return next((name + suffix for suffix in SUFFIXES if name + suffix in files), None)
+    return next((name + suffix for suffix in SUFFIXES.values() if name + suffix in files), None)
 
 
 class StoredBlocks:
     """One weight's blocks in a checkpoint; `read` takes a piece's slice, as StoredFloat's does."""
 
     def __init__(self, handles: dict, files: dict[str, Path], name: str, values_name: str):
-        self.name, self.path = name, files[values_name]
-        self.bits = bits = int(values_name[-1])
+        self.name, self.path, self.values_name = name, files[values_name], values_name
+        self.bits = bits = next(b for b, suffix in SUFFIXES.items() if values_name == name + suffix)
         # (name, safetensors dtypes, inputs per scale)
         scales = {
             4: [(name + "_d", SCALE_DTYPES, BLOCK), (name + "_m", SCALE_DTYPES, BLOCK)],
             5: [(name + "_d", SCALE_DTYPES, BLOCK), (name + "_m", SCALE_DTYPES, BLOCK)],
             6: [(name + "_d", ("F16",), SUPER_BLOCK), (name + "_sc", ("I8",), HALF)],
             8: [(name + "_d", SCALE_DTYPES, BLOCK)],
+            MXFP4: [(name + "_e8m0", ("U8",), BLOCK)],
         }[bits]
         for scale, _, _ in scales:
             if scale not in files:
@@ -87,7 +104,7 @@ class StoredBlocks:
         if self._q.get_dtype() != want_dtype or len(self.shape) != 2 or self.shape[1] % width:
             raise ModelFileError(
                 self.path,
-                f"tensor {values_name} is {self._q.get_dtype()} {list(self.shape)}: {bits}-bit blocks "
+                f"tensor {values_name} is {self._q.get_dtype()} {list(self.shape)}: {_named(bits)} blocks "
                 f"need {want_dtype} [out, in] with in a multiple of {width}",
             )
         for (scale, dtypes, per), stored in zip(scales, self._scales):
@@ -119,12 +136,14 @@ class StoredBlocks:
         if top is not None and q.numel() and int(q.max()) > top:
             raise ModelFileError(
                 self.path,
-                f"tensor {self.name}_q{self.bits} holds {int(q.max())}, past {self.bits} bits (0..{top})",
+                f"tensor {self.values_name} holds {int(q.max())}, past {_width(self.bits)} (0..{top})",
             )
         if not all(torch.isfinite(scale).all() for scale in scales if scale.is_floating_point()):
             raise ModelFileError(
                 self.path, f"tensor {self.name}'s block scales hold a value that is not finite"
             )
+        if self.bits == MXFP4 and bool((scales[0] == NAN_SCALE).any()):
+            raise ModelFileError(self.path, f"tensor {self.name}_e8m0 holds a NaN MXFP4 scale ({NAN_SCALE})")
         if self.bits == 6:
             return BlockValues(q, scales[0], None, scales[1], bits=6)
         return BlockValues(q, scales[0], scales[1] if len(scales) > 1 else None, bits=self.bits)

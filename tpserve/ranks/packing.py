@@ -19,18 +19,27 @@ import torch
 from tpserve.kernels.fp8_linear import Fp8Weight, fp8_unfit
 from tpserve.kernels.int4pack_linear import Int4PackWeight, int4pack_unfit
 from tpserve.kernels.int8_linear import Int8Weight
+from tpserve.kernels.mxfp4_linear import Mxfp4Weight
 from tpserve.kernels.q4_linear import Q4Weight
 from tpserve.kernels.q5_linear import Q5Weight
 from tpserve.kernels.q6_linear import Q6Weight
 from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.stacked_weight import StackedWeight
 from tpserve.kernels.weight_formats import quantize_weight
-from tpserve.ranks.block_tensors import BlockValues, cat_blocks
+from tpserve.ranks.block_tensors import MXFP4, BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.fp8_tensors import Fp8Values
 from tpserve.ranks.int8_tensors import Int8Values
 
-ASYMMETRIC = {4: Q4Weight, 5: Q5Weight}  # block weights d * q + m, by their values' bits
+# Blocks served as stored, by their values' bits: the kinds that take them as they are, and how.
+# A 4- or 5-bit head goes to 8 bits under q8, as a float head does; a Q6_K head keeps its 6 bits.
+AS_STORED = {
+    4: (("int4",), lambda b: Q4Weight.from_blocks(b.q, b.d, b.m)),
+    5: (("int4",), lambda b: Q5Weight.from_blocks(b.q, b.d, b.m)),
+    6: (("int4", "q8"), lambda b: Q6Weight.from_blocks(b.q, b.sc, b.d)),
+    8: (("int4", "q8"), lambda b: Q8Weight.from_blocks(b.q, b.d)),
+    MXFP4: (("int4",), lambda b: Mxfp4Weight.from_blocks(b.q, b.d)),
+}
 # _scaled_mm with a scale per input row and per output channel: Hopper (sm_90) and newer under CUDA
 FP8_ROWWISE_CAPABILITY = (9, 0)
 
@@ -88,12 +97,9 @@ def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, ki
             return weight.q.to(dtype)
         if _on_gpu_in_int4(weight, kind, dtype):
             return Int4PackWeight.from_blocks(weight.q, weight.d, weight.m, dtype)
-        if kind == "int4" and weight.bits in (4, 5):
-            return ASYMMETRIC[weight.bits].from_blocks(weight.q, weight.d, weight.m)
-        if kind in ("int4", "q8") and weight.bits == 8:
-            return Q8Weight.from_blocks(weight.q, weight.d)
-        if kind in ("int4", "q8") and weight.bits == 6:
-            return Q6Weight.from_blocks(weight.q, weight.sc, weight.d)
+        kinds, pack = AS_STORED[weight.bits]
+        if kind in kinds:
+            return pack(weight)
         weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
     if not isinstance(weight, Int8Values):
         return quantize_weight(weight, kind)
@@ -157,7 +163,7 @@ def describe_serving(kinds: tuple[str, ...], quantize: str, device_type: str = "
         )
     if "mxfp4" in kinds:  # gpt-oss's experts (tpserve/ranks/mxfp4.py)
         said.append(
-            "its mxfp4 experts served as stored, in 5-bit blocks"
+            "its mxfp4 experts served as stored, in MXFP4 blocks"
             if quantize == "int4"
             else "its mxfp4 experts dequantized exactly to dtype"
         )

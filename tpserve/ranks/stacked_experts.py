@@ -9,10 +9,10 @@ checkpoints keep the two products in MXFP4 instead (tpserve/ranks/mxfp4.py): `ga
 up biases) are read here as the [out, in] tensors other families store (`experts.N.gate_proj.weight`
 ...), so the sharding table cuts their pieces as it cuts Qwen3-MoE's: the same pieces, the same
 products, the same bits at tp=1 and tp=2. A piece's rows of gate or up are every other stored row
-of its range; its columns of down the blocks that cover them. MXFP4 comes out as the same values
-in 5-bit blocks (tpserve/ranks/mxfp4.py), which `int4` serves as stored and the others dequantize exactly;
-a piece whose columns of down do not start and end on a block edge (a tiny model's) gets their
-values instead.
+of its range; its columns of down the blocks that cover them. MXFP4 comes out as its own blocks
+(tpserve/ranks/mxfp4.py), which `int4` serves as stored (tpserve/kernels/mxfp4_linear.py) and the
+others dequantize exactly; a piece whose columns of down do not start and end on a block edge (a
+tiny model's) gets their values instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from tpserve.ranks.block_tensors import BlockValues
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.model_config import ModelConfig
-from tpserve.ranks.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_as_five_bit
+from tpserve.ranks.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_blocks
 
 _PART = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
@@ -79,6 +79,7 @@ class StoredExpertPart:
                 )
             self._slices.append(tensor)
         self.path, self.name = files[next(iter(parts))], stored
+        self.where = f"{self.path}: {self.name}"  # how a refusal names it
 
     def read(
         self, start: int = 0, end: int | None = None, columns: bool = False
@@ -93,8 +94,9 @@ class StoredExpertPart:
             first, last = start // BLOCK, -(-end // BLOCK)  # the blocks covering the columns
             blocks, scales = self._slices[0][e, :, first:last], self._slices[1][e, :, first:last]
             if start % BLOCK or end % BLOCK:
-                return self._dequantize(blocks, scales)[:, start - first * BLOCK : end - first * BLOCK]
-            return self._five_bit(blocks, scales)
+                kept = slice(start - first * BLOCK, end - first * BLOCK)
+                return dequantize_mxfp4(blocks, scales, self.dtype, self.where)[:, kept]
+            return mxfp4_blocks(blocks, scales, self.dtype, self.where)
         if columns:
             raise ValueError("an expert's gate or up is cut by rows, not columns")
         end = self.shape[0] if end is None else end
@@ -103,16 +105,5 @@ class StoredExpertPart:
         if not self.mxfp4:
             return self._slices[0][e, :, 2 * start : 2 * end][:, self.offset :: 2].t()
         stored = slice(2 * start, 2 * end)  # gate's (or up's) rows every other one of them
-        return self._five_bit(
-            self._slices[0][e, stored], self._slices[1][e, stored], slice(self.offset, None, 2)
-        )
-
-    def _dequantize(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return dequantize_mxfp4(blocks, scales, self.dtype, f"{self.path}: {self.name}")
-
-    def _five_bit(self, blocks, scales, rows: slice = slice(None)) -> BlockValues | torch.Tensor:
-        """The blocks' `rows` as 5-bit blocks (their values, where the blocks cannot hold them),
-        once every value is checked to reach the dtype exactly."""
-        values = self._dequantize(blocks, scales)[rows]
-        five_bit = mxfp4_as_five_bit(blocks[rows], scales[rows])
-        return values if five_bit is None else five_bit
+        blocks, scales = self._slices[0][e, stored], self._slices[1][e, stored]
+        return mxfp4_blocks(blocks[self.offset :: 2], scales[self.offset :: 2], self.dtype, self.where)

@@ -1,4 +1,4 @@
-/* The loops the block kernels (q4_linear.c, q8_linear.c, q6_linear.c) share: which rows and outputs each tile
+/* The loops the block kernels (q4_linear.c, q8_linear.c, q6_linear.c, mxfp4_linear.c) share: which rows and outputs each tile
  * takes, the order it walks the blocks in, the prefetch, the stores, the dispatch by path and the
  * entry point; each kernel keeps its own arithmetic per block.
  *
@@ -46,6 +46,17 @@ static inline qrows qrows_from(qrows q, int t, int K, int nb) {
                    ROW_TERM == ROW_TERM_SA ? q.sa + at : NULL, ROW_TERM == ROW_TERM_SH ? q.sh + 2 * at : NULL};
 }
 
+/* Output o's 32 nibbles in input order, in the nibble layouts (q4_blocks.h, mxfp4_linear.c): byte
+ * 4o+j of 64-byte chunk c of blk holds input 8c+j in its low nibble and input 8c+4+j in its high. */
+static inline void scalar_nibbles(const uint8_t *blk, int o, uint8_t v[BLOCK]) {
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 4; j++) {
+            uint8_t byte = blk[c * 64 + o * 4 + j];
+            v[8 * c + j] = byte & 15;
+            v[8 * c + 4 + j] = byte >> 4;
+        }
+}
+
 /* acc after block b of output o: blk is o's group's block b, a row t's block b of qa, at = t * nb + b. */
 static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q, int64_t at);
 
@@ -68,6 +79,33 @@ static void scalar_rows(const uint8_t *w, int nb, qrows q, int num_rows, int N, 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
+
+/* One chunk of the nibble layouts (q4_blocks.h, mxfp4_linear.c): lo[h] and hi[h] hold group h's 16
+ * outputs' u8 values of inputs 8c..8c+3 and 8c+4..8c+7 (4 bytes an output); dot[r][h] += their
+ * exact products with row r's (a is row 0's block, row r r * K on). */
+VNNI INLINE void vnni_chunk_dots(__m512i dot[ROWS][2], const __m512i lo[2], const __m512i hi[2],
+                                 const int8_t *a, int K, int R, int NG, int c) {
+    for (int r = 0; r < R; r++) {
+        const int8_t *ar = a + (int64_t)r * K + 8 * c;
+        __m512i a_lo = _mm512_set1_epi32(load4(ar)), a_hi = _mm512_set1_epi32(load4(ar + 4));
+        for (int h = 0; h < NG; h++) {
+            dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], lo[h], a_lo);
+            dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], hi[h], a_hi);
+        }
+    }
+}
+
+/* AVX2's half of the same: lo and hi hold 8 outputs' values; pairs[r] += their int16 pair sums
+ * (vpmaddubsw) with row r's inputs. The caller widens them before they can overflow. */
+AVX2 INLINE void avx2_chunk_pairs(__m256i pairs[ROWS], __m256i lo, __m256i hi, const int8_t *a, int K, int R,
+                                  int c) {
+    for (int r = 0; r < R; r++) {
+        const int8_t *ar = a + (int64_t)r * K + 8 * c;
+        __m256i a_lo = _mm256_set1_epi32(load4(ar)), a_hi = _mm256_set1_epi32(load4(ar + 4));
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, a_lo));
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, a_hi));
+    }
+}
 
 /* dot[r][h] += block b's exact products for R rows and NG groups: w is group 0's block b (group h
  * h * group_bytes on), a row 0's block b of qa (row r r * K on). */

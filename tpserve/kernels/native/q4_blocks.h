@@ -62,18 +62,16 @@ static inline float load_scale(const uint8_t *p) {
 
 static inline float scalar_block(float acc, const uint8_t *blk, int o, const int8_t *a, qrows q,
                                  int64_t at) {
+    uint8_t v[BLOCK];
+    scalar_nibbles(blk, o, v);
     int32_t dot = 0;
-    for (int c = 0; c < CHUNKS; c++)
-        for (int j = 0; j < 4; j++) {
-            uint8_t byte = blk[c * 64 + o * 4 + j];
-            int lo = byte & 15, hi = byte >> 4;
+    for (int k = 0; k < BLOCK; k++) {
+        int value = v[k];
 #ifdef FIFTH_BITS
-            uint8_t top = blk[TOP_AT + o * 4 + j];
-            lo |= (top >> (2 * c) & 1) << 4;
-            hi |= (top >> (2 * c + 1) & 1) << 4;
+        value |= (blk[TOP_AT + o * 4 + k % 4] >> (k / 4) & 1) << 4; /* input 4i+j's: bit i of byte (o, j) */
 #endif
-            dot += lo * a[8 * c + j] + hi * a[8 * c + 4 + j];
-        }
+        dot += value * a[k];
+    }
     float d = load_scale(blk + SCALES_AT + SCALE_BYTES * o);
     float m = load_scale(blk + SCALES_AT + SCALE_BYTES * (GROUP + o));
     acc = fmaf(d * q.da[at], (float)dot, acc);
@@ -124,14 +122,7 @@ VNNI INLINE void vnni_dots(__m512i dot[ROWS][2], const uint8_t *w, int64_t group
             hi[h] = _mm512_or_si512(hi[h], vnni_fifth(top, 2 * c + 1));
 #endif
         }
-        for (int r = 0; r < R; r++) {
-            const int8_t *ar = a + (int64_t)r * K + 8 * c;
-            __m512i a_lo = _mm512_set1_epi32(load4(ar)), a_hi = _mm512_set1_epi32(load4(ar + 4));
-            for (int h = 0; h < NG; h++) {
-                dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], lo[h], a_lo);
-                dot[r][h] = _mm512_dpbusd_epi32(dot[r][h], hi[h], a_hi);
-            }
-        }
+        vnni_chunk_dots(dot, lo, hi, a, K, R, NG, c);
     }
 }
 
@@ -169,12 +160,7 @@ AVX2 INLINE void avx2_dots(__m256i sums[ROWS], const uint8_t *blk, int half, con
         if (c % 2 == 0)
             for (int r = 0; r < R; r++) pairs[r] = _mm256_setzero_si256();
 #endif
-        for (int r = 0; r < R; r++) {
-            const int8_t *ar = a + (int64_t)r * K + 8 * c;
-            __m256i a_lo = _mm256_set1_epi32(load4(ar)), a_hi = _mm256_set1_epi32(load4(ar + 4));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, a_lo));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, a_hi));
-        }
+        avx2_chunk_pairs(pairs, lo, hi, a, K, R, c);
 #ifdef FIFTH_BITS
         if (c % 2 == 1)
             for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], ones));
