@@ -88,7 +88,7 @@ class OpenAIApi:
         # Each token's text decoded once: a whole-vocabulary reply (logprobs -1) names every token
         # at every position. At most the vocabulary's size of short strings.
         self._token_text = cache(self._decode_token)
-        self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
+        self._poll_s = poll_s  # how long a quiet reply waits before it looks at its client again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
         self._limiter: anyio.CapacityLimiter | None = None
         self._relay: Relay | None = None
@@ -120,7 +120,7 @@ class OpenAIApi:
     async def _lifespan(self, app) -> AsyncIterator[None]:
         # Created on the server's event loop, where anyio can tell which loop it is.
         self._limiter = anyio.CapacityLimiter(self._num_threads)
-        self._relay = Relay(self._submitter, self._poll_s, self._limiter)
+        self._relay = Relay(self._submitter, self._poll_s)
         yield
 
     # --- routes ---------------------------------------------------------------------------------

@@ -1,18 +1,21 @@
 """How a request's streams become its OpenAI answer: read on worker threads, then sent whole or as
 server-sent events (tpserve/server/http_api.py takes the request and submits its choices).
 
-The lane host's streams are read on worker threads (a Stream's wait blocks), one per live reply at
-a time, under the API's limiter. A client that goes away cancels every stream not yet finished.
+The lane host's streams are read on the event loop itself: each stream's listener (called on the
+thread that puts its events) wakes the request's reader through the loop, so a token costs no
+worker thread and no thread hop, and no number of live replies waits for a thread. A client that
+goes away cancels every stream not yet finished.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
-import anyio.to_thread
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,8 +30,6 @@ from tpserve.server.requests import ERROR, STOP, Event, Finished, Prefilled, Tok
 from tpserve.server.submitter import Submitted, Submitter
 from tpserve.server.validation import RequestRefused
 
-MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
-
 
 @dataclass(frozen=True)
 class StreamUsage:
@@ -40,10 +41,9 @@ class StreamUsage:
 
 
 class Relay:
-    def __init__(self, submitter: Submitter, poll_s: float, limiter: anyio.CapacityLimiter):
+    def __init__(self, submitter: Submitter, poll_s: float):
         self._submitter = submitter
-        self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
-        self._limiter = limiter
+        self._poll_s = poll_s  # how long a quiet reply waits before it looks at its client again
 
     async def whole(
         self,
@@ -177,25 +177,29 @@ class Relay:
     async def events(
         self, streams: list[Stream], request: Request | None
     ) -> AsyncIterator[tuple[int, list[Event]]]:
-        """(choice index, the events of one read) of every stream up to its Finished, read on a
-        worker thread; a client that goes away (seen through `request`, or by this generator being
-        cancelled) cancels every stream not yet finished."""
+        """(choice index, the events of one read) of every stream up to its Finished, read when a
+        stream's listener wakes this reader; a client that goes away (seen through `request`, or by
+        this generator being cancelled) cancels every stream not yet finished."""
         finished = [False] * len(streams)
         last_delta_at: list[float | None] = [None] * len(streams)
-        # One stream waits the whole poll; several share it, each waited on briefly in turn.
-        wait_s = self._poll_s if len(streams) == 1 else min(self._poll_s, MULTI_STREAM_WAIT_S)
+        loop = asyncio.get_running_loop()
+        news = asyncio.Event()
+
+        def wake() -> None:  # on the putting thread: the loop sets the event
+            with contextlib.suppress(RuntimeError):  # the loop closed (the server stopped): no reader
+                loop.call_soon_threadsafe(news.set)
+
         try:
+            for stream in streams:
+                stream.listen(wake)  # once now if events wait already
             while not all(finished):
-                index = finished.index(False)
-                events = await anyio.to_thread.run_sync(
-                    streams[index].next_events, wait_s, limiter=self._limiter
-                )
-                reads = [(index, events)]
-                for other in range(index + 1, len(streams)):  # the others' events so far, no wait
-                    if not finished[other]:
-                        reads.append((other, streams[other].next_events(0)))
-                for at, events in reads:
-                    events = merge_deltas(events)
+                with anyio.move_on_after(self._poll_s):
+                    await news.wait()
+                news.clear()  # before reading: an event put after the reads wakes the next wait
+                for at, stream in enumerate(streams):
+                    if finished[at]:
+                        continue
+                    events = merge_deltas(stream.next_events(0))
                     for event in events:
                         finished[at] = finished[at] or isinstance(event, Finished)
                         if isinstance(event, TokenDelta):
