@@ -8,8 +8,9 @@ GET /tokenizer_info and /version (tpserve/server/http_tokenize.py), SageMaker's 
 are checked by hand against the gRPC wording (tpserve/server/openai_request.py), so FastAPI's pydantic layer
 would only add a second, differently worded set of refusals. A client that disconnects cancels its stream.
 
-Each choice's stream is read and answered by tpserve/server/http_relay.py, on worker threads from one pool
-sized like the gRPC server's, so a queued request is never stuck behind it.
+Each choice's stream is read and answered by tpserve/server/http_relay.py, on the event loop; submits
+and tokenizing run on worker threads from one pool sized like the gRPC server's, so a queued request
+is never stuck behind them.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 server-sent events (tpserve/server/http_api.py takes the request and submits its choices).
 
 The lane host's streams are read on the event loop itself: each stream's listener (called on the
-thread that puts its events) wakes the request's reader through the loop, so a token costs no
-worker thread and no thread hop, and no number of live replies waits for a thread. A client that
-goes away cancels every stream not yet finished.
+thread that puts its events) marks its request's reader as having news, and one call into the loop
+wakes every reader marked since the last (Wakeups), so a step's tokens cost the putting thread about
+one wake-up, not one per stream, and no worker thread or thread hop; no number of live replies waits
+for a thread. A client that goes away cancels every stream not yet finished.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -40,10 +42,36 @@ class StreamUsage:
     continuous: bool = False
 
 
+class Wakeups:
+    """Readers' asyncio events set from other threads, batched: the first mark after a drain
+    schedules one drain on the loop, later marks before it only join the set."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._marked: set[asyncio.Event] = set()
+
+    def mark(self, news: asyncio.Event) -> None:
+        """Any thread: `news` is set on the loop soon."""
+        with self._lock:
+            first = not self._marked
+            self._marked.add(news)
+        if first:
+            with contextlib.suppress(RuntimeError):  # the loop closed (the server stopped): no reader
+                self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            marked, self._marked = self._marked, set()
+        for news in marked:
+            news.set()
+
+
 class Relay:
     def __init__(self, submitter: Submitter, poll_s: float):
         self._submitter = submitter
         self._poll_s = poll_s  # how long a quiet reply waits before it looks at its client again
+        self._wakeups = Wakeups(asyncio.get_running_loop())  # made on the server's loop
 
     async def whole(
         self,
@@ -182,12 +210,10 @@ class Relay:
         this generator being cancelled) cancels every stream not yet finished."""
         finished = [False] * len(streams)
         last_delta_at: list[float | None] = [None] * len(streams)
-        loop = asyncio.get_running_loop()
         news = asyncio.Event()
 
-        def wake() -> None:  # on the putting thread: the loop sets the event
-            with contextlib.suppress(RuntimeError):  # the loop closed (the server stopped): no reader
-                loop.call_soon_threadsafe(news.set)
+        def wake() -> None:  # on the putting thread
+            self._wakeups.mark(news)
 
         try:
             for stream in streams:
