@@ -8,8 +8,9 @@ GET /tokenizer_info and /version (tpserve/server/http_tokenize.py), SageMaker's 
 are checked by hand against the gRPC wording (tpserve/server/openai_request.py), so FastAPI's pydantic layer
 would only add a second, differently worded set of refusals. A client that disconnects cancels its stream.
 
-Each choice's stream is read and answered by tpserve/server/http_relay.py, on worker threads from one pool
-sized like the gRPC server's, so a queued request is never stuck behind it.
+Each choice's stream is read and answered by tpserve/server/http_relay.py, on the event loop; submits
+and tokenizing run on worker threads from one pool sized like the gRPC server's, so a queued request
+is never stuck behind them.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class OpenAIApi:
         # Each token's text decoded once: a whole-vocabulary reply (logprobs -1) names every token
         # at every position. At most the vocabulary's size of short strings.
         self._token_text = cache(self._decode_token)
-        self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
+        self._poll_s = poll_s  # how long a quiet reply waits before it looks at its client again
         self._num_threads = submitter.info.num_lanes + queue_size + EXTRA_THREADS
         self._limiter: anyio.CapacityLimiter | None = None
         self._relay: Relay | None = None
@@ -120,7 +121,7 @@ class OpenAIApi:
     async def _lifespan(self, app) -> AsyncIterator[None]:
         # Created on the server's event loop, where anyio can tell which loop it is.
         self._limiter = anyio.CapacityLimiter(self._num_threads)
-        self._relay = Relay(self._submitter, self._poll_s, self._limiter)
+        self._relay = Relay(self._submitter, self._poll_s)
         yield
 
     # --- routes ---------------------------------------------------------------------------------

@@ -1,18 +1,23 @@
 """How a request's streams become its OpenAI answer: read on worker threads, then sent whole or as
 server-sent events (tpserve/server/http_api.py takes the request and submits its choices).
 
-The lane host's streams are read on worker threads (a Stream's wait blocks), one per live reply at
-a time, under the API's limiter. A client that goes away cancels every stream not yet finished.
+The lane host's streams are read on the event loop itself: each stream's listener (called on the
+thread that puts its events) marks its request's reader as having news, and one call into the loop
+wakes every reader marked since the last (Wakeups), so a step's tokens cost the putting thread about
+one wake-up, not one per stream, and no worker thread or thread hop; no number of live replies waits
+for a thread. A client that goes away cancels every stream not yet finished.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
-import anyio.to_thread
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,8 +32,6 @@ from tpserve.server.requests import ERROR, STOP, Event, Finished, Prefilled, Tok
 from tpserve.server.submitter import Submitted, Submitter
 from tpserve.server.validation import RequestRefused
 
-MULTI_STREAM_WAIT_S = 0.02  # n > 1 or a prompt list: how long one choice's stream is waited on in turn
-
 
 @dataclass(frozen=True)
 class StreamUsage:
@@ -39,11 +42,36 @@ class StreamUsage:
     continuous: bool = False
 
 
+class Wakeups:
+    """Readers' asyncio events set from other threads, batched: the first mark after a drain
+    schedules one drain on the loop, later marks before it only join the set."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._marked: set[asyncio.Event] = set()
+
+    def mark(self, news: asyncio.Event) -> None:
+        """Any thread: `news` is set on the loop soon."""
+        with self._lock:
+            first = not self._marked
+            self._marked.add(news)
+        if first:
+            with contextlib.suppress(RuntimeError):  # the loop closed (the server stopped): no reader
+                self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            marked, self._marked = self._marked, set()
+        for news in marked:
+            news.set()
+
+
 class Relay:
-    def __init__(self, submitter: Submitter, poll_s: float, limiter: anyio.CapacityLimiter):
+    def __init__(self, submitter: Submitter, poll_s: float):
         self._submitter = submitter
-        self._poll_s = poll_s  # how long a reader thread waits for an event before looking again
-        self._limiter = limiter
+        self._poll_s = poll_s  # how long a quiet reply waits before it looks at its client again
+        self._wakeups = Wakeups(asyncio.get_running_loop())  # made on the server's loop
 
     async def whole(
         self,
@@ -177,25 +205,27 @@ class Relay:
     async def events(
         self, streams: list[Stream], request: Request | None
     ) -> AsyncIterator[tuple[int, list[Event]]]:
-        """(choice index, the events of one read) of every stream up to its Finished, read on a
-        worker thread; a client that goes away (seen through `request`, or by this generator being
-        cancelled) cancels every stream not yet finished."""
+        """(choice index, the events of one read) of every stream up to its Finished, read when a
+        stream's listener wakes this reader; a client that goes away (seen through `request`, or by
+        this generator being cancelled) cancels every stream not yet finished."""
         finished = [False] * len(streams)
         last_delta_at: list[float | None] = [None] * len(streams)
-        # One stream waits the whole poll; several share it, each waited on briefly in turn.
-        wait_s = self._poll_s if len(streams) == 1 else min(self._poll_s, MULTI_STREAM_WAIT_S)
+        news = asyncio.Event()
+
+        def wake() -> None:  # on the putting thread
+            self._wakeups.mark(news)
+
         try:
+            for stream in streams:
+                stream.listen(wake)  # once now if events wait already
             while not all(finished):
-                index = finished.index(False)
-                events = await anyio.to_thread.run_sync(
-                    streams[index].next_events, wait_s, limiter=self._limiter
-                )
-                reads = [(index, events)]
-                for other in range(index + 1, len(streams)):  # the others' events so far, no wait
-                    if not finished[other]:
-                        reads.append((other, streams[other].next_events(0)))
-                for at, events in reads:
-                    events = merge_deltas(events)
+                with anyio.move_on_after(self._poll_s):
+                    await news.wait()
+                news.clear()  # before reading: an event put after the reads wakes the next wait
+                for at, stream in enumerate(streams):
+                    if finished[at]:
+                        continue
+                    events = merge_deltas(stream.next_events(0))
                     for event in events:
                         finished[at] = finished[at] or isinstance(event, Finished)
                         if isinstance(event, TokenDelta):
