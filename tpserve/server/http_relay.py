@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -211,13 +212,10 @@ class Relay:
         finished = [False] * len(streams)
         last_delta_at: list[float | None] = [None] * len(streams)
         news = asyncio.Event()
-
-        def wake() -> None:  # on the putting thread
-            self._wakeups.mark(news)
-
         try:
             for stream in streams:
-                stream.listen(wake)  # once now if events wait already
+                # on the putting thread, after every event (and once now if events wait already)
+                stream.listen(functools.partial(self._wakeups.mark, news))
             while not all(finished):
                 with anyio.move_on_after(self._poll_s):
                     await news.wait()

@@ -80,19 +80,16 @@ class TextStream:
             return
         before = self._detokenize(self._ids[self._prefix_offset : self._read_offset])
         after = self._detokenize(self._ids[self._prefix_offset :])
-        if not final and after == before:
-            # Tokens with no text at all (a special token the reply skips): decoded, as nothing, so
-            # they go out now, not with the next visible text. The window keeps its start, so the
-            # next token is still decoded after the text before them.
-            self._token_ends += [len(self._text)] * (self.num_tokens - len(self._token_ends))
-            self._read_offset = len(self._ids)
-            return
-        if not final and (len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR)):
+        silent = after == before  # tokens with no text at all (a special token the reply skips)
+        if not final and not silent and (len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR)):
             # Nothing new yet, or a character whose bytes are split over tokens still to come.
             return
+        # Silent tokens are decoded as nothing, so they go out now, not with the next visible text;
+        # the window keeps its start then, so the next token is still decoded after the text before them.
         self._text += after[len(before) :]
         self._token_ends += [len(self._text)] * (self.num_tokens - len(self._token_ends))
-        self._prefix_offset = self._read_offset
+        if not silent:
+            self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
 
     def _release(self, final: bool) -> TextOut:
