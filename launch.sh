@@ -29,9 +29,12 @@ while [ $# -gt 0 ]; do
         *) args+=("$1"); shift ;;
     esac
 done
-if [ -z "${args[*]:-}" ] || ! printf '%s\n' "${args[@]}" | grep -q -- '^--config'; then
-    args=(--config "$here/configs/default.yaml" "${args[@]}")
-fi
+# A loop, not `printf | grep -q`: under pipefail grep's early exit can SIGPIPE printf and read as no match.
+has_config=""
+for arg in "${args[@]}"; do
+    case "$arg" in --config|--config=*) has_config=1 ;; esac
+done
+[ -n "$has_config" ] || args=(--config "$here/configs/default.yaml" "${args[@]}")
 if [ -n "$interface" ]; then
     export GLOO_SOCKET_IFNAME="$interface" NCCL_SOCKET_IFNAME="$interface"
 fi
