@@ -3,16 +3,18 @@ the other in one run.
 
 Each system serves the shipped SmolLM2-135M-Instruct: tpserve from its prepared default model on two
 ranks (the shipped config, and variants given with --variant), llama-server from the same GGUF with
-`-np 16 -t 2`. Each gets, in turn, the same text prompts with greedy `--tokens`-token replies that
-ignore EOS, first one stream, then `--streams` at once, `--rounds` times alternating, so both see the
-same machine. tpserve is called over gRPC, llama-server over its HTTP `/completion` stream.
+`-np 16 -t 2`. Each gets, in turn, the same workloads, `--rounds` times alternating, so all see the same machine:
+`--tokens`-token replies that ignore EOS to short text prompts, greedy at one stream and at
+`--streams` at once, then sampled (temperature 0.8, a seed per request) at `--streams` on varied
+prompts; then the time to first token of one and of `--streams` prompts of about 510 tokens.
+tpserve is called over gRPC, llama-server over its HTTP `/completion` stream.
 
-Reported per system and stream count: aggregate tok/s (tokens over the wall time of the burst,
+Reported per system and workload: aggregate tok/s (tokens over the wall time of the burst,
 prefill included), per-stream decode tok/s (after each stream's first token), the mean time to first
-token, and every ratio to the best peer of its column. At one stream the daemon's decode speed is
+token, and every ratio to the best peer of its column (tok/s over the highest, TTFT over the lowest). At one stream the daemon's decode speed is
 also set against the float32 bandwidth roofline: (read bandwidth measured here) / (weight bytes rank 0 reads per token).
-After its bursts, three streams of the many-stream burst are replayed alone: "== alone" says whether
-each got the very reply it got beside the others.
+After its bursts, three streams of each many-stream burst (greedy and sampled) are replayed alone:
+"== alone" says whether each got the very reply it got beside the others.
 
     python -m bench.peer [--llama-server PATH] [--tokens 128] [--streams 16] [--rounds 2] [--json FILE]
 
@@ -30,265 +32,44 @@ variants run (ratios against the first). `--tpserve-api http` calls tpserve over
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
-import os
-import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import default_model_dir, finish, median, print_table  # noqa: E402
 from bench.decode_roofline import read_bandwidth, weight_bytes_per_token  # noqa: E402
+from bench.peer_servers import (  # noqa: E402
+    REPO,
+    Load,
+    Server,
+    Timing,
+    find_llama_server,
+    find_vllm,
+    start_llama,
+    start_tpserve,
+    start_vllm,
+    vllm_model_dir,
+)
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.prepare import find_default_gguf  # noqa: E402
-from tpserve.ranks.local_ranks import free_port  # noqa: E402
 from tpserve.ranks.model_config import load_model_config  # noqa: E402
-from tpserve.v1 import serving_pb2, serving_pb2_grpc  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 300.0
-VLLM_START_TIMEOUT_S = 900.0  # a compiled start takes minutes, more on a busy machine
-PEER_CACHE = Path.home() / ".cache/tpserve-peer"
-VLLM_MODEL_NAME = "peer-model"
-TOPICS = ("rivers", "bridges", "libraries", "volcanoes", "gardens", "trains", "comets", "bees")
+LONG_FILLERS = 14  # copies of the filler in a long prompt: about 510 tokens, the TTFT workload
+LONG_TOKENS = 8  # a long prompt's reply: its first token is what is timed
+GREEDY, SAMPLED = Load(), Load(temperature=0.8)
 
 
-@dataclass
-class Timing:
-    sent: float
-    first: float = 0.0
-    end: float = 0.0
-    num_tokens: int = 0
-    reply: list = field(default_factory=list)  # token ids (tpserve) or text pieces (llama-server)
-
-
-FILLER = (
-    "The lane host admits waiting requests, prefills their prompts and runs decode rounds over every "
-    "live lane while the follower replays each message on its own shard of the weights. "
-)
-PROMPT_FILLERS = 0  # set by --prompt-fillers: copies of FILLER before each prompt (about 36 tokens each)
-
-
-def prompt(index: int) -> str:
-    # The index comes first, so no two prompts share a prefix a prompt cache could serve.
-    return (
-        f"Request {index}. {FILLER * PROMPT_FILLERS}Here is fact {index} about {TOPICS[index % len(TOPICS)]}:"
-    )
-
-
-class Server:
-    """A server process of one system, its log in a temporary file, ended with SIGTERM (then KILL)."""
-
-    def __init__(
-        self,
-        name: str,
-        argv: list[str],
-        ready,
-        generate,
-        cwd: Path = REPO,
-        env: dict | None = None,
-        start_timeout_s: float = START_TIMEOUT_S,
-    ):
-        self.name, self.generate = name, generate
-        self.http_generate = generate  # tpserve's: its OpenAI HTTP client beside gRPC
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept open while the server runs)
-            prefix=f"peer-{name.replace(' ', '_')}-", suffix=".log", delete=False
-        )
-        self.process = subprocess.Popen(
-            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        deadline = time.monotonic() + start_timeout_s
-        while not ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"{name} did not start: {shlex.join(argv)}; log {self.log.name}")
-            time.sleep(0.5)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-
-
-def start_tpserve(name: str, flags: list[str], repo: Path = REPO, api: str = "grpc") -> Server:
-    """tpserve from `repo` (another checkout, with its own .venv, to compare versions in one run),
-    called over gRPC or over the OpenAI HTTP client (`api`: "grpc" or "http")."""
-    port, http_port = free_port(), free_port()
-    python = sys.executable if repo == REPO else str(repo / ".venv/bin/python")
-    argv = [python, "-m", "tpserve.cli", "serve", "--config", str(repo / "configs/default.yaml")]
-    argv += ["--port", str(port), "--metrics-port", "0", "--http-port", str(http_port), *flags]
-    # python -m finds the package of its cwd first: the server runs from `repo`
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = serving_pb2_grpc.ServingStub(channel)
-
-    def ready() -> bool:
-        try:
-            stub.Info(serving_pb2.InfoRequest(), timeout=1)
-            return True
-        except grpc.RpcError:
-            return False
-
-    def generate(index: int, num_tokens: int) -> Timing:
-        timing = Timing(time.perf_counter())
-        request = serving_pb2.GenerateRequest(prompt=prompt(index), max_tokens=num_tokens, ignore_eos=True)
-        for response in stub.Generate(request, timeout=600):
-            if response.token_ids and not timing.first:
-                timing.first = time.perf_counter()
-            timing.num_tokens += len(response.token_ids)
-            timing.reply += response.token_ids
-        timing.end = time.perf_counter()
-        return timing
-
-    http_generate = completions_generate(http_port, None)  # the same client as vLLM's
-    server = Server(name, argv, ready, http_generate if api == "http" else generate, cwd=repo)
-    server.http_generate = http_generate
-    return server
-
-
-def streamed_chunks(port: int, path: str, body: dict, timeout_s: float) -> Iterator[dict]:
-    """POST `body` to an OpenAI streaming route on 127.0.0.1:`port`; yields each server-sent event's
-    JSON chunk (up to `[DONE]`). A status other than 200 raises with the start of its body."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        if reply.status != 200:
-            raise RuntimeError(f"{path} answered {reply.status}: {reply.read()[:300]!r}")
-        for line in reply:
-            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                yield json.loads(line[6:])
-    finally:
-        connection.close()
-
-
-def completions_generate(port: int, model: str | None, temperature: float = 0.0):
-    """The OpenAI `/v1/completions` streaming client every server gets (tpserve's HTTP API, vLLM):
-    its `generate(index, num_tokens)` times one request; the reply is its text pieces. `model`:
-    the served model's name where the server wants one."""
-
-    def generate(index: int, num_tokens: int) -> Timing:
-        timing = Timing(time.perf_counter())
-        body = {"prompt": prompt(index), "max_tokens": num_tokens, "ignore_eos": True}
-        body |= {"model": model} if model else {}
-        body |= {"stream": True, "temperature": temperature, "stream_options": {"include_usage": True}}
-        if temperature > 0:
-            body["seed"] = index
-        for chunk in streamed_chunks(port, "/v1/completions", body, timeout_s=600):
-            text = "".join(choice.get("text", "") for choice in chunk.get("choices", ()))
-            if text and not timing.first:
-                timing.first = time.perf_counter()
-            if text:
-                timing.reply.append(text)
-            if chunk.get("usage"):
-                timing.num_tokens = chunk["usage"]["completion_tokens"]
-        timing.end = time.perf_counter()
-        return timing
-
-    return generate
-
-
-def health_ready(port: int):
-    """Whether a peer on `port` answers its /health with 200 yet (llama-server's and vLLM's)."""
-
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
-
-    return ready
-
-
-def start_llama(binary: str, gguf: Path, num_slots: int, num_tokens: int) -> Server:
-    port = free_port()
-    context = num_tokens + 64 * PROMPT_FILLERS + 256  # per slot: the prompt and the reply
-    argv = [binary, "-m", str(gguf), "-np", str(num_slots), "-t", "2", "-c", str(num_slots * context)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--no-webui"]
-
-    def generate(index: int, tokens: int) -> Timing:
-        timing = Timing(time.perf_counter())
-        body = {"prompt": prompt(index), "n_predict": tokens, "ignore_eos": True, "stream": True}
-        body |= {"temperature": 0, "cache_prompt": False}
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        connection.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        for line in reply:
-            if not line.startswith(b"data: "):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("content") and not timing.first:
-                timing.first = time.perf_counter()
-            timing.reply.append(chunk.get("content", ""))
-            if chunk.get("stop"):
-                timing.num_tokens = chunk.get("tokens_predicted", 0)
-        connection.close()
-        timing.end = time.perf_counter()
-        return timing
-
-    return Server("llama-server", argv, health_ready(port), generate)
-
-
-def cpu_has(flag: str) -> bool:
-    try:
-        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()[:40])
-    except OSError:
-        return False
-
-
-def vllm_model_dir(given: str | None) -> Path:
-    """A float32 Hugging Face directory of the default model (vLLM cannot read tpserve's int4)."""
-    if given:
-        return Path(given)
-    out = PEER_CACHE / "default-model-f32"
-    if not (out / "model.safetensors").is_file():
-        from tpserve.gguf_import import import_gguf  # the gguf package, only for this peer
-
-        import_gguf(find_default_gguf(), out, progress=False, force=True, dequantize=True)
-    return out
-
-
-def start_vllm(python: str, model_dir: Path, dtype: str, num_seqs: int, num_tokens: int) -> Server:
-    """vLLM's OpenAI server on the CPU, TP=1 (the default model's 9 heads do not split in two)."""
-    port = free_port()
-    context = num_tokens + 64 * PROMPT_FILLERS + 256
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    argv += ["--served-model-name", VLLM_MODEL_NAME, "--dtype", dtype, "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--max-num-seqs", str(num_seqs), "--max-model-len", str(context)]
-    env = os.environ | {
-        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1",  # both cores, as llama-server's -t 2
-        "VLLM_HOST_IP": "127.0.0.1",
-    }
-
-    generate = completions_generate(port, VLLM_MODEL_NAME)
-    ready = health_ready(port)
-    return Server(f"vLLM {dtype}", argv, ready, generate, env=env, start_timeout_s=VLLM_START_TIMEOUT_S)
-
-
-def burst(server: Server, num_streams: int, num_tokens: int, first_index: int) -> dict:
+def burst(server: Server, num_streams: int, num_tokens: int, first_index: int, load: Load = GREEDY) -> dict:
+    """`num_streams` requests at once, prompts `first_index`..., each made as `load` says."""
     timings: list[Timing] = [None] * num_streams  # type: ignore[list-item]
 
     def run(i: int) -> None:
-        timings[i] = server.generate(first_index + i, num_tokens)
+        timings[i] = server.generate(first_index + i, num_tokens, load)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(num_streams)]
     for thread in threads:
@@ -311,32 +92,20 @@ def burst(server: Server, num_streams: int, num_tokens: int, first_index: int) -
 ALONE = (0, 7, 15)  # streams of the many-stream burst replayed alone: the same reply, token for token?
 
 
-def same_alone(server: Server, many: dict, num_streams: int, num_tokens: int) -> bool:
-    """Whether streams of a burst of `num_streams` give the very replies they give alone: the same
-    token ids, or the same text (its pieces joined: how a stream's text is cut into chunks follows
-    how many tokens each step gave it, drafts and batching, not what it says)."""
-    first = 100 * num_streams
+def same_alone(server: Server, many: dict, num_tokens: int, load: Load) -> bool:
+    """Whether streams of the burst `many` give the very replies they give alone: the same token ids,
+    or the same text (its pieces joined: how a stream's text is cut into chunks follows how many
+    tokens each step gave it, drafts and batching, not what it says)."""
+    indices = sorted(many["replies"])
     return all(
-        _joined(server.generate(first + i, num_tokens).reply) == _joined(many["replies"][first + i])
+        _joined(server.generate(indices[i], num_tokens, load).reply) == _joined(many["replies"][indices[i]])
         for i in ALONE
-        if i < num_streams
+        if i < len(indices)
     )
 
 
 def _joined(reply: list) -> list | str:
     return "".join(reply) if reply and isinstance(reply[0], str) else reply
-
-
-def find_llama_server(given: str | None) -> str | None:
-    candidates = [given, os.environ.get("TPSERVE_LLAMA_SERVER")]
-    candidates += sorted(str(p) for p in (Path.home() / ".cache/tpserve-peer").glob("**/bin/llama-server"))
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-
-
-def find_vllm(given: str | None) -> str | None:
-    """The Python of vLLM's own virtual environment."""
-    candidates = [given, os.environ.get("TPSERVE_VLLM_PYTHON"), str(PEER_CACHE / "vllm-venv/bin/python")]
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
 def roofline(model_dir: str) -> dict:
@@ -380,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="FILE", default=None)
     args = parser.parse_args(argv)
-    global PROMPT_FILLERS
-    PROMPT_FILLERS = args.prompt_fillers
     variants = args.variant or ["default=", "fast=--batch-invariant false"]
     model_dir = default_model_dir()
     systems = {}
@@ -398,88 +165,119 @@ def main(argv: list[str] | None = None) -> int:
     vllm_name = f"vLLM {args.vllm_dtype}"
     names = (["llama-server"] if binary else []) + ([vllm_name] if vllm else [])
     names += [f"tpserve {name}" for name in systems]
-    samples: dict[str, dict[int, list[dict]]] = {name: {1: [], args.streams: []} for name in names}
+    n = args.streams
+    short, long = Load(fillers=args.prompt_fillers), Load(fillers=LONG_FILLERS)
+    # workload: (streams, reply tokens, first prompt index, load); fresh prompts for each burst, so
+    # none repeats one a prompt cache holds.
+    workloads = {
+        "1": (1, args.tokens, 100, short),
+        f"{n}": (n, args.tokens, 100 * n, short),
+        f"{n} sampled": (n, args.tokens, 200 * n, Load(SAMPLED.temperature, args.prompt_fillers)),
+        "1 long": (1, LONG_TOKENS, 300 * n, long),
+        f"{n} long": (n, LONG_TOKENS, 400 * n, long),
+    }
+    replayed = (f"{n}", f"{n} sampled")  # replayed alone: the same replies?
+    context = args.tokens + 64 * max(args.prompt_fillers, LONG_FILLERS) + 256  # a peer's per-stream room
+    samples: dict[str, dict[str, list[dict]]] = {name: {w: [] for w in workloads} for name in names}
     for _ in range(args.rounds):
         for name in names:
             if name == "llama-server":
-                server = start_llama(binary, find_default_gguf(), args.streams, args.tokens)
+                server = start_llama(binary, find_default_gguf(), n, context)
             elif name == vllm_name:
-                model = vllm_model_dir(args.vllm_model)
-                server = start_vllm(vllm, model, args.vllm_dtype, args.streams, args.tokens)
+                server = start_vllm(vllm, vllm_model_dir(args.vllm_model), args.vllm_dtype, n, context)
             else:
                 server = start_tpserve(name, *systems[name.removeprefix("tpserve ")], api=args.tpserve_api)
             try:
                 burst(server, 1, 8, 1000)  # warm-up
-                for streams in (1, args.streams):
-                    # Fresh prompts for each burst: none repeats one a prompt cache holds.
-                    samples[name][streams].append(burst(server, streams, args.tokens, 100 * streams))
-                many = samples[name][args.streams][-1]
-                many["same_alone"] = same_alone(server, many, args.streams, args.tokens)
+                for workload, (streams, tokens, first, load) in workloads.items():
+                    got = burst(server, streams, tokens, first, load)
+                    if workload in replayed:
+                        got["same_alone"] = same_alone(server, got, tokens, load)
+                    samples[name][workload].append(got)
             finally:
                 server.close()
-    rows = []
     for name in names:
         figures = {}
-        for streams, runs in samples[name].items():
+        for workload, runs in samples[name].items():
             kept = ("complete", "replies", "same_alone")
-            figures[streams] = {key: median([r[key] for r in runs]) for key in runs[0] if key not in kept}
-            figures[streams]["complete"] = all(r["complete"] for r in runs)
-            if streams == args.streams:
-                figures[streams]["same_alone"] = all(r["same_alone"] for r in runs)
+            figures[workload] = {key: median([r[key] for r in runs]) for key in runs[0] if key not in kept}
+            figures[workload]["complete"] = all(r["complete"] for r in runs)
+            if workload in replayed:
+                figures[workload]["same_alone"] = all(r["same_alone"] for r in runs)
         report["results"][name] = figures
-    # Each column's ratio is against the best peer in it (llama-server or vLLM), else the first variant.
+    ratios(report, names, list(workloads), replayed)
+    print_tables(report, names, n, args.tokens)
+    incomplete = [name for name in names if not all(f["complete"] for f in report["results"][name].values())]
+    return finish(report, args.json, f"replies cut short: {incomplete}" if incomplete else None)
+
+
+def ratios(report: dict, names: list[str], workloads: list[str], throughput: tuple[str, ...]) -> None:
+    """Each column's ratio against the best peer in it (llama-server or vLLM), else the first
+    variant: tok/s over the highest (1 stream and the many-stream bursts), TTFT over the lowest (every
+    workload). Written under report["ratios"][name]."""
+    results = report["results"]
     peers = [name for name in names if not name.startswith("tpserve ")] or [names[0]]
-    best = {n: max(report["results"][p][n]["tok_s"] for p in peers) for n in (1, args.streams)}
+    report["ratios"] = {}
     for name in names:
-        one, many = report["results"][name][1], report["results"][name][args.streams]
-        roof = one["decode_tok_s_per_stream"] / report["roofline"]["tok_s"]
-        report["results"][name]["ratios"] = {
-            "x_peer_1": one["tok_s"] / best[1],
-            f"x_peer_{args.streams}": many["tok_s"] / best[args.streams],
-            "of_fp32_roofline_1": roof,
-        }
-        rows.append(
-            (
-                name,
-                one["tok_s"],
-                one["decode_tok_s_per_stream"],
-                one["ttft_s"],
-                many["tok_s"],
-                many["ttft_s"],
-                one["tok_s"] / best[1],
-                many["tok_s"] / best[args.streams],
-                roof,
-                "yes" if many["same_alone"] else "no",
-            )
+        got = {}
+        for workload in workloads:
+            if workload == "1" or workload in throughput:
+                best = max(results[p][workload]["tok_s"] for p in peers)
+                got[f"tok_s {workload}"] = results[name][workload]["tok_s"] / best
+            best = min(results[p][workload]["ttft_s"] for p in peers)
+            got[f"ttft {workload}"] = results[name][workload]["ttft_s"] / best
+        got["of_fp32_roofline 1"] = (
+            results[name]["1"]["decode_tok_s_per_stream"] / report["roofline"]["tok_s"]
         )
-    print_table(
-        f"{args.tokens}-token greedy replies, 1 and {args.streams} streams ({report['machine']['cpu_model']})",
+        report["ratios"][name] = got
+
+
+def print_tables(report: dict, names: list[str], n: int, num_tokens: int) -> None:
+    results, ratio = report["results"], report["ratios"]
+    yes = {True: "yes", False: "no"}
+    rows = [
         (
-            "system",
-            "tok/s 1",
-            "decode 1",
-            "ttft 1",
-            f"tok/s {args.streams}",
-            f"ttft {args.streams}",
-            "x peer 1",
-            f"x peer {args.streams}",
-            "of roof 1",
-            f"{args.streams} == alone",
-        ),
+            name,
+            results[name]["1"]["tok_s"],
+            results[name]["1"]["decode_tok_s_per_stream"],
+            results[name][f"{n}"]["tok_s"],
+            results[name][f"{n} sampled"]["tok_s"],
+            ratio[name]["tok_s 1"],
+            ratio[name][f"tok_s {n}"],
+            ratio[name][f"tok_s {n} sampled"],
+            ratio[name]["of_fp32_roofline 1"],
+            yes[results[name][f"{n}"]["same_alone"]],
+            yes[results[name][f"{n} sampled"]["same_alone"]],
+        )
+        for name in names
+    ]
+    print_table(
+        f"{num_tokens}-token replies, 1 and {n} streams ({report['machine']['cpu_model']})",
+        ("system", "tok/s 1", "decode 1", f"tok/s {n}", f"sampled {n}", "x peer 1", f"x peer {n}")
+        + (f"x peer sampled {n}", "of roof 1", f"{n} == alone", f"sampled {n} == alone"),
+        rows,
+    )
+    ttft = ("1", f"{n}", "1 long", f"{n} long")
+    rows = [
+        (name, *(results[name][w]["ttft_s"] for w in ttft), *(ratio[name][f"ttft {w}"] for w in ttft))
+        for name in names
+    ]
+    print_table(
+        f"mean time to first token, s: short prompts, and long ones of {LONG_FILLERS} fillers (~510 tokens)",
+        ("system", *(f"ttft {w}" for w in ttft), *(f"x peer {w}" for w in ttft)),
         rows,
     )
     roof = report["roofline"]
     print(
         f"fp32 roofline: {roof['gb_s']:.1f} GB/s / {roof['mb_per_token']:.0f} MB/token = {roof['tok_s']:.1f} tok/s"
     )
-    incomplete = [
-        name
-        for name in names
-        if not all(
-            f["complete"] for f in report["results"][name].values() if isinstance(f, dict) and "complete" in f
-        )
-    ]
-    return finish(report, args.json, f"replies cut short: {incomplete}" if incomplete else None)
+
+
+def cpu_has(flag: str) -> bool:
+    try:
+        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()[:40])
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import FILLER, default_model_dir, finish, median, print_table  # noqa: E402
-from bench.peer import REPO, Server, health_ready, streamed_chunks  # noqa: E402
+from bench.peer_servers import REPO, Server, health_ready, streamed_chunks  # noqa: E402
 from tpserve.ranks.local_ranks import free_port  # noqa: E402
 from tpserve.server.kv_blocks import blocks_for  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402

@@ -32,7 +32,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import default_model_dir, finish, print_table  # noqa: E402
-from bench.peer import REPO, burst, start_tpserve  # noqa: E402
+from bench.peer import burst  # noqa: E402
+from bench.peer_servers import REPO, start_tpserve  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.ranks.step_profile import PROFILE_ENV  # noqa: E402
 
