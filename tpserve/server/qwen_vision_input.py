@@ -5,7 +5,7 @@ for a video, its frames (two per temporal patch).
 The chat template writes one image pad (or video pad) token per part; each becomes the merged grid's
 frames * rows * columns positions, which the part's header alone says (no pixel or frame is decoded
 before the request is otherwise accepted: tpserve/server/videos.py counts a video's frames by demuxing
-only). Each part carries its merged grid, frames and time step, from which the leader works out the
+only, and expand hands its packets to read, which decodes them without demuxing the file again). Each part carries its merged grid, frames and time step, from which the leader works out the
 chunks' multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is the bytes' hash.
 """
 
@@ -27,8 +27,8 @@ from tpserve.server.qwen_images import QwenPreprocessor
 from tpserve.server.qwen_videos import QwenVideoPreprocessor, VideoPlan
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits, invalid_argument
-from tpserve.server.videos import VideoHeader, decode_frames, read_header
-from tpserve.server.vision_input import image_key
+from tpserve.server.videos import DemuxedVideo, decode_frames, demux
+from tpserve.server.vision_input import PlacedPart, image_key
 
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
 
@@ -74,14 +74,14 @@ class QwenVisionInput:
         factor = self.preprocessor.patch_size * self.preprocessor.merge_size
         return height // factor, width // factor
 
-    def video_plan(self, data: bytes, where: str, limits: Limits) -> tuple[VideoHeader, VideoPlan]:
-        """A video's header, and which frames it reads and their grid, from a demux pass alone."""
+    def video_plan(self, data: bytes, where: str, limits: Limits) -> tuple[DemuxedVideo, VideoPlan]:
+        """A video's packets, and which frames it reads and their grid, from a demux pass alone."""
         if self.video is None:
             raise invalid_argument(
                 f"{where}.media: this model reads no video inputs (its config names no video token)"
             )
-        header = read_header(data, where, limits)
-        return header, self.video.plan(header, where)
+        video = demux(data, where, limits)
+        return video, self.video.plan(video.header, where)
 
     def expand(
         self,
@@ -90,9 +90,10 @@ class QwenVisionInput:
         media: Sequence = (),
         wheres: Sequence[str] = (),
         limits: Limits = DEFAULT_LIMITS,
-    ) -> tuple[list[int], list[int]]:
+    ) -> tuple[list[int], list[PlacedPart]]:
         """Template token ids with one pad token per image or video -> the prompt with each widened
-        to its merged grid's frames * rows * columns, and the parts' offsets in it."""
+        to its merged grid's frames * rows * columns, and the parts' places in it (a video's with its
+        packets, for read)."""
         pads = {self.image_token_id, self.video_token_id} - {None}
         found = [index for index, token in enumerate(ids) if token in pads]
         if len(found) != num_images or len(media) != num_images:
@@ -100,12 +101,13 @@ class QwenVisionInput:
                 f"the prompt holds {len(found)} image tokens for {num_images} image parts "
                 f"(the text may not contain {self.image_token!r})"
             )
-        out, offsets, at = [], [], 0
+        out, placed, at = [], [], 0
         wheres = list(wheres) or [f"image {number}" for number in range(num_images)]
         for index, part, where in zip(found, media, wheres):
+            video = None
             if is_video(part):
                 token = self.video_token_id
-                _, plan = self.video_plan(part.data, where, limits)
+                video, plan = self.video_plan(part.data, where, limits)
                 merge = self.preprocessor.merge_size
                 count = plan.grid[0] * (plan.grid[1] // merge) * (plan.grid[2] // merge)
             else:
@@ -115,20 +117,21 @@ class QwenVisionInput:
             if ids[index] != token:
                 raise invalid_argument(f"{where}: the chat template wrote the wrong pad token for this part")
             out += ids[at:index]
-            offsets.append(len(out))
+            placed.append(PlacedPart(len(out), video))
             out += [token] * count
             at = index + 1
-        return out + list(ids[at:]), offsets
+        return out + list(ids[at:]), placed
 
-    def read(self, media: Sequence, offsets: Sequence[int], wheres: Sequence[str], limits: Limits):
-        """The prompt's images and videos (media parts in prompt order, at `offsets`) with their features."""
+    def read(self, media: Sequence, placed: Sequence[PlacedPart], wheres: Sequence[str], limits: Limits):
+        """The prompt's images and videos (media parts in prompt order, at `placed`, as expand returned)
+        with their features."""
         merge = self.tower.config.spatial_merge_size
         images = []
-        for part, offset, where in zip(media, offsets, wheres):
+        for part, place, where in zip(media, placed, wheres):
             interval = 1.0
             if is_video(part):
-                header, plan = self.video_plan(part.data, where, limits)
-                frames = decode_frames(part.data, where, header, plan.indices, self.video.frames.pixels)
+                plan = self.video.plan(place.video.header, where)
+                frames = decode_frames(place.video, where, plan.indices, self.video.frames.pixels)
                 patches, grid = self.video.patches(frames)
                 # transformers multiplies tokens_per_second by second_per_grid_ts in float32
                 interval = float(
@@ -141,5 +144,7 @@ class QwenVisionInput:
                 features = self.tower.features(patches, grid)
             merged = (grid[1] // merge, grid[2] // merge)
             key = image_key(part.data)
-            images.append(PromptImage(offset, features.shape[0], key, features, merged, grid[0], interval))
+            images.append(
+                PromptImage(place.offset, features.shape[0], key, features, merged, grid[0], interval)
+            )
         return tuple(images)
