@@ -248,7 +248,9 @@ def test_the_shared_prefix_benchmark_finds_one_copy_of_the_system_prompt(tmp_pat
     assert {"cpu_model", "vector_extensions", "blas", "torch", "threads"} <= set(report["machine"])
 
 
-def test_the_vision_ttft_benchmark_times_a_text_an_image_and_a_video_chat_through_the_daemon(tmp_path, capsys):
+def test_the_vision_ttft_benchmark_times_a_text_an_image_and_a_video_chat_through_the_daemon(
+    tmp_path, capsys
+):
     # The real two-rank daemon on the tiny Qwen2.5-VL it writes: each chat gives its first token,
     # prefilled cold (never from the cache), and the media widen the prompt by their grids.
     out = tmp_path / "vision.json"
@@ -261,5 +263,5 @@ def test_the_vision_ttft_benchmark_times_a_text_an_image_and_a_video_chat_throug
     assert kinds["image"]["prompt_tokens"] - kinds["text"]["prompt_tokens"] == 36 + 2
     assert kinds["video"]["prompt_tokens"] - kinds["text"]["prompt_tokens"] == 4 * 36 + 2
     for kind in kinds.values():
-        assert 0 < kind["engine_ttft_median_ms"] and 0 < kind["ttft_median_ms"]
+        assert kind["engine_ttft_median_ms"] > 0 and kind["ttft_median_ms"] > 0
     assert {"cpu_model", "vector_extensions", "blas", "torch", "threads"} <= set(report["machine"])

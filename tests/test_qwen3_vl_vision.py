@@ -6,8 +6,6 @@ for two temporal patches of video frames, on the same processor outputs, within 
 from __future__ import annotations
 
 import io
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +14,8 @@ from PIL import Image
 from tiny_llava import block_image
 from tiny_qwen3_vl import write_tiny_qwen3_vl
 
+from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.qwen3_vision import load_qwen3_vision_tower, position_taps
-from tpserve.ranks.qwen3_vision_config import parse_qwen3_vision_config
 from tpserve.server.qwen_images import QwenPreprocessor
 
 
@@ -34,9 +32,8 @@ def reference(model_dir):
 
 
 def ours(model_dir: str):
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    config = parse_qwen3_vision_config(raw, model_dir)
-    return load_qwen3_vision_tower(model_dir, config, torch.float32)
+    config = load_model_config(model_dir)
+    return load_qwen3_vision_tower(model_dir, config.vision, torch.float32)
 
 
 def theirs(reference, patches: np.ndarray, grid) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -46,7 +43,7 @@ def theirs(reference, patches: np.ndarray, grid) -> tuple[torch.Tensor, list[tor
 
 
 def check_against(tower, reference, patches, grid) -> None:
-    features, deepstack = tower.features(patches, grid)
+    features, deepstack = tower.features_and_deepstack(patches, grid)
     expected, expected_deepstack = theirs(reference, patches, grid)
     torch.testing.assert_close(features, expected, rtol=0, atol=1e-5)
     assert len(deepstack) == len(expected_deepstack) == 1

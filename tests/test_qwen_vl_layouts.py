@@ -74,9 +74,12 @@ def test_smart_resize_keeps_the_pixel_bounds_and_refuses_a_sliver(qwen_dir):
     assert pre.patches(decode_image(block_image(1, (13, 9)), "image", 1 << 20))[1] == (1, 2, 2)  # min_pixels
 
 
-def test_a_qwen3_vl_checkpoint_written_by_transformers_is_refused_by_name_at_load(tmp_path):
-    # Its tower feeds deepstack features into the first text layers and its rotary interleaves the
-    # axes: served as Qwen2.5-VL it would give wrong logits, so start-up refuses it and says why.
-    model_dir = write_tiny_qwen3_vl(tmp_path / "qwen3-vl")
-    with pytest.raises(ModelFileError, match="Qwen3VLForConditionalGeneration is not supported: .*deepstack"):
-        load_model_config(model_dir)
+def test_a_qwen3_vl_moe_checkpoint_is_refused_by_name_at_load(tmp_path):
+    # The dense Qwen3-VL loads; its mixture-of-experts sibling (the same layout, experts in the text
+    # model) is refused at start-up, saying what is missing.
+    raw = json.loads((write_tiny_qwen3_vl(tmp_path / "qwen3-vl") / "config.json").read_text())
+    raw["architectures"] = ["Qwen3VLMoeForConditionalGeneration"]
+    with pytest.raises(
+        ModelFileError, match="Qwen3VLMoeForConditionalGeneration is not supported: .*experts"
+    ):
+        parse_model_config(raw)

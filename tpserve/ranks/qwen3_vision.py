@@ -5,8 +5,9 @@ its 2-D rotary, the 2x2 patch merger and the deepstack mergers, in plain torch.
 Its output is the merged features [tokens, text hidden] (one row per text position, in the processor's
 order) and, for each of deepstack_visual_indexes, the same rows from a merger reading that block's
 output: transformers adds those to the first text layers' hidden states at the media's positions.
-It runs on rank 0 only, one image at a time, as the Qwen2.5-VL tower does (tpserve/ranks/qwen_vision.py);
-the engine does not yet take the deepstack rows (Qwen3-VL is refused at load: tpserve/ranks/unsupported.py).
+It runs on rank 0 only, one image at a time, as the Qwen2.5-VL tower does (tpserve/ranks/qwen_vision.py):
+the features and the deepstack rows, side by side, reach every rank through the embedding's all-reduce,
+and every rank adds the deepstack rows after its first layers (tpserve/ranks/model.py).
 """
 
 from __future__ import annotations
@@ -110,7 +111,13 @@ class Qwen3VisionTower:
         x = x.reshape(-1, width)
         return self._linear(F.gelu(self._linear(x, name + ".linear_fc1")), name + ".linear_fc2")
 
-    def features(self, patches, grid: tuple[int, int, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def features(self, patches, grid: tuple[int, int, int]) -> torch.Tensor:
+        """[tokens, text hidden * (1 + num_deepstack)]: the merged features, then each deepstack
+        merger's, side by side, as the engine's embedding takes them (tpserve/ranks/model.py _embed)."""
+        features, deepstack = self.features_and_deepstack(patches, grid)
+        return torch.cat([features, *deepstack], dim=1)
+
+    def features_and_deepstack(self, patches, grid) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         cfg = self.config
         patches = torch.as_tensor(patches).to(self.device, self.dtype)
         if patches.shape != (grid[0] * grid[1] * grid[2], cfg.patch_values):

@@ -1,6 +1,7 @@
 """The vision side of a Qwen3-VL checkpoint: its ViT's shape, the learned position table, the 2x2 merger
 and the layers whose deepstack mergers feed the text model, read from config.json's vision_config
-(missing keys take transformers' Qwen3VLVisionConfig defaults)."""
+(missing keys take transformers' Qwen3VLVisionConfig defaults); the media tokens, and the text model's
+mrope sections, which Qwen3-VL interleaves (t, h, w, t, h, w, ... over the rotary's frequencies)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from tpserve.ranks.errors import ModelFileError
 
+QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
 QWEN3_VISION_DEFAULTS = {
     "depth": 27,
     "hidden_size": 1152,
@@ -42,6 +44,16 @@ class Qwen3VisionConfig:
     hidden_act: str
     rope_theta: float
     out_hidden_size: int
+    image_token_id: int
+    video_token_id: int | None
+    mrope_section: tuple[int, ...]  # the text rotary's frequencies per axis (t, h, w)
+    mrope_interleaved: bool = True
+    tokens_per_second: float = 1.0  # unread: Qwen3-VL times video frames with text (not yet served)
+
+    @property
+    def num_deepstack(self) -> int:
+        """The text layers (the first ones) a deepstack merger's features are added after."""
+        return len(self.deepstack_visual_indexes)
 
     @property
     def head_dim(self) -> int:
@@ -57,7 +69,7 @@ class Qwen3VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
-def parse_qwen3_vision_config(raw: dict, path: str | Path) -> Qwen3VisionConfig:
+def parse_qwen3_vision_config(raw: dict, text: dict, head_dim: int, path: str | Path) -> Qwen3VisionConfig:
     vision = {**QWEN3_VISION_DEFAULTS, **(raw.get("vision_config") or {})}
     if vision["hidden_act"] not in ACTIVATIONS:
         raise ModelFileError(
@@ -71,6 +83,19 @@ def parse_qwen3_vision_config(raw: dict, path: str | Path) -> Qwen3VisionConfig:
     indexes = tuple(int(i) for i in vision["deepstack_visual_indexes"])
     if any(not 0 <= i < vision["depth"] for i in indexes):
         raise ModelFileError(path, f"vision_config.deepstack_visual_indexes {list(indexes)} past its depth")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = tuple(int(s) for s in rope.get("mrope_section") or ())
+    if len(section) != 3 or sum(section) != head_dim // 2 or 3 * max(section[1:]) > head_dim // 2:
+        raise ModelFileError(
+            path,
+            f"mrope_section {list(section)} must be three numbers summing to head_dim / 2 ({head_dim // 2}), "
+            "each of h and w at most a third of it",
+        )
+    if not rope.get("mrope_interleaved", True):
+        raise ModelFileError(path, "Qwen3-VL's mrope_interleaved false (sections in runs) is not implemented")
+    image_token_id = raw.get("image_token_id", text.get("image_token_id"))
+    if not isinstance(image_token_id, int):
+        raise ModelFileError(path, "missing 'image_token_id'")
     return Qwen3VisionConfig(
         depth=int(vision["depth"]),
         hidden_size=int(vision["hidden_size"]),
@@ -85,4 +110,7 @@ def parse_qwen3_vision_config(raw: dict, path: str | Path) -> Qwen3VisionConfig:
         hidden_act=vision["hidden_act"],
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         out_hidden_size=int(vision["out_hidden_size"]),
+        image_token_id=image_token_id,
+        video_token_id=raw.get("video_token_id", text.get("video_token_id")),
+        mrope_section=section,
     )

@@ -14,10 +14,6 @@ from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_config import GEMMA3_ACTIVATIONS
 
-QWEN3_VL = (
-    "Qwen3-VL's vision tower (learned position embeddings, deepstack features added to the first text "
-    "layers' hidden states) and its interleaved multimodal rotary"
-)
 # Known architectures tpserve does not load, and what in them it does not compute.
 REFUSED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and its mixture of experts",
@@ -28,9 +24,8 @@ REFUSED_ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
     "Qwen3_5MoeForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
-    # Qwen2.5-VL's tower and rotary are computed (tpserve/ranks/qwen_vision.py, mrope.py); Qwen3-VL's differ.
-    "Qwen3VLForConditionalGeneration": QWEN3_VL,
-    "Qwen3VLMoeForConditionalGeneration": f"{QWEN3_VL}, and its mixture-of-experts text model",
+    # Qwen3-VL's dense model is computed (tpserve/ranks/qwen3_vision.py); its MoE text model is not.
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts text model (with deepstack features)",
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.

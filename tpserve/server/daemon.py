@@ -22,6 +22,7 @@ from pathlib import Path
 from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import DTYPES
+from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
 from tpserve.ranks.qwen_vision_config import QwenVisionConfig
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
@@ -142,7 +143,8 @@ def _vision_input(
     if not config.vision:
         return None
     # A Qwen-VL's tower and its images' sizes (tpserve/server/qwen_vision_input.py), or LLaVA's.
-    kind = QwenVisionInput if isinstance(runtime.config.vision, QwenVisionConfig) else VisionInput
+    qwen = isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig))
+    kind = QwenVisionInput if qwen else VisionInput
     return kind.from_model_dir(
         settings.model_dir,
         runtime.config,

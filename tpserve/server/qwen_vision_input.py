@@ -12,6 +12,7 @@ chunks' multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache k
 from __future__ import annotations
 
 import io
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ import numpy as np
 from PIL import Image
 
 from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.qwen3_vision import Qwen3VisionTower, load_qwen3_vision_tower
+from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
 from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
 from tpserve.server.images import FORMATS, decode_image
 from tpserve.server.media_checks import is_video
@@ -30,20 +33,25 @@ from tpserve.server.validation import Limits, invalid_argument
 from tpserve.server.videos import DemuxedVideo, decode_frames, demux
 from tpserve.server.vision_input import PlacedPart, image_key
 
+log = logging.getLogger(__name__)
+# Qwen3-VL's processor puts each temporal patch of a video apart, after a timestamp in text: not built here.
+QWEN3_NO_VIDEO = "Qwen3-VL's timestamped video frames are not implemented"
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
 
 
 class QwenVisionInput:
     def __init__(
         self,
-        tower: QwenVisionTower,
+        tower: QwenVisionTower | Qwen3VisionTower,
         preprocessor: QwenPreprocessor,
         image_token: str,
         video: QwenVideoPreprocessor | None = None,
+        no_video: str = "its config names no video token",
     ):
         self.tower = tower
         self.preprocessor = preprocessor
         self.video = video
+        self.no_video = no_video  # why, where video is None: the refusal says it
         self.image_token_id = tower.config.image_token_id
         self.video_token_id = tower.config.video_token_id
         self.image_token = image_token  # its text, for the refusal when the counts disagree
@@ -53,13 +61,18 @@ class QwenVisionInput:
     def from_model_dir(
         cls, model_dir: str | Path, config: ModelConfig, image_token: str, dtype, device="cpu"
     ):
+        preprocessor = QwenPreprocessor.from_model_dir(model_dir)
+        if isinstance(config.vision, Qwen3VisionConfig):
+            tower = load_qwen3_vision_tower(model_dir, config.vision, dtype, device)
+            log.warning("%s: video inputs are refused (%s)", config.architecture, QWEN3_NO_VIDEO)
+            return cls(tower, preprocessor, image_token, None, QWEN3_NO_VIDEO)
         tower = load_qwen_vision_tower(model_dir, config.vision, dtype, device)
         video = (
             QwenVideoPreprocessor.from_model_dir(model_dir)
             if config.vision.video_token_id is not None
             else None
         )
-        return cls(tower, QwenPreprocessor.from_model_dir(model_dir), image_token, video)
+        return cls(tower, preprocessor, image_token, video)
 
     def merged_grid(self, data: bytes, where: str) -> tuple[int, int]:
         """(rows, columns) of an image's merged grid, from its header (the size) only."""
@@ -77,9 +90,7 @@ class QwenVisionInput:
     def video_plan(self, data: bytes, where: str, limits: Limits) -> tuple[DemuxedVideo, VideoPlan]:
         """A video's packets, and which frames it reads and their grid, from a demux pass alone."""
         if self.video is None:
-            raise invalid_argument(
-                f"{where}.media: this model reads no video inputs (its config names no video token)"
-            )
+            raise invalid_argument(f"{where}.media: this model reads no video inputs ({self.no_video})")
         video = demux(data, where, limits)
         return video, self.video.plan(video.header, where)
 
