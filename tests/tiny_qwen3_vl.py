@@ -1,8 +1,9 @@
-"""A tiny random Qwen3-VL written by transformers' own classes (Qwen3VLConfig, save_pretrained, and
-the image processor's own save_pretrained: Qwen3-VL's is Qwen2-VL's; its video processor imports
-torchvision, which has no build for this torch here): a 2-block ViT of width 32 with
-one deepstack merger, and a Qwen3 text model with interleaved mrope sections, beside the tests' tokenizer
-and chat template. tpserve refuses it by name at load time (tpserve/ranks/unsupported.py)."""
+"""A tiny random Qwen3-VL written by transformers' own classes (Qwen3VLConfig, save_pretrained, and the
+image processor's own save_pretrained: Qwen3-VL's is Qwen2-VL's; its video processor imports torchvision,
+which has no build for this torch here): a 2-block ViT of width 32 with one deepstack merger (after block
+0) and a 4x4 learned position table, and a Qwen3 text model with interleaved mrope sections, beside the
+tests' tokenizer and chat template (tests/tiny_qwen_vl.py's).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tiny_qwen_vl import (
     VIDEO_TOKEN_ID,
     VISION_END_ID,
     VISION_START_ID,
-    _tokenizer,
+    qwen_vl_tokenizer,
 )
 from tiny_vlm import save_with_tokenizer, scramble, text_settings
 
@@ -28,7 +29,7 @@ def write_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer()
+    tokenizer = qwen_vl_tokenizer()
     text = text_settings(tokenizer.get_vocab_size())
     head_dim = BASE["hidden_size"] // BASE["num_attention_heads"]
     text["head_dim"] = head_dim

@@ -1,12 +1,13 @@
-"""Rank 0's image and video inputs for a Qwen2.5-VL model: as tpserve/server/vision_input.py's for LLaVA,
-except that a part's token count follows its size (smart resize to the patch grid, then the 2x2 merge) and,
-for a video, its frames (two per temporal patch).
+"""Rank 0's image and video inputs for a Qwen2.5-VL or Qwen3-VL model: as tpserve/server/vision_input.py's
+for LLaVA, except that a part's token count follows its size (smart resize to the patch grid, then the 2x2
+merge) and, for a video, its frames (two per temporal patch; Qwen3-VL's videos are refused by name).
 
 The chat template writes one image pad (or video pad) token per part; each becomes the merged grid's
 frames * rows * columns positions, which the part's header alone says (no pixel or frame is decoded
 before the request is otherwise accepted: tpserve/server/videos.py counts a video's frames by demuxing
-only, and expand hands its packets to read, which decodes them without demuxing the file again). Each part carries its merged grid, frames and time step, from which the leader works out the
-chunks' multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is the bytes' hash.
+only, and expand hands its packets to read, which decodes them without demuxing the file again). Each
+part carries its merged grid, frames and time step, from which the leader works out the chunks'
+multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is the bytes' hash.
 """
 
 from __future__ import annotations
