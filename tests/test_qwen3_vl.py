@@ -2,8 +2,8 @@
 (tests/tiny_qwen3_vl.py): the tower's features and deepstack features reach the text model (added after
 its first layers at the image's rows) and its interleaved multimodal rotary turns them, giving
 transformers' own logits and greedy tokens, in one pass and in chunks that cut the image; tp=2 against
-tp=1 bit for bit; a batch with and without images against each prompt's solo run; video parts refused
-by name (Qwen3-VL's timestamped frames are not built)."""
+tp=1 bit for bit; a batch with and without images against each prompt's solo run (video:
+tests/test_qwen3_vl_video.py)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,13 @@ from PIL import Image
 from test_qwen_vl import NUM_STEPS, image_prompt, run_prompts
 from tiny_llava import block_image
 from tiny_qwen3_vl import write_tiny_qwen3_vl
-from tiny_qwen_vl import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_END_ID, VISION_START_ID
-from tiny_video import block_video
+from tiny_qwen_vl import IMAGE_TOKEN_ID
 
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import section_axes
 from tpserve.ranks.qwen3_vision import load_qwen3_vision_tower
 from tpserve.server.images import decode_image
 from tpserve.server.qwen_images import QwenPreprocessor
-from tpserve.server.qwen_vision_input import QwenVisionInput
-from tpserve.server.validation import Limits, RequestRefused
-from tpserve.v1 import serving_pb2
 
 SIZES = ((70, 50), (40, 90))  # (width, height): 10x6 and 6x12 patch grids of 8 pixels, past the 4x4 table
 
@@ -125,14 +121,3 @@ def test_tp2_equals_tp1_bit_for_bit_with_images(model_dir):
         pair_logits, pair_tokens = pool.run(_tp2, model_dir, prompts, images, timeout_s=120)[0]
     assert pair_tokens == solo_tokens
     torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
-
-
-def test_a_video_part_is_refused_by_name(model_dir):
-    config = load_model_config(model_dir)
-    vision = QwenVisionInput.from_model_dir(model_dir, config, "<|image_pad|>", torch.float32)
-    part = serving_pb2.Media(mime_type="video/mp4", data=block_video(1, 4, (32, 32)))
-    ids = [40, VISION_START_ID, VIDEO_TOKEN_ID, VISION_END_ID]
-    with pytest.raises(
-        RequestRefused, match="video inputs .*Qwen3-VL's timestamped video frames are not implemented"
-    ):
-        vision.expand(ids, 1, [part], ["messages[0].parts[0]"], Limits(context_size=1024, vocab_size=400))

@@ -1,8 +1,9 @@
 """--vision through the real two-rank daemon on a tiny Qwen3-VL that transformers writes: a chat with
 an image gives transformers' own greedy tokens, in prompt passes and cache blocks of 16 that cut the
 image (its deepstack rows cut with it); the same image hits the prompt cache and repeats the cold reply,
-another never does; replies beside images equal their solo runs; a video part fails its own request,
-naming what is not built, while the server serves on."""
+another never does; replies beside images equal their solo runs; a chat with a short MP4 (each temporal
+patch after its time in text) gives transformers' greedy tokens, cold and from the cache; broken video
+bytes fail their own request only."""
 
 from __future__ import annotations
 
@@ -16,15 +17,20 @@ from daemon import running_daemon
 from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
+from test_qwen3_vl_video import MESSAGES, ours, transformers_prompt
 from tiny_llava import block_image
 from tiny_qwen3_vl import MERGE, write_tiny_qwen3_vl
-from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID
-from tiny_video import block_video
-from tokenizers import Tokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, generate, same_then_other
+from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
+from tiny_video import MIME_TYPES, block_video
+from tokenizers import Tokenizer as RawTokenizer
+from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
 
+from tpserve.ranks.model_config import load_model_config
+from tpserve.server.qwen_vision_input import QwenVisionInput
+from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2
 
+NUM_FRAMES, FPS = 10, 4  # 2.5 s: 5 frames sampled at 2 a second, 3 temporal patches
 SIZE = (130, 100)  # resized to 128x96: a 16x12 patch grid of 8 pixels, 48 image positions
 
 
@@ -46,7 +52,7 @@ def transformers_greedy(model_dir: str, image: bytes, text: str) -> list[int]:
     )
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
     rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
-    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    tokenizer = RawTokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     ids = tokenizer.encode(rendered, add_special_tokens=False).ids
     at = ids.index(IMAGE_TOKEN_ID)
     num = int(inputs["image_grid_thw"][0].prod()) // MERGE**2
@@ -91,12 +97,57 @@ def test_replies_beside_images_equal_their_solo_runs(served):
     check_batched(served, requests)
 
 
-def test_a_video_part_fails_its_own_request_naming_what_is_not_built(served):
-    request = ask(None, "what happens in this video")
-    video = serving_pb2.Media(mime_type="video/mp4", data=block_video(3, 4, (32, 32)))
-    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=video))
-    refused = generate(served, request)
-    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "Qwen3-VL's timestamped video frames are not implemented" in refused.details
+def transformers_video_greedy(model_dir: str, video: bytes) -> list[int]:
+    """transformers' own greedy reply to MESSAGES with the video: Qwen3VLProcessor's prompt (each
+    temporal patch after its time), the same frames' pixels."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    vision = QwenVisionInput.from_model_dir(
+        model_dir,
+        load_model_config(model_dir),
+        "<|image_pad|>",
+        torch.float32,
+        encode_text=lambda text: tokenizer.encode(text, add_bos=False),
+    )
+    _, _, plan, patches, grid = ours(vision, model_dir, video)
+    ids = torch.tensor([transformers_prompt(model_dir, plan, grid, NUM_FRAMES, FPS)])
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values_videos=torch.from_numpy(patches),
+            video_grid_thw=torch.tensor([grid]),
+            mm_token_type_ids=(ids == VIDEO_TOKEN_ID).int() * 2,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def ask_video(video: bytes, fmt: str = "mp4") -> serving_pb2.GenerateRequest:
+    request = ask(None, MESSAGES[0]["content"][1]["text"])
+    media = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=video)
+    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
+    return request
+
+
+def test_a_video_chat_gives_transformers_greedy_tokens_and_hits_the_cache_again(served):
+    video = block_video(3, NUM_FRAMES, (40, 34), fps=FPS)
+    reply = generate(served, ask_video(video))
+    assert reply.ok, reply.details
+    assert reply.token_ids == transformers_video_greedy(served.model_dir, video)
+    again = generate(served, ask_video(video))
+    assert again.token_ids == reply.token_ids
+    assert again.last.usage.cached_tokens >= 16  # past the first patch's pads, in whole blocks of 16
+
+
+def test_broken_video_bytes_fail_their_own_request_only(served):
+    good = block_video(4, NUM_FRAMES, (40, 34), fps=FPS)
+    for data in corrupted(good, 12):
+        reply = generate(served, ask_video(data))
+        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
     assert served.health() == health_pb2.HealthCheckResponse.SERVING
-    assert generate(served, ask(block_image(41, SIZE))).ok
+    assert generate(served, ask_video(good)).ok

@@ -1,6 +1,7 @@
 """A tiny random Qwen3-VL written by transformers' own classes (Qwen3VLConfig, save_pretrained, and the
 image processor's own save_pretrained: Qwen3-VL's is Qwen2-VL's; its video processor imports torchvision,
-which has no build for this torch here): a 2-block ViT of width 32 with one deepstack merger (after block
+which has no build for this torch here, so its video_preprocessor_config.json is written by hand):
+a 2-block ViT of width 32 with one deepstack merger (after block
 0) and a 4x4 learned position table, and a Qwen3 text model with interleaved mrope sections, beside the
 tests' tokenizer and chat template (tests/tiny_qwen_vl.py's).
 """
@@ -22,6 +23,24 @@ from tiny_qwen_vl import (
 from tiny_vlm import save_with_tokenizer, scramble, text_settings
 
 PATCH, MERGE, TEMPORAL = 8, 2, 2
+# Qwen3VLVideoProcessor's fields, written here (saving one needs torchvision): its pixel bounds count
+# every sampled frame (4 frames of 16x16 to 4 of 64x64), its values Qwen3-VL's own (mean and std 0.5).
+VIDEO_PROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "size": {"shortest_edge": 4 * 16 * 16, "longest_edge": 4 * 64 * 64},
+    "patch_size": PATCH,
+    "temporal_patch_size": TEMPORAL,
+    "merge_size": MERGE,
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "resample": 3,
+}
 
 
 def write_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0) -> Path:

@@ -47,8 +47,9 @@ class Qwen3VisionConfig:
     image_token_id: int
     video_token_id: int | None
     mrope_section: tuple[int, ...]  # the text rotary's frequencies per axis (t, h, w)
+    vision_start_token_id: int | None = None  # around each video frame's pads (after its time in text)
+    vision_end_token_id: int | None = None
     mrope_interleaved: bool = True
-    tokens_per_second: float = 1.0  # unread: Qwen3-VL times video frames with text (not yet served)
 
     @property
     def num_deepstack(self) -> int:
@@ -113,4 +114,6 @@ def parse_qwen3_vision_config(raw: dict, text: dict, head_dim: int, path: str | 
         image_token_id=image_token_id,
         video_token_id=raw.get("video_token_id", text.get("video_token_id")),
         mrope_section=section,
+        vision_start_token_id=raw.get("vision_start_token_id"),
+        vision_end_token_id=raw.get("vision_end_token_id"),
     )

@@ -12,6 +12,7 @@ ranks, and 1 when a stop took longer than grace_s + STOP_MARGIN_S (a follower di
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -143,15 +144,18 @@ def _vision_input(
     if not config.vision:
         return None
     # A Qwen-VL's tower and its images' sizes (tpserve/server/qwen_vision_input.py), or LLaVA's.
-    qwen = isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig))
-    kind = QwenVisionInput if qwen else VisionInput
-    return kind.from_model_dir(
+    args = (
         settings.model_dir,
         runtime.config,
         tokenizer.token_text(runtime.config.vision.image_token_id),
         DTYPES[settings.dtype],
         runtime.device,
     )
+    if isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig)):
+        return QwenVisionInput.from_model_dir(
+            *args, encode_text=functools.partial(tokenizer.encode, add_bos=False)
+        )
+    return VisionInput.from_model_dir(*args)
 
 
 def _log_serving(

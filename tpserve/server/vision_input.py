@@ -36,6 +36,11 @@ class PlacedPart:
 
     offset: int
     video: object = None
+    # A Qwen3-VL video's: where each temporal patch's pads start (its frames lie apart, each after its time)
+    frame_offsets: tuple[int, ...] = ()
+
+    def shifted(self, by: int) -> PlacedPart:
+        return PlacedPart(self.offset + by, self.video, tuple(offset + by for offset in self.frame_offsets))
 
 
 class VisionInput:
