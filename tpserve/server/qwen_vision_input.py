@@ -13,6 +13,7 @@ multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is th
 
 from __future__ import annotations
 
+import hashlib
 import io
 import threading
 from collections.abc import Callable, Sequence
@@ -188,11 +189,13 @@ class QwenVisionInput:
         merge = self.tower.config.spatial_merge_size
         merged = (grid[1] // merge, grid[2] // merge)
         size = merged[0] * merged[1]
+        # The bytes hashed once; each patch's cache key from that digest and its index.
+        digest = hashlib.sha256(data).digest()
         return [
             PromptImage(
                 offset,
                 size,
-                image_key(data + b"#%d" % patch),
+                image_key(digest + b"#%d" % patch),
                 features[patch * size : (patch + 1) * size],
                 merged,
             )
