@@ -3,14 +3,16 @@ an image gives transformers' own greedy tokens, in prompt passes and cache block
 image (its deepstack rows cut with it); the same image hits the prompt cache and repeats the cold reply,
 another never does; replies beside images equal their solo runs; a chat with a short MP4 (each temporal
 patch after its time in text) gives transformers' greedy tokens, cold and from the cache; broken video
-bytes fail their own request only."""
+bytes fail their own request only; a WebM over HTTP as a data: URL reads as over gRPC."""
 
 from __future__ import annotations
 
+import base64
 import io
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import torch
 from daemon import running_daemon
@@ -38,7 +40,7 @@ SIZE = (130, 100)  # resized to 128x96: a 16x12 patch grid of 8 pixels, 48 image
 def served(tmp_path_factory):
     model_dir = write_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl-model"))
     with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("qwen3-vl-logs"), *VISION_ARGS) as daemon:
-        daemon.model_dir = model_dir
+        daemon.model_dir, daemon.model_name = model_dir, Path(model_dir).name
         yield daemon
 
 
@@ -142,6 +144,25 @@ def test_a_video_chat_gives_transformers_greedy_tokens_and_hits_the_cache_again(
     again = generate(served, ask_video(video))
     assert again.token_ids == reply.token_ids
     assert again.last.usage.cached_tokens >= 16  # past the first patch's pads, in whole blocks of 16
+
+
+def test_a_webm_over_http_is_a_data_url_and_reads_as_over_grpc(served):
+    video = block_video(12, NUM_FRAMES, (36, 24), fps=FPS, fmt="webm")
+    url = "data:video/webm;base64," + base64.b64encode(video).decode()
+    text = MESSAGES[0]["content"][1]["text"]
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]
+    body = {
+        "model": served.model_name,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,  # gRPC's unset
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+    response = httpx.post(f"{served.http_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    grpc_reply = generate(served, ask_video(video, fmt="webm"))
+    assert grpc_reply.ok and response.json()["choices"][0]["message"]["content"] == grpc_reply.text
+    assert response.json()["usage"]["prompt_tokens"] == grpc_reply.last.usage.prompt_tokens
 
 
 def test_broken_video_bytes_fail_their_own_request_only(served):
