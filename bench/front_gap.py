@@ -54,7 +54,9 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, model_dir: str, context: int, front: bool, log_path: Path):
+    def __init__(
+        self, model_dir: str, context: int, front: bool, log_path: Path, extra_args: Sequence[str] = ()
+    ):
         self.port, self.http_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPSERVE_API_KEY")}
         env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -63,6 +65,7 @@ class Daemon:
             *("--port", str(self.port), "--http-port", str(self.http_port), "--metrics-port", "0"),
             *("--context", str(context), "--threads-per-rank", "1", "--device", "cpu"),
             *("--front-process", "true" if front else "false"),
+            *extra_args,
         ]
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT)

@@ -31,6 +31,7 @@ from bench.mxfp4_linear import run_mxfp4_linear
 from bench.q6_linear import run_q6_linear
 from bench.q8_linear import run_q8_linear
 from bench.shared_prefix import main as shared_prefix_main
+from bench.vision_ttft import main as vision_ttft_main
 from tpserve.kernels.fp16_linear import supported_paths as fp16_paths
 from tpserve.kernels.int8_linear import int8_available
 from tpserve.kernels.native_attention import attention_paths, native_unavailable
@@ -244,4 +245,23 @@ def test_the_shared_prefix_benchmark_finds_one_copy_of_the_system_prompt(tmp_pat
         assert burst["num_cold"] == 1 and burst["first_cached_tokens"] == 0
         assert min(burst["others_cached_tokens"]) >= 6 * report["block_size"]
         assert burst["ideal_shared_blocks"] < burst["unshared_blocks"]
+    assert {"cpu_model", "vector_extensions", "blas", "torch", "threads"} <= set(report["machine"])
+
+
+def test_the_vision_ttft_benchmark_times_a_text_an_image_and_a_video_chat_through_the_daemon(
+    tmp_path, capsys
+):
+    # The real two-rank daemon on the tiny Qwen2.5-VL it writes: each chat gives its first token,
+    # prefilled cold (never from the cache), and the media widen the prompt by their grids.
+    out = tmp_path / "vision.json"
+    argv = ["--rounds", "1", "--log", str(tmp_path / "daemon.log"), "--json", str(out)]
+    assert vision_ttft_main(argv) == 0, capsys.readouterr().out[-2000:]
+    report = json.loads(out.read_text())
+    kinds = report["kinds"]
+    assert list(kinds) == ["text", "image", "video"]
+    # 72x72 pixels: a 6x6 merged grid, 36 positions an image; 8 frames: 4 temporal patches of 36.
+    assert kinds["image"]["prompt_tokens"] - kinds["text"]["prompt_tokens"] == 36 + 2
+    assert kinds["video"]["prompt_tokens"] - kinds["text"]["prompt_tokens"] == 4 * 36 + 2
+    for kind in kinds.values():
+        assert kind["engine_ttft_median_ms"] > 0 and kind["ttft_median_ms"] > 0
     assert {"cpu_model", "vector_extensions", "blas", "torch", "threads"} <= set(report["machine"])

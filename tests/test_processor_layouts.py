@@ -72,8 +72,8 @@ def test_an_image_chat_on_the_transformers5_checkpoint_matches_transformers(v5_d
     data = block_image(2)
     tokenizer = Tokenizer.from_model_dir(v5_dir)
     vision = VisionInput.from_model_dir(v5_dir, load_model_config(v5_dir), IMAGE_TOKEN, torch.float32)
-    prompt, (offset,) = vision.expand(tokenizer.encode_chat(MESSAGES), 1)
-    ours_logits, ours_tokens = run_prompts(v5_dir, [tuple(prompt)], [(offset, data)])
+    prompt, (place,) = vision.expand(tokenizer.encode_chat(MESSAGES), 1)
+    ours_logits, ours_tokens = run_prompts(v5_dir, [tuple(prompt)], [(place.offset, data)])
     processor = LlavaProcessor.from_pretrained(v5_dir)
     inputs = processor(
         text=tokenizer.render_chat(MESSAGES), images=Image.open(io.BytesIO(data)), return_tensors="pt"

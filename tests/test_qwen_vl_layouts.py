@@ -14,6 +14,7 @@ import grpc
 import pytest
 from PIL import Image
 from tiny_llava import block_image
+from tiny_qwen3_vl import write_tiny_qwen3_vl
 from tiny_qwen_vl import write_tiny_qwen_vl
 
 from tpserve.ranks.errors import ModelFileError
@@ -71,3 +72,14 @@ def test_smart_resize_keeps_the_pixel_bounds_and_refuses_a_sliver(qwen_dir):
         pre.patches(decode_image(sliver.getvalue(), "image", 1 << 20))
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert pre.patches(decode_image(block_image(1, (13, 9)), "image", 1 << 20))[1] == (1, 2, 2)  # min_pixels
+
+
+def test_a_qwen3_vl_moe_checkpoint_is_refused_by_name_at_load(tmp_path):
+    # The dense Qwen3-VL loads; its mixture-of-experts sibling (the same layout, experts in the text
+    # model) is refused at start-up, saying what is missing.
+    raw = json.loads((write_tiny_qwen3_vl(tmp_path / "qwen3-vl") / "config.json").read_text())
+    raw["architectures"] = ["Qwen3VLMoeForConditionalGeneration"]
+    with pytest.raises(
+        ModelFileError, match="Qwen3VLMoeForConditionalGeneration is not supported: .*experts"
+    ):
+        parse_model_config(raw)

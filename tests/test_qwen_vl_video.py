@@ -7,6 +7,9 @@ against tp=1 bit for bit; the time positions in the rotary."""
 
 from __future__ import annotations
 
+import io
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -20,11 +23,12 @@ from tiny_video import block_video
 
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.mrope import chunk_rope, prompt_positions, span_rope
+from tpserve.server import videos
 from tpserve.server.qwen_videos import QwenVideoPreprocessor
 from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits
-from tpserve.server.videos import decode_frames, read_header
+from tpserve.server.videos import decode_frames, demux
 from tpserve.v1 import serving_pb2
 
 NUM_STEPS = 6
@@ -51,9 +55,9 @@ def vision(qwen_dir):
 
 def ours(model_dir: str, data: bytes):
     pre = QwenVideoPreprocessor.from_model_dir(model_dir)
-    header = read_header(data, "video", WIDE)
-    plan = pre.plan(header, "video")
-    patches, grid = pre.patches(decode_frames(data, "video", header, plan.indices, pre.frames.pixels))
+    video = demux(data, "video", WIDE)
+    plan = pre.plan(video.header, "video")
+    patches, grid = pre.patches(decode_frames(video, "video", plan.indices, pre.frames.pixels))
     return plan, patches, grid
 
 
@@ -122,10 +126,10 @@ def test_frames_pixels_and_grid_match_transformers(qwen_dir, tmp_path, fmt, size
 
 def test_an_odd_number_of_frames_repeats_the_last_and_a_long_video_keeps_max_frames(qwen_dir):
     pre = QwenVideoPreprocessor.from_model_dir(qwen_dir)
-    header = read_header(block_video(4, 5, (24, 24), fps=1), "video", WIDE)
+    header = demux(block_video(4, 5, (24, 24), fps=1), "video", WIDE).header
     plan = pre.plan(header, "video")  # 5 frames at 1 fps: at least min_frames (4)
     assert plan.indices == (0, 1, 2, 3) and plan.grid == (2, 4, 4)
-    short = read_header(block_video(4, 1, (24, 24), fps=1), "video", WIDE)
+    short = demux(block_video(4, 1, (24, 24), fps=1), "video", WIDE).header
     with pytest.raises(Exception, match="the fewest read is 2"):
         pre.plan(short, "video")
 
@@ -149,8 +153,11 @@ def video_prompt(merged_frames, before=(40, 41), after=(50, 51, 52, 53, 54, 55))
 
 
 def read_video(vision, data):
+    """The video's PromptImage, as the submitter reads it: expand's demux, then read's decode."""
     part = serving_pb2.Media(mime_type="video/mp4", data=data)
-    (image,) = vision.read([part], [3], ["video"], LIMITS)
+    ids = [40, 41, VISION_START_ID, VIDEO_TOKEN_ID, VISION_END_ID]
+    _, placed = vision.expand(ids, 1, [part], ["video"], LIMITS)
+    (image,) = vision.read([part], placed, ["video"], LIMITS)
     return image
 
 
@@ -194,8 +201,49 @@ def test_video_tokens_take_their_grid_in_the_prompt(vision):
     ids = [40, VISION_START_ID, VIDEO_TOKEN_ID, VISION_END_ID, 50]
     part = serving_pb2.Media(mime_type="video/mp4", data=data)
     out, offsets = vision.expand(ids, 1, [part], ["messages[0].parts[0]"], LIMITS)
-    assert offsets == [2] and out == [40, VISION_START_ID, *[VIDEO_TOKEN_ID] * 18, VISION_END_ID, 50]
+    assert [place.offset for place in offsets] == [2] and out == [
+        40,
+        VISION_START_ID,
+        *[VIDEO_TOKEN_ID] * 18,
+        VISION_END_ID,
+        50,
+    ]
     assert MERGE == 2  # 2 temporal patches of a 6x6 patch grid, merged 2x2: 2 * 3 * 3
+
+
+class CountedFile(io.BytesIO):
+    """The file PyAV reads a video's bytes through, counting what it opens and reads."""
+
+    num_opened = 0
+    num_read = 0
+
+    def __init__(self, data: bytes):
+        super().__init__(data)
+        CountedFile.num_opened += 1
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = super().read(size)
+        CountedFile.num_read += len(chunk)
+        return chunk
+
+
+@pytest.mark.parametrize("fmt", ["mp4", "webm"])
+def test_a_video_is_read_from_its_bytes_once_from_prompt_to_features(vision, monkeypatch, fmt):
+    """expand demuxes the file to count its frames; read decodes those packets instead of opening
+    and demuxing the file again: PyAV reads the bytes once in all, and the features are the same
+    as a second, separate decode of the file gives."""
+    data = block_video(9, 10, (40, 34), fmt=fmt)
+    expected = read_video(vision, data)
+    monkeypatch.setattr(videos, "io", types.SimpleNamespace(BytesIO=CountedFile))
+    CountedFile.num_opened = CountedFile.num_read = 0
+    part = serving_pb2.Media(mime_type=f"video/{fmt}", data=data)
+    _, placed = vision.expand(
+        [40, VISION_START_ID, VIDEO_TOKEN_ID, VISION_END_ID], 1, [part], ["video"], LIMITS
+    )
+    (image,) = vision.read([part], placed, ["video"], LIMITS)
+    assert (CountedFile.num_opened, CountedFile.num_read) == (1, len(data))
+    assert (image.frames, image.grid, image.interval) == (expected.frames, expected.grid, expected.interval)
+    torch.testing.assert_close(image.features, expected.features, rtol=0, atol=0)
 
 
 def _tp2(ctx, model_dir, prompt, image):

@@ -24,7 +24,7 @@ CHAT_TEMPLATE = chat_template(
 )
 
 
-def _tokenizer() -> Tokenizer:
+def qwen_vl_tokenizer() -> Tokenizer:
     tokenizer = train_tokenizer(VISION_TOKENS)
     assert tokenizer.token_to_id("<|image_pad|>") == IMAGE_TOKEN_ID
     return tokenizer
@@ -35,7 +35,7 @@ def write_tiny_qwen_vl(out_dir: str | Path, seed: int = 0) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer()
+    tokenizer = qwen_vl_tokenizer()
     text = text_settings(tokenizer.get_vocab_size())
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     vision = {

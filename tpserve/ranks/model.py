@@ -178,9 +178,14 @@ class TPModel:
         self.max_positions = max_positions
         rotary_args = (config.head_dim, config.rope_theta, config.rope_scaling, max_positions, self.device)
         section = getattr(config.vision, "mrope_section", None)  # a Qwen-VL's positions are (t, h, w)
+        interleaved = getattr(config.vision, "mrope_interleaved", False)
         self.rotary = (
-            MRotary(section, *rotary_args) if section else Rotary(*rotary_args, rotary_dim=config.rotary_dim)
+            MRotary(section, *rotary_args, interleaved=interleaved)
+            if section
+            else Rotary(*rotary_args, rotary_dim=config.rotary_dim)
         )
+        # Qwen3-VL: the first num_deepstack layers' outputs take more features at the media's rows
+        self.num_deepstack = getattr(config.vision, "num_deepstack", 0)
         self.local_rotary: Rotary | None = None  # a family's own rotary for its sliding layers
         self.scale = config.head_dim**-0.5
         self.activation = F.silu  # the MLP's gate: SwiGLU
@@ -219,14 +224,20 @@ class TPModel:
         return partial if partial.dtype == self.dtype else partial.to(self.dtype)
 
     def _embed(self, token_ids: torch.Tensor, media_rows, media) -> torch.Tensor:
+        """[T, hidden], or with media on a deepstack model [T, hidden * (1 + num_deepstack)]: the media's
+        deepstack features ride the embedding's all-reduce (rank 0's, zeros elsewhere: exact at any tp)."""
+        deepstack = self.num_deepstack if media_rows is not None else 0
         out = torch.zeros(
-            token_ids.shape[0], self.config.hidden_size, dtype=torch.float32, device=self.device
+            token_ids.shape[0],
+            self.config.hidden_size * (1 + deepstack),
+            dtype=torch.float32,
+            device=self.device,
         )
         for piece, table in zip(self.pieces, self.embed):
             start, end = piece.vocab
             owned = (token_ids >= start) & (token_ids < end)
             local = (token_ids - start).clamp(0, end - start - 1)
-            out += _lookup(table, local).float() * owned.unsqueeze(1)
+            out[:, : self.config.hidden_size] += _lookup(table, local).float() * owned.unsqueeze(1)
         if media_rows is not None:
             place_features(out, media_rows, media)
         return self._reduce(out)
@@ -318,9 +329,14 @@ class TPModel:
         cfg, replicated = self.config, self.replicated
         if plan.padding:  # padding rows read token 0; their results are dropped
             token_ids = F.pad(token_ids, (0, plan.padding))
-        h = self._embed(token_ids, media_rows, media)  # [rows, hidden]
+        h = self._embed(token_ids, media_rows, media)  # [rows, hidden], or wider: see _embed
+        deepstack = ()
+        if h.shape[1] > cfg.hidden_size:
+            h, *deepstack = (part.contiguous() for part in h.split(cfg.hidden_size, dim=1))
         for index, pieces in enumerate(self.layers):
             h = self._layer(index, pieces, h, plan, kv)
+            if index < len(deepstack):  # as transformers: added to the layer's output at the media's rows
+                h = h.index_add(0, media_rows, deepstack[index].index_select(0, media_rows))
         last = rms_norm(h[logit_rows], replicated["model.norm.weight"], cfg.rms_norm_eps)
         return self._logits(last)
 

@@ -12,6 +12,11 @@ from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_config import Gemma3Shape, global_and_local_rope, parse_gemma3
 from tpserve.ranks.moe_config import MoeConfig, parse_moe_config
+from tpserve.ranks.qwen3_vision_config import (
+    QWEN3_VL_ARCHITECTURES,
+    Qwen3VisionConfig,
+    parse_qwen3_vision_config,
+)
 from tpserve.ranks.qwen_vision_config import QWEN_VL_ARCHITECTURES, QwenVisionConfig, parse_qwen_vision_config
 from tpserve.ranks.unsupported import (
     PARTIAL_ROTARY,
@@ -74,7 +79,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     architecture: str = ""
     # a vision-language model's tower, projector and media tokens (a Qwen-VL's: mrope in the text model)
-    vision: VisionConfig | QwenVisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | None = None
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
     sliding_window: int | None = None  # a window some layers attend within (tpserve/ranks/unsupported.py)
     windows: tuple[int, ...] = ()  # each layer's window, 0 for a full-attention layer (() none slides)
@@ -127,13 +132,18 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
     qwen_vl = next((a for a in architectures if a in QWEN_VL_ARCHITECTURES), None)
     if qwen_vl is not None:
         return _parse_qwen_vl(raw, qwen_vl, path)
+    qwen3_vl = next((a for a in architectures if a in QWEN3_VL_ARCHITECTURES), None)
+    if qwen3_vl is not None:
+        return _parse_qwen3_vl(raw, qwen3_vl, path)
     vision_arch = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
     if vision_arch is not None:
         return _parse_vision_language(raw, vision_arch, path)
     family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
     if family is None:
         refuse_architecture(architectures, path)
-        supported = ", ".join((*FAMILIES, *VISION_ARCHITECTURES, *QWEN_VL_ARCHITECTURES))
+        supported = ", ".join(
+            (*FAMILIES, *VISION_ARCHITECTURES, *QWEN_VL_ARCHITECTURES, *QWEN3_VL_ARCHITECTURES)
+        )
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
     return _parse_text(raw, family, architectures[0], path)
 
@@ -170,6 +180,22 @@ def _parse_qwen_vl(raw: dict, architecture: str, path: str | Path) -> ModelConfi
     vision = parse_qwen_vision_config(raw, {**text, "rope_scaling": scaling}, config.head_dim, path)
     if vision.out_hidden_size != config.hidden_size:
         raise ModelFileError(path, "vision_config.out_hidden_size is not the text model's hidden_size")
+    return replace(config, vision=vision)
+
+
+def _parse_qwen3_vl(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
+    """Qwen3-VL: a Qwen3 decoder (q and k norms) whose rotary is multimodal with interleaved sections and
+    whose first layers take the tower's deepstack features, and the ViT (tpserve/ranks/qwen3_vision.py)."""
+    text = dict(raw.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    config = _parse_text(text, "qwen3", architecture, path)
+    vision = parse_qwen3_vision_config(raw, text, config.head_dim, path)
+    if vision.out_hidden_size != config.hidden_size:
+        raise ModelFileError(path, "vision_config.out_hidden_size is not the text model's hidden_size")
+    if vision.num_deepstack > config.num_layers:
+        raise ModelFileError(path, "more deepstack mergers than text layers to add their features to")
     return replace(config, vision=vision)
 
 

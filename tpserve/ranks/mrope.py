@@ -4,8 +4,9 @@ A text token's three are equal; an image's tokens take (start, start + row, star
 its merged grid, and the text after it continues from start + max(rows, columns) (transformers'
 get_rope_index). A video's frame (temporal patch) f takes t = start + int(f * interval), where
 interval = tokens_per_second * the seconds one temporal patch spans, in float32 as transformers
-multiplies it; the text after a video continues from start + max(rows, columns) too. The rotary frequencies are split into mrope_section runs (t, h, w) and each run
-is turned by its own axis, in both halves of the head.
+multiplies it; the text after a video continues from start + max(rows, columns) too. The rotary
+frequencies are split into mrope_section runs (t, h, w), or interleaved (Qwen3-VL), and each is turned
+by its own axis, in both halves of the head.
 
 Rank 0 works out a prompt's positions (`prompt_positions`) and sends them with its spans
 (tpserve/ranks/wire.py Span.rope): the followers never see the images. After a prompt every position is
@@ -87,13 +88,26 @@ def chunk_rope(images, start: int, num_tokens: int, prompt_length: int = 0) -> t
     return span_rope(axes, start, end)
 
 
+def section_axes(section: Sequence[int], interleaved: bool) -> torch.Tensor:
+    """Which axis (0 t, 1 h, 2 w) turns each of the rotary's sum(section) frequencies: runs of
+    section[0] t's, then h's, then w's (Qwen2.5-VL), or interleaved t, h, w, t, h, w, ... while each of
+    h and w has frequencies left, then t (Qwen3-VL)."""
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+    column = torch.arange(sum(section))
+    axis = torch.zeros_like(column)
+    for index in (1, 2):
+        axis[(column % 3 == index) & (column < 3 * section[index])] = index
+    return axis
+
+
 class MRotary(Rotary):
     """The tables of Rotary, read per axis: positions [3, T] (t, h, w) or [T] (all three equal)."""
 
-    def __init__(self, section: Sequence[int], *args, **kwargs):
+    def __init__(self, section: Sequence[int], *args, interleaved: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         half = self.cos.shape[-1] // 2
-        axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])  # [half]
+        axis = section_axes(section, interleaved)  # [half]
         self.axis = torch.cat([axis, axis]).to(self.cos.device)  # which axis turns each column
         if self.axis.numel() != 2 * half:
             raise ValueError(f"mrope_section {list(section)} does not sum to head_dim / 2 ({half})")

@@ -143,11 +143,10 @@ def tower_names(config: QwenVisionConfig) -> list[str]:
     return names
 
 
-def load_qwen_vision_tower(
-    model_dir: str | Path, config: QwenVisionConfig, dtype: torch.dtype, device="cpu"
-) -> QwenVisionTower:
-    """The tower and merger of a Qwen2.5-VL checkpoint (`visual.*` or `model.visual.*`), whole, on one rank."""
-    model_dir = Path(model_dir)
+def read_visual_tensors(
+    model_dir: Path, names: list[str], dtype: torch.dtype, device
+) -> dict[str, torch.Tensor]:
+    """The tensors `names` of a Qwen-VL checkpoint's tower, stored under `visual.` or `model.visual.`."""
     files = checkpoint_files(model_dir)
     tensors = {}
     with ExitStack() as stack:
@@ -155,11 +154,20 @@ def load_qwen_vision_tower(
             path: stack.enter_context(safe_open(str(path), framework="pt"))
             for path in sorted(set(files.values()))
         }
-        for name in tower_names(config):
+        for name in names:
             stored = next((prefix + name for prefix in PREFIXES if prefix + name in files), None)
             if stored is None:
                 raise ModelFileError(model_dir, f"checkpoint has no vision tensor {name!r} (under 'visual.')")
             tensors[name] = handles[files[stored]].get_tensor(stored).to(device=device, dtype=dtype)
+    return tensors
+
+
+def load_qwen_vision_tower(
+    model_dir: str | Path, config: QwenVisionConfig, dtype: torch.dtype, device="cpu"
+) -> QwenVisionTower:
+    """The tower and merger of a Qwen2.5-VL checkpoint (`visual.*` or `model.visual.*`), whole, on one rank."""
+    model_dir = Path(model_dir)
+    tensors = read_visual_tensors(model_dir, tower_names(config), dtype, device)
     embed = (
         config.hidden_size,
         config.in_channels,

@@ -47,6 +47,8 @@ class QwenVisionConfig:
     image_token_id: int
     video_token_id: int | None
     mrope_section: tuple[int, ...]  # the text rotary's frequencies per axis (t, h, w)
+    mrope_interleaved: bool = False  # Qwen2.5-VL's sections are runs: all t, then h, then w
+    num_deepstack: int = 0  # no features are added past the embedding (Qwen3-VL's deepstack)
 
     @property
     def head_dim(self) -> int:

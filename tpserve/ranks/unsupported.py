@@ -24,6 +24,8 @@ REFUSED_ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
     "Qwen3_5MoeForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
+    # Qwen3-VL's dense model is computed (tpserve/ranks/qwen3_vision.py); its MoE text model is not.
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts text model (with deepstack features)",
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.

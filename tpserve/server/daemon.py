@@ -12,6 +12,7 @@ ranks, and 1 when a stop took longer than grace_s + STOP_MARGIN_S (a follower di
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from tpserve.ranks.deadline import leave_after
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import DTYPES
+from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
 from tpserve.ranks.qwen_vision_config import QwenVisionConfig
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.startup import RankRuntime, shutdown
@@ -142,14 +144,18 @@ def _vision_input(
     if not config.vision:
         return None
     # A Qwen-VL's tower and its images' sizes (tpserve/server/qwen_vision_input.py), or LLaVA's.
-    kind = QwenVisionInput if isinstance(runtime.config.vision, QwenVisionConfig) else VisionInput
-    return kind.from_model_dir(
+    args = (
         settings.model_dir,
         runtime.config,
         tokenizer.token_text(runtime.config.vision.image_token_id),
         DTYPES[settings.dtype],
         runtime.device,
     )
+    if isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig)):
+        return QwenVisionInput.from_model_dir(
+            *args, encode_text=functools.partial(tokenizer.encode, add_bos=False)
+        )
+    return VisionInput.from_model_dir(*args)
 
 
 def _log_serving(

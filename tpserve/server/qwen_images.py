@@ -84,8 +84,11 @@ class QwenPreprocessor:
 
     def pixels(self, image: Image.Image) -> np.ndarray:
         """float32 [3, H, W]: the image resized to its smart size, rescaled and normalised."""
+        return self.pixels_at(image, *self.resized_size(image.height, image.width))
+
+    def pixels_at(self, image: Image.Image, height: int, width: int) -> np.ndarray:
+        """float32 [3, height, width]: the image resized to that size, rescaled and normalised."""
         image = image.convert("RGB")
-        height, width = self.resized_size(image.height, image.width)
         if (height, width) != (image.height, image.width):
             image = image.resize((width, height), resample=self.resample)
         array = np.asarray(image, dtype=np.float32)  # [H, W, 3]

@@ -1,34 +1,40 @@
-"""Rank 0's image and video inputs for a Qwen2.5-VL model: as tpserve/server/vision_input.py's for LLaVA,
-except that a part's token count follows its size (smart resize to the patch grid, then the 2x2 merge) and,
-for a video, its frames (two per temporal patch).
+"""Rank 0's image and video inputs for a Qwen2.5-VL or Qwen3-VL model: as tpserve/server/vision_input.py's
+for LLaVA, except that a part's token count follows its size (smart resize to the patch grid, then the 2x2
+merge) and, for a video, its frames (two per temporal patch; Qwen3-VL puts each patch apart, after its
+time in text: tpserve/server/qwen3_videos.py).
 
 The chat template writes one image pad (or video pad) token per part; each becomes the merged grid's
 frames * rows * columns positions, which the part's header alone says (no pixel or frame is decoded
 before the request is otherwise accepted: tpserve/server/videos.py counts a video's frames by demuxing
-only). Each part carries its merged grid, frames and time step, from which the leader works out the
-chunks' multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is the bytes' hash.
+only, and expand hands its packets to read, which decodes them without demuxing the file again). Each
+part carries its merged grid, frames and time step, from which the leader works out the chunks'
+multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is the bytes' hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.qwen3_vision import Qwen3VisionTower, load_qwen3_vision_tower
+from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
 from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
 from tpserve.server.images import FORMATS, decode_image
 from tpserve.server.media_checks import is_video
+from tpserve.server.qwen3_videos import Qwen3VideoPreprocessor, timed_frames
 from tpserve.server.qwen_images import QwenPreprocessor
 from tpserve.server.qwen_videos import QwenVideoPreprocessor, VideoPlan
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits, invalid_argument
-from tpserve.server.videos import VideoHeader, decode_frames, read_header
-from tpserve.server.vision_input import image_key
+from tpserve.server.videos import DemuxedVideo, decode_frames, demux
+from tpserve.server.vision_input import PlacedPart, image_key
 
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
 
@@ -36,14 +42,18 @@ DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defau
 class QwenVisionInput:
     def __init__(
         self,
-        tower: QwenVisionTower,
+        tower: QwenVisionTower | Qwen3VisionTower,
         preprocessor: QwenPreprocessor,
         image_token: str,
         video: QwenVideoPreprocessor | None = None,
+        timed_video: Qwen3VideoPreprocessor | None = None,
+        encode_text: Callable[[str], list[int]] | None = None,
     ):
         self.tower = tower
         self.preprocessor = preprocessor
-        self.video = video
+        self.video = video  # Qwen2.5-VL's: a video's patches in one run of pads
+        self.timed_video = timed_video  # Qwen3-VL's: each temporal patch apart, after its time in text
+        self.encode_text = encode_text  # the tokenizer's, for those times
         self.image_token_id = tower.config.image_token_id
         self.video_token_id = tower.config.video_token_id
         self.image_token = image_token  # its text, for the refusal when the counts disagree
@@ -51,15 +61,33 @@ class QwenVisionInput:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: str | Path, config: ModelConfig, image_token: str, dtype, device="cpu"
+        cls,
+        model_dir: str | Path,
+        config: ModelConfig,
+        image_token: str,
+        dtype,
+        device="cpu",
+        encode_text: Callable[[str], list[int]] | None = None,
     ):
-        tower = load_qwen_vision_tower(model_dir, config.vision, dtype, device)
-        video = (
-            QwenVideoPreprocessor.from_model_dir(model_dir)
-            if config.vision.video_token_id is not None
-            else None
-        )
-        return cls(tower, QwenPreprocessor.from_model_dir(model_dir), image_token, video)
+        """encode_text: the tokenizer's encode without BOS (Qwen3-VL writes each video frame's time)."""
+        preprocessor = QwenPreprocessor.from_model_dir(model_dir)
+        vision = config.vision
+        if isinstance(vision, Qwen3VisionConfig):
+            tower = load_qwen3_vision_tower(model_dir, vision, dtype, device)
+            timed = None not in (
+                vision.video_token_id,
+                vision.vision_start_token_id,
+                vision.vision_end_token_id,
+            )
+            if timed and encode_text is None:
+                raise ValueError(
+                    "a Qwen3-VL model's video inputs need encode_text (each frame's time is text)"
+                )
+            timed_video = Qwen3VideoPreprocessor.from_model_dir(model_dir) if timed else None
+            return cls(tower, preprocessor, image_token, None, timed_video, encode_text)
+        tower = load_qwen_vision_tower(model_dir, vision, dtype, device)
+        video = QwenVideoPreprocessor.from_model_dir(model_dir) if vision.video_token_id is not None else None
+        return cls(tower, preprocessor, image_token, video)
 
     def merged_grid(self, data: bytes, where: str) -> tuple[int, int]:
         """(rows, columns) of an image's merged grid, from its header (the size) only."""
@@ -74,14 +102,14 @@ class QwenVisionInput:
         factor = self.preprocessor.patch_size * self.preprocessor.merge_size
         return height // factor, width // factor
 
-    def video_plan(self, data: bytes, where: str, limits: Limits) -> tuple[VideoHeader, VideoPlan]:
-        """A video's header, and which frames it reads and their grid, from a demux pass alone."""
+    def video_plan(self, data: bytes, where: str, limits: Limits) -> tuple[DemuxedVideo, VideoPlan]:
+        """A video's packets, and which frames it reads and their grid, from a demux pass alone."""
         if self.video is None:
             raise invalid_argument(
                 f"{where}.media: this model reads no video inputs (its config names no video token)"
             )
-        header = read_header(data, where, limits)
-        return header, self.video.plan(header, where)
+        video = demux(data, where, limits)
+        return video, self.video.plan(video.header, where)
 
     def expand(
         self,
@@ -90,9 +118,10 @@ class QwenVisionInput:
         media: Sequence = (),
         wheres: Sequence[str] = (),
         limits: Limits = DEFAULT_LIMITS,
-    ) -> tuple[list[int], list[int]]:
+    ) -> tuple[list[int], list[PlacedPart]]:
         """Template token ids with one pad token per image or video -> the prompt with each widened
-        to its merged grid's frames * rows * columns, and the parts' offsets in it."""
+        to its merged grid's frames * rows * columns, and the parts' places in it (a video's with its
+        packets, for read)."""
         pads = {self.image_token_id, self.video_token_id} - {None}
         found = [index for index, token in enumerate(ids) if token in pads]
         if len(found) != num_images or len(media) != num_images:
@@ -100,12 +129,24 @@ class QwenVisionInput:
                 f"the prompt holds {len(found)} image tokens for {num_images} image parts "
                 f"(the text may not contain {self.image_token!r})"
             )
-        out, offsets, at = [], [], 0
+        out, placed, at = [], [], 0
         wheres = list(wheres) or [f"image {number}" for number in range(num_images)]
         for index, part, where in zip(found, media, wheres):
+            video = None
+            if is_video(part) and self.timed_video is not None:
+                if ids[index] != self.video_token_id:
+                    raise invalid_argument(
+                        f"{where}: the chat template wrote the wrong pad token for this part"
+                    )
+                first, last, tokens, place = self._expand_timed_video(ids, index, part.data, where, limits)
+                out += ids[at:first]
+                placed.append(place.shifted(len(out)))
+                out += tokens
+                at = last
+                continue
             if is_video(part):
                 token = self.video_token_id
-                _, plan = self.video_plan(part.data, where, limits)
+                video, plan = self.video_plan(part.data, where, limits)
                 merge = self.preprocessor.merge_size
                 count = plan.grid[0] * (plan.grid[1] // merge) * (plan.grid[2] // merge)
             else:
@@ -115,20 +156,65 @@ class QwenVisionInput:
             if ids[index] != token:
                 raise invalid_argument(f"{where}: the chat template wrote the wrong pad token for this part")
             out += ids[at:index]
-            offsets.append(len(out))
+            placed.append(PlacedPart(len(out), video))
             out += [token] * count
             at = index + 1
-        return out + list(ids[at:]), offsets
+        return out + list(ids[at:]), placed
 
-    def read(self, media: Sequence, offsets: Sequence[int], wheres: Sequence[str], limits: Limits):
-        """The prompt's images and videos (media parts in prompt order, at `offsets`) with their features."""
+    def _expand_timed_video(self, ids: Sequence[int], index: int, data: bytes, where: str, limits: Limits):
+        """A Qwen3-VL video's pad at ids[index] -> the span of ids it replaces (the template's vision start
+        and end around it too, as Qwen3VLProcessor collapses them), its tokens and its place (offsets
+        from the span's start)."""
+        cfg = self.tower.config
+        video = demux(data, where, limits)
+        plan = self.timed_video.plan(video.header, where)
+        start_id, end_id = cfg.vision_start_token_id, cfg.vision_end_token_id
+        tokens, starts = timed_frames(
+            plan, cfg.spatial_merge_size, self.encode_text, start_id, cfg.video_token_id, end_id
+        )
+        wrapped = 0 < index < len(ids) - 1 and ids[index - 1] == start_id and ids[index + 1] == end_id
+        first, last = (index - 1, index + 2) if wrapped else (index, index + 1)
+        return first, last, tokens, PlacedPart(starts[0], video, tuple(starts))
+
+    def _read_timed_video(self, data: bytes, place: PlacedPart, where: str) -> list[PromptImage]:
+        """A Qwen3-VL video's temporal patches, each a PromptImage of one frame at its own offset."""
+        plan = self.timed_video.plan(place.video.header, where)
+        pre = self.timed_video.frames
+        frames = decode_frames(
+            place.video, where, plan.indices, lambda image: pre.pixels_at(image, *plan.size)
+        )
+        patches, grid = self.timed_video.patches(frames)
+        with self._lock:
+            features = self.tower.features(patches, grid)  # [t * rows * cols, ...], patch by patch
+        merge = self.tower.config.spatial_merge_size
+        merged = (grid[1] // merge, grid[2] // merge)
+        size = merged[0] * merged[1]
+        # The bytes hashed once; each patch's cache key from that digest and its index.
+        digest = hashlib.sha256(data).digest()
+        return [
+            PromptImage(
+                offset,
+                size,
+                image_key(digest + b"#%d" % patch),
+                features[patch * size : (patch + 1) * size],
+                merged,
+            )
+            for patch, offset in enumerate(place.frame_offsets)
+        ]
+
+    def read(self, media: Sequence, placed: Sequence[PlacedPart], wheres: Sequence[str], limits: Limits):
+        """The prompt's images and videos (media parts in prompt order, at `placed`, as expand returned)
+        with their features."""
         merge = self.tower.config.spatial_merge_size
         images = []
-        for part, offset, where in zip(media, offsets, wheres):
+        for part, place, where in zip(media, placed, wheres):
             interval = 1.0
+            if place.frame_offsets:
+                images += self._read_timed_video(part.data, place, where)
+                continue
             if is_video(part):
-                header, plan = self.video_plan(part.data, where, limits)
-                frames = decode_frames(part.data, where, header, plan.indices, self.video.frames.pixels)
+                plan = self.video.plan(place.video.header, where)
+                frames = decode_frames(place.video, where, plan.indices, self.video.frames.pixels)
                 patches, grid = self.video.patches(frames)
                 # transformers multiplies tokens_per_second by second_per_grid_ts in float32
                 interval = float(
@@ -141,5 +227,7 @@ class QwenVisionInput:
                 features = self.tower.features(patches, grid)
             merged = (grid[1] // merge, grid[2] // merge)
             key = image_key(part.data)
-            images.append(PromptImage(offset, features.shape[0], key, features, merged, grid[0], interval))
+            images.append(
+                PromptImage(place.offset, features.shape[0], key, features, merged, grid[0], interval)
+            )
         return tuple(images)

@@ -166,14 +166,14 @@ class Submitter:
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, ENGINE_BROKEN)
         if self._stopping:
             raise RequestRefused(grpc.StatusCode.UNAVAILABLE, STOPPING)
-        prompt_ids, boundaries, offsets = self._prompt(request)
+        prompt_ids, boundaries, placed = self._prompt(request)
         max_tokens = max_tokens_for(request, len(prompt_ids), self.limits)
         grammar = self.grammars.compile(request.constraint) if request.HasField("constraint") else None
         check_min_tokens(request, max_tokens)
         images = ()
-        if offsets:  # only now, once nothing cheaper refuses the request, does the tower run
+        if placed:  # only now, once nothing cheaper refuses the request, does the tower run
             media, wheres = _media_parts(request.messages)
-            images = self.vision.read(media, offsets, wheres, self.limits)
+            images = self.vision.read(media, placed, wheres, self.limits)
         job = GenerationRequest(
             prompt_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
@@ -211,33 +211,33 @@ class Submitter:
     def prompt_ids(self, request) -> list[int]:
         """A checked GenerateRequest's prompt as the engine would run it (templated, tokenized and
         truncated), for callers that submit its continuations themselves (tpserve/server/beam_steps.py)."""
-        prompt_ids, _, offsets = self._prompt(request)
-        if offsets:
+        prompt_ids, _, placed = self._prompt(request)
+        if placed:
             raise invalid_argument("use_beam_search takes no image inputs")
         return prompt_ids
 
-    def _prompt(self, request) -> tuple[list[int], tuple[int, ...], list[int]]:
+    def _prompt(self, request) -> tuple[list[int], tuple[int, ...], list]:
         """Checks the request; its prompt's token ids, the chat boundaries kept in the prompt cache
-        and where each image's positions start."""
+        and where each image's positions start (the vision input's PlacedParts, for its read)."""
         kind = check_generate(request, self.limits)
         boundaries: tuple[int, ...] = ()
-        offsets: list[int] = []
+        placed: list = []
         if kind == "prompt":
             prompt_ids = self.tokenizer.encode(request.prompt)
         elif kind == "messages":
-            prompt_ids, offsets = self._encode_chat(request.messages, **template_inputs(request))
+            prompt_ids, placed = self._encode_chat(request.messages, **template_inputs(request))
             boundaries = self.chat_boundaries(request.messages, prompt_ids)
         else:
             prompt_ids = list(request.prompt_token_ids)
         if request.HasField("truncate_prompt_tokens"):
             cut = truncated(request, prompt_ids, self.limits)
-            if offsets and len(cut) < len(prompt_ids):
+            if placed and len(cut) < len(prompt_ids):
                 raise invalid_argument("truncate_prompt_tokens cannot cut a prompt with image inputs")
             # A kept chat boundary moves with the prompt's dropped head (or goes, if cut off).
             dropped = 0 if request.truncate_right else len(prompt_ids) - len(cut)
             boundaries = tuple(b - dropped for b in boundaries if 0 < b - dropped < len(cut))
             prompt_ids = cut
-        return prompt_ids, boundaries, offsets
+        return prompt_ids, boundaries, placed
 
     def broke_mid_reply(self, event: Finished) -> RequestRefused | None:
         """The refusal a stream that ended in ERROR because the whole engine broke fails with (not
@@ -318,8 +318,8 @@ class Submitter:
         template_kwargs=None,
         continue_final_message: bool = False,
         add_bos: bool = False,
-    ) -> tuple[list[int], list[int]]:
-        """The token ids and where each image's positions start."""
+    ) -> tuple[list[int], list]:
+        """The token ids and where each image's positions start (the vision input's PlacedParts)."""
         num_images = sum(part.HasField("media") for message in messages for part in message.parts)
         if num_images and self.vision is None:
             # Validation let media through (--vision), but this server's model reads none.

@@ -3,8 +3,10 @@
 MP4 and WebM only. Every limit is checked before any frame is decoded: the bytes
 (tpserve/server/validation.py), then from the container's header the frame size and the duration, then a demux
 pass that counts the video packets without decoding them (a header can lie about its frame count; the packets
-cannot). Only then are frames decoded, and only the sampled ones are kept. Every failure is one RequestRefused
-naming the part; the container is closed on every path, so nothing outlives the request.
+cannot). That pass keeps the packets (compressed, so no more than the bytes' limit) and the stream's
+decoder, and the frames are decoded from them: the file is opened and demuxed once. Only the sampled frames
+are kept. Every failure is one RequestRefused naming the part; the container is closed on every path, and
+the packets and decoder belong to the request's DemuxedVideo, so nothing outlives the request.
 """
 
 from __future__ import annotations
@@ -33,18 +35,37 @@ class VideoHeader:
     height: int
 
 
-def read_header(data: bytes, where: str, limits: Limits) -> VideoHeader:
-    """The video's frame count, rate and size, or a refusal naming the limit it passes."""
+class DemuxedVideo:
+    """A video read as far as its packets: its checked header, its video packets in decode order and
+    the stream's decoder (not yet opened). decode_frames reads it once; the decoder keeps its state."""
+
+    def __init__(self, header: VideoHeader, decoder, packets: list):
+        self.header = header
+        self._decoder = decoder
+        self._packets = packets
+
+    def frames(self):
+        """The decoded frames in presentation order; only once, since the packets go as they are read."""
+        if self._packets is None:
+            raise RuntimeError("a DemuxedVideo decodes once")
+        packets, self._packets = self._packets, None
+        for packet in packets:
+            yield from self._decoder.decode(packet)
+        yield from self._decoder.decode(None)  # the frames the decoder still holds (B-frames)
+
+
+def demux(data: bytes, where: str, limits: Limits) -> DemuxedVideo:
+    """The video's header and packets, or a refusal naming the limit it passes; no frame is decoded."""
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            return _header(container, where, limits)
+            return _demux(container, where, limits)
     except RequestRefused:
         raise
     except Exception as error:  # an untrusted file: every way FFmpeg can fail is one refusal
         raise invalid_argument(f"{where}.media.data {UNREADABLE}") from error
 
 
-def _header(container, where: str, limits: Limits) -> VideoHeader:
+def _demux(container, where: str, limits: Limits) -> DemuxedVideo:
     if container.format.name not in CONTAINERS or not container.streams.video:
         raise invalid_argument(f"{where}.media.data {UNREADABLE}")
     stream = container.streams.video[0]
@@ -62,19 +83,22 @@ def _header(container, where: str, limits: Limits) -> VideoHeader:
     fps = float(rate)
     if container.duration is not None and container.duration / av.time_base > limits.max_video_seconds:
         raise _too_long(where, container.duration / av.time_base, limits)
-    num_frames = 0
+    packets = []
     for packet in container.demux(stream):
         if packet.size:  # the demuxer's last packet is an empty flush
-            num_frames += 1
-            if num_frames > limits.max_video_frames:
+            packets.append(packet)
+            if len(packets) > limits.max_video_frames:
                 raise invalid_argument(
                     f"{where}.media is a video of more than {limits.max_video_frames} frames (max_video_frames)"
                 )
+    num_frames = len(packets)
     if num_frames / fps > limits.max_video_seconds:
         raise _too_long(where, num_frames / fps, limits)
     if num_frames == 0:
         raise invalid_argument(f"{where}.media.data is a video without frames")
-    return VideoHeader(num_frames, fps, width, height)
+    decoder = stream.codec_context  # outlives the container: it owns its FFmpeg context
+    decoder.thread_type = "NONE"  # one decode thread per request: the submit threads bound it
+    return DemuxedVideo(VideoHeader(num_frames, fps, width, height), decoder, packets)
 
 
 def _too_long(where: str, seconds: float, limits: Limits) -> RequestRefused:
@@ -84,9 +108,8 @@ def _too_long(where: str, seconds: float, limits: Limits) -> RequestRefused:
 
 
 def decode_frames(
-    data: bytes,
+    video: DemuxedVideo,
     where: str,
-    header: VideoHeader,
     indices: Sequence[int],
     prepare: Callable[[Image.Image], object],
 ):
@@ -94,17 +117,15 @@ def decode_frames(
     than the last one; each other frame is dropped as soon as it is decoded."""
     wanted, out = set(indices), {}
     last = max(wanted)
+    size = (video.header.width, video.header.height)
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "NONE"  # one decode thread per request: the submit threads bound it
-            for index, frame in enumerate(container.decode(stream)):
-                if index > last:
-                    break
-                if (frame.width, frame.height) != (header.width, header.height):
-                    raise invalid_argument(f"{where}.media.data is a video whose frames change size")
-                if index in wanted:
-                    out[index] = prepare(frame.to_image())
+        for index, frame in enumerate(video.frames()):
+            if index > last:
+                break
+            if (frame.width, frame.height) != size:
+                raise invalid_argument(f"{where}.media.data is a video whose frames change size")
+            if index in wanted:
+                out[index] = prepare(frame.to_image())
     except RequestRefused:
         raise
     except Exception as error:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -26,6 +27,20 @@ from tpserve.server.validation import Limits, RequestRefused, invalid_argument
 def image_key(data: bytes) -> int:
     """A negative int64 from the bytes' SHA-256: never a token id, and the same only for the same image."""
     return -1 - (int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 2)
+
+
+@dataclass(frozen=True)
+class PlacedPart:
+    """Where a media part's positions start in the prompt, and what expand already read of it that
+    read reuses (a video's packets: tpserve/server/videos.py; None for an image)."""
+
+    offset: int
+    video: object = None
+    # A Qwen3-VL video's: where each temporal patch's pads start (its frames lie apart, each after its time)
+    frame_offsets: tuple[int, ...] = ()
+
+    def shifted(self, by: int) -> PlacedPart:
+        return PlacedPart(self.offset + by, self.video, tuple(offset + by for offset in self.frame_offsets))
 
 
 class VisionInput:
@@ -51,9 +66,9 @@ class VisionInput:
         media: Sequence = (),
         wheres: Sequence[str] = (),
         limits=None,
-    ) -> tuple[list[int], list[int]]:
+    ) -> tuple[list[int], list[PlacedPart]]:
         """Template token ids with one image token per image -> the prompt with each widened to
-        tokens_per_image, and the images' offsets in it. Refuses when the counts disagree (the text
+        tokens_per_image, and the images' places in it. Refuses when the counts disagree (the text
         itself held the image token, or the template wrote none). `media` and `wheres` (the parts
         and where they sit) say which part is a video, refused here: LLaVA reads images only; every
         image takes the same count. `limits` is not read (the same call as
@@ -70,23 +85,24 @@ class VisionInput:
                 f"the prompt holds {len(found)} image tokens for {num_images} image parts "
                 f"(the text may not contain {self.image_token!r})",
             )
-        out, offsets, at = [], [], 0
+        out, placed, at = [], [], 0
         for index in found:
             out += ids[at:index]
-            offsets.append(len(out))
+            placed.append(PlacedPart(len(out)))
             out += [self.image_token_id] * self.tokens_per_image
             at = index + 1
-        return out + list(ids[at:]), offsets
+        return out + list(ids[at:]), placed
 
-    def read(self, media: Sequence, offsets: Sequence[int], wheres: Sequence[str], limits: Limits):
-        """The prompt's images (media parts in prompt order, at `offsets`) with their features."""
+    def read(self, media: Sequence, placed: Sequence[PlacedPart], wheres: Sequence[str], limits: Limits):
+        """The prompt's images (media parts in prompt order, at `placed`, as expand returned) with
+        their features."""
         pixels = [
             self.preprocessor.pixels(decode_image(part.data, where, limits.max_image_pixels))
             for part, where in zip(media, wheres)
         ]
         images = []
-        for part, offset, array in zip(media, offsets, pixels):
+        for part, place, array in zip(media, placed, pixels):
             with self._lock:
                 features = self.tower.features(array)
-            images.append(PromptImage(offset, self.tokens_per_image, image_key(part.data), features))
+            images.append(PromptImage(place.offset, self.tokens_per_image, image_key(part.data), features))
         return tuple(images)
