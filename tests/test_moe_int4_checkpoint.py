@@ -10,12 +10,17 @@ bit for bit; in none the dequantized float model exactly; in int4 near it; tp=2 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+pytest.importorskip("compressed_tensors", minversion="0.20")  # the test extra's, on Python >= 3.11
+
 import torch
+from daemon import read_reply, running_daemon
 from multiproc import RankPool
 from test_int8_checkpoint import load
-from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo, run_streams
+from test_tp_exact import NUM_STEPS, PROMPTS, check_tp2_equals_tp1_and_batched_equals_solo, run_streams
 from tiny_compressed_models import (
     decompressed,
     moe_quantizable,
@@ -27,7 +32,9 @@ from tiny_hf_models import write_hf_model
 from tiny_int8_models import float_twin
 
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
+from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import ModelFileError
+from tpserve.v1 import serving_pb2
 
 pytestmark = pytest.mark.skipif(q4_available() is not None, reason=str(q4_available()))
 
@@ -151,6 +158,24 @@ def pool():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_equals_tp1_and_batched_equals_solo(pool, moe_model, name):
     check_tp2_equals_tp1_and_batched_equals_solo(pool, str(moe_model(name)), "int4")
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-compressed", "mixtral-gptq"])
+def test_the_two_rank_daemon_serves_it_in_int4_with_the_tokens_one_rank_computes(moe_model, tmp_path, name):
+    model_dir = moe_model(name)
+    torch.set_num_threads(1)
+    greedy = [SamplingParams()] * len(PROMPTS)
+    _, solo_tokens = run_streams(str(model_dir), 0, 1, prompts=PROMPTS, samplings=greedy, quantize="int4")
+    requests = [
+        serving_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=NUM_STEPS, ignore_eos=True)
+        for prompt in PROMPTS
+    ]
+    with running_daemon("spawn", model_dir, tmp_path / "logs", "--quantize", "int4") as daemon:
+        with ThreadPoolExecutor(len(requests)) as threads:
+            replies = list(threads.map(lambda r: read_reply(daemon.stub.Generate(r, timeout=300)), requests))
+        assert "its int4 layers served as stored" in daemon.logs()
+    for lane, reply in enumerate(replies):
+        assert reply.ok and reply.token_ids == [step[lane] for step in solo_tokens], f"prompt {lane}"
 
 
 # ---- refused by name ----
