@@ -14,7 +14,9 @@ from pathlib import Path
 
 import jinja2
 import pytest
+from daemon import running_daemon
 from harmony_models import write_harmony_model
+from test_http_api import post
 from tiny_hf_models import VOCAB, transformers, write_hf_model
 from tiny_models import build_tokenizer, write_tiny_model
 
@@ -181,3 +183,22 @@ def test_every_template_renders_plain_turns(templated):
     # so no template's comparisons above are all refusals
     _, theirs = templated
     assert their_render(theirs, *CONVERSATIONS["user-turns"]) is not None
+
+
+@pytest.mark.parametrize("template", ["Qwen3-0.6B", "GLM-4.6"])
+def test_the_daemon_tokenizes_an_openai_tool_conversation_as_transformers_renders_it(tmp_path, template):
+    # What a client sends (a call's arguments as JSON text, null content beside a call) against what
+    # transformers renders for the same conversation as vLLM hands it over (arguments an object,
+    # content ""; given null or no content, transformers fails in Qwen3's template)
+    model_dir = write_templated_model(tmp_path / template, template)
+    call = CALL | {"function": CALL["function"] | {"arguments": json.dumps(CALL["function"]["arguments"])}}
+    sent = [*SYSTEM, {"role": "assistant", "content": None, "tool_calls": [call]}, *TOOL_TURNS[2:]]
+    documented = [*SYSTEM, {"role": "assistant", "content": "", "tool_calls": [CALL]}, *TOOL_TURNS[2:]]
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)
+    expected = reference.apply_chat_template(
+        documented, tools=[WEATHER], add_generation_prompt=True, tokenize=False
+    )
+    with running_daemon("spawn", model_dir, tmp_path / "logs", "--context", "1024") as daemon:
+        response = post(daemon, "../tokenize", {"messages": sent, "tools": [WEATHER]})
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == reference.encode(expected, add_special_tokens=False)
