@@ -19,6 +19,7 @@ pytest.importorskip("compressed_tensors", minversion="0.20")  # the test extra's
 import torch
 from daemon import read_reply, running_daemon
 from multiproc import RankPool
+from safetensors.torch import load_file
 from test_int8_checkpoint import load
 from test_tp_exact import NUM_STEPS, PROMPTS, check_tp2_equals_tp1_and_batched_equals_solo, run_streams
 from tiny_compressed_models import (
@@ -29,7 +30,7 @@ from tiny_compressed_models import (
 )
 from tiny_gptq_models import dequantized, pack_checkpoint
 from tiny_hf_models import write_hf_model
-from tiny_int8_models import float_twin
+from tiny_int8_models import float_twin, quantize_per_channel, write_int8_checkpoint
 
 from tpserve.kernels.q4_linear import Q4Weight, q4_available
 from tpserve.kernels.sampling_params import SamplingParams
@@ -188,3 +189,14 @@ def test_a_quantized_router_is_refused_by_name_at_load(tmp_path, family, method)
     router = "mlp.gate" if family == "qwen3-moe" else "block_sparse_moe.gate"
     with pytest.raises(ModelFileError, match=rf"model\.layers\.0\.{router} is stored quantized"):
         load(model_dir, quantize="int4")
+
+
+def test_an_int8_router_is_refused_by_name_at_load(tmp_path):
+    # a compressed-tensors int8 checkpoint (tiny_int8_models.py) whose router is int8 beside a scale
+    float_dir = write_hf_model(tmp_path / "float", "qwen3-moe")
+    router = "model.layers.0.mlp.gate"
+    values, scale = quantize_per_channel(load_file(float_dir / "model.safetensors")[router + ".weight"])
+    tensors = {router + ".weight": values, router + ".weight_scale": scale}
+    model_dir = write_int8_checkpoint(float_dir, tmp_path / "int8", tensors=tensors)
+    with pytest.raises(ModelFileError, match=rf"tensor {router}\.weight: {router} is stored quantized"):
+        load(model_dir)
