@@ -10,11 +10,21 @@ packing, the tensors' names and the config are the library's own, not our readin
 `decompressed` is the library's own decompression of every weight (its compressor's decompress), in
 float32; `float_twin` writes those weights as a float checkpoint, the reference the served model is
 compared with.
+
+A mixture of experts (`write_compressed_moe_checkpoint`) cannot go through the modules: transformers
+5 holds a layer's experts as one 3D parameter, no Linear for apply_quantization_config to find. Real
+checkpoints (llm-compressor's Qwen3-MoE and Mixtral W4A16 examples) store every expert's projection
+as its own quantized linear, `mlp.experts.N.gate_proj.weight_packed` (Mixtral's
+`block_sparse_moe.experts.N.w1...`), with the router left float by `ignore` ("re:.*mlp.gate$").
+So each stored tensor that a linear would hold is quantized alone: its scale and zero point from its
+min and max per group through calculate_qparams, packed by the library's PackedQuantizationCompressor,
+and the config written by the library's ModelCompressor.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -29,7 +39,8 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
 )
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+from tiny_hf_models import write_hf_model
 from tiny_int8_models import MODEL_FILES
 from tiny_int8_models import float_twin as float_checkpoint
 from tiny_models import write_tiny_model
@@ -134,3 +145,70 @@ def decompressed(
 def float_twin(model_dir: str | Path, out_dir: str | Path) -> Path:
     """The checkpoint's decompressed weights (float32, exact) as a float checkpoint."""
     return float_checkpoint(model_dir, out_dir, decompressed(model_dir))
+
+
+# The router's (and Qwen2-MoE's shared-expert gate's) names, which llm-compressor's MoE recipes ignore.
+MOE_ROUTERS = ("re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$")
+MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
+
+
+def moe_quantizable(name: str, router: bool = False) -> bool:
+    """Whether a MoE checkpoint's quantizer packs `name`: every linear projection, the experts'
+    included, but the head (and the router, unless `router`, which tpserve must refuse)."""
+    linear = name.endswith("_proj.weight") or MIXTRAL_EXPERT.search(name) is not None
+    return linear or (router and ROUTER.search(name) is not None)
+
+
+def write_compressed_moe_checkpoint(
+    out_dir: str | Path,
+    family: str,
+    *,
+    args: QuantizationArgs | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    router: bool = False,
+    **overrides,
+) -> Path:
+    """The tiny MoE `family` (tests/tiny_hf_models.py, config `overrides`) with every projection,
+    each expert's too, quantized by compressed-tensors (weight `args`, default int4 symmetric in
+    groups of 32) and pack-quantized, its scales and float tensors in `dtype`; the routers float
+    unless `router`."""
+    out = Path(out_dir)
+    write_hf_model(out, family, **overrides)
+    args = args or weight_args()
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    stored = {}
+    for name, weight in load_file(out / "model.safetensors").items():
+        weight = weight.to(dtype)
+        if not moe_quantizable(name, router):
+            stored[name] = weight
+            continue
+        module = name.removesuffix("weight")
+        parts = {"weight": weight} | _min_max_qparams(weight, args)
+        compressed = PackedQuantizationCompressor.compress(parts, scheme)
+        stored |= {module + key: value for key, value in compressed.items()}
+    save_file(stored, str(out / "model.safetensors"))
+    ignore = ["lm_head"] + ([] if router else list(MOE_ROUTERS))
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        ignore=ignore,
+        format="pack-quantized",
+        quantization_status="compressed",
+    )
+    ModelCompressor(quantization_config=config).update_config(out)
+    return out
+
+
+def _min_max_qparams(weight: torch.Tensor, args: QuantizationArgs) -> dict[str, torch.Tensor]:
+    """weight_scale (and weight_zero_point) from the min and max per group or row, as
+    _observe_min_max computes a module's."""
+    if args.strategy == "group":
+        grouped = weight.unflatten(-1, (-1, args.group_size))  # [out, groups, group_size]
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    else:
+        low, high = weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True)
+    scale, zero_point = calculate_qparams(low, high, args)
+    params = {"weight_scale": scale.to(weight.dtype)}
+    if not args.symmetric:
+        params["weight_zero_point"] = zero_point.to(torch.int8)
+    return params

@@ -78,6 +78,20 @@ def write_gptq_checkpoint(
     awq) at `out_dir`."""
     out = Path(out_dir)
     write_tiny_model(out, variant, overrides=overrides)
+    return pack_checkpoint(out, method=method, group_size=group_size, sym=sym, keep_float=keep_float)
+
+
+def pack_checkpoint(
+    out: Path,
+    *,
+    method: str = "gptq",
+    group_size: int = 32,
+    sym: bool = True,
+    keep_float: tuple[str, ...] = (),
+    quantizable=is_quantizable,
+) -> Path:
+    """The float checkpoint at `out`, rewritten in place: every weight `quantizable` names but
+    lm_head (and those named with one of `keep_float`) packed by `method`, the rest float16."""
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = (
         awq_config(group_size) if method == "awq" else gptq_config(group_size, sym, checkpoint_format=method)
@@ -86,7 +100,7 @@ def write_gptq_checkpoint(
     packer = {"gptq": pack, "gptq_v2": functools.partial(pack, zero_offset=0), "awq": pack_awq}[method]
     stored = {}
     for name, weight in load_file(out / "model.safetensors").items():
-        if not is_quantizable(name) or name == "lm_head.weight" or any(part in name for part in keep_float):
+        if not quantizable(name) or name == "lm_head.weight" or any(part in name for part in keep_float):
             stored[name] = weight.to(torch.float16)
             continue
         module = name.removesuffix("weight")

@@ -11,6 +11,7 @@ Nothing is dequantized: the product computes with the file's integers and scales
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +20,12 @@ import torch
 from tpserve.ranks.errors import ModelFileError
 
 VALUES_PER_INT32 = 4
-# Weights a checkpoint may ship in int8: the linear layers and the head (not the embedding, a lookup).
+# Weights a checkpoint may ship quantized (int8, and the int4 and fp8 readers beside this one): the
+# linear layers, Mixtral's experts' (`block_sparse_moe.experts.N.w1/w2/w3`, which GPTQ and
+# compressed-tensors quantize as the other projections) and the head; not the embedding (a lookup),
+# nor a router or a gate (tpserve/ranks/weights.py refuses those quantized by name).
 LINEAR_LEAVES = ("_proj.weight",)
+MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 HEAD = "lm_head.weight"
 
 
@@ -104,7 +109,7 @@ class StoredInt8:
 
 
 def may_be_int8(name: str) -> bool:
-    return name.endswith(LINEAR_LEAVES) or name == HEAD
+    return name.endswith(LINEAR_LEAVES) or name == HEAD or MIXTRAL_EXPERT.search(name) is not None
 
 
 def _unpack(packed: torch.Tensor, num_columns: int) -> torch.Tensor:

@@ -189,12 +189,42 @@ def _stored_tensor(
         return StoredBlocks(handles, files, name, blocks)
     stored = stored_name(files, name)
     if stored is None:
+        quantized = _quantized_form(files, name)
+        if quantized is not None:
+            raise _quantized_refusal(files, name, quantized)
         raise ModelFileError(model_dir, f"checkpoint has no tensor {name!r}")
     tensor = handles[files[stored]].get_slice(stored)
+    if tensor.get_dtype() not in FLOAT_DTYPES and stored_name(files, name + "_scale") is not None:
+        raise _quantized_refusal(files, name, stored)  # an int8 router, say (a projection's is read above)
     if tensor.get_dtype() not in FLOAT_DTYPES:
         why = "no weight_scale beside it" if config.quantization else "config.json declares no quantization"
         raise ModelFileError(files[stored], f"tensor {stored} is {tensor.get_dtype()}, not a float ({why})")
     return StoredFloat(files[stored], tensor)
+
+
+# What stands in a quantized checkpoint in place of a float `X.weight`: GPTQ's and AWQ's qweight,
+# compressed-tensors' packed values or scale.
+QUANTIZED_FORMS = ("qweight", "weight_packed", "weight_scale")
+
+
+def _quantized_form(files: dict[str, Path], name: str) -> str | None:
+    """The stored name of `name`'s quantized form, where the checkpoint holds one."""
+    module = name.removesuffix("weight")
+    return next(
+        (stored for form in QUANTIZED_FORMS if (stored := stored_name(files, module + form)) is not None),
+        None,
+    )
+
+
+def _quantized_refusal(files: dict[str, Path], name: str, stored: str) -> ModelFileError:
+    """The refusal of a weight tpserve reads only in float (a router, a gate, an embedding, a
+    norm) that the checkpoint stores quantized."""
+    return ModelFileError(
+        files[stored],
+        f"tensor {stored}: {name.removesuffix('.weight')} is stored quantized, which is not supported "
+        "(only linear projections, experts' included, and lm_head are read quantized; a router, a "
+        "gate or an embedding must be float)",
+    )
 
 
 def _owned(part, device, dtype: torch.dtype):
