@@ -173,7 +173,7 @@ class Engine:
 
         media_rows: per span, the offsets of its tokens embedded as image features; media: those
         features in the same order ([rows, hidden], rank 0 only). rope: per span, its tokens' multimodal
-        rotary positions (t..., h..., w...) or () (tpserve/ranks/wire.py Span.rope)."""
+        rotary positions (t..., h..., w...) or () (tpserve/ranks/wire_spans.py Span.rope)."""
         return self._pass(spans, every_row, media_rows, media, rope)
 
     def decode_round(

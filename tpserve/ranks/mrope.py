@@ -8,7 +8,7 @@ multiplies it; the text after a video continues from start + max(rows, columns) 
 is turned by its own axis, in both halves of the head.
 
 Rank 0 works out a prompt's positions (`prompt_positions`) and sends them with its spans
-(tpserve/ranks/wire.py Span.rope): the followers never see the images. After a prompt every position is
+(tpserve/ranks/wire_spans.py Span.rope): the followers never see the images. After a prompt every position is
 its KV position plus the lane's delta (the prompt's largest position + 1 - its length, as
 transformers' rope deltas: a video's last time position may pass the text after it), which rank 0
 sends after each span's positions and each rank keeps per lane (tpserve/ranks/engine.py): decode steps
