@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from fake_backend import FakeBackend, fake_detokenize, make_request
 
-from tpserve.server.lane_admit import Admission, Ended, FirstToken
+from tpserve.server.admit_outcomes import Ended, FirstToken
+from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_table import LaneTable
 

@@ -20,7 +20,8 @@ from fake_backend import (
 )
 from test_lane_host import make_host
 
-from tpserve.server.lane_admit import Admission, Ended
+from tpserve.server.admit_outcomes import Ended
+from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED

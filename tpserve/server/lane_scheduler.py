@@ -20,10 +20,12 @@ import threading
 from collections.abc import Callable
 
 from tpserve.ranks.step_profile import NoProfile, StepProfile
+from tpserve.server.admit_choice import AdmitChoice
+from tpserve.server.admit_outcomes import BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
 from tpserve.server.backend import Backend, BackendBroken, ChunkRefused, DecodeItem, PrefillItem, attempt
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
-from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
+from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED, ERROR, Prefilled, TokenLogprob
@@ -38,6 +40,7 @@ class Scheduler:
         backend: Backend,
         state: HostState,
         admission: Admission,
+        choice: AdmitChoice,
         lanes: LaneTable,
         *,
         eos_ids: frozenset[int],
@@ -51,6 +54,7 @@ class Scheduler:
         self._backend = backend
         self._state = state
         self._admission = admission
+        self._choice = choice
         self.lanes = lanes
         self._eos_ids = eos_ids
         self._clock = clock
@@ -93,13 +97,13 @@ class Scheduler:
         return bool(cancelled)
 
     def _admit(self) -> bool:
-        """Admit waiting jobs while lanes, room and this step's prompt budget allow (lane_admit.py
+        """Admit waiting jobs while lanes, room and this step's prompt budget allow (admit_choice.py
         says why that budget). True when anything changed."""
         changed = False
         budget = None  # None: nothing prefilled yet this step
         for _ in range(self._admission.max_iterations):
             waiting = self._state.peek_many(self._admission.max_joint_prompts)
-            victim = self._admission.yielding_stream(waiting, self._chunking)
+            victim = self._choice.yielding_stream(waiting, self._chunking)
             if victim is not None:
                 self._yield_lane(victim)
                 changed = True
@@ -120,16 +124,16 @@ class Scheduler:
         )
 
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
-        """Take the head jobs Admission chooses (at most `most`); with the step's prompt budget left
+        """Take the head jobs AdmitChoice chooses (at most `most`); with the step's prompt budget left
         after them. The choice reads a snapshot of the queue's head outside its lock; the take pops
         what is still at the head (a cancel meanwhile only takes fewer, which always fits)."""
         num_free = self.lanes.num_free
-        if most < 1 or not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
+        if most < 1 or not self._choice.can_take(num_free, budget) or not self._state.has_waiting():
             return [], budget
         head = self._state.peek_many(min(most, num_free))
         free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
         riding = [ride.job for ride in self._riding]
-        num_taken, left = self._admission.num_to_take(head, free_blocks, budget, self._chunking, riding)
+        num_taken, left = self._choice.num_to_take(head, free_blocks, budget, self._chunking, riding)
         # Fewer taken than chosen leaves `left` short of the truth: the step prefills less, never more.
         return self._state.take_head(head[:num_taken]), left
 
