@@ -112,3 +112,22 @@ class AdmitChoice:
         if num_wanted == 0 or (num_free >= num_wanted and free_blocks >= wanted_blocks):
             return None
         return max(background, key=lambda job: job.admitted_seq)
+
+    def decodes(self, chunking: Job | None, riding: list[Job]) -> bool:
+        """Whether a stream decodes this step (not the chunking job, nor the whole prompts `riding`
+        in this step's round): then whole prompts taken now ride in its round's pass."""
+        return any(job.produced and job is not chunking and job not in riding for job in self._lanes.jobs())
+
+    def blocks_wanted(self, chunking: Job | None) -> int:
+        """Blocks the streams holding lanes want by the end of this step (each decoding stream's next
+        position, the chunking job's next chunk): admission leaves them free, so taking a job never
+        makes a live stream wait or be preempted at once."""
+        wanted = sum(
+            self._lanes.blocks_missing(job, job.next_position + 1)
+            for job in self._lanes.jobs()
+            if job is not chunking and job.produced
+        )
+        if chunking is not None:
+            end = min(len(chunking.feed_ids), chunking.num_prefilled + self._max_prefill_tokens)
+            wanted += self._lanes.blocks_missing(chunking, end)
+        return wanted

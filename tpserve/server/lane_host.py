@@ -30,6 +30,7 @@ from tpserve.server.lane_scheduler import Scheduler
 from tpserve.server.lane_stream import Stream
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import ERROR, GenerationRequest, HostStats, TokenLogprob
+from tpserve.server.sampled_tokens import SampledTokens
 from tpserve.server.scheduler_thread import SchedulerThread
 
 __all__ = ["LaneHost", "Stream", "HostStats"]
@@ -99,11 +100,10 @@ class LaneHost:
             admission,
             choice,
             self._lanes,
-            eos_ids=frozenset(eos_ids),
-            clock=clock,
+            SampledTokens(
+                eos_ids=frozenset(eos_ids), clock=clock, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            ),
             drafter=self.drafter,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
             on_broken=on_broken,
             profile=profile or NoProfile(),
         )
