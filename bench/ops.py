@@ -29,7 +29,7 @@ from tpserve.kernels.attention_kernels import kv_dtype  # noqa: E402
 from tpserve.kernels.linear import ROW_TILE  # noqa: E402
 from tpserve.kernels.machine import machine_facts  # noqa: E402
 from tpserve.kernels.weight_formats import auto_quantize  # noqa: E402
-from tpserve.ranks.engine import Engine, open_lane  # noqa: E402
+from tpserve.ranks.engine import Engine, open_lane
 from tpserve.ranks.kv_store import KVPool  # noqa: E402
 from tpserve.ranks.loader import load_rank_model  # noqa: E402
 from tpserve.ranks.settings import DTYPE_CHOICES, QUANTIZE_CHOICES  # noqa: E402

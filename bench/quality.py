@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.common import add_common_args, chat_prompt, default_model_dir, finish, print_table  # noqa: E402
 from tpserve.kernels.linear import ROW_TILE  # noqa: E402
-from tpserve.ranks.engine import Engine, open_lane  # noqa: E402
+from tpserve.ranks.engine import Engine, open_lane
 from tpserve.ranks.kv_store import KVPool  # noqa: E402
 from tpserve.ranks.loader import load_rank_model  # noqa: E402
 from tpserve.ranks.settings import QUANTIZE_CHOICES  # noqa: E402

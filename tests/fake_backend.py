@@ -1,16 +1,9 @@
 """A fake Backend for the lane host's tests: the exact Protocol, strict about misuse, and a sampler
-whose every token depends on the lane's whole history, so any rollback, position slip or cross-talk
-between lanes changes the reply.
-
-Sampling: a rolling 64-bit hash over every (position, token) fed to the lane picks the token; a
-sampled (non-greedy) request mixes in noise keyed by (seed, position) only, as the real sampler does.
-So a request's reply never depends on its lane, its neighbours, or whether its prompt went alone or
-in a joint pass; `solo_reply` (a fresh fake and host running the request alone) is the oracle.
-
-KV is modelled in blocks as the engine holds it: each lane has a block table, every fed token is
-written into its block's slot and the sampler reads the lane's history back through the table, so a
-block handed to two lanes, reused while held, or missing from a table changes the reply or is
-refused as misuse, as the engine refuses it.
+whose every token depends on the lane's whole history (tests/fake_tokens.py draw), read back through
+its block tables (tests/fake_kv.py), so any rollback, position slip or cross-talk between lanes
+changes the reply or is misuse. A request's reply never depends on its lane, its neighbours, or
+whether its prompt went alone or in a joint pass; `solo_reply` (a fresh fake and host running the
+request alone) is the oracle.
 
 Failures a test can ask for: prompts whose first token is poisoned (prefill and prefill_many raise,
 or refuse), a joint pass that raises at its first, middle or last participant, a first sampled token
@@ -20,57 +13,24 @@ outside the vocabulary, and a decode round that breaks the engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+from fake_kv import FakeKV, FakeLane
+from fake_replies import Reply, run_all
+from fake_tokens import BAD_TOKEN, EOS_IDS, VOCAB_SIZE, draw, fake_detokenize, top_features
 
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.server.backend import BackendBroken, ChunkRefused, DecodeItem, PrefillItem
 from tpserve.server.lane_host import LaneHost
-from tpserve.server.lane_stream import Stream
-from tpserve.server.requests import Finished, GenerationRequest, Prefilled, TokenDelta
-
-MASK_64 = (1 << 64) - 1
-EOS_ID = 0
-# Token pieces: multi-letter so stop strings can cross token boundaries. Token 0 is EOS.
-PIECES = ("", *[c + v for c in "bdfgklmnprst" for v in "aeiou"][:38], " ")
-VOCAB_SIZE = len(PIECES)
-BAD_TOKEN = VOCAB_SIZE  # outside the vocabulary: fake_detokenize refuses it
-EOS_IDS = frozenset({EOS_ID})
-
-
-def fake_detokenize(ids: Sequence[int]) -> str:
-    for token in ids:
-        if not 0 <= token < VOCAB_SIZE:
-            raise ValueError(f"token {token} is outside the vocabulary")
-    return "".join(PIECES[token] for token in ids)
-
-
-def _mix(value: int) -> int:
-    """splitmix64's finalizer: every input bit moves every output bit."""
-    value = (value + 0x9E3779B97F4A7C15) & MASK_64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK_64
-    return value ^ (value >> 31)
-
-
-class FakeMisuse(AssertionError):
-    """The host broke the Backend contract. Recorded in `misuse` too, since the host may catch it."""
+from tpserve.server.requests import GenerationRequest
 
 
 class FakeFailure(RuntimeError):
     """A failure a test asked for."""
 
 
-@dataclass
-class _Lane:
-    table: list[int]  # block ids holding positions 0, 1, ... in order
-    length: int = 0  # positions fed so far (their tokens live in the table's blocks)
-    pending: int | None = None  # the last sampled token, fed next at position `length`
-    num_samples: int = 0
-    features: list[tuple[int, float]] = field(default_factory=list)
-    draft_features: list[list[tuple[int, float]]] = field(default_factory=list)  # per row of a Verify
+class FakeBackend(FakeKV):
+    """The Backend protocol's passes over the KV blocks of FakeKV, its sampler, and the failures to inject."""
 
-
-class FakeBackend:
     def __init__(
         self,
         *,
@@ -85,9 +45,8 @@ class FakeBackend:
         break_period: int = 0,
         verifies_drafts: bool = True,
     ):
+        super().__init__(num_blocks=room // block_size, block_size=block_size)
         self.num_lanes = num_lanes
-        self.block_size = block_size
-        self.num_blocks = room // block_size
         self.room = self.num_blocks * block_size
         self.context_size = context_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -103,9 +62,6 @@ class FakeBackend:
         self.bad_first_token_prompts: set[int] = set()  # their first sample is BAD_TOKEN
         self.break_after_decodes: int | None = None  # decode raises BackendBroken after this many
         # What happened.
-        self.lanes: dict[int, _Lane] = {}
-        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> the token written there
-        self.refs: dict[int, int] = {}  # block -> how many lanes' tables hold it
         self.num_opens = 0
         self.num_prefills = 0
         self.num_decodes = 0
@@ -120,10 +76,7 @@ class FakeBackend:
         self.timeline: list[tuple[str, int]] = []
         self.broken = False
         self.num_calls_after_broken = 0
-        self.misuse: list[str] = []
         self.num_copies = 0  # opens that copied a partly matching block's slots
-
-    # ---- the Backend protocol ----
 
     def open(self, lane: int, blocks: tuple[int, ...], num_cached: int, copy_from: int = -1) -> None:
         """The first num_cached positions are shared blocks of a cached prefix, then the slots copied
@@ -143,22 +96,9 @@ class FakeBackend:
             self.num_copies += 1
             self._copy_slots(lane, copy_from, blocks[num_shared], partial)
         self.num_opens += 1
-        self.lanes[lane] = _Lane([], num_cached)
-        for block in blocks[:num_shared]:
-            if not 0 <= block < self.num_blocks or any(
-                (block, offset) not in self.slots for offset in range(self.block_size)
-            ):
-                self._misuse(f"lane {lane} shares block {block}, which holds no whole prefix")
-            self.refs[block] = self.refs.get(block, 0) + 1
-            self.lanes[lane].table.append(block)
+        self.lanes[lane] = FakeLane([], num_cached)
+        self._share(lane, blocks[:num_shared])
         self._extend(lane, blocks[num_shared:])
-
-    def _copy_slots(self, lane: int, source: int, target: int, num_slots: int) -> None:
-        if target in self.refs or any((source, offset) not in self.slots for offset in range(num_slots)):
-            self._misuse(f"lane {lane} copies {num_slots} uncomputed slots of block {source} into {target}")
-            return
-        for offset in range(num_slots):
-            self.slots[(target, offset)] = self.slots[(source, offset)]
 
     def prefill(self, item: PrefillItem) -> int | None:
         self._call()
@@ -192,7 +132,7 @@ class FakeBackend:
             self.refused_passes.append(len(items))
             return None
         raise_at = {"first": 0, "middle": len(items) // 2, "last": len(items) - 1}.get(self.raise_in_pass_at)
-        fed: list[tuple[_Lane, int, PrefillItem]] = []
+        fed: list[tuple[FakeLane, int, PrefillItem]] = []
         try:
             for index, (item, lane) in enumerate(zip(items, lanes)):
                 fed.append((lane, lane.length, item))
@@ -235,7 +175,7 @@ class FakeBackend:
             tokens.append(self._sample(lane, item.sampling))
         return [*tokens, *self._feed_prompts(prompt_lanes, prompts)]
 
-    def _check_prompts(self, items: list[DecodeItem], prompts: Sequence[PrefillItem]) -> list[_Lane]:
+    def _check_prompts(self, items: list[DecodeItem], prompts: Sequence[PrefillItem]) -> list[FakeLane]:
         """Prompts beside a round: each checked as a prefill is, at most 16 whole ones and a chunk,
         and all refused (nothing of the round runs) when one is poisoned, as the engine's vote
         refuses them."""
@@ -254,7 +194,7 @@ class FakeBackend:
             self.beside_round.append(len(prompts))
         return checked
 
-    def _feed_prompts(self, lanes: list[_Lane], prompts: Sequence[PrefillItem]) -> list[int]:
+    def _feed_prompts(self, lanes: list[FakeLane], prompts: Sequence[PrefillItem]) -> list[int]:
         """The prompts' sampled tokens, one per prompt that ends, in order."""
         tokens = []
         for lane, prompt in zip(lanes, prompts):
@@ -300,10 +240,7 @@ class FakeBackend:
         self._call()
         if lane not in self.lanes:
             self._misuse(f"close of lane {lane}, which is not open")
-        for block in self.lanes.pop(lane).table:
-            self.refs[block] -= 1
-            if not self.refs[block]:
-                del self.refs[block]
+        self._release(lane)
 
     def idle(self) -> None:
         self._call()
@@ -316,14 +253,6 @@ class FakeBackend:
     def draft_top_logits(self, lane: int) -> list[list[tuple[int, float]]]:
         """The top logits of each row of the lane's last decode_drafts round."""
         return list(self._open_lane(lane).draft_features)
-
-    # ---- checks for tests ----
-
-    def assert_clean(self) -> None:
-        """Everything the host held is returned and it never broke the contract."""
-        assert self.misuse == [], self.misuse
-        assert self.lanes == {}, f"lanes still open: {sorted(self.lanes)}"
-        assert self.refs == {}, f"blocks still held: {sorted(self.refs)}"
 
     def solo_reply(self, request: GenerationRequest) -> Reply:
         """The reply `request` gets alone on a fresh fake of the same shape: the oracle."""
@@ -341,22 +270,11 @@ class FakeBackend:
         backend.assert_clean()
         return reply
 
-    # ---- internals ----
-
     def _call(self) -> None:
         if self.broken:
             self.num_calls_after_broken += 1
 
-    def _misuse(self, message: str) -> None:
-        self.misuse.append(message)
-        raise FakeMisuse(message)
-
-    def _open_lane(self, lane: int) -> _Lane:
-        if lane not in self.lanes:
-            self._misuse(f"lane {lane} is not open")
-        return self.lanes[lane]
-
-    def _check_prefill(self, item: PrefillItem, max_tokens: int) -> _Lane:
+    def _check_prefill(self, item: PrefillItem, max_tokens: int) -> FakeLane:
         lane = self._open_lane(item.lane)
         if not item.token_ids or len(item.token_ids) > max_tokens:
             self._misuse(f"prefill of {len(item.token_ids)} tokens (at most {max_tokens} per pass)")
@@ -364,134 +282,13 @@ class FakeBackend:
             self._misuse(f"prefill on lane {item.lane} starts at {item.start}; it holds {lane.length}")
         return lane
 
-    def _extend(self, lane: int, blocks: Sequence[int]) -> None:
-        """Append blocks to the lane's table: refused, as the engine refuses, when a block is out of
-        the pool or another table holds it."""
-        for block in blocks:
-            if not 0 <= block < self.num_blocks or block in self.refs:
-                self._misuse(f"lane {lane} given block {block} to write, out of the pool or held")
-            self.refs[block] = 1
-            self.lanes[lane].table.append(block)
-
-    def _unextend(self, lane: int, blocks: Sequence[int]) -> None:
-        table = self.lanes[lane].table
-        for block in reversed(blocks):
-            if table and table[-1] == block:
-                table.pop()
-                del self.refs[block]
-
-    def _history(self, lane: _Lane) -> list[int]:
-        """The tokens at the lane's positions, read back through its block table."""
-        size = self.block_size
-        return [self.slots[(lane.table[p // size], p % size)] for p in range(lane.length)]
-
-    def _first_token_of(self, lane: _Lane, item: PrefillItem) -> int:
-        return self._history(lane)[0] if lane.length else item.token_ids[0]
-
-    @staticmethod
-    def _reset(lane: _Lane) -> None:
-        lane.length = 0
-        lane.pending = None
-        lane.num_samples = 0
-        lane.features = []
-
-    @classmethod
-    def _rewind(cls, lane: _Lane, length: int) -> None:
-        cls._reset(lane)
-        lane.length = length
-
-    def _feed(self, lane: _Lane, token_ids: Sequence[int]) -> None:
-        for token in token_ids:
-            position = lane.length
-            if position // self.block_size >= len(lane.table):
-                self._misuse(f"a lane wrote position {position} past its blocks ({len(lane.table)} blocks)")
-            block = lane.table[position // self.block_size]
-            if self.refs[block] > 1:
-                self._misuse(f"a lane wrote position {position} into block {block}, which another lane holds")
-            self.slots[(block, position % self.block_size)] = token
-            lane.length += 1
-
-    def _sample(self, lane: _Lane, sampling: SamplingParams) -> int:
-        position = lane.length  # where the sampled token will go
+    def _sample(self, lane: FakeLane, sampling: SamplingParams) -> int:
         history = self._history(lane)
-        value = 0  # a rolling hash of every (position, token) the lane holds
-        for at, token in enumerate(history):
-            value = _mix(value ^ ((at << 32) | (token & 0xFFFFFFFF)))
-        breaks = self.break_period and position % self.break_period == 0
-        if self.repeat_period and len(history) >= self.repeat_period and not breaks:
-            # A model that repeats itself: what prompt lookup guesses (sampled rows still draw).
-            value = history[-self.repeat_period] + VOCAB_SIZE * (value >> 32)
-        if not sampling.greedy:
-            value = _mix(value ^ _mix((sampling.seed << 24) ^ position))
+        value = draw(history, sampling, self.repeat_period, self.break_period)
         token = value % VOCAB_SIZE
         if lane.num_samples == 0 and history[0] in self.bad_first_token_prompts:
             token = BAD_TOKEN
-        lane.features = [
-            ((value >> (8 * i)) % VOCAB_SIZE, ((value >> (8 * i + 4)) % 1000) / 100) for i in range(3)
-        ]
+        lane.features = top_features(value)
         lane.pending = token
         lane.num_samples += 1
         return token
-
-
-@dataclass(frozen=True)
-class Reply:
-    """Everything a client read from one stream (timings aside, so replies compare across runs)."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    reason: str
-    error: str | None
-    completion_tokens: int
-    num_prefilled_events: int
-    finished: Finished = field(compare=False)
-
-
-def read_reply(stream: Stream) -> Reply:
-    """Read a finished stream's events (they are all there already)."""
-    token_ids: list[int] = []
-    texts: list[str] = []
-    num_prefilled = 0
-    for event in stream.events(timeout_each=0):
-        if isinstance(event, TokenDelta):
-            token_ids += event.token_ids
-            texts.append(event.text)
-        elif isinstance(event, Prefilled):
-            if token_ids:
-                raise AssertionError("Prefilled arrived after a token")
-            num_prefilled += 1
-        elif isinstance(event, Finished):
-            usage = event.usage
-            return Reply(
-                tuple(token_ids),
-                "".join(texts),
-                event.reason,
-                event.error,
-                usage.completion_tokens,
-                num_prefilled,
-                event,
-            )
-    raise AssertionError("the stream ended without Finished")
-
-
-def step_until_finished(host: LaneHost, streams: list[Stream], max_steps: int = 10_000) -> None:
-    """Step the host until every stream has its Finished event."""
-    for _ in range(max_steps):
-        if all(stream.finished is not None for stream in streams):
-            return
-        host.step()
-    raise AssertionError(f"streams still running after {max_steps} steps")
-
-
-def run_all(host: LaneHost, streams: list[Stream], max_steps: int = 10_000) -> list[Reply]:
-    """Step the host until every stream finished; their replies in order."""
-    step_until_finished(host, streams, max_steps)
-    return [read_reply(stream) for stream in streams]
-
-
-def make_request(
-    prompt_ids: Sequence[int], max_tokens: int = 12, *, seed: int | None = None, **kwargs
-) -> GenerationRequest:
-    """A request; greedy unless a seed is given (then sampled, temperature 0.8)."""
-    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
-    return GenerationRequest(tuple(prompt_ids), max_tokens, sampling, **kwargs)

@@ -16,17 +16,8 @@ from multiproc import RankPool, run_ranks
 from tpserve.ranks.channel import Channel, ChannelBroken, LeaderLost
 from tpserve.ranks.liveness import LeaderWatch, LivenessHub
 from tpserve.ranks.model_group import exercise
-from tpserve.ranks.wire import (
-    Admit,
-    Idle,
-    Prefill,
-    Release,
-    Round,
-    Span,
-    Step,
-    Stop,
-    Verify,
-)
+from tpserve.ranks.wire_messages import Admit, Idle, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire_spans import Span, Step
 
 PG_TIMEOUT_S = 3.0
 HEARTBEAT_S = 0.5

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize
+from fake_backend import FakeBackend
+from fake_tokens import EOS_IDS, fake_detokenize
 from tiny_models import write_tiny_model
 
 from tpserve.server.lane_host import LaneHost

@@ -17,8 +17,9 @@ from tpserve.kernels.sampling import sample
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.decode_graphs import DECODE_BUCKETS, DecodeBuffers, DecodeGraph, bucket_for, padded_round
 from tpserve.ranks.decode_runner import graphs_unfit
-from tpserve.ranks.engine import Engine, EngineError
+from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.lane_tables import EngineError
 from tpserve.ranks.loader import load_rank_model
 
 BLOCK_SIZE = 8

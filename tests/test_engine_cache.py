@@ -12,7 +12,7 @@ from multiproc import RankPool
 from tiny_models import write_tiny_model
 
 from tpserve.kernels.collectives import GroupCollectives
-from tpserve.ranks.engine import EngineError
+from tpserve.ranks.lane_tables import EngineError
 
 HISTORY = tuple((11 * i + 5) % 300 for i in range(70))
 TURN = (17, 4, 99, 23, 8)

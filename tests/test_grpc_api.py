@@ -19,7 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from fake_backend import FakeBackend, run_all
+from fake_backend import FakeBackend
+from fake_replies import run_all
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase

@@ -3,9 +3,12 @@ back as outcomes in the jobs' order, and no client hears of any of them before t
 
 from __future__ import annotations
 
-from fake_backend import FakeBackend, fake_detokenize, make_request
+from fake_backend import FakeBackend
+from fake_replies import make_request
+from fake_tokens import fake_detokenize
 
-from tpserve.server.lane_admit import Admission, Ended, FirstToken
+from tpserve.server.admit_outcomes import Ended, FirstToken
+from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_table import LaneTable
 

@@ -7,17 +7,9 @@ tokens depend on each lane's whole history, so any slip in positions, lanes or r
 from __future__ import annotations
 
 import pytest
-from fake_backend import (
-    EOS_ID,
-    EOS_IDS,
-    PIECES,
-    FakeBackend,
-    fake_detokenize,
-    make_request,
-    read_reply,
-    run_all,
-    step_until_finished,
-)
+from fake_backend import FakeBackend
+from fake_replies import make_request, read_reply, run_all, step_until_finished
+from fake_tokens import EOS_ID, EOS_IDS, PIECES, fake_detokenize
 
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.requests import Finished, HostUnavailable, Prefilled, QueueFull, TokenDelta

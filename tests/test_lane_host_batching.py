@@ -7,7 +7,9 @@ after a joint pass was refused or failed; one stream's refusal never takes the o
 from __future__ import annotations
 
 import pytest
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, run_all
+from fake_backend import FakeBackend
+from fake_replies import make_request, run_all
+from fake_tokens import EOS_IDS, fake_detokenize
 
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.server.backend import PrefillItem

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import random
 
-from fake_backend import (
-    FakeBackend,
-    fake_detokenize,
-    make_request,
-    read_reply,
-    run_all,
-    step_until_finished,
-)
+from fake_backend import FakeBackend
+from fake_replies import make_request, read_reply, run_all, step_until_finished
+from fake_tokens import fake_detokenize
 from test_lane_host import make_host
 
-from tpserve.server.lane_admit import Admission, Ended
+from tpserve.server.admit_outcomes import Ended
+from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED

@@ -9,7 +9,9 @@ solo run.
 from __future__ import annotations
 
 import pytest
-from fake_backend import EOS_IDS, VOCAB_SIZE, FakeBackend, fake_detokenize, make_request, run_all
+from fake_backend import FakeBackend
+from fake_replies import make_request, run_all
+from fake_tokens import EOS_IDS, VOCAB_SIZE, fake_detokenize
 
 from tpserve.server.lane_host import LaneHost
 

@@ -8,7 +8,9 @@ max_tokens, EOS, stop strings and cancels inside a run of accepted drafts includ
 
 from __future__ import annotations
 
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, read_reply, run_all
+from fake_backend import FakeBackend
+from fake_replies import make_request, read_reply, run_all
+from fake_tokens import EOS_IDS, fake_detokenize
 
 from tpserve.server.drafts import propose
 from tpserve.server.lane_host import LaneHost

@@ -5,7 +5,9 @@ solo run, and every lane and every KV block come back."""
 
 from __future__ import annotations
 
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, read_reply
+from fake_backend import FakeBackend
+from fake_replies import make_request, read_reply
+from fake_tokens import EOS_IDS, fake_detokenize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -19,7 +19,7 @@ from test_engine_pair import (
 )
 from tiny_models import write_tiny_model
 
-from tpserve.ranks.wire import Bundle, Mixed, Prefill
+from tpserve.ranks.wire_messages import Bundle, Mixed, Prefill
 from tpserve.server.wiring import local_engine
 
 

@@ -5,7 +5,9 @@ wrong slots, or too many, changes the reply."""
 
 from __future__ import annotations
 
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, run_all
+from fake_backend import FakeBackend
+from fake_replies import make_request, run_all
+from fake_tokens import EOS_IDS, fake_detokenize
 
 from tpserve.server.lane_host import LaneHost
 

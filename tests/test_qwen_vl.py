@@ -21,7 +21,9 @@ from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import prompt_positions, span_rope
 from tpserve.ranks.qwen_vision import load_qwen_vision_tower
-from tpserve.ranks.wire import Prefill, Span, WireError, decode, encode
+from tpserve.ranks.wire import WireError, decode, encode
+from tpserve.ranks.wire_messages import Prefill
+from tpserve.ranks.wire_spans import Span
 from tpserve.server.images import decode_image
 from tpserve.server.qwen_images import QwenPreprocessor
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, run_all
+from fake_backend import FakeBackend
+from fake_replies import make_request, run_all
+from fake_tokens import EOS_IDS, fake_detokenize
 
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.recorder import RecordingBackend

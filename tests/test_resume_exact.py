@@ -11,8 +11,9 @@ import torch
 from engine_lanes import open_lane
 from tiny_models import write_tiny_model
 
-from tpserve.ranks.engine import Engine, EngineError
+from tpserve.ranks.engine import Engine
 from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.lane_tables import EngineError
 from tpserve.ranks.loader import load_rank_model
 
 PROMPT = (5, 17, 99, 3, 42)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from fake_backend import EOS_IDS, FakeBackend, fake_detokenize, make_request, read_reply
+from fake_backend import FakeBackend
+from fake_replies import make_request, read_reply
+from fake_tokens import EOS_IDS, fake_detokenize
 
 from tpserve.server.backend import BACKEND_NAMES
 from tpserve.server.lane_host import LaneHost

@@ -12,22 +12,13 @@ from tpserve.ranks.wire import (
     INLINE_SIZE,
     MAX_PAYLOAD_SIZE,
     WIRE_VERSION,
-    Admit,
-    Bundle,
-    Idle,
-    Mixed,
-    Prefill,
-    Release,
-    Round,
-    Span,
-    Step,
-    Stop,
-    Verify,
     WireError,
     decode,
     encode,
     read_head,
 )
+from tpserve.ranks.wire_messages import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire_spans import Span, Step
 
 int64s = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 counts = st.integers(min_value=0, max_value=1 << 40)

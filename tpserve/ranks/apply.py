@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire_messages import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
 
 
 class VotedDown(Exception):

@@ -34,7 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpserve.ranks.wire import HEAD_SIZE, Idle, Message, Stop, WireError, decode, encode, read_head
+from tpserve.ranks.wire import HEAD_SIZE, WireError, decode, encode, read_head
+from tpserve.ranks.wire_messages import Idle, Message, Stop
 
 __all__ = ["Channel", "ChannelBroken", "LeaderLost", "gist_of"]
 

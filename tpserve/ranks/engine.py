@@ -1,18 +1,14 @@
 """What every rank applies: admissions, prefill passes, decode rounds, releases and cache moves.
 
 Rank 0 and the followers call the same methods with the same arguments in the same order, so
-their bookkeeping (lanes, block tables, cache slots) stays identical. KV lives in blocks of the pool
-(tpserve/ranks/kv_store.py); each lane has a block table that rank 0's lane host fills
-(tpserve/server/kv_blocks.py) and sends with the passes, so no rank allocates: a rank only checks that a table
-it is given is sound and refuses the call otherwise. A lane may open on the blocks of a cached prefix that
-other lanes hold too (read only); every block it writes is its own (no other lane holds it). Methods that can
-fail return False and leave nothing changed; the caller votes on them.
+their bookkeeping (lanes, block tables: tpserve/ranks/lane_tables.py) stays identical. KV lives in
+blocks of the pool (tpserve/ranks/kv_store.py), read and written through each lane's block table.
+Methods that can fail return False and leave nothing changed; the caller votes on them.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -21,32 +17,19 @@ from tpserve.kernels.device_sampling import greedy_ids, shortlist
 from tpserve.ranks.decode_runner import DecodeGraphs
 from tpserve.ranks.device_wait import to_host
 from tpserve.ranks.kv_store import KVPool
+from tpserve.ranks.lane_tables import EngineError, LaneTables
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.mrope import MRotary
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Lane:
-    blocks: list[int]  # the block table: block ids holding positions 0, 1, ... in order
-    length: int = 0  # tokens whose KV is computed (positions 0..length-1)
-    drafts_from: int = 0  # after a Verify: where its drafts begin (a later round may drop them); 0: none
-    rope_delta: int = (
-        0  # multimodal rotary: a token's (t, h, w) past its prompt's rope (tpserve/ranks/mrope.py)
-    )
-    passed: bool = False  # a pass has written its KV: its prompt's first pass, the one voted on, is done
-
-
-class EngineError(RuntimeError):
-    """A call the engine refuses (bad lane, position or size): the host sent something inconsistent."""
-
-
-class Engine:
-    """`device_timeout_s` bounds the wait for a pass's logits to reach the host (on a GPU, where a
-    lost peer leaves the stream waiting forever on its collective). `decode_graphs`: decode rounds
-    replay CUDA graphs (tpserve/ranks/decode_runner.py; eagerly off a GPU), the pool's last block kept out
-    of every lane's table as their padding rows' spare block."""
+class Engine(LaneTables):
+    """The lanes' block tables (LaneTables: what they check and record) with the KV pool they index
+    and the passes over them. `device_timeout_s` bounds the wait for a pass's logits to reach the
+    host (on a GPU, where a lost peer leaves the stream waiting forever on its collective).
+    `decode_graphs`: decode rounds replay CUDA graphs (tpserve/ranks/decode_runner.py; eagerly off a
+    GPU), the pool's last block kept out of every lane's table as their padding rows' spare block."""
 
     def __init__(
         self,
@@ -57,100 +40,22 @@ class Engine:
         device_timeout_s: float = 60.0,
         decode_graphs: bool = False,
     ):
+        # The lanes' blocks to hold (a graphed engine keeps the pool's last one spare).
+        super().__init__(kv.num_blocks - 1 if decode_graphs else kv.num_blocks, kv.block_size)
         self.model = model
         self.device_timeout_s = device_timeout_s
         self.refuse_token = refuse_token
         self.kv = kv
-        self.num_blocks = kv.num_blocks - 1 if decode_graphs else kv.num_blocks  # the lanes' to hold
         self.graphs = DecodeGraphs(model, kv, spare_block=self.num_blocks) if decode_graphs else None
-        self.lanes: dict[int, Lane] = {}
-        self.refs: dict[int, int] = {}  # block id -> how many lanes' tables hold it
 
-    # Admission ---------------------------------------------------------------------------------
     def admit(self, lane: int, blocks: tuple[int, ...], num_cached: int = 0, copy_from: int = -1) -> None:
         """Open `lane` on `blocks`, its first `num_cached` positions already computed: whole blocks
         of a shared cached prefix (which other lanes may hold), then, when it ends inside a block,
         that block's first slots copied from block `copy_from` (a partial match); the rest its own."""
-        size = self.kv.block_size
-        num_shared, num_copied = divmod(num_cached, size)
-        if lane in self.lanes or num_shared + bool(num_copied) > len(blocks):
-            raise EngineError(
-                f"lane {lane}: cannot open on {len(blocks)} blocks with {num_cached} cached tokens"
-            )
-        if num_copied and not 0 <= copy_from < self.num_blocks or not num_copied and copy_from != -1:
-            raise EngineError(
-                f"lane {lane}: {num_copied} cached slots (of {num_cached}) to copy from KV block {copy_from}"
-            )
-        if any(not 0 <= block < self.num_blocks for block in blocks[:num_shared]):
-            raise EngineError(f"lane {lane} given a shared KV block outside the pool: {list(blocks)}")
-        self._check_own(lane, blocks[num_shared:])
+        num_shared, num_copied = self.check_open(lane, blocks, num_cached, copy_from)
         if num_copied:
             self.kv.copy_slots(copy_from, blocks[num_shared], num_copied)
-        self.lanes[lane] = Lane([], num_cached)
-        self._append(lane, blocks)
-
-    def release(self, lane: int) -> None:
-        state = self.lanes.pop(lane, None)
-        if state is not None:
-            for block in state.blocks:
-                if self.refs[block] == 1:
-                    del self.refs[block]
-                else:
-                    self.refs[block] -= 1
-
-    def _check_own(self, lane: int, blocks) -> None:
-        """Blocks a lane will write: in the pool, held by no lane, each once."""
-        for block in blocks:
-            if not 0 <= block < self.num_blocks or block in self.refs:
-                raise EngineError(
-                    f"lane {lane} given KV block {block} to write: outside the pool of "
-                    f"{self.num_blocks} or held by {self.refs.get(block)} lane(s)"
-                )
-        if len(set(blocks)) != len(blocks):
-            raise EngineError(f"lane {lane} given a KV block twice: {list(blocks)}")
-
-    def _append(self, lane: int, blocks) -> None:
-        for block in blocks:
-            self.refs[block] = self.refs.get(block, 0) + 1
-        self.lanes[lane].blocks.extend(blocks)
-
-    def _grow(self, spans) -> None:
-        """Append each span's new blocks to its lane's table (spans passed check())."""
-        for lane, _, _, blocks in spans:
-            self._append(lane, blocks)
-
-    @staticmethod
-    def _spans(spans) -> list:
-        """Spans as (lane, start, token ids, new blocks); a span of three has no new blocks."""
-        return [span if len(span) == 4 else (*span, ()) for span in spans]
-
-    def check(self, spans) -> bool:
-        """Whether forward(spans) would be accepted: open lanes, each span at its lane's length, its
-        positions inside the lane's blocks with the span's new ones, sound new blocks, no lane twice,
-        and no write into a block another lane holds. spans: (lane, start, token ids, new blocks)."""
-        seen, given, size = set(), set(), self.kv.block_size
-        for lane, start, tokens, blocks in self._spans(spans):
-            state = self.lanes.get(lane)
-            if state is None or lane in seen or not tokens or start != state.length:
-                return False
-            table = state.blocks + list(blocks)
-            if start + len(tokens) > len(table) * size:
-                return False
-            if any(not 0 <= b < self.num_blocks or b in self.refs or b in given for b in blocks):
-                return False
-            written = table[start // size : -(-(start + len(tokens)) // size)]
-            if any(self.refs.get(b, 0) > 1 for b in written):
-                return False
-            given.update(blocks)
-            seen.add(lane)
-        return True
-
-    def first_pass(self, spans) -> bool:
-        """Whether any span is its lane's first pass (a prompt's first chunk, or the whole prompt):
-        only such a pass is voted on (tpserve/ranks/apply.py). A later chunk or a decode step rides on what
-        every rank already holds, sound by construction, so it costs no vote. A lane not open counts
-        as first, so check() refuses it by vote."""
-        return any(lane not in self.lanes or not self.lanes[lane].passed for lane, *_ in spans)
+        self.open(lane, blocks, num_cached)
 
     def refuses(self, spans) -> bool:
         """A fault drill: this rank refuses any prompt holding `refuse_token` (tests of rollback),
@@ -173,7 +78,7 @@ class Engine:
 
         media_rows: per span, the offsets of its tokens embedded as image features; media: those
         features in the same order ([rows, hidden], rank 0 only). rope: per span, its tokens' multimodal
-        rotary positions (t..., h..., w...) or () (tpserve/ranks/wire.py Span.rope)."""
+        rotary positions (t..., h..., w...) or () (tpserve/ranks/wire_spans.py Span.rope)."""
         return self._pass(spans, every_row, media_rows, media, rope)
 
     def decode_round(
@@ -226,14 +131,6 @@ class Engine:
             for lane, start, *_ in steps:
                 self.lanes[lane].drafts_from = start + 1
         return logits
-
-    def drop_unkept_drafts(self, spans) -> None:
-        """Cut lanes a Verify left longer than a span's start back to it (idempotent).
-        Only the drafts a Verify fed may be dropped: a span anywhere else fails check()."""
-        for lane, start, *_ in spans:
-            state = self.lanes.get(lane)
-            if state is not None and state.drafts_from and state.drafts_from <= start < state.length:
-                state.length = start
 
     def _pass(
         self,

@@ -14,7 +14,7 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import UserError
 from tpserve.ranks.logs import setup_logging
 from tpserve.ranks.startup import shutdown, start_rank
-from tpserve.ranks.wire import Stop
+from tpserve.ranks.wire_messages import Stop
 
 log = logging.getLogger(__name__)
 

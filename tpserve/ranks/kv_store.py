@@ -1,7 +1,7 @@
 """Per-rank KV memory: a pool of token slots per local piece and layer, in blocks.
 
 The live streams' pool is cut into blocks of `block_size` slots (block b: slots b*block_size ..
-(b+1)*block_size-1); a stream's block table says which blocks hold its positions (tpserve/ranks/engine.py),
+(b+1)*block_size-1); a stream's block table says which blocks hold its positions (tpserve/ranks/lane_tables.py),
 and rank 0's lane host hands them out (tpserve/server/kv_blocks.py), cached prefixes included: this pool is
 the only KV memory a rank has.
 """

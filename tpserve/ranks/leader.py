@@ -20,19 +20,8 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
 from tpserve.ranks.mrope import chunk_rope
 from tpserve.ranks.step_profile import NoProfile, StepProfile
-from tpserve.ranks.wire import (
-    Admit,
-    Bundle,
-    Idle,
-    Mixed,
-    Prefill,
-    Release,
-    Round,
-    Span,
-    Step,
-    Stop,
-    Verify,
-)
+from tpserve.ranks.wire_messages import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire_spans import Span, Step
 
 log = logging.getLogger(__name__)
 

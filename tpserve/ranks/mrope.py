@@ -9,7 +9,7 @@ frequencies are split into mrope_section runs (t, h, w), or interleaved (Qwen3-V
 by its own axis, in both halves of the head.
 
 Rank 0 works out a prompt's positions (`prompt_positions`) and sends them with its spans
-(tpserve/ranks/wire.py Span.rope): the followers never see the images. After a prompt every position is
+(tpserve/ranks/wire_spans.py Span.rope): the followers never see the images. After a prompt every position is
 its KV position plus the lane's delta (the prompt's largest position + 1 - its length, as
 transformers' rope deltas: a video's last time position may pass the text after it), which rank 0
 sends after each span's positions and each rank keeps per lane (tpserve/ranks/engine.py): decode steps

@@ -1,4 +1,5 @@
-"""The wire format: rank 0's typed messages <-> flat int64 tensors that a broadcast can carry.
+"""The wire format: rank 0's typed messages (tpserve/ranks/wire_messages.py) <-> flat int64 tensors
+that a broadcast can carry.
 
 A message travels as a fixed head of HEAD_SIZE int64s,
 
@@ -13,38 +14,18 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import ClassVar
 
 import torch
 
-from tpserve.ranks.wire_spans import (
-    Span,
-    Step,
-    WireError,
-    spans_from,
-    spans_payload,
-    steps_from,
-    steps_payload,
-)
+from tpserve.ranks.wire_messages import BUNDLED, KINDS, Admit, Bundle, Message, Mixed, Prefill, Round, Verify
+from tpserve.ranks.wire_spans import WireError, spans_from, spans_payload, steps_from, steps_payload
 
 __all__ = [
     "HEAD_SIZE",
     "INLINE_SIZE",
     "MAX_PAYLOAD_SIZE",
     "WIRE_VERSION",
-    "Admit",
-    "Bundle",
     "Head",
-    "Idle",
-    "Message",
-    "Mixed",
-    "Prefill",
-    "Release",
-    "Round",
-    "Span",
-    "Step",
-    "Stop",
-    "Verify",
     "WireError",
     "decode",
     "encode",
@@ -65,118 +46,6 @@ MAX_PAYLOAD_SIZE = 1 << 24
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-# One frozen dataclass per kind, each spelled out (STYLE 3): that they look alike is the wire's
-# shape (a KIND and a few ints), not logic written twice.
-
-
-@dataclass(frozen=True)
-class Admit:
-    """Open `lane` with `blocks` as its block table, its first `num_cached` positions a shared cached
-    prefix already in those blocks (rank 0's lane host chose them: every rank's tables are the same by
-    construction, so nothing is voted). When `num_cached` ends inside a block, that block is the
-    lane's own and its first `num_cached % block_size` slots are copied from block `copy_from`,
-    which holds the same tokens after the same prefix (a partial match: the same bits a prefill
-    would write)."""
-
-    KIND: ClassVar[int] = 1
-    lane: int
-    blocks: tuple[int, ...] = ()
-    num_cached: int = 0
-    copy_from: int = -1
-
-    def __post_init__(self):
-        object.__setattr__(self, "blocks", tuple(self.blocks))
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """One packed prefill pass over one or several streams (voted on when it holds a prompt's first
-    pass, tpserve/ranks/apply.py)."""
-
-    KIND: ClassVar[int] = 2
-    spans: tuple[Span, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "spans", tuple(self.spans))
-
-
-@dataclass(frozen=True)
-class Round:
-    """One decode step over the live lanes (each lane first cut back to its step's position)."""
-
-    KIND: ClassVar[int] = 3
-    steps: tuple[Step, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "steps", tuple(self.steps))
-
-
-@dataclass(frozen=True)
-class Verify:
-    """A decode round with draft tokens: each span feeds its lane's last sampled token and its drafts,
-    and every row's logits come back. Like a Round, it first cuts each lane back to the span's start,
-    dropping the drafts an earlier Verify fed and the host did not accept."""
-
-    KIND: ClassVar[int] = 10
-    spans: tuple[Span, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "spans", tuple(self.spans))
-
-
-@dataclass(frozen=True)
-class Release:
-    """Drop the lane and its block table."""
-
-    KIND: ClassVar[int] = 4
-    lane: int
-
-
-@dataclass(frozen=True)
-class Idle:
-    """Rank 0 is going idle: followers wait on the doorbell, not in a collective, before the next."""
-
-    KIND: ClassVar[int] = 8
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Followers leave their loop and exit 0."""
-
-    KIND: ClassVar[int] = 9
-
-
-@dataclass(frozen=True)
-class Mixed:
-    """A decode round (a Round or a Verify) and prompts (a Prefill: whole prompts admitted this step,
-    a long prompt's next chunk) in one forward pass (voted on first when a prompt starts in it, as a
-    Prefill): a step is one message, one pass and at most one vote."""
-
-    KIND: ClassVar[int] = 12
-    round: Round | Verify
-    prefill: Prefill
-
-
-@dataclass(frozen=True)
-class Bundle:
-    """Several messages in one broadcast, applied in order: the lanes rank 0 opened and closed since
-    its last message, then the pass that uses them. Opening or closing a lane so costs the wire
-    nothing of its own; rank 0 applied those at once, the followers apply them before the pass."""
-
-    KIND: ClassVar[int] = 11
-    messages: tuple[Admit | Release | Prefill | Round | Verify | Mixed, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "messages", tuple(self.messages))
-
-
-Message = Admit | Prefill | Round | Verify | Release | Idle | Stop | Bundle | Mixed
-_KINDS: dict[int, type] = {
-    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, Bundle, Mixed)
-}
-_BUNDLED = (Admit, Release, Prefill, Round, Verify, Mixed)
-
-
 @dataclass(frozen=True)
 class Head:
     """What the fixed head says: the kind, the sequence number and how much overflow follows."""
@@ -192,7 +61,7 @@ class Head:
 
 def encode(msg: Message, seq: int = 0) -> torch.Tensor:
     """The message as one int64 tensor: the head, then the overflow (if any). Shape [HEAD_SIZE + overflow]."""
-    if type(msg) not in _KINDS.values():
+    if type(msg) not in KINDS.values():
         raise WireError(f"cannot encode {type(msg).__name__}: not a wire message")
     if seq < 0:
         raise WireError(f"negative sequence number {seq}")
@@ -219,7 +88,7 @@ def read_head(head: torch.Tensor) -> Head:
         raise WireError(f"bad magic {magic_version:#x}: not a tpserve wire message")
     if magic_version & 0xFFFF != WIRE_VERSION:
         raise WireError(f"wire version {magic_version & 0xFFFF}, this rank speaks {WIRE_VERSION}")
-    if kind not in _KINDS:
+    if kind not in KINDS:
         raise WireError(f"unknown message kind {kind}")
     if seq < 0:
         raise WireError(f"negative sequence number {seq}")
@@ -234,13 +103,13 @@ def decode(tensor: torch.Tensor) -> Message:
     expected = HEAD_SIZE + head.overflow_size
     if tensor.numel() != expected:
         raise WireError(
-            f"{_KINDS[head.kind].__name__} with a payload of {head.payload_size} ints takes "
+            f"{KINDS[head.kind].__name__} with a payload of {head.payload_size} ints takes "
             f"{expected} ints on the wire, got {tensor.numel()}"
         )
     values = tensor.tolist()
     inline_end = _HEAD_FIELDS + min(head.payload_size, INLINE_SIZE)
     payload = values[_HEAD_FIELDS:inline_end] + values[HEAD_SIZE:]
-    return _from_payload(_KINDS[head.kind], payload)
+    return _from_payload(KINDS[head.kind], payload)
 
 
 def _nested(messages, allowed, outer: str) -> list:
@@ -260,7 +129,7 @@ def _unnested(payload: list[int], allowed, outer: str) -> list:
         if at + 2 > len(payload):
             raise WireError(f"{outer} message {len(messages)} runs past the payload's {len(payload)} ints")
         kind, size = payload[at : at + 2]
-        inner = _KINDS.get(kind)
+        inner = KINDS.get(kind)
         if inner not in allowed or size < 0 or at + 2 + size > len(payload):
             raise WireError(f"{outer} message {len(messages)}: kind {kind} with {size} ints does not fit")
         messages.append(_from_payload(inner, payload[at + 2 : at + 2 + size]))
@@ -270,7 +139,7 @@ def _unnested(payload: list[int], allowed, outer: str) -> list:
 
 def _payload(msg: Message) -> list:
     if isinstance(msg, Bundle):
-        return _nested(msg.messages, _BUNDLED, "Bundle")
+        return _nested(msg.messages, BUNDLED, "Bundle")
     if isinstance(msg, Mixed):
         if not msg.prefill.spans:
             raise WireError("a Mixed pass takes at least one prompt")
@@ -286,7 +155,7 @@ def _payload(msg: Message) -> list:
 
 def _from_payload(cls: type, payload: list[int]) -> Message:
     if cls is Bundle:
-        return Bundle(tuple(_unnested(payload, _BUNDLED, "Bundle")))
+        return Bundle(tuple(_unnested(payload, BUNDLED, "Bundle")))
     if cls is Mixed:
         parts = _unnested(payload, (Round, Verify, Prefill), "Mixed")
         if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or not parts[1].spans:

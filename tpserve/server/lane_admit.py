@@ -1,33 +1,23 @@
-"""Admission: getting waiting jobs from the queue into lanes, up to each one's first sampled token.
+"""Admission: getting the jobs taken off the queue into lanes, up to each one's first sampled token.
 
 Three steps per job, as in the design: take it off the queue when its first pass's KV blocks are
-free, set it up (a lane, with the shared blocks of its prompt's cached prefix: kv_blocks.py), launch
-it (its own prefill, chunks of a long prompt between decode rounds, or one prefill_many with other
-jobs). A refusal or failure ends that job alone and frees what it held; only BackendBroken goes
-further (the host latches broken).
+free (admit_choice.py says which), set it up (a lane, with the shared blocks of its prompt's cached
+prefix: kv_blocks.py), launch it (its own prefill, chunks of a long prompt between decode rounds, or
+one prefill_many with other jobs). A refusal or failure ends that job alone and frees what it held;
+only BackendBroken goes further (the host latches broken).
 
-Admission decides and runs the passes; it never touches the host's lock, queue or streams. Each call
-returns what happened (the jobs to take, the stream to yield, outcomes: a first token, an end, a
-prompt that goes in chunks) and the lane host applies that itself, one way (STYLE 14, like vLLM v1's
-schedule() / update_from_output()). Which job is chunking is the host's to record; it is passed in.
-
-A foreground job that cannot get a lane or room makes the newest background stream yield its lane;
-the yielded job goes back to the front of the background line and later re-prefills its prompt and
-the tokens it already produced, so position-keyed sampling continues exactly where it left off.
-
-A step prefills at most `max_prefill_tokens` prompt tokens of whole prompts (its first pass always
-goes), so a burst delays the live streams' next decode round by about one pass. Whether a prompt
-needs chunks, and how much of the budget it takes, is judged at take time by the prefix its shared
-blocks would supply, so a mostly cached prompt can join a joint pass. Every full block a pass
-computes becomes shareable at once, so the chunks of one long prompt serve the next that starts so.
+Admission runs the passes; it never touches the host's lock, queue or streams. Each call returns
+what happened (admit_outcomes.py: a first token, an end, a prompt that goes in chunks) and the lane
+host applies that itself, one way (STYLE 14, like vLLM v1's schedule() / update_from_output()).
+Which job is chunking is the host's to record; it is passed in. Every full block a pass computes
+becomes shareable at once, so the chunks of one long prompt serve the next that starts so.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 
+from tpserve.server.admit_outcomes import BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
 from tpserve.server.backend import Backend, BackendBroken, PrefillItem, attempt
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
@@ -37,50 +27,6 @@ log = logging.getLogger(__name__)
 
 MAX_JOINT_PROMPTS = 16  # the most prompts one prefill_many pass takes (the Backend contract)
 MIN_CHUNK_BESIDE = 16  # one row tile: a long prompt beside a full decode round still moves on
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    """The job's whole prompt is in its lane and the backend sampled its next token."""
-
-    job: Job
-    token: int
-
-
-@dataclass(frozen=True)
-class Ended:
-    """The job ends here (cancelled, refused, or its prefill failed): close its lane if it holds one."""
-
-    job: Job
-    reason: str
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Chunking:
-    """The job's long prompt goes in chunks from now on, one per step between decode rounds."""
-
-    job: Job
-
-
-@dataclass(frozen=True)
-class BlockWait:
-    """The job's next pass needs KV blocks that are not free: the chunking job waits a step; any
-    other goes back to the front of its line (its lane closed) and is taken again when they are."""
-
-    job: Job
-
-
-@dataclass(frozen=True)
-class Riding:
-    """The job's whole prompt goes in this step's decode round, in the same pass (`item`, its blocks
-    covered): the step stays one message and one pass; its first token comes with the round's."""
-
-    job: Job
-    item: PrefillItem
-
-
-Outcome = FirstToken | Ended | Chunking | BlockWait | Riding
 
 
 class Admission:
@@ -107,66 +53,6 @@ class Admission:
     def _needs_chunks(self, job: Job) -> bool:
         """After setup: whether the prompt left past the restored prefix takes more than one pass."""
         return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
-
-    def _expected_new_tokens(self, job: Job) -> int:
-        """Before setup: the prompt tokens left past the prefix shared blocks would supply now."""
-        return len(job.feed_ids) - self._lanes.cached_prefix(job)[0]
-
-    def _expects_chunks(self, job: Job) -> bool:
-        """Before setup: `_needs_chunks`, counting the prefix the prompt cache would restore now."""
-        return self._expected_new_tokens(job) > self._max_prefill_tokens
-
-    def can_take(self, num_free: int, budget: int | None) -> bool:
-        """Whether a take is worth asking the book's free blocks for (the queue holds a job)."""
-        return num_free > 0 and (budget is None or budget > 0)
-
-    def first_pass_blocks(self, job: Job) -> int:
-        """Before setup: the free blocks the job's lane takes for its first pass (the unreferenced
-        shared blocks of its cached prefix, then one pass's worth of its prompt); later blocks come
-        as it grows."""
-        hit, num_idle = self._lanes.cached_prefix(job)
-        new_tokens = len(job.feed_ids) - hit
-        # A prompt that goes in one pass counts the position its first decode round writes too.
-        end = (
-            len(job.feed_ids) + 1
-            if new_tokens <= self._max_prefill_tokens
-            else hit + self._max_prefill_tokens
-        )
-        blocks = self._lanes.blocks
-        return blocks.blocks_for(end) - hit // blocks.block_size + num_idle
-
-    def num_to_take(
-        self, head: Sequence[Job], free_blocks: int, budget: int | None, chunking: Job | None, riding=()
-    ) -> tuple[int, int]:
-        """How many of the queue's head jobs to take: one, or several for one joint pass, only what
-        fits in `head` (as many as lanes are free), `free_blocks` (each job's first pass) and `budget`
-        (prompt tokens this step may still prefill; None: the step's first pass, which takes at
-        least one job and at most one pass's worth). Returns that number and the budget left after
-        them (a long prompt's chunks are not counted: they go one a step). No long prompt is taken
-        while `chunking`. A job whose blocks are not free waits, and the jobs behind it; so does one
-        whose next uncached prefix block `chunking`, `riding` (this step's round) or a job taken
-        before it computes: it shares that block once computed."""
-        num_tokens = num_taken = 0
-        limit = self._max_prefill_tokens if budget is None else budget
-        computing = [*([chunking] if chunking is not None else []), *riding]
-        for job in head:
-            needed = self.first_pass_blocks(job)
-            if needed > free_blocks or self._lanes.shares_uncomputed(job, computing):
-                break
-            new_tokens = self._expected_new_tokens(job)
-            long = new_tokens > self._max_prefill_tokens
-            if long and (num_taken or chunking is not None):
-                break
-            new_tokens = 0 if long else new_tokens
-            if num_tokens + new_tokens > limit and (num_taken or budget is not None):
-                break
-            num_tokens += new_tokens
-            num_taken += 1
-            computing.append(job)
-            free_blocks -= needed
-            if long:
-                break
-        return num_taken, limit - num_tokens
 
     def launch(self, jobs: list[Job], chunking: Job | None, beside_round: bool = False) -> list[Outcome]:
         """Set up the taken jobs and launch them. `beside_round` (streams are decoding): each whole
@@ -355,34 +241,6 @@ class Admission:
         if token is None:
             return Ended(job, ERROR, "the engine sampled no token after the prompt")
         return FirstToken(job, token)
-
-    def yielding_stream(self, waiting: Sequence[Job], chunking: Job | None) -> Job | None:
-        """The newest background stream, when the foreground jobs among `waiting` (the queue's head)
-        cannot all start without its lane; None when none should yield.
-
-        Counts as many waiting foreground jobs as one admission could take together, but only
-        those that yielding could make fit, so background work is never thrown away for nothing.
-        """
-        waiting = [job for job in waiting if not job.background]
-        background = [job for job in self._lanes.jobs() if job.background]
-        if not waiting or not background:
-            return None
-        if chunking is not None and self._expects_chunks(waiting[0]):
-            return None  # the head waits for the chunked prefill in progress, not for a lane
-        num_free = self._lanes.num_free
-        free_blocks = self._lanes.blocks.num_free
-        spare_lanes = num_free + len(background)
-        spare_blocks = free_blocks + sum(len(job.blocks) for job in background)
-        num_wanted = wanted_blocks = 0
-        for job in waiting:
-            needed = self.first_pass_blocks(job)
-            if num_wanted == spare_lanes or wanted_blocks + needed > spare_blocks:
-                break
-            num_wanted += 1
-            wanted_blocks += needed
-        if num_wanted == 0 or (num_free >= num_wanted and free_blocks >= wanted_blocks):
-            return None
-        return max(background, key=lambda job: job.admitted_seq)
 
 
 def _prompt_rows(job: Job, start: int, num_tokens: int) -> tuple[int, tuple[int, ...]]:

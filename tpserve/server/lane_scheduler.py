@@ -1,16 +1,15 @@
 """The scheduler's step: what one scheduling iteration does with the lanes and the backend.
 
-Each step: end cancelled streams, admit waiting jobs, then one pass. `schedule()` plans the decode
-round (step_plan.py: plain data, decided before anything runs, changing nothing): every live
-stream's rows, the long prompt's next chunk and the whole prompts admitted this step beside them,
-the blocks it books, the streams it preempts. The plan is applied (ends, preemptions, bookings), its
-one pass runs, and `update_from_output()` applies the sampled tokens, one way (STYLE 14). While no
-stream decodes, prompts go in passes of their own, which Admission (lane_admit.py) still decides and
-runs, returning what happened for the scheduler to apply: the streams and which job is chunking are
-the scheduler's alone, the queue is HostState's (peeked and taken under its lock, never decided
-there nor held across a backend call).
-A BackendBroken anywhere latches the host broken: every stream ends with an error, new work is
-refused and `on_broken` is called once so the daemon can exit non-zero.
+Each step: end cancelled streams, admit waiting jobs (admit_choice.py says which to take, Admission
+in lane_admit.py sets them up), then one pass. `schedule()` plans the decode round (step_plan.py:
+plain data, decided before anything runs): every live stream's rows, the long prompt's next chunk
+and the whole prompts admitted this step beside them, the blocks it books, the streams it preempts.
+The plan is applied, its one pass runs (round_pass.py), and `update_from_output()` applies the
+sampled tokens (sampled_tokens.py), one way (STYLE 14). While no stream decodes, prompts go in
+passes of their own, which Admission runs, returning what happened for the scheduler to apply: the
+streams and which job is chunking are the scheduler's alone, the queue is HostState's (peeked and
+taken under its lock, never held across a backend call). A BackendBroken anywhere latches the host
+broken: every stream ends with an error, new work is refused and `on_broken` is called once.
 """
 
 from __future__ import annotations
@@ -20,13 +19,17 @@ import threading
 from collections.abc import Callable
 
 from tpserve.ranks.step_profile import NoProfile, StepProfile
-from tpserve.server.backend import Backend, BackendBroken, ChunkRefused, DecodeItem, PrefillItem, attempt
+from tpserve.server.admit_choice import AdmitChoice
+from tpserve.server.admit_outcomes import BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
+from tpserve.server.backend import Backend, BackendBroken
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
-from tpserve.server.lane_admit import Admission, BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
+from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
-from tpserve.server.requests import CANCELLED, ERROR, Prefilled, TokenLogprob
+from tpserve.server.requests import CANCELLED, ERROR
+from tpserve.server.round_pass import round_items, run_round
+from tpserve.server.sampled_tokens import End, SampledTokens
 from tpserve.server.step_plan import StepPlan, plan_round
 
 log = logging.getLogger(__name__)
@@ -38,25 +41,21 @@ class Scheduler:
         backend: Backend,
         state: HostState,
         admission: Admission,
+        choice: AdmitChoice,
         lanes: LaneTable,
+        tokens: SampledTokens,
         *,
-        eos_ids: frozenset[int],
-        clock: Callable[[], float],
         drafter: Drafter | None,
-        logprobs: Callable[[int, int], TokenLogprob | None] | None,
         on_broken: Callable[[str], None] | None,
         profile: StepProfile | NoProfile,
-        prompt_logprobs: Callable[[int], dict[int, TokenLogprob]] | None = None,
     ):
         self._backend = backend
         self._state = state
         self._admission = admission
+        self._choice = choice
         self.lanes = lanes
-        self._eos_ids = eos_ids
-        self._clock = clock
         self._drafter = drafter
-        self._logprobs = logprobs
-        self._prompt_logprobs = prompt_logprobs
+        self._tokens = tokens
         self._on_broken = on_broken
         self._profile = profile
         self._step_lock = threading.Lock()
@@ -93,18 +92,18 @@ class Scheduler:
         return bool(cancelled)
 
     def _admit(self) -> bool:
-        """Admit waiting jobs while lanes, room and this step's prompt budget allow (lane_admit.py
+        """Admit waiting jobs while lanes, room and this step's prompt budget allow (admit_choice.py
         says why that budget). True when anything changed."""
         changed = False
         budget = None  # None: nothing prefilled yet this step
         for _ in range(self._admission.max_iterations):
             waiting = self._state.peek_many(self._admission.max_joint_prompts)
-            victim = self._admission.yielding_stream(waiting, self._chunking)
+            victim = self._choice.yielding_stream(waiting, self._chunking)
             if victim is not None:
                 self._yield_lane(victim)
                 changed = True
                 continue
-            beside = self._decoding()
+            beside = self._choice.decodes(self._chunking, [ride.job for ride in self._riding])
             jobs, budget = self._take_jobs(budget, self._admission.max_joint_prompts - len(self._riding))
             if not jobs:
                 break
@@ -112,41 +111,19 @@ class Scheduler:
             self._apply(self._admission.launch(jobs, self._chunking, beside_round=beside))
         return changed
 
-    def _decoding(self) -> bool:
-        """Whether a stream decodes this step: then whole prompts ride in its round's pass."""
-        riding = [ride.job for ride in self._riding]
-        return any(
-            job.produced and job is not self._chunking and job not in riding for job in self.lanes.jobs()
-        )
-
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
-        """Take the head jobs Admission chooses (at most `most`); with the step's prompt budget left
+        """Take the head jobs AdmitChoice chooses (at most `most`); with the step's prompt budget left
         after them. The choice reads a snapshot of the queue's head outside its lock; the take pops
         what is still at the head (a cancel meanwhile only takes fewer, which always fits)."""
         num_free = self.lanes.num_free
-        if most < 1 or not self._admission.can_take(num_free, budget) or not self._state.has_waiting():
+        if most < 1 or not self._choice.can_take(num_free, budget) or not self._state.has_waiting():
             return [], budget
         head = self._state.peek_many(min(most, num_free))
-        free_blocks = self.lanes.blocks.num_free - self._blocks_wanted()
+        free_blocks = self.lanes.blocks.num_free - self._choice.blocks_wanted(self._chunking)
         riding = [ride.job for ride in self._riding]
-        num_taken, left = self._admission.num_to_take(head, free_blocks, budget, self._chunking, riding)
+        num_taken, left = self._choice.num_to_take(head, free_blocks, budget, self._chunking, riding)
         # Fewer taken than chosen leaves `left` short of the truth: the step prefills less, never more.
         return self._state.take_head(head[:num_taken]), left
-
-    def _blocks_wanted(self) -> int:
-        """Blocks the streams holding lanes want by the end of this step (each decoding stream's next
-        position, the chunking job's next chunk): admission leaves them free, so taking a job never
-        makes a live stream wait or be preempted at once."""
-        wanted = sum(
-            self.lanes.blocks_missing(job, job.next_position + 1)
-            for job in self.lanes.jobs()
-            if job is not self._chunking and job.produced
-        )
-        if self._chunking is not None:
-            job = self._chunking
-            end = min(len(job.feed_ids), job.num_prefilled + self._backend.max_prefill_tokens)
-            wanted += self.lanes.blocks_missing(job, end)
-        return wanted
 
     def _give_up_lane(self, job: Job) -> None:
         """The job's lane closes (its blocks freed) and it goes back to the front of its line, to
@@ -182,7 +159,7 @@ class Scheduler:
                 case FirstToken(job, token):
                     if job is self._chunking:
                         self._chunking = None  # its last chunk went
-                    self._first_token(job, token)
+                    self._end_if(job, self._tokens.first(job, token))
                 case Ended(job, reason, error):
                     self._end(job, reason, error)
                 case BlockWait(job):
@@ -224,27 +201,9 @@ class Scheduler:
         if self._drafter:
             self._drafter.advance(live)
         self._profile.decoded(len(live), plan.num_rows)
-        items = [
-            DecodeItem(
-                rows.lane,
-                rows.position,
-                rows.token_id,
-                job.request.sampling,
-                rows.draft,
-                rows.blocks,
-                job.allowed_tokens(),
-                job.counts,
-            )
-            for job, rows in zip(live, plan.rows)
-        ]
+        items = round_items(plan, live)
         prompts = [self._admission.prompt_item(jobs[p.lane], p.start, p.num_tokens) for p in plan.prompts]
-        drafts = [rows.draft for rows in plan.rows]
-        samples, error = self._run_round(items, drafts, prompts)
-        refused = isinstance(error, ChunkRefused)
-        if refused:  # nothing ran: the round goes again alone, then each prompt alone
-            samples, error = self._run_round(items, drafts, [])
-        if error is not None:
-            raise BackendBroken(f"a decode round failed: {error!r}") from error
+        samples, refused = run_round(self._backend, items, [rows.draft for rows in plan.rows], prompts)
         self.update_from_output(plan, samples, refused)
         return True
 
@@ -281,7 +240,7 @@ class Scheduler:
         with self._profile.part("tokens"):
             for job, rows, tokens in zip(live, plan.rows, samples):
                 for token in self._drafter.kept(job, rows.draft, tokens) if rows.draft else tokens:
-                    self._take_token(job, token)
+                    self._end_if(job, self._tokens.take(job, token))
                     if job.lane is None:  # the reply ended: later tokens are not part of it
                         break
         if refused:
@@ -300,38 +259,10 @@ class Scheduler:
             self._apply(self._admission.prefill_chunk(self._chunking))
         self._apply(self._admission.run_alone(riding))
 
-    def _run_round(self, items: list[DecodeItem], drafts, prompts: list[PrefillItem]):
-        """(samples per item, then [token] per prompt that ended; the error)."""
-        if any(drafts):
-            return attempt(self._backend.decode_drafts, items, prompts)
-        tokens, error = attempt(self._backend.decode, items, prompts)
-        return (None if error is not None else [[token] for token in tokens]), error
-
-    def _first_token(self, job: Job, token: int) -> None:
-        if not job.prefilled_sent:
-            job.prefilled_sent = True
-            rows = self._prompt_rows(job)
-            job.stream.put(Prefilled(job.cached_tokens, rows, job.request.prompt_ids if rows else ()))
-        self._take_token(job, token)
-
-    def _prompt_rows(self, job: Job) -> tuple[TokenLogprob, ...]:
-        """The log probabilities of the prompt's tokens after its first, when the request asks."""
-        if job.request.prompt_logprobs < 0 or self._prompt_logprobs is None or job.lane is None:
-            return ()
-        found = self._prompt_logprobs(job.lane)
-        return tuple(found[p] for p in range(1, len(job.request.prompt_ids)) if p in found)
-
-    def _take_token(self, job: Job, token: int) -> None:
-        logprob = None
-        if self._logprobs is not None and job.wants_logprobs and job.lane is not None:
-            logprob = self._logprobs(job.lane, job.next_token_position)
-        try:
-            reason = job.accept(token, self._eos_ids, self._clock(), logprob)
-        except Exception as error:  # a token the tokenizer cannot decode fails this stream alone
-            self._end(job, ERROR, f"could not decode token {token}: {error}")
-            return
-        if reason is not None:
-            self._end(job, reason)
+    def _end_if(self, job: Job, end: End | None) -> None:
+        """End the stream when its token ended it (sampled_tokens.py)."""
+        if end is not None:
+            self._end(job, *end)
 
     def end_all(self, reason: str) -> None:
         """End every stream holding a lane (a stop's deadline passed)."""

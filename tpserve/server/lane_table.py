@@ -115,7 +115,7 @@ class LaneTable:
     def open(self, job: Job, num_tokens: int) -> None:
         """Give `job` the lowest free lane with the shared blocks of its prompt's cached prefix and
         blocks for the rest of its first `num_tokens` positions (which the caller made sure are free:
-        Admission.first_pass_blocks). Sets the job's cached_tokens."""
+        AdmitChoice.first_pass_blocks). Sets the job's cached_tokens."""
         if not self._free:
             raise RuntimeError("no free lane to open")
         lane = min(self._free)
