@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
-from tpserve.ranks.qwen_vision import hw_positions, read_visual_tensors
+from tpserve.ranks.qwen_vision import check_patch_embed, hw_positions, read_visual_tensors
 
 NORM_EPS = 1e-6  # transformers' Qwen3-VL vision LayerNorms take no eps from the config
 
@@ -163,15 +163,7 @@ def load_qwen3_vision_tower(
     """The tower, merger and deepstack mergers of a Qwen3-VL checkpoint (`model.visual.*`), whole, on one rank."""
     model_dir = Path(model_dir)
     tensors = read_visual_tensors(model_dir, tower_names(config), dtype, device)
-    embed = (
-        config.hidden_size,
-        config.in_channels,
-        config.temporal_patch_size,
-        config.patch_size,
-        config.patch_size,
-    )
-    if tuple(tensors["patch_embed.proj.weight"].shape) != embed:
-        raise ModelFileError(model_dir, f"visual.patch_embed.proj.weight is not {list(embed)}")
+    check_patch_embed(model_dir, config, tensors)
     if tuple(tensors["pos_embed.weight"].shape) != (config.num_position_embeddings, config.hidden_size):
         raise ModelFileError(
             model_dir, "visual.pos_embed.weight is not num_position_embeddings x hidden_size"

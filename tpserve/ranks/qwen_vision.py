@@ -168,6 +168,12 @@ def load_qwen_vision_tower(
     """The tower and merger of a Qwen2.5-VL checkpoint (`visual.*` or `model.visual.*`), whole, on one rank."""
     model_dir = Path(model_dir)
     tensors = read_visual_tensors(model_dir, tower_names(config), dtype, device)
+    check_patch_embed(model_dir, config, tensors)
+    return QwenVisionTower(config, tensors)
+
+
+def check_patch_embed(model_dir: Path, config, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuses a tower whose patch embedding is not the config's (a Qwen2.5-VL or Qwen3-VL one)."""
     embed = (
         config.hidden_size,
         config.in_channels,
@@ -177,4 +183,3 @@ def load_qwen_vision_tower(
     )
     if tuple(tensors["patch_embed.proj.weight"].shape) != embed:
         raise ModelFileError(model_dir, f"visual.patch_embed.proj.weight is not {list(embed)}")
-    return QwenVisionTower(config, tensors)

@@ -17,16 +17,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
-from tpserve.server.processor_config import video_processor_settings
-from tpserve.server.qwen_images import MAX_ASPECT, QwenPreprocessor
+from tpserve.server.qwen_images import MAX_ASPECT
+from tpserve.server.qwen_videos import VideoSampling
 from tpserve.server.validation import invalid_argument
 from tpserve.server.videos import VideoHeader
 
-DEFAULT_FPS = 2.0
 MIN_FRAMES, MAX_FRAMES = 4, 768  # Qwen3VLVideoProcessor's
 MIN_PIXELS, MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32  # its size: pixels over all sampled frames
 
@@ -65,21 +64,9 @@ class Qwen3VideoPlan:
 
 
 @dataclass(frozen=True)
-class Qwen3VideoPreprocessor:
-    frames: QwenPreprocessor  # each frame's values, and the patch layout
-    fps: float
-    min_frames: int
-    max_frames: int
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> Qwen3VideoPreprocessor:
-        raw, _ = video_processor_settings(model_dir)  # tpserve/server/processor_config.py says which file
-        return cls(
-            frames=QwenPreprocessor.from_settings(raw, MIN_PIXELS, MAX_PIXELS),
-            fps=float(raw.get("fps") or DEFAULT_FPS),
-            min_frames=int(raw.get("min_frames", MIN_FRAMES)),
-            max_frames=int(raw.get("max_frames", MAX_FRAMES)),
-        )
+class Qwen3VideoPreprocessor(VideoSampling):
+    PIXELS: ClassVar[tuple[int, int]] = (MIN_PIXELS, MAX_PIXELS)  # over the clip, not per frame
+    FRAMES: ClassVar[tuple[int, int]] = (MIN_FRAMES, MAX_FRAMES)
 
     def plan(self, header: VideoHeader, where: str) -> Qwen3VideoPlan:
         """Which frames to decode, their size, the grid and the patches' times, from the header alone."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
@@ -38,22 +39,29 @@ class VideoPlan:
 
 
 @dataclass(frozen=True)
-class QwenVideoPreprocessor:
+class VideoSampling:
+    """A Qwen-VL video processor's settings; each family's class says how it samples (`plan`)."""
+
     frames: QwenPreprocessor  # each frame's resize and values, and the patch layout
     fps: float
     min_frames: int
     max_frames: int
+    PIXELS: ClassVar[tuple[int, int]] = (MIN_PIXELS, MAX_PIXELS)  # the processor's size defaults
+    FRAMES: ClassVar[tuple[int, int]] = (MIN_FRAMES, MAX_FRAMES)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> QwenVideoPreprocessor:
+    def from_model_dir(cls, model_dir: str | Path) -> Self:
         raw, _ = video_processor_settings(model_dir)  # tpserve/server/processor_config.py says which file
         return cls(
-            frames=QwenPreprocessor.from_settings(raw, MIN_PIXELS, MAX_PIXELS),
+            frames=QwenPreprocessor.from_settings(raw, *cls.PIXELS),
             fps=float(raw.get("fps") or DEFAULT_FPS),
-            min_frames=int(raw.get("min_frames", MIN_FRAMES)),
-            max_frames=int(raw.get("max_frames", MAX_FRAMES)),
+            min_frames=int(raw.get("min_frames", cls.FRAMES[0])),
+            max_frames=int(raw.get("max_frames", cls.FRAMES[1])),
         )
 
+
+@dataclass(frozen=True)
+class QwenVideoPreprocessor(VideoSampling):
     def plan(self, header: VideoHeader, where: str) -> VideoPlan:
         """Which frames to decode and the grid they make, from the header alone."""
         patch = self.frames.temporal_patch_size
