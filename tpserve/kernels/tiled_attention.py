@@ -14,8 +14,9 @@ The BLAS computes each output element of a product from its own row and column o
 numbers depend on its own query and the keys it sees: not on the rows beside it in its tile, the
 number of tiles, or how many keys lie past its position. Around the products, the softmax takes each
 row's maximum (order-free) and its exponentials (elementwise), and the blocks' partial sums are added
-in block order in float32. A masked key weighs exactly zero, and a masked key's slot always holds
-finite numbers (a gather clamps to the span's last key), so masked keys add exactly nothing.
+in block order in float32. Every product runs in float32, a bfloat16 pass's too (rounded once, at the
+end). A masked key weighs exactly zero, and a masked key's slot always holds finite numbers (a gather
+clamps to the span's last key), so masked keys add exactly nothing.
 
 A sliding-window layer masks the keys before a row's window too (key j hidden from position p where
 j <= p - window), a bias per window built once a pass; a sink (gpt-oss's per-head logit in the
@@ -202,6 +203,12 @@ def tiled_attention(
     in each row's softmax denominator, or None."""
     window = int(window or 0)
     sinks = None if sinks is None else sinks.float().to(q.device)
+    # Products in float32 whatever q's dtype, rounded once to it at the end: a bfloat16 product's
+    # output would round every score (GLM-4.5's, whose biased, normed heads share a large unrotated
+    # part, reach 14, where a bfloat16 step is 1/16) and every block's weighted values and weight
+    # sums, which transformers' own forward (SDPA's) keeps in float32: GLM-4.5's bfloat16 logits
+    # were 1.37x as far from float32 as transformers', 1.07x so (tests/test_bfloat16_families.py)
+    dtype, q = q.dtype, q.float()
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = pool_k.shape[0]
     group = plan.group
@@ -227,11 +234,11 @@ def tiled_attention(
         shape = (num_entries, blocks, ROW_TILE, -1)
         sums = torch.bmm(weights, values).view(shape).unbind(1)
         totals = torch.bmm(weights, _ones(weights)).view(shape).unbind(1)
-        result = _normalised(sums, totals, q.dtype, sink_terms=sink_terms).view(-1, head_dim)
+        result = _normalised(sums, totals, dtype, sink_terms=sink_terms).view(-1, head_dim)
         if not plan.long:
             return result.index_select(0, batch.result_index).view(num_tokens, num_heads * head_dim)
     # One spare row past q's: where the short batch's padding rows are written, and dropped.
-    out = torch.zeros(num_tokens * num_heads + 1, head_dim, dtype=q.dtype, device=q.device)
+    out = torch.zeros(num_tokens * num_heads + 1, head_dim, dtype=dtype, device=q.device)
     if batch is not None:
         out.index_copy_(0, batch.out_index, result)
     out = out[:-1].view(num_tokens, num_heads, head_dim)
@@ -260,13 +267,13 @@ def tiled_attention(
             seen = [weights[first:, b] for b, first in enumerate(firsts)]
             sums = [torch.bmm(w, values[b].expand(w.shape[0], -1, -1)) for b, w in enumerate(seen)]
             totals = [torch.bmm(w, _ones(w)) for w in seen]
-            result = _normalised(sums, totals, q.dtype, firsts, sink_terms).view(-1, head_dim)[:rows]
+            result = _normalised(sums, totals, dtype, firsts, sink_terms).view(-1, head_dim)[:rows]
             out[span.offset : span.offset + span.length, heads] = result.view(span.length, group, head_dim)
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
 def _widened(gathered: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Gathered keys or values in q's dtype (a pool kept in a narrower one:
+    """Gathered keys or values in q's dtype, float32 (a pool kept in a narrower one, or bfloat16:
     tpserve/kernels/attention_kernels.py kv_dtype)."""
     return gathered if gathered.dtype == q.dtype else gathered.to(q.dtype)
 
