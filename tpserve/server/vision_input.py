@@ -29,6 +29,19 @@ def image_key(data: bytes) -> int:
     return -1 - (int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 2)
 
 
+def apart(data: bytes, features, offsets: Sequence[int], size: int, grid=None) -> list[PromptImage]:
+    """A part whose image runs lie apart in the prompt (a Qwen3-VL video's temporal patches, an
+    Idefics3 image's tiles): one PromptImage of `size` positions per offset, run i the features'
+    rows i * size onwards, keyed by the bytes' hash once and its index."""
+    digest = hashlib.sha256(data).digest()
+    return [
+        PromptImage(
+            offset, size, image_key(digest + b"#%d" % run), features[run * size : (run + 1) * size], grid
+        )
+        for run, offset in enumerate(offsets)
+    ]
+
+
 @dataclass(frozen=True)
 class PlacedPart:
     """Where a media part's positions start in the prompt, and what expand already read of it that
@@ -36,7 +49,8 @@ class PlacedPart:
 
     offset: int
     video: object = None
-    # A Qwen3-VL video's: where each temporal patch's pads start (its frames lie apart, each after its time)
+    # Where each run of a part's image tokens starts, where they lie apart: a Qwen3-VL video's temporal
+    # patches (each after its time), an Idefics3 image's tiles (tpserve/server/idefics3_input.py)
     frame_offsets: tuple[int, ...] = ()
 
     def shifted(self, by: int) -> PlacedPart:
