@@ -20,7 +20,15 @@ from grpc_health.v1 import health_pb2
 from PIL import Image
 from tiny_idefics3 import ARCHITECTURES, write_tiny_idefics3
 from tiny_llava import block_image
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_beside_images,
+    corrupted,
+    generate,
+    same_then_other,
+)
 
 from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2
@@ -65,13 +73,7 @@ def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(serv
 
 
 def test_replies_beside_images_equal_their_solo_runs(served):
-    requests = [
-        ask(block_image(31, SIZE)),
-        ask(None, "hello world"),
-        ask(block_image(32, (40, 90)), "the lazy dog", temperature=0.9, seed=7),
-        ask(block_image(31, SIZE), "the quick brown fox"),
-    ]
-    check_batched(served, requests)
+    check_beside_images(served, SIZE, (40, 90))
 
 
 def chat_body(served, part: dict, text: str = "what") -> dict:

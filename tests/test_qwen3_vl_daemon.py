@@ -25,7 +25,15 @@ from tiny_qwen3_vl import MERGE, write_tiny_qwen3_vl
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
 from tiny_video import MIME_TYPES, block_video
 from tokenizers import Tokenizer as RawTokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_beside_images,
+    corrupted,
+    generate,
+    same_then_other,
+)
 
 from tpserve.ranks.model_config import load_model_config
 from tpserve.server.qwen_vision_input import QwenVisionInput
@@ -90,13 +98,7 @@ def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(serv
 
 
 def test_replies_beside_images_equal_their_solo_runs(served):
-    requests = [
-        ask(block_image(31, SIZE)),
-        ask(None, "hello world"),
-        ask(block_image(32, (40, 90)), "the lazy dog", temperature=0.9, seed=7),
-        ask(block_image(31, SIZE), "the quick brown fox"),
-    ]
-    check_batched(served, requests)
+    check_beside_images(served, SIZE, (40, 90))
 
 
 def transformers_video_greedy(model_dir: str, video: bytes) -> list[int]:

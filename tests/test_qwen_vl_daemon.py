@@ -18,7 +18,15 @@ from PIL import Image
 from tiny_llava import block_image
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, MERGE, write_tiny_qwen_vl
 from tokenizers import Tokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_beside_images,
+    corrupted,
+    generate,
+    same_then_other,
+)
 
 SIZE = (61, 83)  # a 14x10 patch grid: 35 image positions in windows cut by the edges
 
@@ -77,13 +85,7 @@ def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(serv
 
 
 def test_replies_beside_images_equal_their_solo_runs(served):
-    requests = [
-        ask(block_image(31, SIZE)),
-        ask(None, "hello world"),
-        ask(block_image(32, (130, 20)), "the lazy dog", temperature=0.9, seed=7),
-        ask(block_image(31, SIZE), "the quick brown fox"),
-    ]
-    check_batched(served, requests)
+    check_beside_images(served, SIZE, (130, 20))
 
 
 def test_broken_and_sliver_images_fail_their_own_request_only(served):

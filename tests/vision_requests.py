@@ -74,3 +74,15 @@ def check_batched(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
         together = list(pool.map(lambda request: generate(daemon, request), requests))
     assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
     assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
+
+
+def check_beside_images(daemon, size: tuple[int, int], other_size: tuple[int, int]) -> None:
+    """check_batched on two questions about one image of `size`, one about another of other_size
+    (sampled) and one with no image."""
+    requests = [
+        ask(block_image(31, size)),
+        ask(None, "hello world"),
+        ask(block_image(32, other_size), "the lazy dog", temperature=0.9, seed=7),
+        ask(block_image(31, size), "the quick brown fox"),
+    ]
+    check_batched(daemon, requests)

@@ -26,7 +26,7 @@ from tpserve.server.images import decode_image, header_size
 from tpserve.server.media_checks import is_video
 from tpserve.server.processor_config import image_processor_settings, processor_field
 from tpserve.server.validation import Limits, invalid_argument
-from tpserve.server.vision_input import PlacedPart, apart
+from tpserve.server.vision_input import PlacedPart, apart, media_tokens
 
 FAKE_TOKEN, GLOBAL_TOKEN = "<fake_token_around_image>", "<global-img>"
 NO_VIDEO = "{where}.media: this model's video input is not implemented (send the video's frames as images)"
@@ -112,12 +112,7 @@ class Idefics3VisionInput:
         for part, where in zip(media, wheres):
             if is_video(part):
                 raise invalid_argument(NO_VIDEO.format(where=where))
-        found = [index for index, token in enumerate(ids) if token == self.image_token_id]
-        if len(found) != num_images or len(media) != num_images:
-            raise invalid_argument(
-                f"the prompt holds {len(found)} image tokens for {num_images} image parts "
-                f"(the text may not contain {self.image_token!r})"
-            )
+        found = media_tokens(ids, {self.image_token_id}, num_images, self.image_token, len(media))
         out, placed, at = [], [], 0
         for index, part, where in zip(found, media, wheres):
             width, height = header_size(part.data, where)

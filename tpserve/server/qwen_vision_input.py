@@ -31,7 +31,7 @@ from tpserve.server.qwen_videos import QwenVideoPreprocessor, VideoPlan
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits, invalid_argument
 from tpserve.server.videos import DemuxedVideo, decode_frames, demux
-from tpserve.server.vision_input import PlacedPart, apart, image_key
+from tpserve.server.vision_input import PlacedPart, apart, image_key, media_tokens
 
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
 
@@ -114,12 +114,7 @@ class QwenVisionInput:
         to its merged grid's frames * rows * columns, and the parts' places in it (a video's with its
         packets, for read)."""
         pads = {self.image_token_id, self.video_token_id} - {None}
-        found = [index for index, token in enumerate(ids) if token in pads]
-        if len(found) != num_images or len(media) != num_images:
-            raise invalid_argument(
-                f"the prompt holds {len(found)} image tokens for {num_images} image parts "
-                f"(the text may not contain {self.image_token!r})"
-            )
+        found = media_tokens(ids, pads, num_images, self.image_token, len(media))
         out, placed, at = [], [], 0
         wheres = list(wheres) or [f"image {number}" for number in range(num_images)]
         for index, part, where in zip(found, media, wheres):
