@@ -9,6 +9,10 @@ tp=1 bit for bit; a batch with and without images against each prompt's solo run
 from __future__ import annotations
 
 import io
+import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +247,41 @@ def test_glm4v_is_refused_by_name():
     ):
         with pytest.raises(ModelFileError, match=f"{architecture} is not supported: {what}"):
             parse_model_config({"architectures": [architecture]})
+
+
+def test_transformers4_layout_reads_the_same(model_dir, tmp_path):
+    # transformers 4 wrote preprocessor_config.json (the image processor's fields) and a
+    # processor_config.json holding only the processor's own (image_seq_len).
+    old = tmp_path / "v4"
+    shutil.copytree(model_dir, old)
+    processor = json.loads((old / "processor_config.json").read_text())
+    (old / "preprocessor_config.json").write_text(json.dumps(processor.pop("image_processor")))
+    (old / "processor_config.json").write_text(json.dumps(processor))
+    images = [block_image(6, SIZES[1])]
+    (ids, new_images), (old_ids, old_images) = chat_prompt(model_dir, images), chat_prompt(str(old), images)
+    assert ids == old_ids
+    assert all(torch.equal(a.features, b.features) for a, b in zip(new_images, old_images))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("image_seq_len", 9, "image_seq_len 9 is not the tower's 4 tokens a tile"),
+        ("max_image_size", {"longest_edge": 48}, "max_image_size.longest_edge 48 is not the vision tower's"),
+    ],
+)
+def test_a_processor_that_disagrees_with_the_tower_stops_start_up(model_dir, tmp_path, field, value, message):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    processor = json.loads((broken / "processor_config.json").read_text())
+    (processor if field == "image_seq_len" else processor["image_processor"])[field] = value
+    (broken / "processor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(ModelFileError, match=re.escape(message)):
+        vision_of(str(broken))
+
+
+def test_a_scale_factor_that_does_not_divide_the_tile_is_refused(model_dir):
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw["scale_factor"] = 3
+    with pytest.raises(ModelFileError, match="scale_factor 3 does not divide the tile's 4 patches a side"):
+        parse_model_config(raw)
