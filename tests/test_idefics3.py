@@ -285,3 +285,17 @@ def test_a_scale_factor_that_does_not_divide_the_tile_is_refused(model_dir):
     raw["scale_factor"] = 3
     with pytest.raises(ModelFileError, match="scale_factor 3 does not divide the tile's 4 patches a side"):
         parse_model_config(raw)
+
+
+def test_a_tokenizer_without_the_image_token_whole_stops_start_up(model_dir):
+    # A tokenizer that reads "<image>" as text, as one without it among its added tokens would.
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    config = load_model_config(model_dir)
+    with pytest.raises(ModelFileError, match="does not keep '<image>' whole"):
+        Idefics3VisionInput.from_model_dir(
+            model_dir,
+            config,
+            IMAGE_TOKEN,
+            torch.float32,
+            encode_text=lambda text: tokenizer.encode(text.replace(IMAGE_TOKEN, "<image >")),
+        )

@@ -86,7 +86,12 @@ class Idefics3VisionInput:
                 processor, f"image_seq_len {named} is not the tower's {vision.image_seq_len} tokens a tile"
             )
         tower = load_siglip_vision_tower(model_dir, vision, dtype, device)
-        return cls(tower, preprocessor, image_token, encode_text)
+        vision_input = cls(tower, preprocessor, image_token, encode_text)
+        try:  # the tokenizer's reading of an image's text, once, before any request relies on it
+            vision_input._tokens(TileLayout(None, (0, 0), 1, 2))
+        except ValueError as error:
+            raise ModelFileError(Path(model_dir) / "tokenizer.json", str(error)) from None
+        return vision_input
 
     def _tokens(self, layout: TileLayout) -> tuple[list[int], list[int]]:
         """An image's token ids and where each tile's image tokens start among them."""
