@@ -36,6 +36,7 @@ from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.leader import media_in_chunk
 from tpserve.ranks.model_config import load_model_config, parse_model_config
+from tpserve.ranks.siglip_vision import bucketed_positions
 from tpserve.server.idefics3_images import Idefics3Preprocessor
 from tpserve.server.idefics3_input import Idefics3VisionInput, image_prompt
 from tpserve.server.images import decode_image
@@ -299,3 +300,23 @@ def test_a_tokenizer_without_the_image_token_whole_stops_start_up(model_dir):
             torch.float32,
             encode_text=lambda text: tokenizer.encode(text.replace(IMAGE_TOKEN, "<image >")),
         )
+
+
+def test_patch_positions_are_bucketed_as_transformers_does():
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+
+    side = 7  # the table's patches a side; grids of other sizes land in its buckets
+    embeddings = Idefics3VisionEmbeddings(
+        Idefics3VisionConfig(hidden_size=1, image_size=side * 2, patch_size=2)
+    )
+    with torch.no_grad():  # each patch's output is its position row's index
+        embeddings.patch_embedding.weight.zero_()
+        embeddings.patch_embedding.bias.zero_()
+        embeddings.position_embedding.weight.copy_(torch.arange(side * side, dtype=torch.float32)[:, None])
+    for rows, cols in ((7, 7), (3, 5), (9, 2), (1, 13)):
+        mask = torch.zeros(1, 13, 13, dtype=torch.bool)
+        mask[0, :rows, :cols] = True  # a smaller image padded: its own patches only
+        with torch.no_grad():
+            out = embeddings(torch.zeros(1, 3, 26, 26), mask)[0, :, 0].view(13, 13)[:rows, :cols]
+        assert out.flatten().long().tolist() == bucketed_positions(rows, cols, side).tolist()
