@@ -18,7 +18,6 @@ import torch
 from PIL import Image
 from test_idefics3 import LIMITS, SIZES, chat_prompt, vision_of
 from tiny_idefics3 import (
-    ARCHITECTURES,
     FAKE_TOKEN,
     GLOBAL_TOKEN,
     IMAGE_SEQ_LEN,
@@ -38,20 +37,19 @@ from tpserve.server.validation import RequestRefused
 from tpserve.v1 import serving_pb2
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def model_dir(request, tmp_path_factory) -> str:
-    return str(write_tiny_idefics3(tmp_path_factory.mktemp("idefics3"), architecture=request.param))
-
-
 @pytest.fixture(scope="module")
-def one_tile_dir(tmp_path_factory) -> str:
-    return str(write_tiny_idefics3(tmp_path_factory.mktemp("idefics3-whole"), splitting=False))
+def directories(tmp_path_factory) -> tuple[str, str]:
+    """A tiny Idefics3 whose processor splits images into tiles, and one whose processor does not."""
+    return tuple(
+        str(write_tiny_idefics3(tmp_path_factory.mktemp(name), splitting=splitting))
+        for name, splitting in (("idefics3-tiles", True), ("idefics3-whole", False))
+    )
 
 
-def test_tiles_match_transformers_image_processor(model_dir, one_tile_dir):
+def test_tiles_match_transformers_image_processor(directories):
     from transformers import Idefics3ImageProcessorPil
 
-    for directory in (model_dir, one_tile_dir):
+    for directory in directories:
         ours = Idefics3Preprocessor.from_model_dir(directory)
         theirs = Idefics3ImageProcessorPil.from_pretrained(directory)
         for size, fmt in zip((*SIZES, (1, 200)), ("PNG", "WEBP", "JPEG", "PNG", "PNG")):
@@ -63,11 +61,11 @@ def test_tiles_match_transformers_image_processor(model_dir, one_tile_dir):
             torch.testing.assert_close(torch.from_numpy(tiles), out["pixel_values"][0], rtol=0, atol=1e-6)
 
 
-def test_prompt_ids_match_idefics3_processor(model_dir, one_tile_dir):
+def test_prompt_ids_match_idefics3_processor(directories):
     from transformers import Idefics3Processor
     from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
-    for directory in (model_dir, one_tile_dir):
+    for directory in directories:
         processor = Idefics3Processor.from_pretrained(directory)
         vision, tokenizer = vision_of(directory)
         images = [block_image(1, SIZES[0]), block_image(2, SIZES[2])]
@@ -84,7 +82,8 @@ def test_prompt_ids_match_idefics3_processor(model_dir, one_tile_dir):
             assert image_prompt(layout, IMAGE_TOKEN, IMAGE_SEQ_LEN) == smolvlm
 
 
-def test_a_video_part_is_refused_by_name(model_dir):
+def test_a_video_part_is_refused_by_name(directories):
+    model_dir = directories[0]
     vision, tokenizer = vision_of(model_dir)
     ids = tokenizer.encode_chat([{"role": "user", "content": [{"type": "image"}]}])
     video = serving_pb2.Media(mime_type="video/mp4", data=b"\x00" * 64)
@@ -101,7 +100,8 @@ def test_glm4v_is_refused_by_name():
             parse_model_config({"architectures": [architecture]})
 
 
-def test_transformers4_layout_reads_the_same(model_dir, tmp_path):
+def test_transformers4_layout_reads_the_same(directories, tmp_path):
+    model_dir = directories[0]
     # transformers 4 wrote preprocessor_config.json (the image processor's fields) and a
     # processor_config.json holding only the processor's own (image_seq_len).
     old = tmp_path / "v4"
@@ -122,7 +122,10 @@ def test_transformers4_layout_reads_the_same(model_dir, tmp_path):
         ("max_image_size", {"longest_edge": 48}, "max_image_size.longest_edge 48 is not the vision tower's"),
     ],
 )
-def test_a_processor_that_disagrees_with_the_tower_stops_start_up(model_dir, tmp_path, field, value, message):
+def test_a_processor_that_disagrees_with_the_tower_stops_start_up(
+    directories, tmp_path, field, value, message
+):
+    model_dir = directories[0]
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     processor = json.loads((broken / "processor_config.json").read_text())
@@ -132,14 +135,16 @@ def test_a_processor_that_disagrees_with_the_tower_stops_start_up(model_dir, tmp
         vision_of(str(broken))
 
 
-def test_a_scale_factor_that_does_not_divide_the_tile_is_refused(model_dir):
+def test_a_scale_factor_that_does_not_divide_the_tile_is_refused(directories):
+    model_dir = directories[0]
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     raw["scale_factor"] = 3
     with pytest.raises(ModelFileError, match="scale_factor 3 does not divide the tile's 4 patches a side"):
         parse_model_config(raw)
 
 
-def test_a_tokenizer_without_the_image_token_whole_stops_start_up(model_dir):
+def test_a_tokenizer_without_the_image_token_whole_stops_start_up(directories):
+    model_dir = directories[0]
     # A tokenizer that reads "<image>" as text, as one without it among its added tokens would.
     tokenizer = Tokenizer.from_model_dir(model_dir)
     config = load_model_config(model_dir)

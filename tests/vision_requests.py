@@ -66,6 +66,14 @@ def same_then_other(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
     return again, other
 
 
+def check_cache_across_images(daemon, size: tuple[int, int], image_end: int) -> None:
+    """same_then_other, where the repeat's cache hit covers the image (the prompt's first image_end
+    tokens) and the other image's at most the block of 16 before it."""
+    again, other = same_then_other(daemon, size)
+    assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
+    assert other.last.usage.cached_tokens < 16  # at most the block of text before it
+
+
 def check_batched(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
     """A batch against solo runs: each request alone, then all at once; every reply whole and the
     same both ways."""
