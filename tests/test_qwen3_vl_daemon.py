@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
 from test_qwen3_vl_video import MESSAGES, ours, transformers_prompt
-from tiny_llava import block_image
 from tiny_qwen3_vl import MERGE, write_tiny_qwen3_vl
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
 from tiny_video import MIME_TYPES, block_video
@@ -31,6 +30,7 @@ from vision_requests import (
     ask,
     check_beside_images,
     check_cache_across_images,
+    check_transformers_greedy,
     corrupted,
     generate,
 )
@@ -83,11 +83,7 @@ def transformers_greedy(model_dir: str, image: bytes, text: str) -> list[int]:
 
 
 def test_an_image_chat_gives_transformers_greedy_tokens(served):
-    image, text = block_image(11, SIZE), "what is in this picture"
-    reply = generate(served, ask(image, text))
-    assert reply.ok, reply.details
-    assert reply.last.usage.prompt_tokens > 48  # the image's positions, cut by passes of 16
-    assert reply.token_ids == transformers_greedy(served.model_dir, image, text)
+    check_transformers_greedy(served, SIZE, 48, transformers_greedy)
 
 
 def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):

@@ -24,6 +24,7 @@ from vision_requests import (
     ask,
     check_beside_images,
     check_cache_across_images,
+    check_transformers_greedy,
     corrupted,
     generate,
 )
@@ -71,10 +72,7 @@ def transformers_greedy(model_dir: str, image: bytes, text: str) -> list[int]:
 
 
 def test_an_image_chat_gives_transformers_greedy_tokens(served):
-    image, text = block_image(11, SIZE), "what is in this picture"
-    reply = generate(served, ask(image, text))
-    assert reply.ok, reply.details
-    assert reply.token_ids == transformers_greedy(served.model_dir, image, text)
+    check_transformers_greedy(served, SIZE, 35, transformers_greedy)
 
 
 def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):

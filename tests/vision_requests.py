@@ -66,6 +66,16 @@ def same_then_other(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
     return again, other
 
 
+def check_transformers_greedy(daemon, size: tuple[int, int], more_than: int, greedy) -> None:
+    """A chat with one image of `size` (a prompt past more_than tokens: the image's, cut by passes of
+    16) gives greedy(model_dir, image, text): transformers' own greedy reply to the same chat."""
+    image, text = block_image(11, size), "what is in this picture"
+    reply = generate(daemon, ask(image, text))
+    assert reply.ok, reply.details
+    assert reply.last.usage.prompt_tokens > more_than
+    assert reply.token_ids == greedy(daemon.model_dir, image, text)
+
+
 def check_cache_across_images(daemon, size: tuple[int, int], image_end: int) -> None:
     """same_then_other, where the repeat's cache hit covers the image (the prompt's first image_end
     tokens) and the other image's at most the block of 16 before it."""
