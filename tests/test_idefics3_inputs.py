@@ -176,3 +176,19 @@ def test_patch_positions_are_bucketed_as_transformers_does():
         with torch.no_grad():
             out = embeddings(torch.zeros(1, 3, 26, 26), mask)[0, :, 0].view(13, 13)[:rows, :cols]
         assert out.flatten().long().tolist() == bucketed_positions(rows, cols, side).tolist()
+
+
+def test_a_tokenizer_that_strips_beside_the_image_text_stops_start_up(directories):
+    # As an added token with rstrip would: the space after the image's last token vanishes.
+    tokenizer = Tokenizer.from_model_dir(directories[0])
+    config = load_model_config(directories[0])
+    with pytest.raises(ModelFileError, match="reads an image's text otherwise beside other text"):
+        Idefics3VisionInput.from_model_dir(
+            directories[0],
+            config,
+            IMAGE_TOKEN,
+            torch.float32,
+            encode_text=lambda text: tokenizer.encode(
+                text.replace(FAKE_TOKEN + " ", FAKE_TOKEN), add_bos=False
+            ),
+        )

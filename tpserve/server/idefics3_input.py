@@ -88,10 +88,23 @@ class Idefics3VisionInput:
         tower = load_siglip_vision_tower(model_dir, vision, dtype, device)
         vision_input = cls(tower, preprocessor, image_token, encode_text)
         try:  # the tokenizer's reading of an image's text, once, before any request relies on it
-            vision_input._tokens(TileLayout(None, (0, 0), 1, 2))
+            vision_input.check_splice(TileLayout(None, (0, 0), 1, 2))
         except ValueError as error:
             raise ModelFileError(Path(model_dir) / "tokenizer.json", str(error)) from None
         return vision_input
+
+    def check_splice(self, layout: TileLayout, before: str = "User:", after: str = " what") -> None:
+        """An image's ids spliced between text's are those of the text around its prompt tokenized
+        whole (as the processor tokenizes): ValueError where the tokenizer reads them otherwise (an
+        added token that strips the whitespace beside it, a merge across its edges)."""
+        tokens, _ = self._tokens(layout)
+        text = image_prompt(layout, self.image_token, self.image_seq_len)
+        if self.encode_text(before + text + after) != self.encode_text(before) + tokens + self.encode_text(
+            after
+        ):
+            raise ValueError(
+                "the tokenizer reads an image's text otherwise beside other text (a stripping added token)"
+            )
 
     def _tokens(self, layout: TileLayout) -> tuple[list[int], list[int]]:
         """An image's token ids and where each tile's image tokens start among them."""
