@@ -20,12 +20,20 @@ from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
 from test_qwen3_vl_video import MESSAGES, ours, transformers_prompt
-from tiny_llava import block_image
 from tiny_qwen3_vl import MERGE, write_tiny_qwen3_vl
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
 from tiny_video import MIME_TYPES, block_video
 from tokenizers import Tokenizer as RawTokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_beside_images,
+    check_cache_across_images,
+    check_transformers_greedy,
+    corrupted,
+    generate,
+)
 
 from tpserve.ranks.model_config import load_model_config
 from tpserve.server.qwen_vision_input import QwenVisionInput
@@ -75,28 +83,15 @@ def transformers_greedy(model_dir: str, image: bytes, text: str) -> list[int]:
 
 
 def test_an_image_chat_gives_transformers_greedy_tokens(served):
-    image, text = block_image(11, SIZE), "what is in this picture"
-    reply = generate(served, ask(image, text))
-    assert reply.ok, reply.details
-    assert reply.last.usage.prompt_tokens > 48  # the image's positions, cut by passes of 16
-    assert reply.token_ids == transformers_greedy(served.model_dir, image, text)
+    check_transformers_greedy(served, SIZE, 48, transformers_greedy)
 
 
 def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):
-    again, other = same_then_other(served, SIZE)
-    image_end = 4 + 48  # "<|im_start|>user\n<|vision_start|>" then the image
-    assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
-    assert other.last.usage.cached_tokens < 16  # at most the block of text before it
+    check_cache_across_images(served, SIZE, 4 + 48)  # "<|im_start|>user\n<|vision_start|>" then the image
 
 
 def test_replies_beside_images_equal_their_solo_runs(served):
-    requests = [
-        ask(block_image(31, SIZE)),
-        ask(None, "hello world"),
-        ask(block_image(32, (40, 90)), "the lazy dog", temperature=0.9, seed=7),
-        ask(block_image(31, SIZE), "the quick brown fox"),
-    ]
-    check_batched(served, requests)
+    check_beside_images(served, SIZE, (40, 90))
 
 
 def transformers_video_greedy(model_dir: str, video: bytes) -> list[int]:

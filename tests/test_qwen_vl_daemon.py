@@ -18,7 +18,16 @@ from PIL import Image
 from tiny_llava import block_image
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, MERGE, write_tiny_qwen_vl
 from tokenizers import Tokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_beside_images,
+    check_cache_across_images,
+    check_transformers_greedy,
+    corrupted,
+    generate,
+)
 
 SIZE = (61, 83)  # a 14x10 patch grid: 35 image positions in windows cut by the edges
 
@@ -63,27 +72,15 @@ def transformers_greedy(model_dir: str, image: bytes, text: str) -> list[int]:
 
 
 def test_an_image_chat_gives_transformers_greedy_tokens(served):
-    image, text = block_image(11, SIZE), "what is in this picture"
-    reply = generate(served, ask(image, text))
-    assert reply.ok, reply.details
-    assert reply.token_ids == transformers_greedy(served.model_dir, image, text)
+    check_transformers_greedy(served, SIZE, 35, transformers_greedy)
 
 
 def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):
-    again, other = same_then_other(served, SIZE)
-    image_end = 4 + 35  # "<|im_start|>user\n<|vision_start|>" then the image
-    assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
-    assert other.last.usage.cached_tokens < 16  # at most the block of text before it
+    check_cache_across_images(served, SIZE, 4 + 35)  # "<|im_start|>user\n<|vision_start|>" then the image
 
 
 def test_replies_beside_images_equal_their_solo_runs(served):
-    requests = [
-        ask(block_image(31, SIZE)),
-        ask(None, "hello world"),
-        ask(block_image(32, (130, 20)), "the lazy dog", temperature=0.9, seed=7),
-        ask(block_image(31, SIZE), "the quick brown fox"),
-    ]
-    check_batched(served, requests)
+    check_beside_images(served, SIZE, (130, 20))
 
 
 def test_broken_and_sliver_images_fail_their_own_request_only(served):

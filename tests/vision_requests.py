@@ -66,6 +66,24 @@ def same_then_other(daemon, size: tuple[int, int]) -> tuple[Reply, Reply]:
     return again, other
 
 
+def check_transformers_greedy(daemon, size: tuple[int, int], more_than: int, greedy) -> None:
+    """A chat with one image of `size` (a prompt past more_than tokens: the image's, cut by passes of
+    16) gives greedy(model_dir, image, text): transformers' own greedy reply to the same chat."""
+    image, text = block_image(11, size), "what is in this picture"
+    reply = generate(daemon, ask(image, text))
+    assert reply.ok, reply.details
+    assert reply.last.usage.prompt_tokens > more_than
+    assert reply.token_ids == greedy(daemon.model_dir, image, text)
+
+
+def check_cache_across_images(daemon, size: tuple[int, int], image_end: int) -> None:
+    """same_then_other, where the repeat's cache hit covers the image (the prompt's first image_end
+    tokens) and the other image's at most the block of 16 before it."""
+    again, other = same_then_other(daemon, size)
+    assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
+    assert other.last.usage.cached_tokens < 16  # at most the block of text before it
+
+
 def check_batched(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
     """A batch against solo runs: each request alone, then all at once; every reply whole and the
     same both ways."""
@@ -74,3 +92,15 @@ def check_batched(daemon, requests: list[serving_pb2.GenerateRequest]) -> None:
         together = list(pool.map(lambda request: generate(daemon, request), requests))
     assert all(reply.ok and len(reply.token_ids) == MAX_TOKENS for reply in solo + together)
     assert [reply.token_ids for reply in together] == [reply.token_ids for reply in solo]
+
+
+def check_beside_images(daemon, size: tuple[int, int], other_size: tuple[int, int]) -> None:
+    """check_batched on two questions about one image of `size`, one about another of other_size
+    (sampled) and one with no image."""
+    requests = [
+        ask(block_image(31, size)),
+        ask(None, "hello world"),
+        ask(block_image(32, other_size), "the lazy dog", temperature=0.9, seed=7),
+        ask(block_image(31, size), "the quick brown fox"),
+    ]
+    check_batched(daemon, requests)

@@ -11,6 +11,12 @@ from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_config import Gemma3Shape, global_and_local_rope, parse_gemma3
+from tpserve.ranks.idefics3_config import (
+    IDEFICS3_ARCHITECTURES,
+    TEXT_DEFAULTS,
+    Idefics3VisionConfig,
+    parse_idefics3_config,
+)
 from tpserve.ranks.moe_config import MoeConfig, parse_moe_config
 from tpserve.ranks.qwen3_vision_config import (
     QWEN3_VL_ARCHITECTURES,
@@ -79,7 +85,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     architecture: str = ""
     # a vision-language model's tower, projector and media tokens (a Qwen-VL's: mrope in the text model)
-    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Idefics3VisionConfig | None = None
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
     sliding_window: int | None = None  # a window some layers attend within (tpserve/ranks/unsupported.py)
     windows: tuple[int, ...] = ()  # each layer's window, 0 for a full-attention layer (() none slides)
@@ -135,22 +141,32 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
     qwen3_vl = next((a for a in architectures if a in QWEN3_VL_ARCHITECTURES), None)
     if qwen3_vl is not None:
         return _parse_qwen3_vl(raw, qwen3_vl, path)
-    vision_arch = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
+    vision_arch = next(
+        (a for a in architectures if a in VISION_ARCHITECTURES or a in IDEFICS3_ARCHITECTURES), None
+    )
     if vision_arch is not None:
         return _parse_vision_language(raw, vision_arch, path)
     family = next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
     if family is None:
         refuse_architecture(architectures, path)
         supported = ", ".join(
-            (*FAMILIES, *VISION_ARCHITECTURES, *QWEN_VL_ARCHITECTURES, *QWEN3_VL_ARCHITECTURES)
+            (
+                *FAMILIES,
+                *VISION_ARCHITECTURES,
+                *QWEN_VL_ARCHITECTURES,
+                *QWEN3_VL_ARCHITECTURES,
+                *IDEFICS3_ARCHITECTURES,
+            )
         )
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
     return _parse_text(raw, family, architectures[0], path)
 
 
 def _parse_vision_language(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
-    """LLaVA: the text decoder from text_config (a Llama-family model), the tower from vision_config."""
-    text = dict(raw.get("text_config") or {})
+    """LLaVA, Idefics3 and SmolVLM: the text decoder from text_config (a Llama-family model), the tower
+    from vision_config (CLIP's, or SigLIP's and a pixel-shuffle connector: tpserve/ranks/siglip_vision.py)."""
+    idefics3 = architecture in IDEFICS3_ARCHITECTURES
+    text = {**(TEXT_DEFAULTS if idefics3 else {}), **(raw.get("text_config") or {})}
     model_type = text.get("model_type", "llama")
     if model_type not in TEXT_MODEL_TYPES:
         raise ModelFileError(
@@ -162,7 +178,8 @@ def _parse_vision_language(raw: dict, architecture: str, path: str | Path) -> Mo
         if key not in text and key in raw:
             text[key] = raw[key]
     config = _parse_text(text, TEXT_MODEL_TYPES[model_type], architecture, path)
-    return replace(config, vision=parse_vision_config(raw, config.hidden_size, path))
+    parse = parse_idefics3_config if idefics3 else parse_vision_config
+    return replace(config, vision=parse(raw, config.hidden_size, path))
 
 
 def _parse_qwen_vl(raw: dict, architecture: str, path: str | Path) -> ModelConfig:

@@ -10,16 +10,14 @@ back in the processor's order, one row per text position.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.qwen_vision_config import QwenVisionConfig
-from tpserve.ranks.weights import checkpoint_files
+from tpserve.ranks.vision import read_tensors
 
 PREFIXES = ("visual.", "model.visual.")
 NORM_EPS = 1e-6  # transformers' Qwen2.5-VL vision RMSNorms take no eps from the config
@@ -147,19 +145,7 @@ def read_visual_tensors(
     model_dir: Path, names: list[str], dtype: torch.dtype, device
 ) -> dict[str, torch.Tensor]:
     """The tensors `names` of a Qwen-VL checkpoint's tower, stored under `visual.` or `model.visual.`."""
-    files = checkpoint_files(model_dir)
-    tensors = {}
-    with ExitStack() as stack:
-        handles = {
-            path: stack.enter_context(safe_open(str(path), framework="pt"))
-            for path in sorted(set(files.values()))
-        }
-        for name in names:
-            stored = next((prefix + name for prefix in PREFIXES if prefix + name in files), None)
-            if stored is None:
-                raise ModelFileError(model_dir, f"checkpoint has no vision tensor {name!r} (under 'visual.')")
-            tensors[name] = handles[files[stored]].get_tensor(stored).to(device=device, dtype=dtype)
-    return tensors
+    return read_tensors(model_dir, [(name, PREFIXES) for name in names], dtype, device)
 
 
 def load_qwen_vision_tower(

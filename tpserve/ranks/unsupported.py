@@ -26,6 +26,8 @@ REFUSED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
     # Qwen3-VL's dense model is computed (tpserve/ranks/qwen3_vision.py); its MoE text model is not.
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts text model (with deepstack features)",
+    "Glm4vForConditionalGeneration": "GLM-4.1V's vision tower and its 3-D rotary positions",
+    "Glm4vMoeForConditionalGeneration": "GLM-4.5V's vision tower, 3-D rotary positions and mixture of experts",
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.

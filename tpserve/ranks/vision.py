@@ -31,11 +31,17 @@ PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "quick_gelu":
         return x * torch.sigmoid(1.702 * x)
+    if name == "gelu_pytorch_tanh":  # SigLIP's (tpserve/ranks/siglip_vision.py)
+        return F.gelu(x, approximate="tanh")
     return F.gelu(x)  # the exact (erf) form, as transformers' "gelu"
 
 
 class VisionTower:
-    """pixels [3, H, W] -> image features [tokens_per_image, text hidden] (the projector's output)."""
+    """pixels [3, H, W] -> image features [tokens_per_image, text hidden] (the projector's output).
+
+    Its encoder layer (pre-norm attention and MLP, q/k/v/out_proj, fc1/fc2) is SigLIP's too: the
+    Idefics3 tower (tpserve/ranks/siglip_vision.py) is this class with its own embedding and connector.
+    """
 
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor]):
         self.config = config
@@ -98,7 +104,13 @@ def tower_names(config: VisionConfig) -> list[str]:
         "pre_layrnorm.weight",
         "pre_layrnorm.bias",
     ]
-    for index in range(config.layers_needed):
+    return names + encoder_names(config.layers_needed)
+
+
+def encoder_names(num_layers: int) -> list[str]:
+    """The tensors of a CLIP or SigLIP encoder's first num_layers layers."""
+    names = []
+    for index in range(num_layers):
         p = f"encoder.layers.{index}."
         for leaf in (
             "layer_norm1",
@@ -122,9 +134,23 @@ def load_vision_tower(
 ) -> VisionTower:
     """The tower and projector of a LLaVA checkpoint (transformers 4 or 5 naming), whole, on one rank."""
     model_dir = Path(model_dir)
-    files = checkpoint_files(model_dir)
     wanted = [(name, TOWER_PREFIXES) for name in tower_names(config)]
     wanted += [(name, PROJECTOR_PREFIXES) for name in projector_names(config)]
+    tensors = read_tensors(model_dir, wanted, dtype, device)
+    expected = (config.num_patches + 1, config.hidden_size)
+    if tuple(tensors["embeddings.position_embedding.weight"].shape) != expected:
+        raise ModelFileError(
+            model_dir, f"vision position embeddings are not {list(expected)} (image_size/patch_size)"
+        )
+    return VisionTower(config, tensors)
+
+
+def read_tensors(
+    model_dir: Path, wanted: list[tuple[str, tuple[str, ...]]], dtype: torch.dtype, device
+) -> dict[str, torch.Tensor]:
+    """Each (name, prefixes) of `wanted` read whole from the checkpoint, stored under the first of
+    its prefixes that holds it, keyed by its name without the prefix."""
+    files = checkpoint_files(model_dir)
     tensors = {}
     with ExitStack() as stack:
         handles = {
@@ -138,9 +164,4 @@ def load_vision_tower(
                     model_dir, f"checkpoint has no vision tensor {name!r} (under {prefixes[0]!r})"
                 )
             tensors[name] = handles[files[stored]].get_tensor(stored).to(device=device, dtype=dtype)
-    expected = (config.num_patches + 1, config.hidden_size)
-    if tuple(tensors["embeddings.position_embedding.weight"].shape) != expected:
-        raise ModelFileError(
-            model_dir, f"vision position embeddings are not {list(expected)} (image_size/patch_size)"
-        )
-    return VisionTower(config, tensors)
+    return tensors

@@ -64,10 +64,12 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 def stored_name(files: dict[str, Path], name: str) -> str | None:
     """Where a text-model tensor sits in this checkpoint: under its own name, or inside a
-    vision-language checkpoint (transformers 4 wrote `language_model.model.*`, 5 `model.language_model.*`)."""
+    vision-language checkpoint (transformers 4 wrote `language_model.model.*`, 5 `model.language_model.*`;
+    Idefics3 and SmolVLM `model.text_model.*`)."""
     candidates = [name]
     if name.startswith("model."):
-        candidates += ["language_model." + name, "model.language_model." + name.removeprefix("model.")]
+        inner = name.removeprefix("model.")
+        candidates += ["language_model." + name, "model.language_model." + inner, "model.text_model." + inner]
     elif name.startswith("lm_head."):  # the head's weight, or its int8 scale
         candidates.append("language_model." + name)
     return next((candidate for candidate in candidates if candidate in files), None)

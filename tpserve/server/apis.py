@@ -10,6 +10,7 @@ from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
+from tpserve.server.idefics3_input import Idefics3VisionInput
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.request_size import max_grpc_message_bytes, max_http_body_bytes
@@ -29,7 +30,7 @@ class LocalApis:
         engine: EngineClient,
         tokenizer: Tokenizer,
         info: ServingInfo,
-        vision: VisionInput | QwenVisionInput | None = None,
+        vision: VisionInput | QwenVisionInput | Idefics3VisionInput | None = None,
     ):
         # One Submitter for both APIs: the same checks and wording, and stopping refuses on both.
         metrics = ServingMetrics(engine.stats, engine.block_stats, info.model_name)

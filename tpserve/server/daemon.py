@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from tpserve.ranks.deadline import leave_after
+from tpserve.ranks.idefics3_config import Idefics3VisionConfig
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import DTYPES
 from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
@@ -35,6 +36,7 @@ from tpserve.server.front_wire import FrontSpec
 from tpserve.server.generation_defaults import generation_defaults, openai_temperature
 from tpserve.server.grammar import Grammars
 from tpserve.server.heap import return_large_frees_to_the_system
+from tpserve.server.idefics3_input import Idefics3VisionInput
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.serving_info import ServingInfo
@@ -138,12 +140,13 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
 
 def _vision_input(
     config: ServeConfig, runtime: RankRuntime, settings: EngineSettings, tokenizer: Tokenizer
-) -> VisionInput | QwenVisionInput | None:
+) -> VisionInput | QwenVisionInput | Idefics3VisionInput | None:
     """The tower and projector, loaded here on rank 0 only (see tpserve/ranks/vision.py); None without
     vision."""
     if not config.vision:
         return None
-    # A Qwen-VL's tower and its images' sizes (tpserve/server/qwen_vision_input.py), or LLaVA's.
+    # A Qwen-VL's tower and its images' sizes (tpserve/server/qwen_vision_input.py), an Idefics3's tiles
+    # (tpserve/server/idefics3_input.py), or LLaVA's.
     args = (
         settings.model_dir,
         runtime.config,
@@ -151,10 +154,11 @@ def _vision_input(
         DTYPES[settings.dtype],
         runtime.device,
     )
+    encode_text = functools.partial(tokenizer.encode, add_bos=False)
     if isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig)):
-        return QwenVisionInput.from_model_dir(
-            *args, encode_text=functools.partial(tokenizer.encode, add_bos=False)
-        )
+        return QwenVisionInput.from_model_dir(*args, encode_text=encode_text)
+    if isinstance(runtime.config.vision, Idefics3VisionConfig):
+        return Idefics3VisionInput.from_model_dir(*args, encode_text=encode_text)
     return VisionInput.from_model_dir(*args)
 
 

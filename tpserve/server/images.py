@@ -128,6 +128,19 @@ class Preprocessor:
         return np.ascontiguousarray(array.transpose(2, 0, 1), dtype=np.float32)
 
 
+def header_size(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) of an image, from its header only (no pixel is decoded)."""
+    unreadable = invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image")
+    try:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+            width, height = image.size
+    except Exception as error:  # an untrusted file: every way Pillow can fail is one refusal
+        raise unreadable from error
+    if width <= 0 or height <= 0:
+        raise unreadable
+    return width, height
+
+
 def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
     """The bytes as a decoded image; refuses what is not a JPEG, PNG or WebP, or has too many pixels."""
     unreadable = invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image")

@@ -57,6 +57,13 @@ def video_processor_settings(model_dir: str | Path) -> tuple[dict, Path]:
     return image_processor_settings(model_dir)
 
 
+def processor_field(model_dir: str | Path, key: str) -> tuple[object, Path]:
+    """A processor's own field (Idefics3's image_seq_len) from processor_config.json, None where the
+    file or the field is missing, and the file."""
+    processor = Path(model_dir) / PROCESSOR_FILE
+    return (_json_object(processor).get(key) if processor.is_file() else None), processor
+
+
 def _json_object(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text())

@@ -13,20 +13,17 @@ multimodal rotary positions (tpserve/ranks/mrope.py). The prompt-cache key is th
 
 from __future__ import annotations
 
-import hashlib
-import io
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.qwen3_vision import Qwen3VisionTower, load_qwen3_vision_tower
 from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
 from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
-from tpserve.server.images import FORMATS, decode_image
+from tpserve.server.images import decode_image, header_size
 from tpserve.server.media_checks import is_video
 from tpserve.server.qwen3_videos import Qwen3VideoPreprocessor, timed_frames
 from tpserve.server.qwen_images import QwenPreprocessor
@@ -34,7 +31,7 @@ from tpserve.server.qwen_videos import QwenVideoPreprocessor, VideoPlan
 from tpserve.server.requests import PromptImage
 from tpserve.server.validation import Limits, invalid_argument
 from tpserve.server.videos import DemuxedVideo, decode_frames, demux
-from tpserve.server.vision_input import PlacedPart, image_key
+from tpserve.server.vision_input import PlacedPart, apart, image_key, media_tokens
 
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
 
@@ -91,13 +88,7 @@ class QwenVisionInput:
 
     def merged_grid(self, data: bytes, where: str) -> tuple[int, int]:
         """(rows, columns) of an image's merged grid, from its header (the size) only."""
-        try:
-            with Image.open(io.BytesIO(data), formats=FORMATS) as image:
-                width, height = image.size
-        except Exception as error:  # an untrusted file: every way Pillow can fail is one refusal
-            raise invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image") from error
-        if width <= 0 or height <= 0:
-            raise invalid_argument(f"{where}.media.data is not a readable JPEG, PNG or WebP image")
+        width, height = header_size(data, where)
         height, width = self.preprocessor.resized_size(height, width)
         factor = self.preprocessor.patch_size * self.preprocessor.merge_size
         return height // factor, width // factor
@@ -123,12 +114,7 @@ class QwenVisionInput:
         to its merged grid's frames * rows * columns, and the parts' places in it (a video's with its
         packets, for read)."""
         pads = {self.image_token_id, self.video_token_id} - {None}
-        found = [index for index, token in enumerate(ids) if token in pads]
-        if len(found) != num_images or len(media) != num_images:
-            raise invalid_argument(
-                f"the prompt holds {len(found)} image tokens for {num_images} image parts "
-                f"(the text may not contain {self.image_token!r})"
-            )
+        found = media_tokens(ids, pads, num_images, self.image_token, len(media))
         out, placed, at = [], [], 0
         wheres = list(wheres) or [f"image {number}" for number in range(num_images)]
         for index, part, where in zip(found, media, wheres):
@@ -188,19 +174,7 @@ class QwenVisionInput:
             features = self.tower.features(patches, grid)  # [t * rows * cols, ...], patch by patch
         merge = self.tower.config.spatial_merge_size
         merged = (grid[1] // merge, grid[2] // merge)
-        size = merged[0] * merged[1]
-        # The bytes hashed once; each patch's cache key from that digest and its index.
-        digest = hashlib.sha256(data).digest()
-        return [
-            PromptImage(
-                offset,
-                size,
-                image_key(digest + b"#%d" % patch),
-                features[patch * size : (patch + 1) * size],
-                merged,
-            )
-            for patch, offset in enumerate(place.frame_offsets)
-        ]
+        return apart(data, features, place.frame_offsets, merged[0] * merged[1], merged)
 
     def read(self, media: Sequence, placed: Sequence[PlacedPart], wheres: Sequence[str], limits: Limits):
         """The prompt's images and videos (media parts in prompt order, at `placed`, as expand returned)

@@ -14,19 +14,45 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.vision import VisionTower, load_vision_tower
 from tpserve.server.images import Preprocessor, decode_image
 from tpserve.server.media_checks import is_video
 from tpserve.server.requests import PromptImage
-from tpserve.server.validation import Limits, RequestRefused, invalid_argument
+from tpserve.server.validation import Limits, invalid_argument
 
 
 def image_key(data: bytes) -> int:
     """A negative int64 from the bytes' SHA-256: never a token id, and the same only for the same image."""
     return -1 - (int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 2)
+
+
+def media_tokens(
+    ids: Sequence[int], tokens: set[int], num_images: int, image_token: str, num_parts: int | None = None
+) -> list[int]:
+    """Where the template wrote a media token (one of `tokens`) in `ids`; refuses when the count is
+    not the request's num_images media parts (the text itself held the token, or the template wrote
+    none), or not num_parts, where given."""
+    found = [index for index, token in enumerate(ids) if token in tokens]
+    if len(found) != num_images or num_parts not in (None, num_images):
+        raise invalid_argument(
+            f"the prompt holds {len(found)} image tokens for {num_images} image parts "
+            f"(the text may not contain {image_token!r})"
+        )
+    return found
+
+
+def apart(data: bytes, features, offsets: Sequence[int], size: int, grid=None) -> list[PromptImage]:
+    """A part whose image runs lie apart in the prompt (a Qwen3-VL video's temporal patches, an
+    Idefics3 image's tiles): one PromptImage of `size` positions per offset, run i the features'
+    rows i * size onwards, keyed by the bytes' hash once and its index."""
+    digest = hashlib.sha256(data).digest()
+    return [
+        PromptImage(
+            offset, size, image_key(digest + b"#%d" % run), features[run * size : (run + 1) * size], grid
+        )
+        for run, offset in enumerate(offsets)
+    ]
 
 
 @dataclass(frozen=True)
@@ -36,7 +62,8 @@ class PlacedPart:
 
     offset: int
     video: object = None
-    # A Qwen3-VL video's: where each temporal patch's pads start (its frames lie apart, each after its time)
+    # Where each run of a part's image tokens starts, where they lie apart: a Qwen3-VL video's temporal
+    # patches (each after its time), an Idefics3 image's tiles (tpserve/server/idefics3_input.py)
     frame_offsets: tuple[int, ...] = ()
 
     def shifted(self, by: int) -> PlacedPart:
@@ -78,13 +105,7 @@ class VisionInput:
                 raise invalid_argument(
                     f"{where}.media: this model reads no video inputs (send its frames as images)"
                 )
-        found = [index for index, token in enumerate(ids) if token == self.image_token_id]
-        if len(found) != num_images:
-            raise RequestRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt holds {len(found)} image tokens for {num_images} image parts "
-                f"(the text may not contain {self.image_token!r})",
-            )
+        found = media_tokens(ids, {self.image_token_id}, num_images, self.image_token)
         out, placed, at = [], [], 0
         for index in found:
             out += ids[at:index]
