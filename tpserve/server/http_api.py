@@ -49,6 +49,7 @@ from tpserve.server.http_tokenize import (
     tokenizer_info_reply,
     version_reply,
 )
+from tpserve.server.media_fetch import MediaFetcher
 from tpserve.server.openai_beam import beam_reply
 from tpserve.server.openai_choices import cancel_all
 from tpserve.server.openai_reply import ReplyShape
@@ -73,9 +74,13 @@ class OpenAIApi:
         body_timeout_s: float = 30.0,
         max_body_bytes: int = TEXT_BYTES,
         cors_origins: tuple[str, ...] = (),
+        media_fetcher: MediaFetcher | None = None,
     ):
         """The parsers: "" reads the family from the chat template, "none" turns it off.
-        cors_origins: the origins browsers may call from ("*": any), answered by Starlette's CORS."""
+        cors_origins: the origins browsers may call from ("*": any), answered by Starlette's CORS.
+        media_fetcher: fetches the allowed hosts' image and video URLs before a request is queued
+        (tpserve/server/media_fetch.py); None: every URL is refused by the media checks."""
+        self._media_fetcher = media_fetcher
         self._cors_origins = cors_origins
         self._submitter = submitter
         self._body_timeout_s = body_timeout_s
@@ -210,6 +215,8 @@ class OpenAIApi:
             parsed = parse(await read_json_object(request, self._body_timeout_s, self._max_body_bytes))
             if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
+            if self._media_fetcher is not None:  # here, on the event loop: the engine's thread never waits
+                await self._media_fetcher.fill(parsed.choices)
             if parsed.beam is not None:
                 return await self._beam_search(parsed)
             for choice in parsed.choices:  # one stream per choice, in choice order
