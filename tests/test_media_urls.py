@@ -46,6 +46,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.server.paths.append(self.path)
+        self.server.hosts.append(self.headers.get("Host"))
         if self.path == "/cat.png":
             self._head(200, {"Content-Type": "image/png; charset=binary", "Content-Length": str(len(IMAGE))})
             self.wfile.write(IMAGE)
@@ -84,7 +85,7 @@ def https_server(authority: trustme.CA, name: str) -> http.server.ThreadingHTTPS
     """A loopback HTTPS server whose certificate names `name`, serving on its own thread."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    server.paths = []
+    server.paths, server.hosts = [], []
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     authority.issue_cert(name).configure_cert(context)
     server.socket = context.wrap_socket(server.socket, server_side=True)
@@ -198,6 +199,7 @@ def test_the_host_is_resolved_once_and_the_checked_address_is_the_one_reached(au
     monkeypatch.setattr(socket, "getaddrinfo", counted)
     assert fetch(fetcher(authority), url(server, "/cat.png")).data == IMAGE
     assert looked_up.count("localhost") == 1 and set(looked_up) <= {"localhost", "127.0.0.1", "::1"}
+    assert server.hosts[-1] == f"localhost:{server.server_address[1]}"  # the URL's host, not the address
 
 
 def test_under_the_public_only_rule_localhost_is_refused_as_loopback_before_any_connection(authority):
