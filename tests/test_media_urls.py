@@ -225,10 +225,10 @@ def test_plain_http_other_schemes_and_hosts_not_listed_are_refused_by_name(autho
 
     monkeypatch.setattr(socket, "getaddrinfo", no_lookup)
     strict = fetcher(authority, address_problem=public_address_problem)
-    assert (
-        refusal(strict, "http://localhost/cat.png") == f"{WHERE} is a http URL; only https URLs are fetched"
-    )
-    assert refusal(strict, "file:///etc/passwd") == f"{WHERE} is a file URL; only https URLs are fetched"
+    only = "not fetched, only https:// ones"
+    assert refusal(strict, "http://localhost/cat.png") == f"{WHERE}: http:// URLs are {only}"
+    assert refusal(strict, "file:///etc/passwd") == f"{WHERE}: file:// URLs are {only}"
+    assert refusal(strict, "cat.png") == f"{WHERE}: a URL without a scheme is {only}"
     assert refusal(strict, "https://cats.invalid/cat.png") == (
         f"{WHERE}: the host 'cats.invalid' is not in allowed_media_domains (localhost)"
     )

@@ -233,6 +233,6 @@ def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_
     assert refused_at < finished.ended_at  # refused while the other reply was still running
     assert (plain.status_code, plain.json()["error"]["message"]) == (
         400,
-        "messages[0].parts[0].media is a http URL; only https URLs are fetched",
+        "messages[0].parts[0].media: http:// URLs are not fetched, only https:// ones",
     )
     assert grpc_refused.code == grpc.StatusCode.INVALID_ARGUMENT and "fetches none" in grpc_refused.details

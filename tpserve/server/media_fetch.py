@@ -72,10 +72,11 @@ class MediaFetcher:
             parsed = httpx.URL(url)
         except httpx.InvalidURL as error:
             raise invalid_argument(f"{where} is not a valid URL ({error})") from None
+        if parsed.scheme == "data":
+            raise invalid_argument(f"{where} is a data: URL without base64 (data:TYPE;base64,...)")
         if parsed.scheme != "https":
-            raise invalid_argument(
-                f"{where} is a {parsed.scheme or 'schemeless'} URL; only https URLs are fetched"
-            )
+            shown = f"{parsed.scheme}:// URLs are" if parsed.scheme else "a URL without a scheme is"
+            raise invalid_argument(f"{where}: {shown} not fetched, only https:// ones")
         host = parsed.raw_host.decode("ascii")  # an international name in its xn-- form
         if host not in self._hosts:
             raise invalid_argument(
