@@ -229,6 +229,10 @@ def test_plain_http_other_schemes_and_hosts_not_listed_are_refused_by_name(autho
     assert refusal(strict, "http://localhost/cat.png") == f"{WHERE}: http:// URLs are {only}"
     assert refusal(strict, "file:///etc/passwd") == f"{WHERE}: file:// URLs are {only}"
     assert refusal(strict, "cat.png") == f"{WHERE}: a URL without a scheme is {only}"
+    assert (
+        refusal(strict, "data:image/png,raw")
+        == f"{WHERE} is a data: URL without base64 (data:TYPE;base64,...)"
+    )
     assert refusal(strict, "https://cats.invalid/cat.png") == (
         f"{WHERE}: the host 'cats.invalid' is not in allowed_media_domains (localhost)"
     )

@@ -190,7 +190,8 @@ def chat_with_url(served, url: str) -> dict:
 
 def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_dir, tmp_path):
     """allowed_media_domains names localhost: its URL is refused as a loopback address before any
-    connection (the listener behind it is never reached) while a reply in flight runs to its end;
+    connection (the listener behind it is never reached), by chat and by /tokenize alike, while a
+    reply in flight runs to its end;
     http:// is refused by name, and gRPC, which fetches nothing, keeps its wording."""
     args = (*VISION_ARGS, "--allowed-media-domains", "localhost", "--media-fetch-timeout-s", "5")
     with (
@@ -209,6 +210,10 @@ def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_
             f"{daemon.http_url}/chat/completions", json=chat_with_url(daemon, url), timeout=60
         )
         refused_at = time.monotonic()
+        tokenize_body = {"messages": chat_with_url(daemon, url)["messages"]}
+        tokenize = httpx.post(
+            f"{daemon.http_url.removesuffix('/v1')}/tokenize", json=tokenize_body, timeout=60
+        )
         plain = httpx.post(
             f"{daemon.http_url}/chat/completions",
             json=chat_with_url(daemon, url.replace("https", "http")),
@@ -228,6 +233,10 @@ def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_
     assert refused.json()["error"]["message"] == (
         "messages[0].parts[0].media: the host 'localhost' resolves to 127.0.0.1, a loopback address; "
         "media is fetched from public addresses only"
+    )
+    assert (tokenize.status_code, tokenize.json()["error"]["message"]) == (
+        400,
+        refused.json()["error"]["message"],
     )
     assert finished.ok and len(finished.token_ids) == 200, (finished.code, finished.details)
     assert refused_at < finished.ended_at  # refused while the other reply was still running

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cache, partial
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -157,7 +158,9 @@ class OpenAIApi:
         return JSONResponse(self._model_card(request.path_params["model_id"]))
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._answer(request, tokenize_reply)
+        if self._media_fetcher is None:
+            return await self._answer(request, tokenize_reply)
+        return await self._answer(request, partial(tokenize_reply, fill_media=self._fill_media_from_worker))
 
     async def detokenize(self, request: Request) -> Response:
         return await self._answer(request, detokenize_reply)
@@ -292,6 +295,10 @@ class OpenAIApi:
             del outcome, refusal
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _fill_media_from_worker(self, requests) -> None:
+        """The fetcher, awaited on the event loop from a worker thread (tokenizing runs on one)."""
+        anyio.from_thread.run(self._media_fetcher.fill, requests)
 
     def _authorized(self, request: Request) -> bool:
         return key_matches(request.headers.getlist("authorization"), self._api_key)
