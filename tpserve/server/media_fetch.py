@@ -108,7 +108,9 @@ class MediaFetcher:
                 )
         return addresses
 
-    async def _read(self, url: httpx.URL, host: str, addresses: list[IPAddress], kind: str, where: str):
+    async def _read(
+        self, url: httpx.URL, host: str, addresses: list[IPAddress], kind: str, where: str
+    ) -> serving_pb2.Media:
         """GET from the first checked address that connects; the body read up to the limit."""
         limits = httpx.Limits(max_keepalive_connections=0)  # a connection never serves another host
         async with httpx.AsyncClient(
@@ -132,7 +134,10 @@ class MediaFetcher:
 
     async def _body(self, response: httpx.Response, host: str, kind: str, where: str) -> serving_pb2.Media:
         if response.is_redirect:
-            target = httpx.URL(response.headers.get("location", "")).host or host
+            try:
+                target = httpx.URL(response.headers.get("location", "")).host or host
+            except httpx.InvalidURL:
+                target = "a malformed Location"
             raise invalid_argument(
                 f"{where}: {host} answered {response.status_code}, a redirect (to {target}); "
                 "media URLs are fetched without following redirects"
