@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import base64
 import io
+import socket
+import time
+from contextlib import closing
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 import torch
-from daemon import running_daemon
+from daemon import BackgroundReply, running_daemon
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2
 from PIL import Image
@@ -174,3 +177,71 @@ def test_an_image_the_limits_allow_is_not_refused_by_the_transport_first(model_d
     expected = f"messages[0].parts[0].media.data is {len(too_large)} bytes; the most per image is {limit}"
     assert (refused_http.status_code, refused_http.json()["error"]["message"]) == (400, expected)
     assert (refused_grpc.code, refused_grpc.details) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
+
+
+def chat_with_url(served, url: str) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what"}]
+    return {
+        "model": served.model_name,
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_dir, tmp_path):
+    """allowed_media_domains names localhost: its URL is refused as a loopback address before any
+    connection (the listener behind it is never reached), by chat and by /tokenize alike, while a
+    reply in flight runs to its end;
+    http:// is refused by name, and gRPC, which fetches nothing, keeps its wording."""
+    args = (*VISION_ARGS, "--allowed-media-domains", "localhost", "--media-fetch-timeout-s", "5")
+    with (
+        closing(socket.socket()) as listener,
+        running_daemon("spawn", model_dir, tmp_path / "logs", *args) as daemon,
+    ):
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        daemon.model_name = Path(model_dir).name
+        url = f"https://localhost:{listener.getsockname()[1]}/cat.png"
+        long = ask(None, "hi")
+        long.max_tokens = 200
+        in_flight = BackgroundReply(daemon.stub, long, timeout_s=120)
+        in_flight.wait_tokens(1)
+        refused = httpx.post(
+            f"{daemon.http_url}/chat/completions", json=chat_with_url(daemon, url), timeout=60
+        )
+        refused_at = time.monotonic()
+        tokenize_body = {"messages": chat_with_url(daemon, url)["messages"]}
+        tokenize = httpx.post(
+            f"{daemon.http_url.removesuffix('/v1')}/tokenize", json=tokenize_body, timeout=60
+        )
+        plain = httpx.post(
+            f"{daemon.http_url}/chat/completions",
+            json=chat_with_url(daemon, url.replace("https", "http")),
+            timeout=60,
+        )
+        over_grpc = ask(None, "what")
+        over_grpc.messages[0].parts.insert(
+            0, serving_pb2.ContentPart(media=serving_pb2.Media(mime_type="image/*", data=url.encode()))
+        )
+        grpc_refused = generate(daemon, over_grpc)
+        finished = in_flight.join(120)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing waits to be accepted: no connection was made
+            listener.accept()
+        assert daemon.health() == health_pb2.HealthCheckResponse.SERVING
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["message"] == (
+        "messages[0].parts[0].media: the host 'localhost' resolves to 127.0.0.1, a loopback address; "
+        "media is fetched from public addresses only"
+    )
+    assert (tokenize.status_code, tokenize.json()["error"]["message"]) == (
+        400,
+        refused.json()["error"]["message"],
+    )
+    assert finished.ok and len(finished.token_ids) == 200, (finished.code, finished.details)
+    assert refused_at < finished.ended_at  # refused while the other reply was still running
+    assert (plain.status_code, plain.json()["error"]["message"]) == (
+        400,
+        "messages[0].parts[0].media: http:// URLs are not fetched, only https:// ones",
+    )
+    assert grpc_refused.code == grpc.StatusCode.INVALID_ARGUMENT and "fetches none" in grpc_refused.details

@@ -11,6 +11,8 @@ from tpserve.server.http_api import OpenAIApi
 from tpserve.server.http_connections import HttpLimits
 from tpserve.server.http_server import HttpServer
 from tpserve.server.idefics3_input import Idefics3VisionInput
+from tpserve.server.media_fetch import MediaFetcher
+from tpserve.server.media_hosts import allowed_hosts
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.qwen_vision_input import QwenVisionInput
 from tpserve.server.request_size import max_grpc_message_bytes, max_http_body_bytes
@@ -65,6 +67,7 @@ class LocalApis:
                 body_timeout_s=config.http_body_timeout_s,
                 max_body_bytes=max_http_body_bytes(config),
                 cors_origins=config.cors_origins,
+                media_fetcher=media_fetcher(config),
             )
             limits = HttpLimits(
                 header_timeout_s=config.http_header_timeout_s,
@@ -90,3 +93,15 @@ class LocalApis:
         self.server.stop(grace_s=grace_s)
         if self.http is not None:
             self.http.stop(grace_s=grace_s)
+
+
+def media_fetcher(config: ServeConfig) -> MediaFetcher | None:
+    """The HTTP API's fetcher of remote media URLs; None (every URL refused) without allowed hosts."""
+    if not config.allowed_media_domains:
+        return None
+    return MediaFetcher(
+        allowed_hosts(config.allowed_media_domains),
+        config.media_fetch_timeout_s,
+        config.max_image_bytes,
+        config.max_video_bytes,
+    )

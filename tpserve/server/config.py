@@ -22,6 +22,7 @@ from tpserve.ranks.errors import UserError
 from tpserve.ranks.settings import DTYPE_CHOICES, MAX_DRAFT_TOKENS, QUANTIZE_CHOICES, EngineSettings
 from tpserve.server.api_key import API_KEY_ENV, key_problem
 from tpserve.server.chat_reply import REASONING_PARSERS
+from tpserve.server.media_hosts import domain_problem
 from tpserve.server.tls import tls_problem
 from tpserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
@@ -112,6 +113,11 @@ class ServeConfig:
     max_video_seconds: float = 120.0  # with --vision: a video's duration
     max_video_frames: int = 3600  # with --vision: frames in a video's file, before sampling
     max_video_pixels: int = 1920 * 1080  # with --vision: width x height per video frame
+    # With --vision: the hosts whose https image and video URLs the HTTP API fetches, each named
+    # exactly (vLLM's --allowed-media-domains); empty: none, every remote URL refused
+    # (tpserve/server/media_fetch.py). The byte limits above hold while the body is read.
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout_s: float = 10.0  # one URL's whole fetch: resolving, connecting, the body
     record: str = ""  # a directory: record every stream there
     # How chat replies are read over HTTP: "" reads the family from the chat template.
     tool_call_parser: str = ""  # hermes, llama3, mistral, harmony or none
@@ -193,6 +199,7 @@ _POSITIVE = {
     "max_video_seconds",
     "max_video_frames",
     "max_video_pixels",
+    "media_fetch_timeout_s",
 }
 
 
@@ -200,7 +207,8 @@ def _field_types() -> dict[str, type]:
     return {f.name: _AUTO_KINDS.get(f.name, type(f.default)) for f in fields(ServeConfig)}
 
 
-_NAME_LISTS = {"served_model_name", "cors_origins"}  # tuples of strings, not of numbers
+# Tuples of strings, not of numbers.
+_NAME_LISTS = {"served_model_name", "cors_origins", "allowed_media_domains"}
 
 
 def _coerce(key: str, value, kind: type, origin: str):
@@ -281,6 +289,12 @@ def load_config(
     problem = tls_problem(config.ssl_certfile, config.ssl_keyfile)
     if problem is not None:
         raise ConfigError(problem)
+    for entry in config.allowed_media_domains:
+        problem = domain_problem(entry)
+        if problem is not None:
+            raise ConfigError(problem)
+    if config.allowed_media_domains and not config.vision:
+        raise ConfigError("allowed_media_domains: media URLs are fetched only with vision on")
     if config.front_process and config.vision:
         raise ConfigError(
             "front_process: the front process reads no images yet; with vision set it to auto or false"

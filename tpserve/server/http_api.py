@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cache, partial
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -49,6 +50,7 @@ from tpserve.server.http_tokenize import (
     tokenizer_info_reply,
     version_reply,
 )
+from tpserve.server.media_fetch import MediaFetcher
 from tpserve.server.openai_beam import beam_reply
 from tpserve.server.openai_choices import cancel_all
 from tpserve.server.openai_reply import ReplyShape
@@ -73,9 +75,13 @@ class OpenAIApi:
         body_timeout_s: float = 30.0,
         max_body_bytes: int = TEXT_BYTES,
         cors_origins: tuple[str, ...] = (),
+        media_fetcher: MediaFetcher | None = None,
     ):
         """The parsers: "" reads the family from the chat template, "none" turns it off.
-        cors_origins: the origins browsers may call from ("*": any), answered by Starlette's CORS."""
+        cors_origins: the origins browsers may call from ("*": any), answered by Starlette's CORS.
+        media_fetcher: fetches the allowed hosts' image and video URLs before a request is queued
+        (tpserve/server/media_fetch.py); None: every URL is refused by the media checks."""
+        self._media_fetcher = media_fetcher
         self._cors_origins = cors_origins
         self._submitter = submitter
         self._body_timeout_s = body_timeout_s
@@ -152,7 +158,9 @@ class OpenAIApi:
         return JSONResponse(self._model_card(request.path_params["model_id"]))
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._answer(request, tokenize_reply)
+        if self._media_fetcher is None:
+            return await self._answer(request, tokenize_reply)
+        return await self._answer(request, partial(tokenize_reply, fill_media=self._fill_media_from_worker))
 
     async def detokenize(self, request: Request) -> Response:
         return await self._answer(request, detokenize_reply)
@@ -210,6 +218,8 @@ class OpenAIApi:
             parsed = parse(await read_json_object(request, self._body_timeout_s, self._max_body_bytes))
             if parsed.model is not None and parsed.model not in self._model_names:
                 raise self._unknown_model(parsed.model)
+            if self._media_fetcher is not None:  # here, on the event loop: the engine's thread never waits
+                await self._media_fetcher.fill(parsed.choices)
             if parsed.beam is not None:
                 return await self._beam_search(parsed)
             for choice in parsed.choices:  # one stream per choice, in choice order
@@ -285,6 +295,10 @@ class OpenAIApi:
             del outcome, refusal
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _fill_media_from_worker(self, requests) -> None:
+        """The fetcher, awaited on the event loop from a worker thread (tokenizing runs on one)."""
+        anyio.from_thread.run(self._media_fetcher.fill, requests)
 
     def _authorized(self, request: Request) -> bool:
         return key_matches(request.headers.getlist("authorization"), self._api_key)

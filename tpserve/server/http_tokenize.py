@@ -9,6 +9,7 @@ wording are gRPC's Tokenize ones (a TokenizeRequest is built and run by the same
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from tpserve.ranks.version import VERSION
 from tpserve.server.openai_fields import FieldRefused
@@ -22,7 +23,11 @@ TOKENIZE_FIELDS += ("continue_final_message", "tools", "chat_template_kwargs", "
 DETOKENIZE_FIELDS = ("model", "tokens")
 
 
-def tokenize_reply(submitter: Submitter, body: dict) -> dict:
+def tokenize_reply(
+    submitter: Submitter, body: dict, fill_media: Callable[[list], None] | None = None
+) -> dict:
+    """fill_media: replaces the messages' media URLs by their bytes (the HTTP API's fetcher, where
+    allowed_media_domains allows some), as a chat's are before it is queued."""
     _known(body, TOKENIZE_FIELDS, "/tokenize")
     request = serving_pb2.TokenizeRequest()
     if body.get("prompt") is not None:
@@ -31,6 +36,8 @@ def tokenize_reply(submitter: Submitter, body: dict) -> dict:
         request.text = body["prompt"]
     if body.get("messages") is not None:
         add_messages(request, body["messages"])
+        if fill_media is not None:
+            fill_media([request])
     for name in ("add_special_tokens", "add_generation_prompt", "continue_final_message"):
         if body.get(name) is not None:
             if not isinstance(body[name], bool):

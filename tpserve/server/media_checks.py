@@ -41,7 +41,9 @@ def check_media(media, where: str, limits: Limits) -> None:
 
 def _check_file(media, where: str, kind: str, types, max_bytes: int, named: str) -> None:
     """A part of `kind` ("image" or "video"): not a URL, one of `types`, at most max_bytes."""
-    if media.mime_type == f"{kind}/*":  # what the HTTP API makes of a {kind}_url that is no data: URL
+    # What the HTTP API makes of a {kind}_url that is no data: URL, and has not fetched (only URLs of
+    # allowed_media_domains are: tpserve/server/media_fetch.py, before these checks).
+    if media.mime_type == f"{kind}/*":
         raise invalid_argument(
             f"{where}.media is a URL; this server fetches none: send the {kind}'s bytes (a data: URL)"
         )
