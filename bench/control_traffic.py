@@ -1,13 +1,18 @@
-"""Control traffic on the wire group: messages and votes rank 0 sends per step and per request.
+"""Control traffic on the wire group: messages and votes rank 0 sends per scheduling step and per request.
 
 One two-rank engine (local_engine, the real lane host) serves `--streams` short chat prompts in two
 bursts (the second arriving while the first decodes) and one long prompt in chunks among them;
 rank 0's channel is watched, counting every broadcast by kind (the kinds inside a Bundle too) and
-every vote. Reported: messages and votes per decode round, and the messages and votes beyond the
-rounds' own per request served. The script reads only Channel.send and Channel.vote, so the very
-same file measures an older tree (copy it there) for the before-and-after figures.
+every vote, and the lane host's on_step marks where each scheduling step ends. A step here is a
+scheduling step that sent a pass (a Prefill, Round, Verify or Mixed, alone or last in a Bundle);
+what goes between steps (Idle before an idle spell, with the lanes closed just before it in a
+Bundle of their own, and Stop at the end) is counted apart. Reported: messages and votes per step,
+the most in one step, the steps with no decode round (prompts alone), and the messages beyond one a
+step per request served. `--steps` prints each step's messages. The script reads only Channel.send,
+Channel.vote and local_engine's on_step, so the very same file measures an older tree (copy it
+there, with local_engine's on_step) for the before-and-after figures.
 
-    python -m bench.control_traffic [--streams 16 --max-tokens 24] [--model DIR] [--json FILE]
+    python -m bench.control_traffic [--streams 16 --max-tokens 24] [--steps] [--model DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,33 +41,52 @@ from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 from tpserve.server.wiring import local_engine  # noqa: E402
 
-DECODES = ("Round", "Verify", "Mixed")  # the kinds that carry a decode round
+PASSES = ("Prefill", "Round", "Verify", "Mixed")  # the kinds that run a forward pass
+DECODES = ("Round", "Verify", "Mixed")  # the passes that carry a decode round
+
+
+def pass_of(msg) -> str | None:
+    """The kind of the forward pass a message runs (a Bundle's last message), or None."""
+    last = msg.messages[-1] if type(msg).__name__ == "Bundle" else msg
+    return type(last).__name__ if type(last).__name__ in PASSES else None
 
 
 class WatchedChannel:
-    """Rank 0's channel, counting what it sends (by kind) and the votes it takes."""
+    """Rank 0's channel, counting what it sends (by kind) and the votes it takes, in the lane
+    host's steps (`step_done` closes one)."""
 
     def __init__(self, channel):
         self._channel = channel
         self.sent: Counter[str] = Counter()
         self.kinds: Counter[str] = Counter()  # message kinds, inside Bundles too
         self.votes = 0
-        self.votes_per_message: list[int] = []  # votes taken after each message, before the next
+        self.steps: list[list[tuple[str, int]]] = [[]]  # per step: (what was sent, votes after it)
 
     def send(self, msg) -> None:
-        self.votes_per_message.append(0)
         self.sent[type(msg).__name__] += 1
-        for inner in getattr(msg, "messages", (msg,)):
-            self.kinds[type(inner).__name__] += 1
+        inner = getattr(msg, "messages", (msg,))
+        for each in inner:
+            self.kinds[type(each).__name__] += 1
+        self.steps[-1].append(("+".join(type(each).__name__ for each in inner), 0))
         self._channel.send(msg)
 
     def vote(self, ok: bool) -> bool:
         self.votes += 1
-        self.votes_per_message[-1] += 1
+        what, votes = self.steps[-1][-1]
+        self.steps[-1][-1] = (what, votes + 1)
         return self._channel.vote(ok)
+
+    def step_done(self) -> None:
+        """The lane host's on_step: what is sent from now on belongs to the next step."""
+        if self.steps[-1]:
+            self.steps.append([])
 
     def __getattr__(self, name):
         return getattr(self._channel, name)
+
+
+def runs_pass(what: str) -> bool:
+    return what.rsplit("+", 1)[-1] in PASSES
 
 
 def run_traffic(
@@ -77,7 +101,13 @@ def run_traffic(
     requests = [
         GenerationRequest(tuple(chat_prompt(tokenizer, i)), max_tokens, GREEDY) for i in range(num_streams)
     ]
-    with local_engine(settings) as engine:
+    watched: WatchedChannel | None = None
+
+    def step_done() -> None:
+        if watched is not None:
+            watched.step_done()
+
+    with local_engine(settings, on_step=step_done) as engine:
         watched = WatchedChannel(engine.leader.channel)
         engine.leader.channel = watched
         half = num_streams // 2
@@ -87,23 +117,33 @@ def run_traffic(
         late += [engine.host.submit(r) for r in requests[half:]]
         records = watch_streams(first + late)
     num_requests = len(records)
+    steps = [step for step in watched.steps if any(runs_pass(what) for what, _ in step)]
+    between = [sent for step in watched.steps if step not in steps for sent in step]
+    in_steps = sum(len(step) for step in steps)
     num_rounds = sum(watched.kinds[kind] for kind in DECODES)
-    sent = sum(watched.sent.values())
+    alone = [step for step in steps if not any(what.rsplit("+", 1)[-1] in DECODES for what, _ in step)]
     return {
         "model": model_dir,
         "streams": num_requests,
         "max_tokens": max_tokens,
         "messages_by_kind": dict(watched.sent),
         "kinds_carried": dict(watched.kinds),
-        "messages": sent,
+        "messages": sum(watched.sent.values()),
         "votes": watched.votes,
+        "steps": len(steps),
         "decode_rounds": num_rounds,
-        "messages_per_round": sent / num_rounds,
-        "votes_per_round": watched.votes / num_rounds,
-        "most_votes_in_a_step": max(watched.votes_per_message, default=0),
-        "extra_messages_per_request": (sent - num_rounds) / num_requests,
+        "prompt_only_steps": len(alone),
+        "messages_in_steps": in_steps,
+        "messages_between_steps": len(between),
+        "messages_per_step": in_steps / len(steps),
+        "most_messages_in_a_step": max((len(step) for step in steps), default=0),
+        "votes_per_step": watched.votes / len(steps),
+        "most_votes_in_a_step": max((sum(v for _, v in step) for step in steps), default=0),
+        "extra_messages_per_request": (in_steps - len(steps)) / num_requests,
         "votes_per_request": watched.votes / num_requests,
         "completion_tokens": sum(len(r.token_ids) for r in records),
+        "step_messages": [[what for what, _ in step] for step in steps],
+        "between_steps": [what for what, _ in between],
     }
 
 
@@ -115,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--step-tokens", type=int, default=0, help="the pass's token budget (0: the engine's default)"
     )
+    parser.add_argument("--steps", action="store_true", help="print each step's messages")
     args = parser.parse_args(argv)
     report = run_traffic(
         args.model or default_model_dir(),
@@ -123,30 +164,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         step_tokens=args.step_tokens,
     )
+    if args.steps:
+        for index, step in enumerate(report["step_messages"]):
+            print(f"step {index}: {', '.join(step)}")
     print_table(
-        f"control traffic: {report['streams']} requests (one long, in chunks), {report['decode_rounds']} decode rounds",
+        f"control traffic: {report['streams']} requests (one long, in chunks), {report['steps']} steps "
+        f"({report['decode_rounds']} decode rounds, {report['prompt_only_steps']} with prompts alone)",
         (
-            "messages",
-            "votes",
-            "messages / round",
-            "votes / round",
+            "messages in steps",
+            "messages / step",
+            "most messages / step",
+            "votes / step",
             "most votes / step",
             "extra messages / request",
             "votes / request",
+            "between steps",
         ),
         [
             (
-                report["messages"],
-                report["votes"],
-                report["messages_per_round"],
-                report["votes_per_round"],
+                report["messages_in_steps"],
+                report["messages_per_step"],
+                report["most_messages_in_a_step"],
+                report["votes_per_step"],
                 report["most_votes_in_a_step"],
                 report["extra_messages_per_request"],
                 report["votes_per_request"],
+                report["messages_between_steps"],
             )
         ],
     )
     print(f"messages by kind: {report['messages_by_kind']}; carried: {report['kinds_carried']}")
+    print(f"between steps (idle, stop): {report['between_steps']}")
     return finish(report, args.json)
 
 
