@@ -74,9 +74,11 @@ class Scheduler:
                 return False
             try:
                 changed = self._end_cancelled()
+                passed = False  # admission ran this step's pass (prompts alone)
                 if not self._state.stopping:
-                    changed = self._admit() or changed
-                ran = self._decode_round() or changed
+                    admitted, passed = self._admit()
+                    changed = admitted or changed
+                ran = (not passed and self._decode_round()) or changed
                 return ran
             except BackendBroken as error:
                 self.latch_broken(str(error))
@@ -91,9 +93,13 @@ class Scheduler:
             self._end(job, CANCELLED)
         return bool(cancelled)
 
-    def _admit(self) -> bool:
+    def _admit(self) -> tuple[bool, bool]:
         """Admit waiting jobs while lanes, room and this step's prompt budget allow (admit_choice.py
-        says why that budget). True when anything changed."""
+        says why that budget). (whether anything changed, whether a prompt pass of admission's own
+        ran: nothing decoded, so the prompts went alone, and that pass is the step's; the streams
+        it started decode from the next step on, with the prompts taken then riding beside them,
+        so a step stays one message: a decode round over them would need the tokens this pass
+        just sampled, a second message.)"""
         changed = False
         budget = None  # None: nothing prefilled yet this step
         for _ in range(self._admission.max_iterations):
@@ -108,8 +114,13 @@ class Scheduler:
             if not jobs:
                 break
             changed = True
+            num_passes = self._admission.num_passes
             self._apply(self._admission.launch(jobs, self._chunking, beside_round=beside))
-        return changed
+            # With prompts riding already (a taken prompt that needed every chunk at once, after
+            # a failed restore), the round goes too, as those prompts were counted in this step.
+            if self._admission.num_passes > num_passes and not self._riding:
+                return True, True
+        return changed, False
 
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
         """Take the head jobs AdmitChoice chooses (at most `most`); with the step's prompt budget left
