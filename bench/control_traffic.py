@@ -117,8 +117,11 @@ def run_traffic(
         late += [engine.host.submit(r) for r in requests[half:]]
         records = watch_streams(first + late)
     num_requests = len(records)
-    steps = [step for step in watched.steps if any(runs_pass(what) for what, _ in step)]
-    between = [sent for step in watched.steps if step not in steps for sent in step]
+    # Idle, Stop and the lanes closed just before them (a Bundle with no pass) go between steps,
+    # wherever an idle spell falls (Idle is sent after a step's on_step, so it opens the next one).
+    between = [sent for step in watched.steps for sent in step if not runs_pass(sent[0])]
+    steps = [[sent for sent in step if runs_pass(sent[0])] for step in watched.steps]
+    steps = [step for step in steps if step]
     in_steps = sum(len(step) for step in steps)
     num_rounds = sum(watched.kinds[kind] for kind in DECODES)
     alone = [step for step in steps if not any(what.rsplit("+", 1)[-1] in DECODES for what, _ in step)]

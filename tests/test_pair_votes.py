@@ -1,6 +1,7 @@
-"""Control traffic on the real two-rank engine: a step is one message with at most one vote, and
-only a pass that starts a prompt is voted on, so a long prompt's later chunks riding beside the
-decode round cost no vote (issue 29: nothing extra per admitted request)."""
+"""Control traffic on the real two-rank engine: a step is one message with at most one vote (prompts
+alone while nothing decodes, or riding in the round), and only a pass that starts a prompt is voted
+on, so a long prompt's later chunks riding beside the decode round cost no vote (issue 29: nothing
+extra per admitted request)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from test_engine_pair import (
 )
 from tiny_models import write_tiny_model
 
-from tpserve.ranks.wire_messages import Bundle, Mixed, Prefill
+from tpserve.ranks.wire_messages import Bundle, Mixed, Prefill, Round, Verify
 from tpserve.server.wiring import local_engine
 
 
@@ -85,3 +86,57 @@ def test_a_long_prompts_later_chunks_beside_the_round_cost_no_vote(model_dir):
     assert [sent.votes for sent in watched.sent] == [
         int(sent in passes and min(prompt_starts(sent.msg)) == 0) for sent in watched.sent
     ]
+
+
+class StepMarks:
+    """The lane host's on_step: where each scheduling step's messages end, once a channel is watched."""
+
+    def __init__(self):
+        self.watched: WatchedChannel | None = None
+        self.ends: list[int] = []  # len(watched.sent) after each step
+
+    def __call__(self) -> None:
+        if self.watched is not None:
+            self.ends.append(len(self.watched.sent))
+
+    def steps(self, sent: list[Sent]) -> list[list[Sent]]:
+        """The messages of each step that sent a pass, those of an idle spell (Idle, and the lanes
+        closed just before it, a Bundle of their own) left out: they go between steps."""
+        bounds = [0, *self.ends, len(sent)]
+        groups = [[s for s in sent[a:b] if runs_pass(s.msg)] for a, b in zip(bounds, bounds[1:])]
+        return [group for group in groups if group]
+
+
+def runs_pass(msg) -> bool:
+    return isinstance(msg, (Prefill, Round, Verify, Mixed))
+
+
+def test_a_step_is_one_message_when_prompts_go_alone_and_when_they_ride(model_dir):
+    """Prompts taken while nothing decodes go in one joint Prefill, their step's only message (the
+    streams it starts decode from the next step on); prompts taken while those decode, and a long
+    prompt's chunks, ride in the round's Mixed message. No step sends a second message, so an
+    admitted request costs no message of its own; every reply equals its solo run."""
+    long = request([i * 7 % 290 + 3 for i in range(120)], 6, GREEDY)  # over max_prefill_tokens 48
+    burst = [REQUESTS[0], REQUESTS[1], REQUESTS[2]]
+    late = [long, REQUESTS[3], request(range(40, 52), 10, GREEDY)]
+    marks = StepMarks()
+    with local_engine(pair_settings(model_dir, step_tokens=32), on_step=marks) as engine:
+        alone = run_alone(engine.host, burst + late)
+        watched = WatchedChannel(engine.leader.channel)
+        engine.leader.channel = watched
+        marks.watched = watched
+        early = submit_together(engine.host, burst)
+        events = read_until_token(early[0])
+        streams = submit_together(engine.host, late)
+        replies = [read_reply(early[0], events)] + [read_reply(s) for s in early[1:] + streams]
+        marks.watched = None
+        engine.leader.channel = watched._channel
+    assert replies == alone
+    steps = marks.steps(watched.sent)
+    print(f"{sum(len(step) for step in steps)} messages in {len(steps)} steps")
+    assert all(len(step) == 1 for step in steps), [[type(s.msg).__name__ for s in step] for step in steps]
+    passes = [step[0].msg for step in steps]
+    assert isinstance(passes[0], Prefill) and len(passes[0].spans) == 3, "the burst's joint pass, alone"
+    assert not isinstance(passes[1], Prefill), "its streams decode in the next step"
+    riding = [msg for msg in passes if isinstance(msg, Mixed) and 0 in prompt_starts(msg)]
+    assert riding and all(sum(s.votes for s in step) <= 1 for step in steps)
