@@ -5,6 +5,7 @@ extra per admitted request)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -20,7 +21,7 @@ from test_engine_pair import (
 )
 from tiny_models import write_tiny_model
 
-from tpserve.ranks.wire_messages import Bundle, Mixed, Prefill, Round, Verify
+from tpserve.ranks.wire_messages import Bundle, Idle, Mixed, Prefill, Release, Round, Verify
 from tpserve.server.wiring import local_engine
 
 
@@ -28,6 +29,7 @@ from tpserve.server.wiring import local_engine
 class Sent:
     msg: object  # the message rank 0 sent (a Bundle's last message: the pass)
     votes: int = 0  # votes rank 0 took before its next message
+    carried: tuple = ()  # every message it carried (a Bundle's, in order)
 
 
 class WatchedChannel:
@@ -38,7 +40,8 @@ class WatchedChannel:
         self.sent: list[Sent] = []
 
     def send(self, msg) -> None:
-        self.sent.append(Sent(msg.messages[-1] if isinstance(msg, Bundle) else msg))
+        inner = msg.messages if isinstance(msg, Bundle) else (msg,)
+        self.sent.append(Sent(inner[-1], carried=inner))
         self._channel.send(msg)
 
     def vote(self, ok: bool) -> bool:
@@ -140,3 +143,37 @@ def test_a_step_is_one_message_when_prompts_go_alone_and_when_they_ride(model_di
     assert not isinstance(passes[1], Prefill), "its streams decode in the next step"
     riding = [msg for msg in passes if isinstance(msg, Mixed) and 0 in prompt_starts(msg)]
     assert riding and all(sum(s.votes for s in step) <= 1 for step in steps)
+
+
+def wait_for_idle(watched: WatchedChannel, timeout_s: float = 30.0) -> None:
+    """Until rank 0's last message is Idle: the scheduler ran out of work and told the followers."""
+    deadline = time.monotonic() + timeout_s
+    while not (watched.sent and isinstance(watched.sent[-1].msg, Idle)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 sent no Idle within {timeout_s}s")
+        time.sleep(0.01)
+
+
+def test_an_idle_spell_costs_one_message_and_the_lanes_closed_before_it_go_with_the_next_pass(model_dir):
+    """A request served alone, then an idle spell, then the next: rank 0 sends Idle and nothing
+    else between them (the first lane's Release waits for the second's first pass, in its Bundle),
+    so a request costs only its steps' messages; the replies equal their solo runs."""
+    requests = [REQUESTS[0], REQUESTS[1]]
+    with local_engine(pair_settings(model_dir)) as engine:
+        alone = run_alone(engine.host, requests)
+        watched = WatchedChannel(engine.leader.channel)
+        engine.leader.channel = watched
+        replies = []
+        for each in requests:
+            replies.append(read_reply(engine.host.submit(each)))
+            wait_for_idle(watched)
+        engine.leader.channel = watched._channel
+    assert replies == alone
+    sent = watched.sent
+    if isinstance(sent[0].msg, Idle):  # the idle spell after the solo runs, if it began once watched
+        sent = sent[1:]
+    assert all(runs_pass(s.msg) or isinstance(s.msg, Idle) for s in sent), "no message of its own"
+    idles = [i for i, s in enumerate(sent) if isinstance(s.msg, Idle)]
+    assert len(idles) == 2 and idles[1] == len(sent) - 1
+    after = sent[idles[0] + 1]  # the second request's first pass
+    assert isinstance(after.msg, Prefill) and any(isinstance(m, Release) for m in after.carried)
