@@ -5,8 +5,9 @@ in lane_admit.py sets them up), then one pass. `schedule()` plans the decode rou
 plain data, decided before anything runs): every live stream's rows, the long prompt's next chunk
 and the whole prompts admitted this step beside them, the blocks it books, the streams it preempts.
 The plan is applied, its one pass runs (round_pass.py), and `update_from_output()` applies the
-sampled tokens (sampled_tokens.py), one way (STYLE 14). While no stream decodes, prompts go in
-passes of their own, which Admission runs, returning what happened for the scheduler to apply: the
+sampled tokens (sampled_tokens.py), one way (STYLE 14). While no stream decodes, prompts go in a
+pass of their own that ends the step (a step is one message; the streams it starts decode from the
+next step on). Admission runs those passes and returns what happened for the scheduler to apply: the
 streams and which job is chunking are the scheduler's alone, the queue is HostState's (peeked and
 taken under its lock, never held across a backend call). A BackendBroken anywhere latches the host
 broken: every stream ends with an error, new work is refused and `on_broken` is called once.
@@ -78,6 +79,8 @@ class Scheduler:
                 if not self._state.stopping:
                     admitted, passed = self._admit()
                     changed = admitted or changed
+                if passed:
+                    self._profile.prefilled()  # a prompt step, whatever the backend tells the timers
                 ran = (not passed and self._decode_round()) or changed
                 return ran
             except BackendBroken as error:
@@ -95,11 +98,10 @@ class Scheduler:
 
     def _admit(self) -> tuple[bool, bool]:
         """Admit waiting jobs while lanes, room and this step's prompt budget allow (admit_choice.py
-        says why that budget). (whether anything changed, whether a prompt pass of admission's own
-        ran: nothing decoded, so the prompts went alone, and that pass is the step's; the streams
-        it started decode from the next step on, with the prompts taken then riding beside them,
-        so a step stays one message: a decode round over them would need the tokens this pass
-        just sampled, a second message.)"""
+        says why that budget). Returns whether anything changed, and whether admission ran this
+        step's one pass: nothing decoded, so what it took went in a pass of their own. A round over
+        the streams that pass started needs the tokens it sampled (a second message), so they
+        decode from the next step on, the prompts taken then riding beside them."""
         changed = False
         budget = None  # None: nothing prefilled yet this step
         for _ in range(self._admission.max_iterations):
