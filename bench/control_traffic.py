@@ -1,24 +1,25 @@
 """Control traffic on the wire group: messages and votes rank 0 sends per scheduling step and per request.
 
 One two-rank engine (local_engine, the real lane host) serves `--streams` short chat prompts in two
-bursts (the second arriving while the first decodes) and one long prompt in chunks among them;
-rank 0's channel is watched, counting every broadcast by kind (the kinds inside a Bundle too) and
+bursts (the second arriving while the first decodes) and one long prompt in chunks among them,
+then `--alone` more one at a time, each after an idle spell (as sporadic traffic comes); rank 0's channel is watched, counting every broadcast by kind (the kinds inside a Bundle too) and
 every vote, and the lane host's on_step marks where each scheduling step ends. A step here is a
 scheduling step that sent a pass (a Prefill, Round, Verify or Mixed, alone or last in a Bundle);
 what goes between steps (Idle before an idle spell, with the lanes closed just before it in a
 Bundle of their own, and Stop at the end) is counted apart. Reported: messages and votes per step,
-the most in one step, the steps with no decode round (prompts alone), and the messages beyond one a
-step per request served. `--steps` prints each step's messages. The script reads only Channel.send,
+the most in one step, the steps with no decode round (prompts alone), the messages beyond one a
+step per request served, and the messages per idle spell (Stop and what goes with it aside). `--steps` prints each step's messages. The script reads only Channel.send,
 Channel.vote and local_engine's on_step, so the very same file measures an older tree (copy it
 there, with local_engine's on_step) for the before-and-after figures.
 
-    python -m bench.control_traffic [--streams 16 --max-tokens 24] [--steps] [--model DIR] [--json FILE]
+    python -m bench.control_traffic [--streams 16 --max-tokens 24 --alone 4] [--steps] [--model DIR] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 from tpserve.server.wiring import local_engine  # noqa: E402
 
 PASSES = ("Prefill", "Round", "Verify", "Mixed")  # the kinds that run a forward pass
+IDLE_WAIT_S = 60.0
 DECODES = ("Round", "Verify", "Mixed")  # the passes that carry a decode round
 
 
@@ -76,6 +78,14 @@ class WatchedChannel:
         self.steps[-1][-1] = (what, votes + 1)
         return self._channel.vote(ok)
 
+    def wait_for_idle(self) -> None:
+        """Until the last message sent is Idle: the lane host ran out of work."""
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while not (self.steps[-1] and self.steps[-1][-1][0] == "Idle"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 sent no Idle within {IDLE_WAIT_S:.0f} s")
+            time.sleep(0.005)
+
     def step_done(self) -> None:
         """The lane host's on_step: what is sent from now on belongs to the next step."""
         if self.steps[-1]:
@@ -89,8 +99,16 @@ def runs_pass(what: str) -> bool:
     return what.rsplit("+", 1)[-1] in PASSES
 
 
+def idle_messages(between: list[str]) -> int:
+    """The messages of idle spells: those between steps but Stop and a Bundle sent just before it."""
+    kept = [what for what in between if what != "Stop"]
+    if between and between[-1] == "Stop" and len(between) > 1 and between[-2] != "Idle":
+        kept = kept[:-1]  # the lanes closed since the last pass, sent before Stop
+    return len(kept)
+
+
 def run_traffic(
-    model_dir: str, *, num_streams: int, max_tokens: int, dtype: str, step_tokens: int = 0
+    model_dir: str, *, num_streams: int, max_tokens: int, dtype: str, step_tokens: int = 0, num_alone: int = 4
 ) -> dict:
     tokenizer = Tokenizer.from_model_dir(model_dir)
     budget = {"step_tokens": step_tokens} if step_tokens else {}  # an older tree has no such setting
@@ -99,7 +117,8 @@ def run_traffic(
     )
     long_prompt = text_prompt(tokenizer, 999, 3 * settings.max_prefill_tokens // 2)
     requests = [
-        GenerationRequest(tuple(chat_prompt(tokenizer, i)), max_tokens, GREEDY) for i in range(num_streams)
+        GenerationRequest(tuple(chat_prompt(tokenizer, i)), max_tokens, GREEDY)
+        for i in range(num_streams + num_alone)
     ]
     watched: WatchedChannel | None = None
 
@@ -114,8 +133,12 @@ def run_traffic(
         first = [engine.host.submit(r) for r in requests[:half]]
         first[0].next_event(timeout=120)  # the first burst is decoding
         late = [engine.host.submit(GenerationRequest(tuple(long_prompt), max_tokens, GREEDY))]
-        late += [engine.host.submit(r) for r in requests[half:]]
+        late += [engine.host.submit(r) for r in requests[half:num_streams]]
         records = watch_streams(first + late)
+        for each in requests[num_streams:]:  # one at a time, each after an idle spell
+            watched.wait_for_idle()
+            records += watch_streams([engine.host.submit(each)])
+        watched.wait_for_idle()
     num_requests = len(records)
     # Idle, Stop and the lanes closed just before them (a Bundle with no pass) go between steps,
     # wherever an idle spell falls (Idle is sent after a step's on_step, so it opens the next one).
@@ -125,6 +148,7 @@ def run_traffic(
     in_steps = sum(len(step) for step in steps)
     num_rounds = sum(watched.kinds[kind] for kind in DECODES)
     alone = [step for step in steps if not any(what.rsplit("+", 1)[-1] in DECODES for what, _ in step)]
+    num_idles = watched.kinds["Idle"]
     return {
         "model": model_dir,
         "streams": num_requests,
@@ -144,6 +168,8 @@ def run_traffic(
         "most_votes_in_a_step": max((sum(v for _, v in step) for step in steps), default=0),
         "extra_messages_per_request": (in_steps - len(steps)) / num_requests,
         "votes_per_request": watched.votes / num_requests,
+        "idle_spells": num_idles,
+        "messages_per_idle_spell": idle_messages([what for what, _ in between]) / max(1, num_idles),
         "completion_tokens": sum(len(r.token_ids) for r in records),
         "step_messages": [[what for what, _ in step] for step in steps],
         "between_steps": [what for what, _ in between],
@@ -158,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--step-tokens", type=int, default=0, help="the pass's token budget (0: the engine's default)"
     )
+    parser.add_argument("--alone", type=int, default=4, help="requests then served one at a time")
     parser.add_argument("--steps", action="store_true", help="print each step's messages")
     args = parser.parse_args(argv)
     report = run_traffic(
@@ -166,12 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         dtype=args.dtype,
         step_tokens=args.step_tokens,
+        num_alone=args.alone,
     )
     if args.steps:
         for index, step in enumerate(report["step_messages"]):
             print(f"step {index}: {', '.join(step)}")
     print_table(
-        f"control traffic: {report['streams']} requests (one long, in chunks), {report['steps']} steps "
+        f"control traffic: {report['streams']} requests (one long, in chunks; {args.alone} one at a time), "
+        f"{report['steps']} steps "
         f"({report['decode_rounds']} decode rounds, {report['prompt_only_steps']} with prompts alone)",
         (
             "messages in steps",
@@ -181,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "most votes / step",
             "extra messages / request",
             "votes / request",
-            "between steps",
+            "messages / idle spell",
         ),
         [
             (
@@ -192,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["most_votes_in_a_step"],
                 report["extra_messages_per_request"],
                 report["votes_per_request"],
-                report["messages_between_steps"],
+                report["messages_per_idle_spell"],
             )
         ],
     )
