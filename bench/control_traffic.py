@@ -43,14 +43,8 @@ from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 from tpserve.server.wiring import local_engine  # noqa: E402
 
 PASSES = ("Prefill", "Round", "Verify", "Mixed")  # the kinds that run a forward pass
-IDLE_WAIT_S = 60.0
 DECODES = ("Round", "Verify", "Mixed")  # the passes that carry a decode round
-
-
-def pass_of(msg) -> str | None:
-    """The kind of the forward pass a message runs (a Bundle's last message), or None."""
-    last = msg.messages[-1] if type(msg).__name__ == "Bundle" else msg
-    return type(last).__name__ if type(last).__name__ in PASSES else None
+IDLE_WAIT_S = 60.0  # the longest wait for the lane host to go idle between lone requests
 
 
 class WatchedChannel:
@@ -96,6 +90,7 @@ class WatchedChannel:
 
 
 def runs_pass(what: str) -> bool:
+    """Whether a message (its kinds joined by "+", a Bundle's in order) runs a forward pass."""
     return what.rsplit("+", 1)[-1] in PASSES
 
 
