@@ -1,19 +1,25 @@
-"""Control traffic on the wire group: messages and votes rank 0 sends per step and per request.
+"""Control traffic on the wire group: messages and votes rank 0 sends per scheduling step and per request.
 
 One two-rank engine (local_engine, the real lane host) serves `--streams` short chat prompts in two
-bursts (the second arriving while the first decodes) and one long prompt in chunks among them;
-rank 0's channel is watched, counting every broadcast by kind (the kinds inside a Bundle too) and
-every vote. Reported: messages and votes per decode round, and the messages and votes beyond the
-rounds' own per request served. The script reads only Channel.send and Channel.vote, so the very
-same file measures an older tree (copy it there) for the before-and-after figures.
+bursts (the second arriving while the first decodes) and one long prompt in chunks among them,
+then `--alone` more one at a time, each after an idle spell (as sporadic traffic comes); rank 0's channel is watched, counting every broadcast by kind (the kinds inside a Bundle too) and
+every vote, and the lane host's on_step marks where each scheduling step ends. A step here is a
+scheduling step that sent a pass (a Prefill, Round, Verify or Mixed, alone or last in a Bundle);
+what goes between steps (Idle before an idle spell, with the lanes closed just before it in a
+Bundle of their own, and Stop at the end) is counted apart. Reported: messages and votes per step,
+the most in one step, the steps with no decode round (prompts alone), the messages beyond one a
+step per request served, and the messages per idle spell (Stop and what goes with it aside). `--steps` prints each step's messages. The script reads only Channel.send,
+Channel.vote and local_engine's on_step, so the very same file measures an older tree (copy it
+there, with local_engine's on_step) for the before-and-after figures.
 
-    python -m bench.control_traffic [--streams 16 --max-tokens 24] [--model DIR] [--json FILE]
+    python -m bench.control_traffic [--streams 16 --max-tokens 24 --alone 4] [--steps] [--model DIR] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,37 +42,68 @@ from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 from tpserve.server.wiring import local_engine  # noqa: E402
 
-DECODES = ("Round", "Verify", "Mixed")  # the kinds that carry a decode round
+PASSES = ("Prefill", "Round", "Verify", "Mixed")  # the kinds that run a forward pass
+DECODES = ("Round", "Verify", "Mixed")  # the passes that carry a decode round
+IDLE_WAIT_S = 60.0  # the longest wait for the lane host to go idle between lone requests
 
 
 class WatchedChannel:
-    """Rank 0's channel, counting what it sends (by kind) and the votes it takes."""
+    """Rank 0's channel, counting what it sends (by kind) and the votes it takes, in the lane
+    host's steps (`step_done` closes one)."""
 
     def __init__(self, channel):
         self._channel = channel
         self.sent: Counter[str] = Counter()
         self.kinds: Counter[str] = Counter()  # message kinds, inside Bundles too
         self.votes = 0
-        self.votes_per_message: list[int] = []  # votes taken after each message, before the next
+        self.steps: list[list[tuple[str, int]]] = [[]]  # per step: (what was sent, votes after it)
 
     def send(self, msg) -> None:
-        self.votes_per_message.append(0)
         self.sent[type(msg).__name__] += 1
-        for inner in getattr(msg, "messages", (msg,)):
-            self.kinds[type(inner).__name__] += 1
+        inner = getattr(msg, "messages", (msg,))
+        for each in inner:
+            self.kinds[type(each).__name__] += 1
+        self.steps[-1].append(("+".join(type(each).__name__ for each in inner), 0))
         self._channel.send(msg)
 
     def vote(self, ok: bool) -> bool:
         self.votes += 1
-        self.votes_per_message[-1] += 1
+        what, votes = self.steps[-1][-1]
+        self.steps[-1][-1] = (what, votes + 1)
         return self._channel.vote(ok)
+
+    def wait_for_idle(self) -> None:
+        """Until the last message sent is Idle: the lane host ran out of work."""
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while not (self.steps[-1] and self.steps[-1][-1][0] == "Idle"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 sent no Idle within {IDLE_WAIT_S:.0f} s")
+            time.sleep(0.005)
+
+    def step_done(self) -> None:
+        """The lane host's on_step: what is sent from now on belongs to the next step."""
+        if self.steps[-1]:
+            self.steps.append([])
 
     def __getattr__(self, name):
         return getattr(self._channel, name)
 
 
+def runs_pass(what: str) -> bool:
+    """Whether a message (its kinds joined by "+", a Bundle's in order) runs a forward pass."""
+    return what.rsplit("+", 1)[-1] in PASSES
+
+
+def idle_messages(between: list[str]) -> int:
+    """The messages of idle spells: those between steps but Stop and a Bundle sent just before it."""
+    kept = [what for what in between if what != "Stop"]
+    if between and between[-1] == "Stop" and len(between) > 1 and between[-2] != "Idle":
+        kept = kept[:-1]  # the lanes closed since the last pass, sent before Stop
+    return len(kept)
+
+
 def run_traffic(
-    model_dir: str, *, num_streams: int, max_tokens: int, dtype: str, step_tokens: int = 0
+    model_dir: str, *, num_streams: int, max_tokens: int, dtype: str, step_tokens: int = 0, num_alone: int = 4
 ) -> dict:
     tokenizer = Tokenizer.from_model_dir(model_dir)
     budget = {"step_tokens": step_tokens} if step_tokens else {}  # an older tree has no such setting
@@ -75,35 +112,62 @@ def run_traffic(
     )
     long_prompt = text_prompt(tokenizer, 999, 3 * settings.max_prefill_tokens // 2)
     requests = [
-        GenerationRequest(tuple(chat_prompt(tokenizer, i)), max_tokens, GREEDY) for i in range(num_streams)
+        GenerationRequest(tuple(chat_prompt(tokenizer, i)), max_tokens, GREEDY)
+        for i in range(num_streams + num_alone)
     ]
-    with local_engine(settings) as engine:
+    watched: WatchedChannel | None = None
+
+    def step_done() -> None:
+        if watched is not None:
+            watched.step_done()
+
+    with local_engine(settings, on_step=step_done) as engine:
         watched = WatchedChannel(engine.leader.channel)
         engine.leader.channel = watched
         half = num_streams // 2
         first = [engine.host.submit(r) for r in requests[:half]]
         first[0].next_event(timeout=120)  # the first burst is decoding
         late = [engine.host.submit(GenerationRequest(tuple(long_prompt), max_tokens, GREEDY))]
-        late += [engine.host.submit(r) for r in requests[half:]]
+        late += [engine.host.submit(r) for r in requests[half:num_streams]]
         records = watch_streams(first + late)
+        for each in requests[num_streams:]:  # one at a time, each after an idle spell
+            watched.wait_for_idle()
+            records += watch_streams([engine.host.submit(each)])
+        watched.wait_for_idle()
     num_requests = len(records)
+    # Idle, Stop and the lanes closed just before them (a Bundle with no pass) go between steps,
+    # wherever an idle spell falls (Idle is sent after a step's on_step, so it opens the next one).
+    between = [sent for step in watched.steps for sent in step if not runs_pass(sent[0])]
+    steps = [[sent for sent in step if runs_pass(sent[0])] for step in watched.steps]
+    steps = [step for step in steps if step]
+    in_steps = sum(len(step) for step in steps)
     num_rounds = sum(watched.kinds[kind] for kind in DECODES)
-    sent = sum(watched.sent.values())
+    alone = [step for step in steps if not any(what.rsplit("+", 1)[-1] in DECODES for what, _ in step)]
+    num_idles = watched.kinds["Idle"]
     return {
         "model": model_dir,
         "streams": num_requests,
         "max_tokens": max_tokens,
         "messages_by_kind": dict(watched.sent),
         "kinds_carried": dict(watched.kinds),
-        "messages": sent,
+        "messages": sum(watched.sent.values()),
         "votes": watched.votes,
+        "steps": len(steps),
         "decode_rounds": num_rounds,
-        "messages_per_round": sent / num_rounds,
-        "votes_per_round": watched.votes / num_rounds,
-        "most_votes_in_a_step": max(watched.votes_per_message, default=0),
-        "extra_messages_per_request": (sent - num_rounds) / num_requests,
+        "prompt_only_steps": len(alone),
+        "messages_in_steps": in_steps,
+        "messages_between_steps": len(between),
+        "messages_per_step": in_steps / len(steps),
+        "most_messages_in_a_step": max((len(step) for step in steps), default=0),
+        "votes_per_step": watched.votes / len(steps),
+        "most_votes_in_a_step": max((sum(v for _, v in step) for step in steps), default=0),
+        "extra_messages_per_request": (in_steps - len(steps)) / num_requests,
         "votes_per_request": watched.votes / num_requests,
+        "idle_spells": num_idles,
+        "messages_per_idle_spell": idle_messages([what for what, _ in between]) / max(1, num_idles),
         "completion_tokens": sum(len(r.token_ids) for r in records),
+        "step_messages": [[what for what, _ in step] for step in steps],
+        "between_steps": [what for what, _ in between],
     }
 
 
@@ -115,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--step-tokens", type=int, default=0, help="the pass's token budget (0: the engine's default)"
     )
+    parser.add_argument("--alone", type=int, default=4, help="requests then served one at a time")
+    parser.add_argument("--steps", action="store_true", help="print each step's messages")
     args = parser.parse_args(argv)
     report = run_traffic(
         args.model or default_model_dir(),
@@ -122,31 +188,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         dtype=args.dtype,
         step_tokens=args.step_tokens,
+        num_alone=args.alone,
     )
+    if args.steps:
+        for index, step in enumerate(report["step_messages"]):
+            print(f"step {index}: {', '.join(step)}")
     print_table(
-        f"control traffic: {report['streams']} requests (one long, in chunks), {report['decode_rounds']} decode rounds",
+        f"control traffic: {report['streams']} requests (one long, in chunks; {args.alone} one at a time), "
+        f"{report['steps']} steps "
+        f"({report['decode_rounds']} decode rounds, {report['prompt_only_steps']} with prompts alone)",
         (
-            "messages",
-            "votes",
-            "messages / round",
-            "votes / round",
+            "messages in steps",
+            "messages / step",
+            "most messages / step",
+            "votes / step",
             "most votes / step",
             "extra messages / request",
             "votes / request",
+            "messages / idle spell",
         ),
         [
             (
-                report["messages"],
-                report["votes"],
-                report["messages_per_round"],
-                report["votes_per_round"],
+                report["messages_in_steps"],
+                report["messages_per_step"],
+                report["most_messages_in_a_step"],
+                report["votes_per_step"],
                 report["most_votes_in_a_step"],
                 report["extra_messages_per_request"],
                 report["votes_per_request"],
+                report["messages_per_idle_spell"],
             )
         ],
     )
     print(f"messages by kind: {report['messages_by_kind']}; carried: {report['kinds_carried']}")
+    print(f"between steps (idle, stop): {report['between_steps']}")
     return finish(report, args.json)
 
 

@@ -24,6 +24,7 @@ from bench.batched_prefill import run_batched_prefill
 from bench.collectives import run_collectives
 from bench.common import percentile
 from bench.concurrency import run_concurrency
+from bench.control_traffic import run_traffic
 from bench.decode_roofline import run_decode_roofline, weight_bytes_per_token
 from bench.drafts import run_drafts
 from bench.fp16_linear import run_fp16_linear
@@ -118,6 +119,14 @@ def test_drafts_change_no_reply_of_the_benchmark(tiny_model):
     assert report["replies_identical"] is True
     assert report["tokens_per_s_off"] > 0 and report["tokens_per_s_on"] > 0
     assert report["drafted"] >= report["accepted"] >= 0
+
+
+def test_control_traffic_counts_one_message_a_step_and_one_an_idle_spell(tiny_model):
+    report = run_traffic(tiny_model, num_streams=4, max_tokens=4, dtype="float32", num_alone=1)
+    assert report["streams"] == 6 and report["completion_tokens"] > 0
+    assert report["messages_per_step"] == 1 and report["most_messages_in_a_step"] == 1
+    assert report["extra_messages_per_request"] == 0 and report["most_votes_in_a_step"] <= 1
+    assert report["prompt_only_steps"] >= 2 and report["messages_per_idle_spell"] == 1
 
 
 def test_a_benchmark_runs_as_a_module_and_writes_its_figures(tiny_model, tmp_path):

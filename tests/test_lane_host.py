@@ -286,7 +286,8 @@ def test_stop_lets_live_streams_finish_within_the_grace_and_cancels_the_queue():
     backend = FakeBackend(num_lanes=2)
     host = make_host(backend)
     live = [host.submit(long_request(1, 6)), host.submit(long_request(2, 6))]
-    host.step()
+    host.step()  # the first prompt alone (this backend runs one prompt a pass)
+    host.step()  # its decode round, the second prompt riding in it
     queued = host.submit(long_request(3, 6))
     host.stop(grace_s=10.0)
     assert [read_reply(s).reason for s in live] == ["length", "length"]
@@ -324,9 +325,11 @@ def test_stats_report_queue_lanes_and_room():
     backend = FakeBackend(num_lanes=1, room=100, block_size=4)
     host = make_host(backend)
     streams = [host.submit(long_request(1, 10)), host.submit(long_request(2, 10))]
-    host.step()  # the 3-token prompt, then a decode round at position 3: one block of 4 tokens
+    host.step()  # the 3-token prompt, its step's one pass: one block of 4 tokens (position 3 too)
     stats = host.stats()
     assert (stats.queued, stats.lanes_busy, stats.room_used, stats.num_lanes, stats.room) == (1, 1, 4, 1, 100)
+    host.step()  # a decode round at position 3, in that block
+    assert host.stats().room_used == 4
     host.step()  # position 4: a second block
     assert host.stats().room_used == 8
     run_all(host, streams)

@@ -141,11 +141,11 @@ def test_a_prompt_that_needs_chunks_is_never_put_in_a_joint_pass():
         *requests_from([9, 13]),
     ]
     replies = run_requests(make_host(backend), requests)
-    # The first two in a joint pass; the long one's three chunks and the last two ride in decode
-    # rounds (a chunk is never part of a joint pass of whole prompts).
-    assert backend.joint_passes == [2] and backend.beside_round == [1, 3, 1]
+    # The first two in a joint pass, that step's one pass; the long one's three chunks and the last
+    # two ride in the decode rounds after it (a chunk is never part of a joint pass of whole prompts).
+    assert backend.joint_passes == [2] and backend.beside_round == [3, 1, 1]
     prefills = [size for kind, size in backend.timeline if kind == "prefill"]
-    assert prefills == [6, 8, 8, 3, 3, 4], "chunks of 8, 8 and 4; the last two whole, beside the second"
+    assert prefills == [6, 8, 3, 3, 8, 4], "chunks of 8, 8 and 4; the last two whole, beside the first"
     assert replies == [backend.solo_reply(r) for r in requests]
     backend.assert_clean()
 

@@ -110,8 +110,8 @@ def test_a_resumed_background_stream_continues_in_a_new_file(tmp_path):
     recorder = RecordingBackend(backend, tmp_path)
     host = LaneHost(recorder, detokenize=fake_detokenize, eos_ids=EOS_IDS)
     background = host.submit(make_request([1, 2], 8, ignore_eos=True, background=True))
-    host.step()
-    host.step()
+    for _ in range(3):  # its prompt alone (its first token), then two decode rounds: three tokens
+        host.step()
     urgent = host.submit(make_request([3, 4], 2, ignore_eos=True))
     run_all(host, [background, urgent])
     files = records(tmp_path)

@@ -106,8 +106,14 @@ def run_checking_plans(host, backend, streams, max_steps: int = 200) -> set[str]
             return seen
         plan_twice(host, backend)  # admission may change the state before the step's own plan
         scheduler.schedule = logged_schedule
+        used.clear()
+        num_rounds, num_passes = len(backend.rounds), len(backend.prompt_passes)
         host.step()
         scheduler.schedule = schedule
+        if not used:  # admission's prompts went alone, nothing decoding: that pass is the step's one
+            assert len(backend.rounds) == num_rounds and len(backend.prompt_passes) == num_passes + 1
+            seen |= {"admitted alone"}
+            continue
         plan, num_rounds, num_passes = used[-1]
         if not plan.rows:  # nothing decodes: the plan's prompts went in passes of their own
             passes = backend.prompt_passes[num_passes:]

@@ -23,7 +23,8 @@ def test_a_profiled_host_counts_its_decode_steps_and_gives_the_same_replies(tmp_
     profile.flush()  # the daemon's leader flushes when it goes idle
     assert replies == [backend.solo_reply(r) for r in requests]
     totals = json.loads(path.read_text())
-    # Three prompts in one pass, then 11 rounds for the rest of each reply's 12 tokens.
+    # Three prompts in one pass (a step of its own), then 11 rounds for the rest of each reply's 12 tokens.
+    assert totals["steps"]["prefill"] == 1
     assert totals["steps"]["decode"] == 11
     assert totals["lanes"]["decode"] == 33
     assert totals["parts"]["decode"]["tokens"][0] > 0

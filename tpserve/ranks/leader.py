@@ -262,7 +262,7 @@ class Leader:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
         self.profile.flush()
         if not self._idle and self.broken is None:
-            self._run(Idle())  # the lanes rank 0 opened or closed go first (_run)
+            self._run(Idle())  # the lanes rank 0 opened or closed go with the next pass (_run)
             self._idle = True
 
     # Beyond the protocol -------------------------------------------------------------------------
@@ -296,7 +296,12 @@ class Leader:
             raise BackendBroken(self.broken)
         try:
             unsent, self._unsent = self._unsent, []
-            if unsent and isinstance(msg, (Idle, Stop)):
+            if isinstance(msg, Idle):
+                # The lanes opened and closed since the last pass wait for the next one (in its
+                # Bundle, after the idle spell): nothing on a follower reads them while it waits,
+                # so an idle spell costs the wire its one Idle.
+                self._unsent, unsent = unsent, []
+            elif unsent and isinstance(msg, Stop):
                 self.channel.send(Bundle(tuple(unsent)))  # what rank 0 already applied, alone
                 unsent = []
             with self.profile.part("wire send"):

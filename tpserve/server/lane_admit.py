@@ -49,6 +49,9 @@ class Admission:
         self._joint_prompts_cap = MAX_JOINT_PROMPTS if batches else 1
         self.max_joint_prompts = self._joint_prompts_cap
         self.max_iterations = 2 * lanes.num_lanes + 16  # bounds one step's admission however many jobs fail
+        # Prompt passes tried so far: the scheduler reads whether a launch ran one (then that pass
+        # is its step's one message, and the streams it started decode from the next step on).
+        self.num_passes = 0
 
     def _needs_chunks(self, job: Job) -> bool:
         """After setup: whether the prompt left past the restored prefix takes more than one pass."""
@@ -131,6 +134,7 @@ class Admission:
         items = [self._whole_prompt(job) for job in jobs]
         if None in items:
             return None
+        self.num_passes += 1
         tokens, error = attempt(self._backend.prefill_many, items)
         if error is not None:
             log.warning(
@@ -216,6 +220,7 @@ class Admission:
         (its blocks are not free)."""
         if item is None:
             return BlockWait(job)
+        self.num_passes += 1
         token, error = attempt(self._backend.prefill, item)
         if error is not None:
             return Ended(job, ERROR, f"prefill failed: {error}")

@@ -5,8 +5,9 @@ in lane_admit.py sets them up), then one pass. `schedule()` plans the decode rou
 plain data, decided before anything runs): every live stream's rows, the long prompt's next chunk
 and the whole prompts admitted this step beside them, the blocks it books, the streams it preempts.
 The plan is applied, its one pass runs (round_pass.py), and `update_from_output()` applies the
-sampled tokens (sampled_tokens.py), one way (STYLE 14). While no stream decodes, prompts go in
-passes of their own, which Admission runs, returning what happened for the scheduler to apply: the
+sampled tokens (sampled_tokens.py), one way (STYLE 14). While no stream decodes, prompts go in a
+pass of their own that ends the step (a step is one message; the streams it starts decode from the
+next step on). Admission runs those passes and returns what happened for the scheduler to apply: the
 streams and which job is chunking are the scheduler's alone, the queue is HostState's (peeked and
 taken under its lock, never held across a backend call). A BackendBroken anywhere latches the host
 broken: every stream ends with an error, new work is refused and `on_broken` is called once.
@@ -74,9 +75,13 @@ class Scheduler:
                 return False
             try:
                 changed = self._end_cancelled()
+                passed = False  # admission ran this step's pass (prompts alone)
                 if not self._state.stopping:
-                    changed = self._admit() or changed
-                ran = self._decode_round() or changed
+                    admitted, passed = self._admit()
+                    changed = admitted or changed
+                if passed:
+                    self._profile.prefilled()  # a prompt step, whatever the backend tells the timers
+                ran = (not passed and self._decode_round()) or changed
                 return ran
             except BackendBroken as error:
                 self.latch_broken(str(error))
@@ -91,9 +96,12 @@ class Scheduler:
             self._end(job, CANCELLED)
         return bool(cancelled)
 
-    def _admit(self) -> bool:
+    def _admit(self) -> tuple[bool, bool]:
         """Admit waiting jobs while lanes, room and this step's prompt budget allow (admit_choice.py
-        says why that budget). True when anything changed."""
+        says why that budget). Returns whether anything changed, and whether admission ran this
+        step's one pass: nothing decoded, so what it took went in a pass of their own. A round over
+        the streams that pass started needs the tokens it sampled (a second message), so they
+        decode from the next step on, the prompts taken then riding beside them."""
         changed = False
         budget = None  # None: nothing prefilled yet this step
         for _ in range(self._admission.max_iterations):
@@ -108,8 +116,13 @@ class Scheduler:
             if not jobs:
                 break
             changed = True
+            num_passes = self._admission.num_passes
             self._apply(self._admission.launch(jobs, self._chunking, beside_round=beside))
-        return changed
+            # With prompts riding already (a taken prompt that needed every chunk at once, after
+            # a failed restore), the round goes too, as those prompts were counted in this step.
+            if self._admission.num_passes > num_passes and not self._riding:
+                return True, True
+        return changed, False
 
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
         """Take the head jobs AdmitChoice chooses (at most `most`); with the step's prompt budget left

@@ -55,8 +55,8 @@ class StepPlan:
     """One step, in the order it is applied: `finished` (cancelled streams) end, `preempted` streams
     give up their lanes (back to the queue, recomputed later), `booked` blocks leave the pool, then
     one pass over `rows` and `prompts` (a chunk first, then whole prompts). No rows: nothing
-    decodes this step, and the prompts go in passes of their own: the `joint` ones together, the
-    rest alone, then the chunk."""
+    decodes this step, and the prompts go in a pass of their own: the whole prompts (the `joint`
+    ones together, any other alone), or else the long prompt's chunk."""
 
     finished: tuple[int, ...] = ()  # lanes
     preempted: tuple[int, ...] = ()  # lanes, in the order they give them up
@@ -64,7 +64,7 @@ class StepPlan:
     prompts: tuple[PromptRows, ...] = ()
     booked: tuple[int, ...] = ()  # block ids, in the order the book hands them out
     # With no rows: the lanes of the whole prompts that go in one joint pass (two or more, all or
-    # none: refused, each goes alone); the other prompts go alone, the chunk last.
+    # none: refused, each goes alone); the other prompts go alone.
     joint: tuple[int, ...] = ()
 
     @property
@@ -195,10 +195,13 @@ def plan_round(
 
 
 def _prompts_alone(lanes, finished, preempted, riding, chunking, pool, max_chunk, joint_prompts) -> StepPlan:
-    """The plan of a step in which nothing decodes: the riding whole prompts, then the chunk."""
+    """The plan of a step in which nothing decodes: the riding whole prompts (their streams decoded
+    when they were taken, and have ended or been preempted since), else the chunk. Not both: a
+    chunk is never part of a joint pass of whole prompts, and a step runs one pass, so the chunk
+    waits a step."""
     prompts = _riding_rows(riding)
     booked = ()
-    if chunking is not None:
+    if chunking is not None and not riding:
         chunk = _next_chunk(lanes, chunking, max_chunk)
         if pool.take(chunk[2]):  # else it waits a step for its blocks
             booked = pool.booked()

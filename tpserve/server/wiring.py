@@ -84,13 +84,20 @@ class LocalEngine:
 
 @contextmanager
 def local_engine(
-    settings: EngineSettings, *, queue_size: int = 64, record_dir: str = ""
+    settings: EngineSettings,
+    *,
+    queue_size: int = 64,
+    record_dir: str = "",
+    on_step: Callable[[], None] | None = None,
 ) -> Iterator[LocalEngine]:
     """Rank 0 in this process with a started lane host, followers as child processes; all stopped
-    on exit (Stop to the followers unless the engine broke). One per process at a time."""
+    on exit (Stop to the followers unless the engine broke). One per process at a time. on_step:
+    called on the scheduling thread after each step (a benchmark marks where steps end)."""
     with local_rank0(settings) as (runtime, followers):
         tokenizer = Tokenizer.from_model_dir(settings.model_dir)
-        host, leader = build_lane_host(runtime, tokenizer, queue_size=queue_size, record_dir=record_dir)
+        host, leader = build_lane_host(
+            runtime, tokenizer, queue_size=queue_size, record_dir=record_dir, on_step=on_step
+        )
         host.start()
         try:
             yield LocalEngine(host, leader, runtime, tokenizer, followers)
