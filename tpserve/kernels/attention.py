@@ -73,11 +73,16 @@ class BlockTables:
         first = torch.tensor([self.first[i] for i in spans], dtype=torch.int64).unsqueeze(1)
         return self.flat[first + positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def key_slots(self, spans: list[int], width: int) -> torch.Tensor:
-        """[S, width] slots of the keys 0..end-1 of spans [S] (their indices) in position order,
-        each row padded past its span's end with its last key's slot."""
+    def key_slots(self, spans: list[int], width: int, first_keys: list[int] | None = None) -> torch.Tensor:
+        """[S, width] slots of the keys 0..end-1 of spans [S] (their indices) in position order (from
+        first_keys[s], where given), each row padded past its span's end with its last key's slot."""
         ends = torch.tensor([self.ends[i] for i in spans]).unsqueeze(1)
-        return self.slots(spans, torch.minimum(torch.arange(width), ends - 1))
+        positions = (
+            torch.arange(width)
+            if first_keys is None
+            else torch.arange(width) + torch.tensor(first_keys).unsqueeze(1)
+        )
+        return self.slots(spans, torch.minimum(positions, ends - 1))
 
 
 def kv_slots(spans, block_size: int, device) -> torch.Tensor:
