@@ -1,5 +1,5 @@
 """Mixtures of experts in Hugging Face int4 checkpoints: Qwen3-MoE, Qwen2-MoE, GLM-4.5 and Mixtral
-with every projection, each expert's included, packed by GPTQ (v1), AWQ (GEMM) or compressed-tensors
+with every projection, each expert's included, packed by GPTQ (v1, v2), AWQ (GEMM) or compressed-tensors
 (pack-quantized) as those libraries pack them (tiny_gptq_models.py, tiny_compressed_models.py), under
 the names real checkpoints use (`mlp.experts.N.gate_proj.qweight`,
 `block_sparse_moe.experts.N.w1.weight_packed`), the router left float. Served in int4 as the file's
@@ -56,9 +56,11 @@ CASES = {
     "qwen3-moe-gptq": ("qwen3-moe", "gptq", True),
     "qwen3-moe-awq": ("qwen3-moe", "awq", False),
     "qwen3-moe-compressed": ("qwen3-moe", "compressed", False),
+    "qwen3-moe-gptq-v2": ("qwen3-moe", "gptq_v2", False),  # GPTQModel's: zero points as they are
     "qwen2-moe-gptq": ("qwen2-moe", "gptq", False),
     "glm4-moe-compressed": ("glm4-moe", "compressed", False),
     "mixtral-gptq": ("mixtral", "gptq", False),
+    "mixtral-awq": ("mixtral", "awq", False),
     "mixtral-compressed": ("mixtral", "compressed", True),
 }
 
