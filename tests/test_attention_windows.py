@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tpserve.kernels import tiled_attention
-from tpserve.kernels.attention import SpanView
+from tpserve.kernels.attention import SpanView, _visible, first_key
 from tpserve.kernels.attention_kernels import NATIVE, SPANS, TILED, paged_kernel
 from tpserve.kernels.native_attention import attention_paths, native_unavailable, use_attention_path
 
@@ -126,6 +126,19 @@ def test_keys_behind_every_window_are_never_read(kernel):
     after = attend(kernel, rows, pool_k, pool_v, spans, 16)
     assert torch.isfinite(after).all()
     assert torch.equal(after, before)
+
+
+def test_the_gpu_paths_keys_start_at_the_spans_first_window_and_its_mask_is_the_window():
+    # What SDPA a span at a time (the GPU path, and the paged kernel's for a binding window) is
+    # given: a chunk's keys from its first row's window on, masked to each row's window.
+    span = SpanView(0, 200, 30, ())
+    first = first_key(span.start, 16)
+    assert first == 185 and first_key(10, 16) == 0 and first_key(299, 0) == 0
+    mask = _visible(span, first, 16, "cpu")  # [rows, keys first..end-1]
+    positions, keys = torch.arange(200, 230).unsqueeze(1), torch.arange(first, 230).unsqueeze(0)
+    assert torch.equal(mask, (keys <= positions) & (keys > positions - 16))
+    assert mask[0].nonzero().flatten().tolist() == list(range(16))  # position 200: keys 185..200
+    assert mask.sum(1).tolist() == [16] * 30
 
 
 def test_the_tiled_products_never_read_the_key_blocks_behind_every_window():

@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from tpserve.kernels.attention import BlockTables
+from tpserve.kernels.attention import BlockTables, first_key
 
 # Rows of every attention product. Against 16 (the linear layers' tile), 4 made a 16-lane decode
 # round of the default model 21-24% faster at 160 and 600 keys (CPU time, one thread, int8).
@@ -221,7 +221,7 @@ def _first_tiles(span, group: int) -> list[int]:
 
 def _window_block(position: int, window: int) -> int:
     """The key block of the first key a row at `position` sees in a layer of `window` (0: none)."""
-    return (max(0, position + 1 - window) if window else 0) // KEY_BLOCK
+    return first_key(position, window) // KEY_BLOCK
 
 
 def _end_tiles(positions: torch.Tensor, num_key_blocks: int, window: int) -> list[int]:
