@@ -12,8 +12,7 @@ import functools
 import pytest
 import torch
 from multiproc import RankPool
-from test_int8_checkpoint import load
-from test_moe_int4_checkpoint import WIDTHS, served_experts
+from test_moe_int4_checkpoint import WIDTHS, check_every_experts_piece_serves
 from test_tp_exact import check_tp2_equals_tp1_and_batched_equals_solo, run_streams
 from tiny_compressed_models import MOE_ROUTERS, moe_quantizable
 from tiny_hf_models import write_hf_model
@@ -50,15 +49,7 @@ def moe_model(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_experts_piece_computes_with_the_files_int8_values_and_scales(moe_model, name, quantize):
     model_dir = moe_model(name)
-    file = dequantized(model_dir)
-    for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
-        model = load(model_dir, tp_rank, tp_size, quantize=quantize)
-        num_served = 0
-        for served, stored in served_experts(model, file):
-            assert isinstance(served, Int8Weight)
-            assert torch.equal(served.dequantize(), stored)
-            num_served += 1
-        assert num_served >= model.config.moe.num_experts * 2
+    check_every_experts_piece_serves(model_dir, dequantized(model_dir), quantize, Int8Weight)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
