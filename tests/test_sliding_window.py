@@ -50,6 +50,27 @@ def test_mistral_with_a_window_of_16_matches_transformers_on_a_64_token_prompt(t
     assert (ours - full).abs().max() > 1e-2  # the window does change the logits here
 
 
+# Mixtures of experts with a window of 8: Mixtral's on every layer; Qwen2-MoE's where layer_types
+# says; Qwen3-MoE's on every layer (use_sliding_window with max_window_layers 0, where transformers 4
+# and 5 agree)
+MOE_WINDOWS = {
+    "mixtral": {"sliding_window": 8},
+    "qwen2-moe": {
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
+    "qwen3-moe": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_WINDOWS))
+def test_a_windowed_mixture_of_experts_matches_transformers_past_its_window(tmp_path, family):
+    model_dir = write_hf_model(tmp_path / family, family, **MOE_WINDOWS[family])
+    check_against_transformers(model_dir, ROW_TILE)
+    check_chunks_equal_whole(model_dir, 13)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_prompt_in_chunks_has_the_whole_prompts_logits(tmp_path, family):
     check_chunks_equal_whole(write_hf_model(tmp_path / family, family), 13)
