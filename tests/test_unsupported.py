@@ -248,3 +248,19 @@ def test_layer_types_of_another_length_than_the_layers_are_refused():
     raw = config_of("Qwen3ForCausalLM", layer_types=["sliding_attention"], sliding_window=8)
     with pytest.raises(ModelFileError, match="layer_types names 1 layers of 2"):
         parse_model_config(raw)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"layer_types": ["full_attention", "full_attention"]}, "mistral: layer_types ['full_attention',"),
+        ({"q_lora_rank": 768}, "multi-head latent attention (MLA, q_lora_rank 768)"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not implemented"),
+    ],
+)
+def test_a_checkpoint_asking_for_them_is_refused_at_load_by_the_keys_name(tmp_path, fields, message):
+    # the rank's start-up reads config.json through load_model_config, as load_rank_model does here
+    model_dir = write_tiny_model(tmp_path / "m", "mistral", overrides={"sliding_window": 16, **fields})
+    with pytest.raises(ModelFileError) as refused:
+        load_rank_model(model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64)
+    assert message in str(refused.value) and str(model_dir) in str(refused.value)
