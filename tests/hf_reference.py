@@ -18,12 +18,12 @@ PROMPTS = [tuple((7 * i + 3) % 300 for i in range(90)), (5, 17, 99, 3, 42), (11,
 NUM_GREEDY = 8
 
 
-def engine_of(model_dir, row_tile: int, max_positions: int = 256) -> Engine:
+def engine_of(model_dir, row_tile: int, max_positions: int = 256, num_slots: int = 256) -> Engine:
     model = load_rank_model(
         model_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=max_positions, row_tile=row_tile
     )
     kv = KVPool(
-        model.config.num_layers, 256, model.kv_heads_per_piece(), model.config.head_dim, torch.float32
+        model.config.num_layers, num_slots, model.kv_heads_per_piece(), model.config.head_dim, torch.float32
     )
     return Engine(model, kv)
 

@@ -4,7 +4,9 @@ A sliding-window row at position p sees keys p - window + 1 .. p (transformers' 
 the query's own key included); a sink (gpt-oss) is a per-head logit in the softmax's denominator.
 Each kernel matches a float64 reference; the batch-invariant ones (the C kernel and the tiled
 products) give a chunk or a decode step the whole prefill's bits through scattered block tables, and
-the C kernel's vector paths give its plain path's bits. Keys behind every window are never read.
+the C kernel's vector paths give its plain path's bits. Keys behind every window are never read
+(the tiled products': key blocks of 128 wholly behind, which skipping leaves every bit as masking
+them did).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.kernels.attention import SpanView
-from tpserve.kernels.attention_kernels import NATIVE, SPANS, TILED
+from tpserve.kernels import tiled_attention
+from tpserve.kernels.attention import SpanView, _visible, first_key
+from tpserve.kernels.attention_kernels import NATIVE, SPANS, TILED, paged_kernel
 from tpserve.kernels.native_attention import attention_paths, native_unavailable, use_attention_path
 
 GROUP, SCALE, BLOCK = 2, 0.125, 4
@@ -107,7 +110,7 @@ def test_chunks_and_decode_rows_have_the_whole_prefills_bits(kernel, window, sin
     assert torch.equal(together, torch.cat([whole[start : start + n] for start, n in CUTS]))
 
 
-@pytest.mark.parametrize("kernel", [NATIVE, SPANS], ids=lambda kernel: kernel.name)
+@pytest.mark.parametrize("kernel", [NATIVE, SPANS, paged_kernel(None)], ids=lambda kernel: kernel.name)
 def test_keys_behind_every_window_are_never_read(kernel):
     # A decode row and a late chunk of a windowed layer: the blocks wholly behind their windows are
     # poisoned with NaN, and the rows come out as before (the kernels skip them).
@@ -123,6 +126,65 @@ def test_keys_behind_every_window_are_never_read(kernel):
     after = attend(kernel, rows, pool_k, pool_v, spans, 16)
     assert torch.isfinite(after).all()
     assert torch.equal(after, before)
+
+
+def test_the_gpu_paths_keys_start_at_the_spans_first_window_and_its_mask_is_the_window():
+    # What SDPA a span at a time (the GPU path, and the paged kernel's for a binding window) is
+    # given: a chunk's keys from its first row's window on, masked to each row's window.
+    span = SpanView(0, 200, 30, ())
+    first = first_key(span.start, 16)
+    assert first == 185 and first_key(10, 16) == 0 and first_key(299, 0) == 0
+    mask = _visible(span, first, 16, "cpu")  # [rows, keys first..end-1]
+    positions, keys = torch.arange(200, 230).unsqueeze(1), torch.arange(first, 230).unsqueeze(0)
+    assert torch.equal(mask, (keys <= positions) & (keys > positions - 16))
+    assert mask[0].nonzero().flatten().tolist() == list(range(16))  # position 200: keys 185..200
+    assert mask.sum(1).tolist() == [16] * 30
+
+
+def test_the_tiled_products_never_read_the_key_blocks_behind_every_window():
+    # Decode rows, a short chunk and a long one (more than SHORT_ROWS grouped rows) of a windowed
+    # layer, all past position 128 + 16: the tiled products' first key block (keys 0..127) lies
+    # wholly behind every window, and poisoned with NaN (the products would carry it into every
+    # row that multiplied it) leaves the rows as they were.
+    q, _, _, pool_k, pool_v, table = pool_and_queries(seed=3)
+    pool_k, pool_v = finite_pool(pool_k), finite_pool(pool_v)
+    cuts = [(299, 1), (160, 1), (200, 30), (150, 150)]
+    offsets = [sum(n for _, n in cuts[:i]) for i in range(len(cuts))]
+    spans = [SpanView(offset, start, n, table) for offset, (start, n) in zip(offsets, cuts)]
+    rows = torch.cat([q[start : start + n] for start, n in cuts])
+    before = attend(TILED, rows, pool_k, pool_v, spans, 16, SINKS)
+    for block in table[: tiled_attention.KEY_BLOCK // BLOCK]:
+        pool_k[:, block * BLOCK : (block + 1) * BLOCK] = float("nan")
+        pool_v[:, block * BLOCK : (block + 1) * BLOCK] = float("nan")
+    after = attend(TILED, rows, pool_k, pool_v, spans, 16, SINKS)
+    assert torch.isfinite(after).all()
+    assert torch.equal(after, before)
+
+
+def masking_only(monkeypatch):
+    """The tiled products with no key block skipped for a window: masked, as they were first built."""
+    monkeypatch.setattr(
+        tiled_attention, "_end_tiles", lambda positions, blocks, window: [len(positions)] * blocks
+    )
+    monkeypatch.setattr(tiled_attention, "_window_block", lambda start, window: 0)
+
+
+@pytest.mark.parametrize("window", [1, 16, 127, 128, 129, 200])
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_skipping_the_blocks_behind_a_window_gives_masking_them_bits(monkeypatch, window, sinks, dtype):
+    # A whole prompt (long: tiles whose windows start past some blocks, beside tiles that see them),
+    # a late long chunk, a short chunk and decode rows: every bit as with those blocks masked.
+    q, _, _, pool_k, pool_v, table = pool_and_queries(seed=4)
+    q, pool_k, pool_v = q.to(dtype), finite_pool(pool_k).to(dtype), finite_pool(pool_v).to(dtype)
+    cuts = [(0, NUM_KEYS), (140, 160), (250, 20), (299, 1), (129, 1), (7, 1)]
+    offsets = [sum(n for _, n in cuts[:i]) for i in range(len(cuts))]
+    spans = [SpanView(offset, start, n, table) for offset, (start, n) in zip(offsets, cuts)]
+    rows = torch.cat([q[start : start + n] for start, n in cuts])
+    skipped = attend(TILED, rows, pool_k, pool_v, spans, window, sinks)
+    masking_only(monkeypatch)
+    masked = attend(TILED, rows, pool_k, pool_v, spans, window, sinks)
+    assert torch.equal(skipped, masked)
 
 
 @pytest.mark.parametrize("path", ["avx2", "avx512"])

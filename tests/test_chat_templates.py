@@ -52,12 +52,16 @@ TEMPLATES = {
         "<s>",
         "</s>",
     ),
+    # Mistral's first instruct models' [INST] turns, no system role (Mixtral-8x7B-Instruct's format)
+    "Mistral-7B-Instruct-v0.2": ("mixtral", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
     "Phi-3.5-mini-instruct": (
         "phi4-mini",
         ["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
         "<s>",
         "<|endoftext|>",
     ),
+    # Phi-4 (14B, a Phi3ForCausalLM): ChatML turns with <|im_sep|>
+    "phi-4": ("phi3", ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], None, "<|im_end|>"),
     # Gemma's turns (Gemma 2's template: no system role, user and model alternating)
     "gemma-2-2b-it": (
         "gemma3",

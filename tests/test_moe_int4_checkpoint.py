@@ -1,5 +1,5 @@
 """Mixtures of experts in Hugging Face int4 checkpoints: Qwen3-MoE, Qwen2-MoE, GLM-4.5 and Mixtral
-with every projection, each expert's included, packed by GPTQ (v1), AWQ (GEMM) or compressed-tensors
+with every projection, each expert's included, packed by GPTQ (v1, v2), AWQ (GEMM) or compressed-tensors
 (pack-quantized) as those libraries pack them (tiny_gptq_models.py, tiny_compressed_models.py), under
 the names real checkpoints use (`mlp.experts.N.gate_proj.qweight`,
 `block_sparse_moe.experts.N.w1.weight_packed`), the router left float. Served in int4 as the file's
@@ -56,9 +56,11 @@ CASES = {
     "qwen3-moe-gptq": ("qwen3-moe", "gptq", True),
     "qwen3-moe-awq": ("qwen3-moe", "awq", False),
     "qwen3-moe-compressed": ("qwen3-moe", "compressed", False),
+    "qwen3-moe-gptq-v2": ("qwen3-moe", "gptq_v2", False),  # GPTQModel's: zero points as they are
     "qwen2-moe-gptq": ("qwen2-moe", "gptq", False),
     "glm4-moe-compressed": ("glm4-moe", "compressed", False),
     "mixtral-gptq": ("mixtral", "gptq", False),
+    "mixtral-awq": ("mixtral", "awq", False),
     "mixtral-compressed": ("mixtral", "compressed", True),
 }
 
@@ -111,14 +113,9 @@ def served_experts(model, file):
                 yield experts.shared_down, file[down][:, start:end]
 
 
-@pytest.mark.parametrize("quantize", ["int4", "none"])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_every_experts_piece_serves_the_values_its_library_dequantizes(moe_model, name, quantize):
-    # int4: the file's own blocks (not dequantized to float and quantized again), which dequantized
-    # are the library's float32 values bit for bit; none: those values in float32.
-    model_dir = moe_model(name)
-    file = library_weights(model_dir, CASES[name][1])
-    served_type = Q4Weight if quantize == "int4" else torch.Tensor
+def check_every_experts_piece_serves(model_dir, file, quantize: str, served_type) -> None:
+    """At tp=1 and on both ranks of tp=2, every expert's piece (and the shared expert's) is a
+    `served_type` holding the file's values (`file`, dequantized) exactly."""
     for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
         model = load(model_dir, tp_rank, tp_size, quantize=quantize)
         num_served = 0
@@ -127,6 +124,18 @@ def test_every_experts_piece_serves_the_values_its_library_dequantizes(moe_model
             assert torch.equal(served if isinstance(served, torch.Tensor) else served.dequantize(), stored)
             num_served += 1
         assert num_served >= model.config.moe.num_experts * 2
+
+
+@pytest.mark.parametrize("quantize", ["int4", "none"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_experts_piece_serves_the_values_its_library_dequantizes(moe_model, name, quantize):
+    # int4: the file's own blocks (not dequantized to float and quantized again), which dequantized
+    # are the library's float32 values bit for bit; none: those values in float32.
+    model_dir = moe_model(name)
+    served_type = Q4Weight if quantize == "int4" else torch.Tensor
+    check_every_experts_piece_serves(
+        model_dir, library_weights(model_dir, CASES[name][1]), quantize, served_type
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

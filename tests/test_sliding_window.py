@@ -1,6 +1,7 @@
 """Sliding-window attention in the model: tiny Mistral, Qwen2 and Qwen3 models with a window of 8
 tokens that transformers writes itself, against transformers' own forward on prompts many windows
-long (whole, in chunks, decode steps); tp=2 against tp=1 bit for bit, batched against solo."""
+long (whole, in chunks, decode steps); tp=2 against tp=1 bit for bit, batched against solo; and the
+tiled products past whole key blocks behind the window (which they skip) against transformers."""
 
 from __future__ import annotations
 
@@ -49,6 +50,27 @@ def test_mistral_with_a_window_of_16_matches_transformers_on_a_64_token_prompt(t
     assert (ours - full).abs().max() > 1e-2  # the window does change the logits here
 
 
+# Mixtures of experts with a window of 8: Mixtral's on every layer; Qwen2-MoE's where layer_types
+# says; Qwen3-MoE's on every layer (use_sliding_window with max_window_layers 0, where transformers 4
+# and 5 agree)
+MOE_WINDOWS = {
+    "mixtral": {"sliding_window": 8},
+    "qwen2-moe": {
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
+    "qwen3-moe": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_WINDOWS))
+def test_a_windowed_mixture_of_experts_matches_transformers_past_its_window(tmp_path, family):
+    model_dir = write_hf_model(tmp_path / family, family, **MOE_WINDOWS[family])
+    check_against_transformers(model_dir, ROW_TILE)
+    check_chunks_equal_whole(model_dir, 13)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_prompt_in_chunks_has_the_whole_prompts_logits(tmp_path, family):
     check_chunks_equal_whole(write_hf_model(tmp_path / family, family), 13)
@@ -77,3 +99,27 @@ def test_the_tiled_products_serve_a_windowed_model_as_the_c_kernel_does(tmp_path
     parts.append(tiled.forward([(3, 59, ids[59:])]))
     assert torch.equal(parts[-1], whole)
     torch.testing.assert_close(whole, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_tiled_products_skip_key_blocks_behind_the_window_and_match_transformers(tmp_path):
+    # A window of 16 and a 300-token prompt: each row past position 143 has a whole key block of the
+    # tiled products (128 keys) behind its window, which it skips (tests/test_attention_windows.py:
+    # the same bits as masking it). Whole, in chunks and in decode steps, against transformers.
+    torch.set_num_threads(1)
+    model_dir = write_hf_model(
+        tmp_path / "mistral", "mistral-window", sliding_window=16, max_position_embeddings=512
+    )
+    ids = tuple((13 * i + 7) % 300 for i in range(300))
+    engine = engine_of(model_dir, ROW_TILE, max_positions=512, num_slots=1024)
+    engine.model.serve_attention_tiled()
+    open_lane(engine, 0, 320)
+    open_lane(engine, 1, 320)
+    whole = engine.forward([(0, 0, ids)])
+    parts = [engine.forward([(1, 0, ids[:140])]), engine.forward([(1, 140, ids[140:298])])]
+    parts += [engine.forward([(1, 298, ids[298:299])]), engine.forward([(1, 299, ids[299:])])]
+    assert torch.equal(parts[-1], whole)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    for got, row in zip(parts, (139, 297, 298, 299)):
+        torch.testing.assert_close(got[0], expected[row], rtol=1e-4, atol=1e-4)

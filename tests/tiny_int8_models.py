@@ -81,9 +81,11 @@ def write_int8_checkpoint(
     ignore=("lm_head",),
     scale_dtype=torch.float32,
     tensors: dict[str, torch.Tensor] | None = None,
+    quantizable=is_quantizable,
 ) -> Path:
-    """`float_dir`'s model in compressed-tensors int8 (format `fmt`) at `out_dir`; `tensors`
-    replace or add stored tensors afterwards (a corrupt file)."""
+    """`float_dir`'s model in compressed-tensors int8 (format `fmt`) at `out_dir`, the weights
+    `quantizable` names (but those in `ignore`) quantized; `tensors` replace or add stored tensors
+    afterwards (a corrupt file)."""
     float_dir, out = Path(float_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
@@ -94,7 +96,7 @@ def write_int8_checkpoint(
     stored = {}
     for name, weight in load_file(float_dir / "model.safetensors").items():
         module = name.removesuffix(".weight")
-        if not is_quantizable(name) or module in ignore:
+        if not quantizable(name) or module in ignore:
             stored[name] = weight
             continue
         values, scale = quantize_per_channel(weight, scale_dtype)

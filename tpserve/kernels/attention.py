@@ -73,11 +73,16 @@ class BlockTables:
         first = torch.tensor([self.first[i] for i in spans], dtype=torch.int64).unsqueeze(1)
         return self.flat[first + positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def key_slots(self, spans: list[int], width: int) -> torch.Tensor:
-        """[S, width] slots of the keys 0..end-1 of spans [S] (their indices) in position order,
-        each row padded past its span's end with its last key's slot."""
+    def key_slots(self, spans: list[int], width: int, first_keys: list[int] | None = None) -> torch.Tensor:
+        """[S, width] slots of the keys 0..end-1 of spans [S] (their indices) in position order (from
+        first_keys[s], where given), each row padded past its span's end with its last key's slot."""
         ends = torch.tensor([self.ends[i] for i in spans]).unsqueeze(1)
-        return self.slots(spans, torch.minimum(torch.arange(width), ends - 1))
+        positions = (
+            torch.arange(width)
+            if first_keys is None
+            else torch.arange(width) + torch.tensor(first_keys).unsqueeze(1)
+        )
+        return self.slots(spans, torch.minimum(positions, ends - 1))
 
 
 def kv_slots(spans, block_size: int, device) -> torch.Tensor:
@@ -155,7 +160,7 @@ def span_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for span, keys in zip(plan.spans, plan.keys):
         rows = slice(span.offset, span.offset + span.length)
-        first = max(0, span.start + 1 - window) if window else 0  # the span's first key in any window
+        first = first_key(span.start, window)  # the span's first key in any window
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         ks = _keys(pool_k, keys, first).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
         vs = _keys(pool_v, keys, first).unsqueeze(0).to(q.dtype)
@@ -168,6 +173,11 @@ def span_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True, **causal(span))
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def first_key(position: int, window: int) -> int:
+    """The first key a row at `position` sees in a layer of `window` (0: none, key 0)."""
+    return max(0, position + 1 - window) if window else 0
 
 
 def _visible(span: SpanView, first: int, window: int, device) -> torch.Tensor:

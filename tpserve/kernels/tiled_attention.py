@@ -19,7 +19,8 @@ end). A masked key weighs exactly zero, and a masked key's slot always holds fin
 clamps to the span's last key), so masked keys add exactly nothing.
 
 A sliding-window layer masks the keys before a row's window too (key j hidden from position p where
-j <= p - window), a bias per window built once a pass; a sink (gpt-oss's per-head logit in the
+j <= p - window), a bias per window built once a pass, and skips the key blocks wholly before a
+tile's window as the causal rule skips those wholly past it (below); a sink (gpt-oss's per-head logit in the
 denominator) is one more exponential, exp(sink - m), added to each row's total after its blocks.
 
 So a chunk, a prompt after a prompt-cache restore, a decode step and a Verify give a row the very
@@ -33,16 +34,19 @@ gathers a span's keys through its block table (tpserve/kernels/attention.py), in
 keys in the same places of every product as a contiguous layout gives, so the same bits. A long span's tile skips
 the key blocks that lie wholly past its last row's position (causal: about half of a long prompt's
 blocks): their weights would all be zero, and a skipped block adds nothing where it would have added
-exact zeros.
+exact zeros. So in a sliding-window layer: a long span's tile skips the blocks wholly before its first
+row's window, and the short spans' keys start at the block of each span's first window (a decode row
+at position 4,000 in a window of 128 reads 2 blocks, not 32); neither reads those keys at all.
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 import torch
 
-from tpserve.kernels.attention import BlockTables
+from tpserve.kernels.attention import BlockTables, first_key
 
 # Rows of every attention product. Against 16 (the linear layers' tile), 4 made a 16-lane decode
 # round of the default model 21-24% faster at 160 and 600 keys (CPU time, one thread, int8).
@@ -75,12 +79,10 @@ class TiledPlan:
         tables = BlockTables(spans, block_size, num_slots)
         self.short = [s for s in spans if s.length * group <= SHORT_ROWS]
         self._short: dict[int, _ShortBatch] = {}
-        if self.short:  # [short spans, blocks * KEY_BLOCK] slots of their keys (padded: finite, masked)
-            indices = [i for i, s in enumerate(spans) if s.length * group <= SHORT_ROWS]
-            blocks = max(num_blocks(s.end) for s in self.short)
-            self.short_slots = tables.key_slots(indices, blocks * KEY_BLOCK)
-        # Each long span with its key slots and the first tile that sees each key block; its mask
-        # bias [tiles, blocks, ROW_TILE, KEY_BLOCK] per window (long_bias).
+        self._short_indices = [i for i, s in enumerate(spans) if s.length * group <= SHORT_ROWS]
+        self._tables = tables
+        # Each long span with its key slots and the first tile that sees each key block; the key
+        # blocks its tiles see per window, with their mask biases (long_blocks).
         self.long = [
             (
                 s,
@@ -90,15 +92,31 @@ class TiledPlan:
             for i, s in enumerate(spans)
             if s.length * group > SHORT_ROWS
         ]
-        self._long_bias: dict[tuple[int, int], torch.Tensor] = {}
+        self._long_blocks: dict[tuple[int, int], list[_SeenBlock]] = {}
 
-    def long_bias(self, index: int, window: int) -> torch.Tensor:
-        """Long span `index`'s mask bias for a layer of `window` (0: none), built once a pass."""
-        if (index, window) not in self._long_bias:
-            span = self.long[index][0]
-            bias = _bias(_row_positions(span, self.group), num_blocks(span.end), window)
-            self._long_bias[index, window] = bias.to(self.device)
-        return self._long_bias[index, window]
+    def long_blocks(self, index: int, window: int) -> list[_SeenBlock]:
+        """Long span `index`'s key blocks that some tile sees in a layer of `window` (0: none), in
+        block order, each with the tiles that see it and their mask bias; built once a pass."""
+        if (index, window) not in self._long_blocks:
+            span, _, firsts = self.long[index]
+            positions = _row_positions(span, self.group)  # [tiles, ROW_TILE]
+            ends = _end_tiles(positions, len(firsts), window)
+            self._long_blocks[index, window] = [
+                _SeenBlock(block, first, end, _bias(positions[first:end], 1, window, block * KEY_BLOCK)
+                           .view(end - first, ROW_TILE, KEY_BLOCK).to(self.device))
+                for block, (first, end) in enumerate(zip(firsts, ends))
+                if first < end
+            ]  # fmt: skip
+        return self._long_blocks[index, window]
+
+    def short_slots(self, window: int) -> tuple[list[int], torch.Tensor]:
+        """The short spans' first key block in a layer of `window` (the block of each span's first
+        row's first key), and [short spans, blocks * KEY_BLOCK] slots of their keys from it (padded
+        past each span's end with its last key's: finite, and masked)."""
+        starts = [_window_block(s.start, window) for s in self.short]
+        blocks = max(num_blocks(s.end) - start for s, start in zip(self.short, starts))
+        first_keys = [start * KEY_BLOCK for start in starts]
+        return starts, self._tables.key_slots(self._short_indices, blocks * KEY_BLOCK, first_keys)
 
     def short_batch(self, num_kv_heads: int) -> _ShortBatch | None:
         if not self.short:
@@ -116,13 +134,33 @@ class TiledPlan:
         return self._short[num_kv_heads]
 
 
+class _SeenBlock(NamedTuple):
+    """A long span's key block in one window's layers: the tiles first..end-1 see some of its keys,
+    bias [end - first, ROW_TILE, KEY_BLOCK] masks the rest."""
+
+    block: int
+    first: int
+    end: int
+    bias: torch.Tensor
+
+
+class _ShortKeys(NamedTuple):
+    """The short batch's keys in one window's layers: num_blocks key blocks per entry, from each
+    entry's span's first window block; rows: their rows of the pool seen as [Hkv*slots, D], [E *
+    num_blocks * KEY_BLOCK]; bias: [E, num_blocks, ROW_TILE, KEY_BLOCK]."""
+
+    num_blocks: int
+    rows: torch.Tensor
+    bias: torch.Tensor
+
+
 class _ShortBatch:
     """Short spans' tiles for one KV-head count: entry e = (span, KV head, tile)."""
 
     def __init__(self, spans, slots, group: int, num_kv_heads: int, num_slots: int, device, dump_row: int):
-        # slots: [spans, blocks * KEY_BLOCK] of their keys (TiledPlan.short_slots)
+        # slots: window -> the spans' first key blocks and key slots (TiledPlan.short_slots)
         num_heads = num_kv_heads * group
-        self.num_blocks = slots.shape[1] // KEY_BLOCK
+        self._slots, self._num_slots = slots, num_slots
         # Built in Python lists and turned into tensors once: a round of many lanes runs no
         # operation per entry.
         q_rows, out_rows, positions, entry_spans, entry_heads = [], [], [], [], []
@@ -148,19 +186,23 @@ class _ShortBatch:
                 result_rows[q_row] = entry_row
         self.result_index = torch.tensor(result_rows, device=device)  # [T*Hq]
         self.positions, self.device = torch.tensor(positions), device
-        self._bias: dict[int, torch.Tensor] = {}
-        # The entries' keys as rows of the pool seen as [Hkv*slots, D]: [E * nb * KEY_BLOCK]
-        heads = torch.tensor(entry_heads).unsqueeze(1) * num_slots
-        self.key_rows = (slots[torch.tensor(entry_spans)] + heads).view(-1).to(device)
+        self._entry_spans, self._entry_heads = torch.tensor(entry_spans), torch.tensor(entry_heads)
+        self._keys: dict[int, _ShortKeys] = {}
         self.row_heads = torch.tensor(
             [(q_row % num_heads) for q_row in q_rows], device=device
         )  # [E*ROW_TILE] the query head of each entry row (its sink)
 
-    def bias(self, window: int) -> torch.Tensor:
-        """The entries' mask bias for a layer of `window` (0: none), built once a pass."""
-        if window not in self._bias:
-            self._bias[window] = _bias(self.positions, self.num_blocks, window).to(self.device)
-        return self._bias[window]
+    def keys(self, window: int) -> _ShortKeys:
+        """The entries' keys and mask bias for a layer of `window` (0: none), built once a pass."""
+        if window not in self._keys:
+            starts, slots = self._slots(window)
+            blocks = slots.shape[1] // KEY_BLOCK
+            heads = self._entry_heads.unsqueeze(1) * self._num_slots
+            rows = (slots[self._entry_spans] + heads).view(-1).to(self.device)
+            first_keys = torch.tensor(starts)[self._entry_spans] * KEY_BLOCK
+            bias = _bias(self.positions, blocks, window, first_keys).to(self.device)
+            self._keys[window] = _ShortKeys(blocks, rows, bias)
+        return self._keys[window]
 
 
 def _row_positions(span, group: int) -> torch.Tensor:
@@ -177,11 +219,28 @@ def _first_tiles(span, group: int) -> list[int]:
     return [bisect.bisect_left(last, block * KEY_BLOCK) for block in range(num_blocks(span.end))]
 
 
-def _bias(positions: torch.Tensor, num_key_blocks: int, window: int = 0) -> torch.Tensor:
+def _window_block(position: int, window: int) -> int:
+    """The key block of the first key a row at `position` sees in a layer of `window` (0: none)."""
+    return first_key(position, window) // KEY_BLOCK
+
+
+def _end_tiles(positions: torch.Tensor, num_key_blocks: int, window: int) -> list[int]:
+    """Per key block, one past the last tile (positions [tiles, ROW_TILE]) whose first row's window
+    reaches into the block: the tiles from it on lie wholly past the block's keys (0: every tile)."""
+    if not window:
+        return [positions.shape[0]] * num_key_blocks
+    lows = (positions[:, 0] + 1 - window).tolist()  # each tile's first row's first key, rising
+    return [bisect.bisect_left(lows, (block + 1) * KEY_BLOCK) for block in range(num_key_blocks)]
+
+
+def _bias(positions: torch.Tensor, num_key_blocks: int, window: int = 0, first_key=0) -> torch.Tensor:
     """[tiles, blocks, ROW_TILE, KEY_BLOCK] float32: -inf where key j lies past the row's position
     p (j > p), or before its window (j <= p - window, where window is set), else 0; added to the
-    scores, it leaves a visible score's bits as they are."""
-    keys = torch.arange(num_key_blocks * KEY_BLOCK).view(1, num_key_blocks, 1, KEY_BLOCK)
+    scores, it leaves a visible score's bits as they are. first_key: the position of each tile's
+    first key (an int, or [tiles])."""
+    if isinstance(first_key, torch.Tensor):
+        first_key = first_key.view(-1, 1, 1, 1)
+    keys = torch.arange(num_key_blocks * KEY_BLOCK).view(1, num_key_blocks, 1, KEY_BLOCK) + first_key
     rows = positions.view(-1, 1, ROW_TILE, 1)
     hidden = keys > rows
     if window:
@@ -214,22 +273,23 @@ def tiled_attention(
     group = plan.group
     batch = plan.short_batch(num_kv_heads)
     if batch is not None:
-        num_entries, blocks = batch.num_entries, batch.num_blocks
+        short_keys = batch.keys(window)
+        num_entries, blocks = batch.num_entries, short_keys.num_blocks
         tiles = (
             q.reshape(-1, head_dim).index_select(0, batch.q_index).view(num_entries, 1, ROW_TILE, head_dim)
         )
         if blocks > 1:  # every block's product in one batched call
             tiles = tiles.expand(num_entries, blocks, ROW_TILE, head_dim)
         tiles = tiles.reshape(num_entries * blocks, ROW_TILE, head_dim)
-        keys = _widened(pool_k.reshape(-1, head_dim).index_select(0, batch.key_rows), q).view(
+        keys = _widened(pool_k.reshape(-1, head_dim).index_select(0, short_keys.rows), q).view(
             -1, KEY_BLOCK, head_dim
         )
-        values = _widened(pool_v.reshape(-1, head_dim).index_select(0, batch.key_rows), q).view(
+        values = _widened(pool_v.reshape(-1, head_dim).index_select(0, short_keys.rows), q).view(
             -1, KEY_BLOCK, head_dim
         )
         scores = torch.bmm(tiles, keys.transpose(1, 2)).view(num_entries, blocks, ROW_TILE, KEY_BLOCK)
         entry_sinks = None if sinks is None else sinks[batch.row_heads].view(num_entries, 1, ROW_TILE, 1)
-        weights, sink_terms = _softmax_weights(scores, batch.bias(window), scale, values.dtype, entry_sinks)
+        weights, sink_terms = _softmax_weights(scores, short_keys.bias, scale, values.dtype, entry_sinks)
         weights = weights.view(-1, ROW_TILE, KEY_BLOCK)
         shape = (num_entries, blocks, ROW_TILE, -1)
         sums = torch.bmm(weights, values).view(shape).unbind(1)
@@ -242,10 +302,14 @@ def tiled_attention(
     if batch is not None:
         out.index_copy_(0, batch.out_index, result)
     out = out[:-1].view(num_tokens, num_heads, head_dim)
-    for index, (span, slots, firsts) in enumerate(plan.long):
-        bias = plan.long_bias(index, window)
+    for index, (span, slots, _) in enumerate(plan.long):
+        seen = plan.long_blocks(index, window)
+        ranges = [(block.first, block.end) for block in seen]
         rows = span.length * group
-        span_tiles, blocks = bias.shape[0], bias.shape[1]
+        span_tiles = num_tiles(rows)
+        # the blocks some tile sees lie side by side (seen[0].block .. the span's last): their keys
+        low = seen[0].block
+        slots = slots[low * KEY_BLOCK :]
         for head in range(num_kv_heads):
             heads = slice(head * group, (head + 1) * group)
             tiles = q[span.offset : span.offset + span.length, heads].reshape(rows, head_dim)
@@ -253,21 +317,24 @@ def tiled_attention(
             tiles = tiles.view(span_tiles, ROW_TILE, head_dim)
             # The span's keys once, shared by every tile (a stride-0 batch), a block at a time; a
             # block's product runs on the tiles that see it only (the bias hides the rest's zeros).
-            keys = _widened(pool_k[head].index_select(0, slots), q).view(blocks, KEY_BLOCK, head_dim)
-            values = _widened(pool_v[head].index_select(0, slots), q).view(blocks, KEY_BLOCK, head_dim)
-            scores = tiles.new_zeros(span_tiles, blocks, ROW_TILE, KEY_BLOCK)
-            for b, first in enumerate(firsts):
-                seen = tiles[first:]
-                scores[first:, b] = torch.bmm(seen, keys[b].t().expand(seen.shape[0], -1, -1))
+            keys = _widened(pool_k[head].index_select(0, slots), q).view(-1, KEY_BLOCK, head_dim)
+            values = _widened(pool_v[head].index_select(0, slots), q).view(-1, KEY_BLOCK, head_dim)
+            scores = [
+                torch.bmm(tiles[b.first : b.end], keys[b.block - low].t().expand(b.end - b.first, -1, -1))
+                for b in seen
+            ]
             row_sinks = None
-            if sinks is not None:  # [tiles, 1, ROW_TILE, 1]: row r's head is head * group + r % group
+            if sinks is not None:  # [tiles, ROW_TILE, 1]: row r's head is head * group + r % group
                 heads_of_rows = head * group + torch.arange(span_tiles * ROW_TILE) % group
-                row_sinks = sinks[heads_of_rows.to(sinks.device)].view(span_tiles, 1, ROW_TILE, 1)
-            weights, sink_terms = _softmax_weights(scores, bias, scale, values.dtype, row_sinks)
-            seen = [weights[first:, b] for b, first in enumerate(firsts)]
-            sums = [torch.bmm(w, values[b].expand(w.shape[0], -1, -1)) for b, w in enumerate(seen)]
-            totals = [torch.bmm(w, _ones(w)) for w in seen]
-            result = _normalised(sums, totals, dtype, firsts, sink_terms).view(-1, head_dim)[:rows]
+                row_sinks = sinks[heads_of_rows.to(sinks.device)].view(span_tiles, ROW_TILE, 1)
+            weights, sink_terms = _seen_softmax_weights(
+                scores, seen, span_tiles, scale, values.dtype, row_sinks
+            )
+            sums = [
+                torch.bmm(w, values[b.block - low].expand(w.shape[0], -1, -1)) for b, w in zip(seen, weights)
+            ]
+            totals = [torch.bmm(w, _ones(w)) for w in weights]
+            result = _normalised(sums, totals, dtype, ranges, sink_terms).view(-1, head_dim)[:rows]
             out[span.offset : span.offset + span.length, heads] = result.view(span.length, group, head_dim)
     return out.reshape(num_tokens, num_heads * head_dim)
 
@@ -300,24 +367,48 @@ def _softmax_weights(scores: torch.Tensor, bias: torch.Tensor, scale: float, dty
     return (weights if weights.dtype == dtype else weights.to(dtype)), terms
 
 
-def _normalised(sums, totals, dtype, firsts=None, sink_terms=None) -> torch.Tensor:
+def _seen_softmax_weights(scores, seen, num_entries: int, scale: float, dtype, sinks=None):
+    """_softmax_weights for a long span's seen blocks: scores [end - first, ROW_TILE, KEY_BLOCK] of
+    each block's tiles (seen: its _SeenBlocks), sinks [E, ROW_TILE, 1] or None. The same numbers as
+    over every block (a skipped block's keys would weigh exactly zero: each row's maximum is over
+    the keys it sees, and every row sees its own), per seen block in `dtype`; and the sinks' terms."""
+    scores = [s * scale + b.bias for s, b in zip(scores, seen)]
+    top = scores[0].new_full((num_entries, ROW_TILE, 1), float("-inf"))
+    for s, b in zip(scores, seen):
+        top[b.first : b.end] = torch.maximum(top[b.first : b.end], s.amax(dim=2, keepdim=True))
+    terms = None
+    if sinks is not None:
+        top = torch.maximum(top, sinks)
+        terms = torch.exp(sinks - top)
+    weights = [torch.exp(s - top[b.first : b.end]) for s, b in zip(scores, seen)]
+    return [w if w.dtype == dtype else w.to(dtype) for w in weights], terms
+
+
+def _normalised(sums, totals, dtype, ranges=None, sink_terms=None) -> torch.Tensor:
     """The weighted values divided by the summed weights: each the blocks' partial sums ([E,
-    ROW_TILE, D] and [E, ROW_TILE, ROW_TILE]; block b's for entries firsts[b]: on) added in block
-    order in float32, then the sinks' terms ([E, ROW_TILE, 1]) to the totals. Returns [E, ROW_TILE, D]."""
-    firsts = firsts or [0] * len(sums)
-    total = _in_block_order(totals, firsts)[..., :1]
+    ROW_TILE, D] and [E, ROW_TILE, ROW_TILE]; block b's for entries ranges[b] = (first, end), None:
+    every entry's) added in block order in float32, then the sinks' terms ([E, ROW_TILE, 1]) to the
+    totals. Returns [E, ROW_TILE, D]."""
+    total = _in_block_order(totals, ranges)[..., :1]
     if sink_terms is not None:
         total = total + sink_terms
-    out = _in_block_order(sums, firsts) / total
+    out = _in_block_order(sums, ranges) / total
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def _in_block_order(parts, firsts) -> torch.Tensor:
+def _in_block_order(parts, ranges) -> torch.Tensor:
+    # An entry's first partial is its total (0 + x is x, as a skipped block's exact zeros were)
+    if ranges is None:
+        ranges = [(0, parts[0].shape[0])] * len(parts)
+    num_entries = max(end for _, end in ranges)
     total = None
-    for first, part in zip(firsts, parts):
+    for (first, end), part in zip(ranges, parts):
         part = part if part.dtype == torch.float32 else part.float()
-        if total is None:  # block 0: every entry sees key 0
+        if total is None and (first, end) == (0, num_entries):
             total = part
+        elif total is None:
+            total = part.new_zeros(num_entries, *part.shape[1:])
+            total[first:end] += part
         else:
-            total[first:] += part
+            total[first:end] += part
     return total

@@ -23,6 +23,12 @@ REFUSED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
     "Qwen3_5MoeForCausalLM": "hybrid linear-attention (Gated DeltaNet) layers",
     "Qwen3_5MoeForConditionalGeneration": "hybrid linear-attention (Gated DeltaNet) layers",
+    "DeepseekV32ForCausalLM": "multi-head latent attention (MLA) and DeepSeek's sparse attention",
+    "Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA)",  # GLM-4.7-Flash
+    "GlmMoeDsaForCausalLM": "multi-head latent attention (MLA) and DeepSeek's sparse attention",  # GLM-5
+    "KimiLinearForCausalLM": "hybrid linear-attention layers and multi-head latent attention (MLA)",
+    "LongcatFlashForCausalLM": "multi-head latent attention (MLA) and its zero-computation experts",
+    "MiniCPM3ForCausalLM": "multi-head latent attention (MLA)",
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
     # Qwen3-VL's dense model is computed (tpserve/ranks/qwen3_vision.py); its MoE text model is not.
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts text model (with deepstack features)",
@@ -32,6 +38,11 @@ REFUSED_ARCHITECTURES = {
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.
 FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+# Families whose transformers model reads `layer_types` (5.25's); the others' windows follow their
+# own rule whatever layer_types a config carries, so one that says otherwise is refused.
+LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe", "gemma3", "gpt_oss")
+# Keys only a multi-head latent attention (MLA) config carries (DeepSeek-V2/V3's, Kimi K2's).
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 # Families whose partial rotary is computed (tpserve/ranks/partial_rotary.py), and transformers'
 # default partial_rotary_factor for each
 PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}
@@ -58,8 +69,9 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
     def refuse(feature: str) -> None:
         raise ModelFileError(path, f"{architecture}: {feature} is not implemented")
 
-    if raw.get("kv_lora_rank"):
-        refuse(f"multi-head latent attention (MLA, kv_lora_rank {raw['kv_lora_rank']})")
+    for key in MLA_KEYS:
+        if raw.get(key):
+            refuse(f"multi-head latent attention (MLA, {key} {raw[key]})")
     kinds = sorted(set(raw.get("layer_types") or ()) - set(FULL_LAYERS) - set(SLIDING_LAYERS))
     if kinds:
         refuse(f"layer_types {kinds}")
@@ -85,6 +97,10 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
     if partial != 1.0 and family not in PARTIAL_ROTARY:
         refuse(f"partial rotary embedding (partial_rotary_factor {partial})")
     if gemma3 and set(rope) <= {"full_attention", "sliding_attention"}:
+        for kind, parameters in rope.items():  # transformers reads each kind's own
+            partial = (parameters or {}).get("partial_rotary_factor", 1.0)
+            if partial != 1.0:
+                refuse(f"partial rotary embedding ({kind} partial_rotary_factor {partial})")
         rope = {}  # tpserve/ranks/gemma3_config.py reads them
     if any(isinstance(value, dict) for value in rope.values()):
         refuse("rotary parameters per layer type")
@@ -92,33 +108,55 @@ def refuse_unimplemented(raw: dict, family: str, architecture: str, path: str | 
 
 def layer_windows(raw: dict, family: str, path: str | Path) -> tuple[int, ...]:
     """Each layer's sliding window (tokens a query sees, its own included; 0: the whole context).
-    `layer_types` (transformers 5 writes it) says which layers slide; without it the family's own
-    rule does."""
+    `layer_types` (transformers 5 writes it) says which layers slide in the families whose model
+    reads it; without it, and in the other families, the family's own rule does."""
     window = raw.get("sliding_window")
     num_layers = int(raw.get("num_hidden_layers", 0))
     layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        if len(layer_types) != num_layers:
-            raise ModelFileError(path, f"layer_types names {len(layer_types)} layers of {num_layers}")
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise ModelFileError(path, f"layer_types names {len(layer_types)} layers of {num_layers}")
+    if layer_types is not None and family in LAYER_TYPED:
         sliding = [kind in SLIDING_LAYERS for kind in layer_types]
-    elif family in WINDOWLESS:
-        sliding = [False] * num_layers
-    elif family == "gemma3":  # older configs: every sliding_window_pattern-th layer global
+    else:
+        sliding = _family_sliding(raw, family, num_layers, path)
+        if layer_types is not None and [kind in SLIDING_LAYERS for kind in layer_types] != sliding:
+            rule = [layer for layer, slides in enumerate(sliding) if slides]
+            raise ModelFileError(
+                path,
+                f"{family}: layer_types {layer_types} is not implemented (transformers' model reads none; "
+                f"by the family's own rule the sliding layers are {rule})",
+            )
+    if any(sliding) and not window:
+        raise ModelFileError(path, "sliding-window layers but no sliding_window given")
+    return tuple(int(window) if slides else 0 for slides in sliding)
+
+
+def _family_sliding(raw: dict, family: str, num_layers: int, path: str | Path) -> list[bool]:
+    """Which layers slide by the family's own rule, as transformers' config class derives it."""
+    window = raw.get("sliding_window")
+    if family in WINDOWLESS:
+        return [False] * num_layers
+    if family == "gemma3":  # older configs: every sliding_window_pattern-th layer global
         pattern = int(raw.get("sliding_window_pattern", 6))
-        sliding = [bool((layer + 1) % pattern) for layer in range(num_layers)]
-    elif family == "qwen2_moe" and raw.get("use_sliding_window"):
+        return [bool((layer + 1) % pattern) for layer in range(num_layers)]
+    if family == "gpt_oss":  # even layers slide, odd ones attend to everything
+        return [bool((layer + 1) % 2) for layer in range(num_layers)]
+    if family == "qwen2_moe" and raw.get("use_sliding_window"):
         # transformers 4 slid the layers from max_window_layers on, 5 the even ones below it
         raise ModelFileError(
             path, "Qwen2MoeForCausalLM: use_sliding_window without layer_types is not implemented"
         )
-    elif family in FLAGGED_WINDOW:  # layers from max_window_layers on slide, where the flag is on
-        first = raw.get("max_window_layers", 28)
-        sliding = [bool(raw.get("use_sliding_window")) and layer >= first for layer in range(num_layers)]
-    else:
-        sliding = [window is not None] * num_layers
-    if any(sliding) and not window:
-        raise ModelFileError(path, "sliding-window layers but no sliding_window given")
-    return tuple(int(window) if slides else 0 for slides in sliding)
+    first = raw.get("max_window_layers", 28)
+    if family == "qwen3_moe" and raw.get("use_sliding_window") and first:
+        # transformers 4 slid the layers from max_window_layers on, 5 slides every one: they agree at 0
+        raise ModelFileError(
+            path,
+            f"Qwen3MoeForCausalLM: use_sliding_window with max_window_layers {first} is not implemented "
+            "(transformers 4 slides the layers from it on, 5 every layer)",
+        )
+    if family in FLAGGED_WINDOW:  # layers from max_window_layers on slide, where the flag is on
+        return [bool(raw.get("use_sliding_window")) and layer >= first for layer in range(num_layers)]
+    return [window is not None] * num_layers
 
 
 def check_served_context(
