@@ -133,7 +133,7 @@ class TPModel:
     ):
         self.config = config
         self.pieces = pieces
-        if config.rotary_dim:  # q's and k's head dims reordered before they are packed
+        if config.rotary_dim or config.rotary_interleaved:  # q's and k's head dims reordered before packing
             reorder_heads(config, weights, pieces)
         self.tp_rank, self.tp_size, self.collectives = tp_rank, tp_size, collectives
         self.replicated = weights.replicated
@@ -180,7 +180,7 @@ class TPModel:
         section = getattr(config.vision, "mrope_section", None)  # a Qwen-VL's positions are (t, h, w)
         interleaved = getattr(config.vision, "mrope_interleaved", False)
         self.rotary = (
-            MRotary(section, *rotary_args, interleaved=interleaved)
+            MRotary(section, *rotary_args, interleaved=interleaved, rotary_dim=config.rotary_dim)
             if section
             else Rotary(*rotary_args, rotary_dim=config.rotary_dim)
         )

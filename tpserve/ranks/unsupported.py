@@ -32,7 +32,7 @@ REFUSED_ARCHITECTURES = {
 FLAGGED_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 # Families whose partial rotary is computed (tpserve/ranks/partial_rotary.py), and transformers'
 # default partial_rotary_factor for each
-PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}
+PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0, "glm4v": 1.0}
 WINDOWLESS = ("llama", "glm4_moe")  # transformers' have no sliding window, whatever the config carries
 ACTIVATIONS = ("silu", "swish")  # SwiGLU's
 # Layer kinds tpserve computes: full causal attention, and causal within a sliding window.

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from tpserve.ranks.deadline import leave_after
+from tpserve.ranks.glm4v_vision_config import Glm4vVisionConfig
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import DTYPES
 from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
@@ -151,7 +152,7 @@ def _vision_input(
         DTYPES[settings.dtype],
         runtime.device,
     )
-    if isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig)):
+    if isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig, Glm4vVisionConfig)):
         return QwenVisionInput.from_model_dir(
             *args, encode_text=functools.partial(tokenizer.encode, add_bos=False)
         )

@@ -1,4 +1,5 @@
-"""Rank 0's image and video inputs for a Qwen2.5-VL or Qwen3-VL model: as tpserve/server/vision_input.py's
+"""Rank 0's image and video inputs for a Qwen2.5-VL, Qwen3-VL or GLM-4.1V model (images only: its video
+inputs are refused by name): as tpserve/server/vision_input.py's
 for LLaVA, except that a part's token count follows its size (smart resize to the patch grid, then the 2x2
 merge) and, for a video, its frames (two per temporal patch; Qwen3-VL puts each patch apart, after its
 time in text: tpserve/server/qwen3_videos.py).
@@ -22,10 +23,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from tpserve.ranks.glm4v_vision import Glm4vVisionTower, load_glm4v_vision_tower
+from tpserve.ranks.glm4v_vision_config import Glm4vVisionConfig
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.qwen3_vision import Qwen3VisionTower, load_qwen3_vision_tower
 from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
 from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
+from tpserve.server.glm4v_images import Glm4vPreprocessor
 from tpserve.server.images import FORMATS, decode_image
 from tpserve.server.media_checks import is_video
 from tpserve.server.qwen3_videos import Qwen3VideoPreprocessor, timed_frames
@@ -37,17 +41,20 @@ from tpserve.server.videos import DemuxedVideo, decode_frames, demux
 from tpserve.server.vision_input import PlacedPart, image_key
 
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
+NO_VIDEO_TOKEN = "this model reads no video inputs (its config names no video token)"
+GLM4V_NO_VIDEO = "GLM-4.1V's video inputs (frames apart, each after its time in text) are not implemented"
 
 
 class QwenVisionInput:
     def __init__(
         self,
-        tower: QwenVisionTower | Qwen3VisionTower,
+        tower: QwenVisionTower | Qwen3VisionTower | Glm4vVisionTower,
         preprocessor: QwenPreprocessor,
         image_token: str,
         video: QwenVideoPreprocessor | None = None,
         timed_video: Qwen3VideoPreprocessor | None = None,
         encode_text: Callable[[str], list[int]] | None = None,
+        no_video: str = NO_VIDEO_TOKEN,
     ):
         self.tower = tower
         self.preprocessor = preprocessor
@@ -57,6 +64,7 @@ class QwenVisionInput:
         self.image_token_id = tower.config.image_token_id
         self.video_token_id = tower.config.video_token_id
         self.image_token = image_token  # its text, for the refusal when the counts disagree
+        self.no_video = no_video  # why a video part is refused, where there is no video preprocessor
         self._lock = threading.Lock()  # one image or video through the tower at a time: bounded memory
 
     @classmethod
@@ -70,8 +78,12 @@ class QwenVisionInput:
         encode_text: Callable[[str], list[int]] | None = None,
     ):
         """encode_text: the tokenizer's encode without BOS (Qwen3-VL writes each video frame's time)."""
-        preprocessor = QwenPreprocessor.from_model_dir(model_dir)
         vision = config.vision
+        if isinstance(vision, Glm4vVisionConfig):
+            tower = load_glm4v_vision_tower(model_dir, vision, dtype, device)
+            preprocessor = Glm4vPreprocessor.from_model_dir(model_dir)
+            return cls(tower, preprocessor, image_token, no_video=GLM4V_NO_VIDEO)
+        preprocessor = QwenPreprocessor.from_model_dir(model_dir)
         if isinstance(vision, Qwen3VisionConfig):
             tower = load_qwen3_vision_tower(model_dir, vision, dtype, device)
             timed = None not in (
@@ -105,9 +117,7 @@ class QwenVisionInput:
     def video_plan(self, data: bytes, where: str, limits: Limits) -> tuple[DemuxedVideo, VideoPlan]:
         """A video's packets, and which frames it reads and their grid, from a demux pass alone."""
         if self.video is None:
-            raise invalid_argument(
-                f"{where}.media: this model reads no video inputs (its config names no video token)"
-            )
+            raise invalid_argument(f"{where}.media: {self.no_video}")
         video = demux(data, where, limits)
         return video, self.video.plan(video.header, where)
 

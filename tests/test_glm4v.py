@@ -1,0 +1,192 @@
+"""The GLM-4.1V image path below the server, on a tiny random GLM-4.1V that transformers writes
+(tests/tiny_glm4v.py): GLM's smart resize and patches against Glm4vImageProcessorPil; the tower (its
+position table resampled bicubically, the downsample conv, the GLU merger) against transformers' own;
+the prompt's expansion against Glm4vProcessor and its multimodal positions against get_rope_index; the
+text model (interleaved partial mrope, four norms a layer) giving transformers' logits and greedy
+tokens, in one pass and in chunks that cut the image; tp=2 against tp=1 bit for bit; a batch with and
+without images against each prompt's solo run."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hf_reference import cached_greedy
+from multiproc import RankPool, world_collectives
+from PIL import Image
+from test_qwen_vl import NUM_STEPS, run_prompts
+from tiny_glm4v import BEGIN_IMAGE_ID, END_IMAGE_ID, IMAGE_TOKEN_ID, glm4v_processor, write_tiny_glm4v
+from tiny_llava import block_image
+
+from tpserve.kernels.rotary import partial_rotary_order
+from tpserve.ranks.glm4v_vision import load_glm4v_vision_tower
+from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.mrope import prompt_positions
+from tpserve.server.glm4v_images import Glm4vPreprocessor
+from tpserve.server.images import decode_image
+from tpserve.server.qwen_vision_input import DEFAULT_LIMITS, QwenVisionInput
+
+# (width, height): grids of 6x8 and 12x4 patches (past the 4x4 table), one merge block (an image
+# smaller than one, scaled up first), a wide one cut down to the pixel bound, and a sliver
+SIZES = ((70, 50), (40, 90), (10, 12), (300, 200), (9, 200))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(write_tiny_glm4v(tmp_path_factory.mktemp("glm4v")))
+
+
+def image_of(model_dir: str, data: bytes):
+    """(features [tokens, hidden], merged (rows, columns)) of one image."""
+    config = load_model_config(model_dir)
+    patches, grid = Glm4vPreprocessor.from_model_dir(model_dir).patches(decode_image(data, "image", 1 << 20))
+    features = load_glm4v_vision_tower(model_dir, config.vision, torch.float32).features(patches, grid)
+    merge = config.vision.spatial_merge_size
+    return features, (grid[1] // merge, grid[2] // merge)
+
+
+def image_prompt(merged, before=(40, 41), after=(50, 51, 52)):
+    """Token ids around one image (begin of image, its tokens, end of image) and where they start."""
+    rows, cols = merged
+    ids = (*before, BEGIN_IMAGE_ID, *[IMAGE_TOKEN_ID] * (rows * cols), END_IMAGE_ID, *after)
+    return ids, len(before) + 1
+
+
+def test_preprocessing_matches_transformers_glm4v_processor(model_dir):
+    from transformers import Glm4vImageProcessorPil
+
+    theirs_processor = Glm4vImageProcessorPil.from_pretrained(model_dir)
+    ours = Glm4vPreprocessor.from_model_dir(model_dir)
+    for size, fmt in zip(SIZES, ("PNG", "WEBP", "JPEG", "PNG", "PNG")):
+        data = block_image(3, size, fmt)
+        patches, grid = ours.patches(decode_image(data, "image", 1 << 20))
+        theirs = theirs_processor(images=Image.open(io.BytesIO(data)), return_tensors="pt")
+        assert list(grid) == theirs["image_grid_thw"][0].tolist()
+        torch.testing.assert_close(torch.from_numpy(patches), theirs["pixel_values"], rtol=0, atol=1e-6)
+
+
+def test_vision_features_match_transformers(model_dir):
+    from transformers import Glm4vForConditionalGeneration, Glm4vImageProcessorPil
+
+    torch.set_num_threads(1)
+    reference = Glm4vForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = Glm4vImageProcessorPil.from_pretrained(model_dir)
+    for size in SIZES[:3]:
+        data = block_image(5, size)
+        ours, _ = image_of(model_dir, data)
+        inputs = processor(images=Image.open(io.BytesIO(data)), return_tensors="pt")
+        with torch.no_grad():
+            theirs = reference.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+        torch.testing.assert_close(ours, theirs.pooler_output[0], rtol=0, atol=1e-4)
+
+
+def test_prompt_and_positions_match_glm4v_processor_and_get_rope_index(model_dir):
+    from transformers import Glm4vForConditionalGeneration
+
+    config = load_model_config(model_dir)
+    processor = glm4v_processor(model_dir)
+    tokenizer = processor.tokenizer
+    images = [block_image(1, SIZES[0]), block_image(2, SIZES[1])]
+    text = (
+        "hello <|begin_of_image|><|image|><|end_of_image|> world <|begin_of_image|><|image|><|end_of_image|>!"
+    )
+    theirs = processor(text=[text], images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="pt")
+    vision = QwenVisionInput.from_model_dir(model_dir, config, "<|image|>", torch.float32)
+    media = [SimpleNamespace(data=d, mime_type="image/png") for d in images]
+    ids = tokenizer(text)["input_ids"]
+    expanded, placed = vision.expand(ids, 2, media, ["image 0", "image 1"])
+    assert expanded == theirs["input_ids"][0].tolist()
+    read = vision.read(media, placed, ["image 0", "image 1"], DEFAULT_LIMITS)
+    axes = prompt_positions(len(expanded), [(image.offset, image.grid) for image in read])
+    reference = Glm4vForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    positions, delta = reference.model.get_rope_index(
+        theirs["input_ids"], theirs["mm_token_type_ids"], image_grid_thw=theirs["image_grid_thw"]
+    )
+    assert axes == positions[:, 0].tolist()
+    assert max(max(axis) for axis in axes) + 1 - len(expanded) == delta.item()
+
+
+def test_the_interleaved_partial_rotary_order_pairs_as_transformers():
+    # GLM's rotate_half_llm turns (0, 1), (2, 3) of the 4 rotating dims of 8; dims 4..7 rest
+    assert partial_rotary_order(8, 4, interleaved=True).tolist() == [0, 2, 4, 5, 1, 3, 6, 7]
+    assert partial_rotary_order(8, 4).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+def test_logits_and_greedy_tokens_match_transformers(model_dir):
+    from transformers import Glm4vForConditionalGeneration, Glm4vImageProcessorPil
+
+    torch.set_num_threads(1)
+    data = block_image(1, SIZES[0])
+    features, merged = image_of(model_dir, data)
+    prompt, offset = image_prompt(merged)
+    ours_logits, ours_tokens = run_prompts(model_dir, [prompt], [(offset, features, merged)])
+    reference = Glm4vForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    inputs = Glm4vImageProcessorPil.from_pretrained(model_dir)(
+        images=Image.open(io.BytesIO(data)), return_tensors="pt"
+    )
+    ids = torch.tensor([prompt])
+    theirs_logits, theirs_tokens = cached_greedy(
+        reference,
+        NUM_STEPS,
+        input_ids=ids,
+        pixel_values=inputs["pixel_values"],
+        image_grid_thw=inputs["image_grid_thw"],
+        mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
+    )
+    torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
+    assert [step[0] for step in ours_tokens] == theirs_tokens
+    # In chunks that cut the image (a long prompt's prefill, or a cached prefix, does).
+    chunked, chunked_tokens = run_prompts(model_dir, [prompt], [(offset, features, merged)], chunk=11)
+    torch.testing.assert_close(chunked[:, 0], theirs_logits, rtol=0, atol=1e-4)
+    assert chunked_tokens == ours_tokens
+    # The multimodal positions changed the logits: plain 1-D positions give others.
+    flat_logits, _ = run_prompts(model_dir, [prompt], [(offset, features, (1, merged[0] * merged[1]))])
+    assert (flat_logits[0, 0] - ours_logits[0, 0]).abs().max() > 1e-3
+
+
+def test_text_only_logits_match_transformers(model_dir):
+    from transformers import Glm4vForConditionalGeneration
+
+    torch.set_num_threads(1)
+    prompt = (40, 41, 42, 43, 44, 45, 46)
+    ours_logits, ours_tokens = run_prompts(model_dir, [prompt], [None])
+    reference = Glm4vForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    theirs_logits, theirs_tokens = cached_greedy(reference, NUM_STEPS, input_ids=torch.tensor([prompt]))
+    torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
+    assert [step[0] for step in ours_tokens] == theirs_tokens
+
+
+def test_a_batch_with_and_without_images_equals_each_solo_run(model_dir):
+    torch.set_num_threads(1)
+    first = image_of(model_dir, block_image(1, SIZES[0]))
+    second = image_of(model_dir, block_image(2, SIZES[1]))
+    one, one_at = image_prompt(first[1])
+    two, two_at = image_prompt(second[1], before=(60,) * 7, after=(61,))
+    prompts = [one, (70, 71, 72, 73, 74), two]
+    images = [(one_at, first[0], first[1]), None, (two_at, second[0], second[1])]
+    together, _ = run_prompts(model_dir, prompts, images)
+    for lane, (prompt, image) in enumerate(zip(prompts, images)):
+        alone, _ = run_prompts(model_dir, [prompt], [image])
+        assert torch.equal(together[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
+
+
+def _tp2(ctx, model_dir, prompts, images):
+    torch.set_num_threads(1)
+    collectives = world_collectives(ctx, "gloo")
+    if ctx.rank:  # a follower holds no features: only where they go and the positions
+        images = [None if i is None else (i[0], None, i[2]) for i in images]
+    return run_prompts(model_dir, prompts, images, ctx.rank, 2, collectives)
+
+
+def test_tp2_equals_tp1_bit_for_bit_with_images(model_dir):
+    torch.set_num_threads(1)
+    features, merged = image_of(model_dir, block_image(4, SIZES[0]))
+    prompt, offset = image_prompt(merged)
+    prompts, images = [prompt, (70, 71, 72)], [(offset, features, merged), None]
+    solo_logits, solo_tokens = run_prompts(model_dir, prompts, images)
+    with RankPool(2) as pool:
+        pair_logits, pair_tokens = pool.run(_tp2, model_dir, prompts, images, timeout_s=120)[0]
+    assert pair_tokens == solo_tokens
+    torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
