@@ -1,0 +1,151 @@
+"""--vision through the real two-rank daemon on a tiny GLM-4.1V that transformers writes
+(tests/tiny_glm4v.py): a chat with an image gives transformers' own greedy tokens on Glm4vProcessor's
+prompt, in prompt passes and cache blocks of 16 that cut the image; a second turn over the first one's
+cached prefix gives transformers' greedy tokens for the whole conversation, and the same request again
+(from the cache) repeats it; an image over HTTP as a data: URL reads as over gRPC; replies beside
+images equal their solo runs; broken image bytes fail their own request only; a video part is refused
+by name (GLM-4.1V's video inputs are not implemented)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+from daemon import running_daemon
+from grpc_health.v1 import health_pb2
+from jinja2 import Template
+from PIL import Image
+from tiny_glm4v import CHAT_TEMPLATE, glm4v_processor, write_tiny_glm4v
+from tiny_llava import block_image
+from tiny_video import MIME_TYPES, block_video
+from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+
+from tpserve.v1 import serving_pb2
+
+SIZE = (100, 70)  # resized to 96x64 (both frames within the pixel bound): an 8x12 patch grid, 24 positions
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model_dir = write_tiny_glm4v(tmp_path_factory.mktemp("glm4v-model"))
+    with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("glm4v-logs"), *VISION_ARGS) as daemon:
+        daemon.model_dir, daemon.model_name = model_dir, Path(model_dir).name
+        yield daemon
+
+
+def transformers_greedy(model_dir: str, image: bytes, messages: list[dict]) -> list[int]:
+    """transformers' own greedy reply to the chat: the template, then Glm4vProcessor's prompt (the image
+    token widened to its merged grid), pixels and token types."""
+    from transformers import Glm4vForConditionalGeneration
+
+    rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    inputs = glm4v_processor(model_dir)(
+        text=[rendered], images=[Image.open(io.BytesIO(image))], return_tensors="pt"
+    )
+    model = Glm4vForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def image_message(text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+
+
+def test_an_image_chat_and_its_second_turn_give_transformers_greedy_tokens(served):
+    image, text = block_image(11, SIZE), "what is in this picture"
+    first = generate(served, ask(image, text))
+    assert first.ok, first.details
+    assert first.last.usage.prompt_tokens > 24  # the image's positions, cut by passes of 16
+    assert first.token_ids == transformers_greedy(served.model_dir, image, [image_message(text)])
+    # The second turn: the first one's prompt (the image in it) comes from the cache.
+    follow_up = "the quick brown fox"
+    request = ask(image, text)
+    request.messages.add(role="assistant").parts.add(text=first.text)
+    request.messages.add(role="user").parts.add(text=follow_up)
+    second = generate(served, request)
+    assert second.ok, second.details
+    assert second.last.usage.cached_tokens >= 24
+    conversation = [
+        image_message(text),
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": follow_up},
+    ]
+    assert second.token_ids == transformers_greedy(served.model_dir, image, conversation)
+    again = generate(served, request)  # now its whole prompt but the last block is cached
+    assert again.token_ids == second.token_ids
+    assert again.last.usage.cached_tokens > second.last.usage.cached_tokens
+
+
+def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(served):
+    again, other = same_then_other(served, SIZE)
+    image_end = 4 + 24  # "<|im_start|>user\n<|begin_of_image|>" then the image
+    assert again.last.usage.cached_tokens >= image_end  # the hit covers the image's positions
+    assert other.last.usage.cached_tokens < 16  # at most the block of text before it
+
+
+def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
+    image = block_image(12, (70, 50))
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what"}]
+    body = {
+        "model": served.model_name,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,  # gRPC's unset
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+    response = httpx.post(f"{served.http_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    grpc_reply = generate(served, ask(image, "what"))
+    assert grpc_reply.ok and response.json()["choices"][0]["message"]["content"] == grpc_reply.text
+    assert response.json()["usage"]["prompt_tokens"] == grpc_reply.last.usage.prompt_tokens
+
+
+def test_replies_beside_images_equal_their_solo_runs(served):
+    requests = [
+        ask(block_image(31, SIZE)),
+        ask(None, "hello world"),
+        ask(block_image(32, (40, 90)), "the lazy dog", temperature=0.9, seed=7),
+        ask(block_image(31, SIZE), "the quick brown fox"),
+    ]
+    check_batched(served, requests)
+
+
+def test_broken_and_sliver_images_fail_their_own_request_only(served):
+    good = block_image(51, SIZE)
+    for data in corrupted(good, 20):
+        reply = generate(served, ask(data))
+        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
+    sliver = io.BytesIO()
+    Image.new("RGB", (1, 250)).save(sliver, format="PNG")
+    refused = generate(served, ask(sliver.getvalue()))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 200 times as long as it is wide" in refused.details
+    assert served.health() == health_pb2.HealthCheckResponse.SERVING
+    assert generate(served, ask(good)).ok
+
+
+def test_a_video_part_is_refused_by_name_and_serving_goes_on(served):
+    video = block_video(3, 6, (40, 34), fps=4)
+    request = ask(None, "what")
+    media = serving_pb2.Media(mime_type=MIME_TYPES["mp4"], data=video)
+    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
+    refused = generate(served, request)
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GLM-4.1V's video inputs" in refused.details and "not implemented" in refused.details
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what"}]
+    body = {
+        "model": served.model_name,
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": content}],
+    }
+    response = httpx.post(f"{served.http_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "GLM-4.1V's video inputs" in response.json()["error"]["message"]
+    assert generate(served, ask(block_image(52, SIZE))).ok
