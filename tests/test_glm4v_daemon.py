@@ -17,13 +17,21 @@ import httpx
 import pytest
 import torch
 from daemon import running_daemon
-from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
 from tiny_glm4v import CHAT_TEMPLATE, glm4v_processor, write_tiny_glm4v
 from tiny_llava import block_image
 from tiny_video import MIME_TYPES, block_video
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_batched,
+    check_broken_and_sliver_images,
+    generate,
+    http_chat,
+    same_then_other,
+)
 
 from tpserve.v1 import serving_pb2
 
@@ -91,16 +99,7 @@ def test_the_same_image_reuses_its_cache_entry_and_another_image_never_does(serv
 
 def test_an_image_over_http_is_a_data_url_and_reads_as_over_grpc(served):
     image = block_image(12, (70, 50))
-    url = "data:image/png;base64," + base64.b64encode(image).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what"}]
-    body = {
-        "model": served.model_name,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,  # gRPC's unset
-        "ignore_eos": True,
-        "messages": [{"role": "user", "content": content}],
-    }
-    response = httpx.post(f"{served.http_url}/chat/completions", json=body, timeout=60)
+    response = http_chat(served, "image", "image/png", image)
     assert response.status_code == 200, response.text
     grpc_reply = generate(served, ask(image, "what"))
     assert grpc_reply.ok and response.json()["choices"][0]["message"]["content"] == grpc_reply.text
@@ -118,17 +117,7 @@ def test_replies_beside_images_equal_their_solo_runs(served):
 
 
 def test_broken_and_sliver_images_fail_their_own_request_only(served):
-    good = block_image(51, SIZE)
-    for data in corrupted(good, 20):
-        reply = generate(served, ask(data))
-        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
-    sliver = io.BytesIO()
-    Image.new("RGB", (1, 250)).save(sliver, format="PNG")
-    refused = generate(served, ask(sliver.getvalue()))
-    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "more than 200 times as long as it is wide" in refused.details
-    assert served.health() == health_pb2.HealthCheckResponse.SERVING
-    assert generate(served, ask(good)).ok
+    check_broken_and_sliver_images(served, block_image(51, SIZE))
 
 
 def test_a_video_part_is_refused_by_name_and_serving_goes_on(served):

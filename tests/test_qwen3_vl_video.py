@@ -17,12 +17,12 @@ from engine_lanes import open_lane, tiny_engine
 from hf_reference import cached_greedy
 from jinja2 import Template
 from multiproc import RankPool, world_collectives
-from test_qwen_vl import GREEDY, NUM_STEPS
 from test_tp_exact import decode_steps
 from tiny_qwen3_vl import MERGE, TEMPORAL, VIDEO_PROCESSOR, write_tiny_qwen3_vl
 from tiny_qwen_vl import CHAT_TEMPLATE, VIDEO_TOKEN_ID
 from tiny_video import MIME_TYPES, block_video
 from tokenizers import Tokenizer as RawTokenizer
+from vl_checks import GREEDY, NUM_STEPS
 
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import chunk_rope

@@ -8,17 +8,23 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from daemon import running_daemon
-from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
 from tiny_llava import block_image
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, MERGE, write_tiny_qwen_vl
 from tokenizers import Tokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, check_batched, corrupted, generate, same_then_other
+from vision_requests import (
+    MAX_TOKENS,
+    VISION_ARGS,
+    ask,
+    check_batched,
+    check_broken_and_sliver_images,
+    generate,
+    same_then_other,
+)
 
 SIZE = (61, 83)  # a 14x10 patch grid: 35 image positions in windows cut by the edges
 
@@ -87,14 +93,4 @@ def test_replies_beside_images_equal_their_solo_runs(served):
 
 
 def test_broken_and_sliver_images_fail_their_own_request_only(served):
-    good = block_image(51, SIZE)
-    for data in corrupted(good, 20):
-        reply = generate(served, ask(data))
-        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
-    sliver = io.BytesIO()
-    Image.new("RGB", (1, 250)).save(sliver, format="PNG")
-    refused = generate(served, ask(sliver.getvalue()))
-    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "more than 200 times as long as it is wide" in refused.details
-    assert served.health() == health_pb2.HealthCheckResponse.SERVING
-    assert generate(served, ask(good)).ok
+    check_broken_and_sliver_images(served, block_image(51, SIZE))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.qwen_vision_config import PatchGrid, grid_fields, vision_rope_theta
 
 GLM4V_ARCHITECTURES = ("Glm4vForConditionalGeneration",)
 GLM4V_VISION_DEFAULTS = {
@@ -35,7 +36,7 @@ GLM4V_TOKENS = {  # transformers' Glm4vConfig defaults
 
 
 @dataclass(frozen=True)
-class Glm4vVisionConfig:
+class Glm4vVisionConfig(PatchGrid):
     depth: int
     hidden_size: int
     intermediate_size: int  # the merger's GLU width (each block's MLP is out_hidden_size wide)
@@ -57,15 +58,6 @@ class Glm4vVisionConfig:
     mrope_interleaved: bool = False
     num_deepstack: int = 0
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_values(self) -> int:
-        """Values in one flattened patch, as the processor writes them: C * T * P * P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
 
 def parse_glm4v_vision_config(raw: dict, text: dict, rotary_dim: int, path: str | Path) -> Glm4vVisionConfig:
     vision = {**GLM4V_VISION_DEFAULTS, **(raw.get("vision_config") or {})}
@@ -84,20 +76,12 @@ def parse_glm4v_vision_config(raw: dict, text: dict, rotary_dim: int, path: str 
             "frequencies (half the rotating dims)",
         )
     tokens = {key: raw.get(key, default) for key, default in GLM4V_TOKENS.items()}
-    vision_rope = vision.get("rope_parameters") or {}
     return Glm4vVisionConfig(
-        depth=int(vision["depth"]),
-        hidden_size=int(vision["hidden_size"]),
-        intermediate_size=int(vision["intermediate_size"]),
-        num_heads=int(vision["num_heads"]),
-        in_channels=int(vision["in_channels"]),
-        patch_size=int(vision["patch_size"]),
-        temporal_patch_size=int(vision["temporal_patch_size"]),
-        spatial_merge_size=int(vision["spatial_merge_size"]),
+        **grid_fields(vision),
         position_side=int(vision["image_size"]) // int(vision["patch_size"]),
         attention_bias=bool(vision["attention_bias"]),
         rms_norm_eps=float(vision["rms_norm_eps"]),
-        rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+        rope_theta=vision_rope_theta(vision),
         out_hidden_size=int(vision["out_hidden_size"]),
         mrope_section=section,
         **tokens,

@@ -348,6 +348,22 @@ class TPModel:
         x = rms_norm(h, replicated[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         return h + self._mlp_block(index, pieces, x, plan)
 
+    def _normed_layer(
+        self, index: int, pieces, h, plan: PassPlan, kv, norms: tuple[str, ...]
+    ) -> torch.Tensor:
+        """A layer whose attention and MLP are each normed before and after, each then added to the
+        residual (Gemma 3's, GLM-4.1V's); norms: the four norms' names (before the attention, after it,
+        before the MLP, after it)."""
+
+        def norm(name: str, x: torch.Tensor) -> torch.Tensor:
+            weight = self.replicated[f"model.layers.{index}.{name}.weight"]
+            return rms_norm(x, weight, self.config.rms_norm_eps)
+
+        x = norm(norms[0], h)
+        h = h + norm(norms[1], self._attention_block(index, pieces, x, plan, kv))
+        x = norm(norms[2], h)
+        return h + norm(norms[3], self._mlp_block(index, pieces, x, plan))
+
     def _attention_block(self, index: int, pieces: list[PieceLayer], x, plan: PassPlan, kv) -> torch.Tensor:
         """Layer `index`'s attention of normed x over its pieces, all-reduced: [rows, hidden]."""
         prefix = f"model.layers.{index}."

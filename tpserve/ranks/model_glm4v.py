@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from tpserve.kernels.norms import rms_norm
 from tpserve.ranks.model import PassPlan, PieceLayer, TPModel
+
+# Before the attention, after it, before the MLP, after it
+NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
 
 class Glm4vModel(TPModel):
     def _layer(self, index: int, pieces: list[PieceLayer], h, plan: PassPlan, kv) -> torch.Tensor:
         """Attention and MLP, each normed before and after, each added to the residual."""
-
-        def norm(name: str, x: torch.Tensor) -> torch.Tensor:
-            weight = self.replicated[f"model.layers.{index}.{name}.weight"]
-            return rms_norm(x, weight, self.config.rms_norm_eps)
-
-        x = norm("input_layernorm", h)
-        h = h + norm("post_self_attn_layernorm", self._attention_block(index, pieces, x, plan, kv))
-        x = norm("post_attention_layernorm", h)
-        return h + norm("post_mlp_layernorm", self._mlp_block(index, pieces, x, plan))
+        return self._normed_layer(index, pieces, h, plan, kv, NORMS)
