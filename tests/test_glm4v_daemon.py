@@ -1,5 +1,5 @@
-"""--vision through the real two-rank daemon on a tiny GLM-4.1V that transformers writes
-(tests/tiny_glm4v.py): a chat with an image gives transformers' own greedy tokens on Glm4vProcessor's
+"""--vision through the real two-rank daemon on a tiny GLM-4.1V, and a tiny GLM-4.5V, that transformers
+writes (tests/tiny_glm4v.py): a chat with an image gives transformers' own greedy tokens on Glm4vProcessor's
 prompt, in prompt passes and cache blocks of 16 that cut the image; a second turn over the first one's
 cached prefix gives transformers' greedy tokens for the whole conversation, and the same request again
 (from the cache) repeats it; an image over HTTP as a data: URL reads as over gRPC; replies beside
@@ -38,24 +38,28 @@ from tpserve.v1 import serving_pb2
 SIZE = (100, 70)  # resized to 96x64 (both frames within the pixel bound): an 8x12 patch grid, 24 positions
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model_dir = write_tiny_glm4v(tmp_path_factory.mktemp("glm4v-model"))
-    with running_daemon("spawn", model_dir, tmp_path_factory.mktemp("glm4v-logs"), *VISION_ARGS) as daemon:
-        daemon.model_dir, daemon.model_name = model_dir, Path(model_dir).name
+@pytest.fixture(scope="module", params=["glm4v", "glm4v_moe"])
+def served(request, tmp_path_factory):
+    moe = request.param == "glm4v_moe"
+    model_dir = write_tiny_glm4v(tmp_path_factory.mktemp(f"{request.param}-model"), moe=moe)
+    logs = tmp_path_factory.mktemp(f"{request.param}-logs")
+    with running_daemon("spawn", model_dir, logs, *VISION_ARGS) as daemon:
+        daemon.model_dir, daemon.model_name, daemon.moe = model_dir, Path(model_dir).name, moe
         yield daemon
 
 
-def transformers_greedy(model_dir: str, image: bytes, messages: list[dict]) -> list[int]:
+def transformers_greedy(served, image: bytes, messages: list[dict]) -> list[int]:
     """transformers' own greedy reply to the chat: the template, then Glm4vProcessor's prompt (the image
     token widened to its merged grid), pixels and token types."""
-    from transformers import Glm4vForConditionalGeneration
+    import transformers
 
     rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
-    inputs = glm4v_processor(model_dir)(
+    inputs = glm4v_processor(served.model_dir)(
         text=[rendered], images=[Image.open(io.BytesIO(image))], return_tensors="pt"
     )
-    model = Glm4vForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    kind = "Glm4vMoeForConditionalGeneration" if served.moe else "Glm4vForConditionalGeneration"
+    eager = {"experts_implementation": "eager"} if served.moe else {}  # its grouped product wants 16s
+    model = getattr(transformers, kind).from_pretrained(served.model_dir, dtype=torch.float32, **eager).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
@@ -70,7 +74,7 @@ def test_an_image_chat_and_its_second_turn_give_transformers_greedy_tokens(serve
     first = generate(served, ask(image, text))
     assert first.ok, first.details
     assert first.last.usage.prompt_tokens > 24  # the image's positions, cut by passes of 16
-    assert first.token_ids == transformers_greedy(served.model_dir, image, [image_message(text)])
+    assert first.token_ids == transformers_greedy(served, image, [image_message(text)])
     # The second turn: the first one's prompt (the image in it) comes from the cache.
     follow_up = "the quick brown fox"
     request = ask(image, text)
@@ -84,7 +88,7 @@ def test_an_image_chat_and_its_second_turn_give_transformers_greedy_tokens(serve
         {"role": "assistant", "content": first.text},
         {"role": "user", "content": follow_up},
     ]
-    assert second.token_ids == transformers_greedy(served.model_dir, image, conversation)
+    assert second.token_ids == transformers_greedy(served, image, conversation)
     again = generate(served, request)  # now its whole prompt but the last block is cached
     assert again.token_ids == second.token_ids
     assert again.last.usage.cached_tokens > second.last.usage.cached_tokens
@@ -127,7 +131,7 @@ def test_a_video_part_is_refused_by_name_and_serving_goes_on(served):
     request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
     refused = generate(served, request)
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "GLM-4.1V's video inputs" in refused.details and "not implemented" in refused.details
+    assert "GLM-4.1V and GLM-4.5V video inputs" in refused.details and "not implemented" in refused.details
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
     content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what"}]
     body = {
@@ -136,5 +140,8 @@ def test_a_video_part_is_refused_by_name_and_serving_goes_on(served):
         "messages": [{"role": "user", "content": content}],
     }
     response = httpx.post(f"{served.http_url}/chat/completions", json=body, timeout=60)
-    assert response.status_code == 400 and "GLM-4.1V's video inputs" in response.json()["error"]["message"]
+    assert (
+        response.status_code == 400
+        and "GLM-4.1V and GLM-4.5V video inputs" in response.json()["error"]["message"]
+    )
     assert generate(served, ask(block_image(52, SIZE))).ok

@@ -28,6 +28,19 @@ BEGIN_IMAGE_ID, END_IMAGE_ID, IMAGE_TOKEN_ID, BEGIN_VIDEO_ID, END_VIDEO_ID, VIDE
 )
 PATCH, MERGE, TEMPORAL = 8, 2, 2
 MIN_PIXELS, MAX_PIXELS = 16 * 16, 16 * 16 * 60
+# GLM-4.5V's text model: tests/tiny_hf_models.py's GLM-4.5 shape, without its q/k norms (4.5V has none)
+MOE_TEXT = {
+    "num_hidden_layers": 3,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 18,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "attention_bias": True,
+}
 CHAT_TEMPLATE = chat_template(
     "<|begin_of_image|><|image|><|end_of_image|>", "<|begin_of_video|><|video|><|end_of_video|>"
 )
@@ -39,13 +52,17 @@ def glm4v_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_tiny_glm4v(out_dir: str | Path, seed: int = 0) -> Path:
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessorPil
+def write_tiny_glm4v(out_dir: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """moe: GLM-4.5V (Glm4vMoeForConditionalGeneration) instead, its text model GLM-4.5's (a dense
+    first layer, then 8 experts in 4 groups, two shared experts, rotate-half over half of each head)."""
+    import transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = glm4v_tokenizer()
     text = text_settings(tokenizer.get_vocab_size())
+    if moe:
+        text |= MOE_TEXT
     text["rope_parameters"] = {
         "rope_type": "default",
         "rope_theta": 10000.0,
@@ -64,7 +81,8 @@ def write_tiny_glm4v(out_dir: str | Path, seed: int = 0) -> Path:
         "out_hidden_size": BASE["hidden_size"],
         "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
     }
-    config = Glm4vConfig(
+    kind = "Glm4vMoe" if moe else "Glm4v"
+    config = getattr(transformers, kind + "Config")(
         text_config=text,
         vision_config=vision,
         image_token_id=IMAGE_TOKEN_ID,
@@ -75,10 +93,10 @@ def write_tiny_glm4v(out_dir: str | Path, seed: int = 0) -> Path:
         video_end_token_id=END_VIDEO_ID,
     )
     torch.manual_seed(seed)
-    model = Glm4vForConditionalGeneration(config).eval()
+    model = getattr(transformers, kind + "ForConditionalGeneration")(config).eval()
     scramble(model, seed, ("norm",))
     save_with_tokenizer(out, model, tokenizer, CHAT_TEMPLATE)
-    Glm4vImageProcessorPil(
+    transformers.Glm4vImageProcessorPil(
         patch_size=PATCH,
         temporal_patch_size=TEMPORAL,
         merge_size=MERGE,

@@ -11,7 +11,8 @@ from pathlib import Path
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.qwen_vision_config import PatchGrid, grid_fields, vision_rope_theta
 
-GLM4V_ARCHITECTURES = ("Glm4vForConditionalGeneration",)
+# GLM-4.1V, and GLM-4.5V (its text model GLM-4.5's mixture of experts; the same tower)
+GLM4V_ARCHITECTURES = ("Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration")
 GLM4V_VISION_DEFAULTS = {
     "depth": 24,
     "hidden_size": 1536,
@@ -27,12 +28,13 @@ GLM4V_VISION_DEFAULTS = {
     "out_hidden_size": 4096,
     "intermediate_size": 13696,
 }
-GLM4V_TOKENS = {  # transformers' Glm4vConfig defaults
+GLM4V_TOKENS = {  # transformers' Glm4vConfig defaults (Glm4vMoeConfig's image and video tokens: +20)
     "image_token_id": 151343,
     "video_token_id": 151344,
     "image_start_token_id": 151339,
     "image_end_token_id": 151340,
 }
+GLM4V_MOE_TOKENS = GLM4V_TOKENS | {"image_token_id": 151363, "video_token_id": 151364}
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ class Glm4vVisionConfig(PatchGrid):
     num_deepstack: int = 0
 
 
-def parse_glm4v_vision_config(raw: dict, text: dict, rotary_dim: int, path: str | Path) -> Glm4vVisionConfig:
+def parse_glm4v_vision_config(
+    raw: dict, text: dict, rotary_dim: int, path: str | Path, moe: bool = False
+) -> Glm4vVisionConfig:
     vision = {**GLM4V_VISION_DEFAULTS, **(raw.get("vision_config") or {})}
     if vision["hidden_act"] != "silu":
         raise ModelFileError(path, f"vision_config.hidden_act {vision['hidden_act']!r} is not silu")
@@ -75,7 +79,8 @@ def parse_glm4v_vision_config(raw: dict, text: dict, rotary_dim: int, path: str 
             f"mrope_section {list(section)} must be three numbers summing to the rotary's {rotary_dim // 2} "
             "frequencies (half the rotating dims)",
         )
-    tokens = {key: raw.get(key, default) for key, default in GLM4V_TOKENS.items()}
+    defaults = GLM4V_MOE_TOKENS if moe else GLM4V_TOKENS
+    tokens = {key: raw.get(key, default) for key, default in defaults.items()}
     return Glm4vVisionConfig(
         **grid_fields(vision),
         position_side=int(vision["image_size"]) // int(vision["patch_size"]),

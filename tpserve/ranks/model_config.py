@@ -217,8 +217,11 @@ def _parse_qwen3_vl(raw: dict, architecture: str, path: str | Path) -> ModelConf
 def _parse_glm4v(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
     """GLM-4.1V: a GLM-4 decoder (q/k/v biases, a norm on the attention's and the MLP's outputs too:
     tpserve/ranks/model_glm4v.py) whose partial rotary pairs its dims interleaved and is multimodal, its
-    sections in runs (t, h, w), and the ViT (tpserve/ranks/glm4v_vision.py). transformers 5 writes the
-    sections in rope_parameters; a transformers 4 config in rope_scaling, of type "default"."""
+    sections in runs (t, h, w), and the ViT (tpserve/ranks/glm4v_vision.py). GLM-4.5V: the same tower
+    before GLM-4.5's decoder (tpserve/ranks/moe_config.py; rotate-half over its partial rotary), its
+    positions multimodal as 4.1V's. transformers 5 writes the sections in rope_parameters; a
+    transformers 4 config in rope_scaling, of type "default"."""
+    moe = architecture == "Glm4vMoeForConditionalGeneration"
     text = dict(raw.get("text_config") or {})
     for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if key not in text and key in raw:
@@ -226,12 +229,14 @@ def _parse_glm4v(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
     scaling = text.pop("rope_scaling", None) or {}
     if scaling.get("type", scaling.get("rope_type", "default")) != "default":
         raise ModelFileError(path, f"{architecture}: rope scaling {scaling!r} is not implemented")
-    text.pop("attention_bias", None)  # Glm4vTextAttention biases q, k and v whatever it says, never o
-    config = _parse_text(text, "glm4v", architecture, path)
-    config = replace(config, rotary_interleaved=True)
+    if moe:
+        config = _parse_text(text, "glm4_moe", architecture, path)
+    else:
+        text.pop("attention_bias", None)  # Glm4vTextAttention biases q, k and v whatever it says, never o
+        config = replace(_parse_text(text, "glm4v", architecture, path), rotary_interleaved=True)
     rope = {**scaling, **(text.get("rope_parameters") or {})}
     vision = parse_glm4v_vision_config(
-        raw, {"rope_parameters": rope}, config.rotary_dim or config.head_dim, path
+        raw, {"rope_parameters": rope}, config.rotary_dim or config.head_dim, path, moe
     )
     if vision.out_hidden_size != config.hidden_size:
         raise ModelFileError(path, "vision_config.out_hidden_size is not the text model's hidden_size")

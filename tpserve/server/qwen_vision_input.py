@@ -42,7 +42,9 @@ from tpserve.server.vision_input import PlacedPart, image_key
 
 DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defaults, for callers naming none
 NO_VIDEO_TOKEN = "this model reads no video inputs (its config names no video token)"
-GLM4V_NO_VIDEO = "GLM-4.1V's video inputs (frames apart, each after its time in text) are not implemented"
+GLM4V_NO_VIDEO = (
+    "GLM-4.1V and GLM-4.5V video inputs (frames apart, each after its time in text) are not implemented"
+)
 
 
 class QwenVisionInput:
