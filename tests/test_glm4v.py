@@ -8,6 +8,7 @@ without images against each prompt's solo run."""
 
 from __future__ import annotations
 
+import functools
 import io
 from types import SimpleNamespace
 
@@ -32,6 +33,7 @@ from tpserve.ranks.mrope import prompt_positions
 from tpserve.server.glm4v_images import Glm4vPreprocessor
 from tpserve.server.images import decode_image
 from tpserve.server.qwen_vision_input import DEFAULT_LIMITS, QwenVisionInput
+from tpserve.server.tokenizer import Tokenizer
 
 # (width, height): grids of 6x8 and 12x4 patches (past the 4x4 table), one merge block (an image
 # smaller than one, scaled up first), a wide one cut down to the pixel bound, and a sliver
@@ -98,7 +100,8 @@ def test_prompt_and_positions_match_glm4v_processor_and_get_rope_index(model_dir
         "hello <|begin_of_image|><|image|><|end_of_image|> world <|begin_of_image|><|image|><|end_of_image|>!"
     )
     theirs = processor(text=[text], images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="pt")
-    vision = QwenVisionInput.from_model_dir(model_dir, config, "<|image|>", torch.float32)
+    encode = functools.partial(Tokenizer.from_model_dir(model_dir).encode, add_bos=False)
+    vision = QwenVisionInput.from_model_dir(model_dir, config, "<|image|>", torch.float32, encode_text=encode)
     media = [SimpleNamespace(data=d, mime_type="image/png") for d in images]
     ids = tokenizer(text)["input_ids"]
     expanded, placed = vision.expand(ids, 2, media, ["image 0", "image 1"])

@@ -3,22 +3,22 @@ writes (tests/tiny_glm4v.py): a chat with an image gives transformers' own greed
 prompt, in prompt passes and cache blocks of 16 that cut the image; a second turn over the first one's
 cached prefix gives transformers' greedy tokens for the whole conversation, and the same request again
 (from the cache) repeats it; an image over HTTP as a data: URL reads as over gRPC; replies beside
-images equal their solo runs; broken image bytes fail their own request only; a video part is refused
-by name (GLM-4.1V's video inputs are not implemented)."""
+images equal their solo runs; broken image bytes fail their own request only; a chat with a short MP4
+(each temporal patch apart, then its time) gives transformers' greedy tokens, cold and from the cache;
+a WebM over HTTP reads as over gRPC; broken video bytes fail their own request only."""
 
 from __future__ import annotations
 
-import base64
 import io
 from pathlib import Path
 
-import grpc
-import httpx
+import numpy as np
 import pytest
 import torch
 from daemon import running_daemon
 from jinja2 import Template
 from PIL import Image
+from test_glm4v_video import MESSAGES, ours, sampled, transformers_prompt
 from tiny_glm4v import CHAT_TEMPLATE, glm4v_processor, write_tiny_glm4v
 from tiny_llava import block_image
 from tiny_video import MIME_TYPES, block_video
@@ -28,13 +28,18 @@ from vision_requests import (
     ask,
     check_batched,
     check_broken_and_sliver_images,
+    check_broken_videos,
     generate,
     http_chat,
     same_then_other,
 )
 
+from tpserve.ranks.model_config import load_model_config
+from tpserve.server.qwen_vision_input import QwenVisionInput
+from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2
 
+NUM_FRAMES, FPS = 10, 4  # 2.5 s: 5 frames sampled at 2 a second, 3 temporal patches
 SIZE = (100, 70)  # resized to 96x64 (both frames within the pixel bound): an 8x12 patch grid, 24 positions
 
 
@@ -124,24 +129,64 @@ def test_broken_and_sliver_images_fail_their_own_request_only(served):
     check_broken_and_sliver_images(served, block_image(51, SIZE))
 
 
-def test_a_video_part_is_refused_by_name_and_serving_goes_on(served):
-    video = block_video(3, 6, (40, 34), fps=4)
-    request = ask(None, "what")
-    media = serving_pb2.Media(mime_type=MIME_TYPES["mp4"], data=video)
-    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
-    refused = generate(served, request)
-    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "GLM-4.1V and GLM-4.5V video inputs" in refused.details and "not implemented" in refused.details
-    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
-    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what"}]
-    body = {
-        "model": served.model_name,
-        "max_tokens": MAX_TOKENS,
-        "messages": [{"role": "user", "content": content}],
-    }
-    response = httpx.post(f"{served.http_url}/chat/completions", json=body, timeout=60)
-    assert (
-        response.status_code == 400
-        and "GLM-4.1V and GLM-4.5V video inputs" in response.json()["error"]["message"]
+def transformers_video_greedy(served, video: bytes) -> list[int]:
+    """transformers' own greedy reply to MESSAGES with the video: Glm4vProcessor's prompt (each temporal
+    patch apart, then its time), the same frames' pixels, the processor's token types."""
+    import transformers
+
+    tokenizer = Tokenizer.from_model_dir(served.model_dir)
+    vision = QwenVisionInput.from_model_dir(
+        served.model_dir,
+        load_model_config(served.model_dir),
+        "<|image|>",
+        torch.float32,
+        encode_text=lambda text: tokenizer.encode(text, add_bos=False),
     )
-    assert generate(served, ask(block_image(52, SIZE))).ok
+    _, _, plan, patches, grid = ours(vision, served.model_dir, video)
+    ids = transformers_prompt(served.model_dir, grid, sampled(NUM_FRAMES, float(FPS)), float(FPS))
+    kind = "Glm4vMoeForConditionalGeneration" if served.moe else "Glm4vForConditionalGeneration"
+    eager = {"experts_implementation": "eager"} if served.moe else {}
+    model = getattr(transformers, kind).from_pretrained(served.model_dir, dtype=torch.float32, **eager).eval()
+    types = glm4v_processor(served.model_dir).create_mm_token_type_ids([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            pixel_values_videos=torch.from_numpy(np.ascontiguousarray(patches)),
+            video_grid_thw=torch.tensor([grid]),
+            mm_token_type_ids=torch.tensor(types),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def ask_video(video: bytes, fmt: str = "mp4") -> serving_pb2.GenerateRequest:
+    request = ask(None, MESSAGES[0]["content"][1]["text"])
+    media = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=video)
+    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
+    return request
+
+
+def test_a_video_chat_gives_transformers_greedy_tokens_and_hits_the_cache_again(served):
+    video = block_video(3, NUM_FRAMES, (40, 34), fps=FPS)
+    reply = generate(served, ask_video(video))
+    assert reply.ok, reply.details
+    assert reply.token_ids == transformers_video_greedy(served, video)
+    again = generate(served, ask_video(video))
+    assert again.token_ids == reply.token_ids
+    assert again.last.usage.cached_tokens >= 16  # past the first patch's tokens, in whole blocks of 16
+
+
+def test_a_webm_over_http_is_a_data_url_and_reads_as_over_grpc(served):
+    video = block_video(12, NUM_FRAMES, (36, 24), fps=FPS, fmt="webm")
+    response = http_chat(served, "video", MIME_TYPES["webm"], video, MESSAGES[0]["content"][1]["text"])
+    assert response.status_code == 200, response.text
+    grpc_reply = generate(served, ask_video(video, fmt="webm"))
+    assert grpc_reply.ok and response.json()["choices"][0]["message"]["content"] == grpc_reply.text
+    assert response.json()["usage"]["prompt_tokens"] == grpc_reply.last.usage.prompt_tokens
+
+
+def test_broken_video_bytes_fail_their_own_request_only(served):
+    check_broken_videos(served, block_video(4, NUM_FRAMES, (40, 34), fps=FPS), ask_video)

@@ -1,6 +1,6 @@
 """A tiny random GLM-4.1V written by transformers' own classes (Glm4vConfig, save_pretrained, and
-Glm4vImageProcessorPil's own save_pretrained; the torchvision processor needs torchvision, which has no
-build for this torch here): a 2-block ViT of width 32 over patches of 8 pixels with a 4x4 learned position
+Glm4vImageProcessorPil's own save_pretrained; the torchvision processors need torchvision, which has no
+build for this torch here, so its video_preprocessor_config.json is written by hand): a 2-block ViT of width 32 over patches of 8 pixels with a 4x4 learned position
 table (image_size 32), the downsample conv and the GLU merger, and a GLM-4 text model (half of each head
 rotating, in (t, h, w) sections of (2, 1, 1) frequencies; four norms a layer), beside a tokenizer with
 GLM's image and video specials and a chat template writing GLM's image text.
@@ -8,6 +8,7 @@ GLM's image and video specials and a chat template writing GLM's image text.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -28,6 +29,23 @@ BEGIN_IMAGE_ID, END_IMAGE_ID, IMAGE_TOKEN_ID, BEGIN_VIDEO_ID, END_VIDEO_ID, VIDE
 )
 PATCH, MERGE, TEMPORAL = 8, 2, 2
 MIN_PIXELS, MAX_PIXELS = 16 * 16, 16 * 16 * 60
+# Glm4vVideoProcessor's fields, written here (saving one needs torchvision): its pixel bounds count
+# every sampled frame (4 frames of 16x16 to 4 of 64x64), its values CLIP's as the image processor's.
+VIDEO_PROCESSOR = {
+    "video_processor_type": "Glm4vVideoProcessor",
+    "size": {"shortest_edge": 4 * 16 * 16, "longest_edge": 4 * 64 * 64},
+    "patch_size": PATCH,
+    "temporal_patch_size": TEMPORAL,
+    "merge_size": MERGE,
+    "fps": 2,
+    "max_duration": 300,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "resample": 3,
+}
 # GLM-4.5V's text model: tests/tiny_hf_models.py's GLM-4.5 shape, without its q/k norms (4.5V has none)
 MOE_TEXT = {
     "num_hidden_layers": 3,
@@ -102,6 +120,7 @@ def write_tiny_glm4v(out_dir: str | Path, seed: int = 0, moe: bool = False) -> P
         merge_size=MERGE,
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
     ).save_pretrained(out)
+    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
     return out
 
 

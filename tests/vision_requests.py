@@ -109,3 +109,13 @@ def http_chat(daemon, kind: str, mime_type: str, data: bytes, text: str = "what"
         "messages": [{"role": "user", "content": content}],
     }
     return httpx.post(f"{daemon.http_url}/chat/completions", json=body, timeout=60)
+
+
+def check_broken_videos(daemon, good: bytes, ask_video) -> None:
+    """Corrupted copies of the video `good` (asked by ask_video) each read or fail alone with
+    INVALID_ARGUMENT, and the daemon serves on."""
+    for data in corrupted(good, 12):
+        reply = generate(daemon, ask_video(data))
+        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
+    assert daemon.health() == health_pb2.HealthCheckResponse.SERVING
+    assert generate(daemon, ask_video(good)).ok
