@@ -18,7 +18,7 @@ import torch
 from daemon import running_daemon
 from jinja2 import Template
 from PIL import Image
-from test_glm4v_video import MESSAGES, ours, sampled, transformers_prompt
+from test_glm4v_video import MESSAGES, ours, sampled, transformers_prompt, video_input
 from tiny_glm4v import CHAT_TEMPLATE, glm4v_processor, write_tiny_glm4v
 from tiny_llava import block_image
 from tiny_video import MIME_TYPES, block_video
@@ -33,10 +33,8 @@ from vision_requests import (
     http_chat,
     same_then_other,
 )
+from vl_checks import greedy_generate
 
-from tpserve.ranks.model_config import load_model_config
-from tpserve.server.qwen_vision_input import QwenVisionInput
-from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2
 
 NUM_FRAMES, FPS = 10, 4  # 2.5 s: 5 frames sampled at 2 a second, 3 temporal patches
@@ -53,21 +51,26 @@ def served(request, tmp_path_factory):
         yield daemon
 
 
+def reference(served):
+    """transformers' own model of the served checkpoint (a mixture's experts eager: its grouped product
+    wants widths of 16s)."""
+    import transformers
+
+    kind = "Glm4vMoeForConditionalGeneration" if served.moe else "Glm4vForConditionalGeneration"
+    eager = {"experts_implementation": "eager"} if served.moe else {}
+    return getattr(transformers, kind).from_pretrained(served.model_dir, dtype=torch.float32, **eager).eval()
+
+
 def transformers_greedy(served, image: bytes, messages: list[dict]) -> list[int]:
     """transformers' own greedy reply to the chat: the template, then Glm4vProcessor's prompt (the image
     token widened to its merged grid), pixels and token types."""
-    import transformers
-
     rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
     inputs = glm4v_processor(served.model_dir)(
         text=[rendered], images=[Image.open(io.BytesIO(image))], return_tensors="pt"
     )
-    kind = "Glm4vMoeForConditionalGeneration" if served.moe else "Glm4vForConditionalGeneration"
-    eager = {"experts_implementation": "eager"} if served.moe else {}  # its grouped product wants 16s
-    model = getattr(transformers, kind).from_pretrained(served.model_dir, dtype=torch.float32, **eager).eval()
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
+    ids = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    return greedy_generate(reference(served), ids, MAX_TOKENS, **inputs)
 
 
 def image_message(text: str) -> dict:
@@ -132,34 +135,17 @@ def test_broken_and_sliver_images_fail_their_own_request_only(served):
 def transformers_video_greedy(served, video: bytes) -> list[int]:
     """transformers' own greedy reply to MESSAGES with the video: Glm4vProcessor's prompt (each temporal
     patch apart, then its time), the same frames' pixels, the processor's token types."""
-    import transformers
-
-    tokenizer = Tokenizer.from_model_dir(served.model_dir)
-    vision = QwenVisionInput.from_model_dir(
-        served.model_dir,
-        load_model_config(served.model_dir),
-        "<|image|>",
-        torch.float32,
-        encode_text=lambda text: tokenizer.encode(text, add_bos=False),
-    )
-    _, _, plan, patches, grid = ours(vision, served.model_dir, video)
+    _, _, plan, patches, grid = ours(video_input(served.model_dir, "<|image|>"), served.model_dir, video)
     ids = transformers_prompt(served.model_dir, grid, sampled(NUM_FRAMES, float(FPS)), float(FPS))
-    kind = "Glm4vMoeForConditionalGeneration" if served.moe else "Glm4vForConditionalGeneration"
-    eager = {"experts_implementation": "eager"} if served.moe else {}
-    model = getattr(transformers, kind).from_pretrained(served.model_dir, dtype=torch.float32, **eager).eval()
     types = glm4v_processor(served.model_dir).create_mm_token_type_ids([ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            pixel_values_videos=torch.from_numpy(np.ascontiguousarray(patches)),
-            video_grid_thw=torch.tensor([grid]),
-            mm_token_type_ids=torch.tensor(types),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return out[0, len(ids) :].tolist()
+    return greedy_generate(
+        reference(served),
+        ids,
+        MAX_TOKENS,
+        pixel_values_videos=torch.from_numpy(np.ascontiguousarray(patches)),
+        video_grid_thw=torch.tensor([grid]),
+        mm_token_type_ids=torch.tensor(types),
+    )
 
 
 def ask_video(video: bytes, fmt: str = "mp4") -> serving_pb2.GenerateRequest:

@@ -11,10 +11,15 @@ import io
 import pytest
 import torch
 from PIL import Image
-from test_glm4v import SIZES, image_of, image_prompt
+from test_glm4v import SIZES, image_prompt
 from tiny_glm4v import IMAGE_TOKEN_ID, write_tiny_glm4v
 from tiny_llava import block_image
-from vl_checks import check_batch_equals_solo, check_logits_and_greedy, check_tp2_equals_tp1, run_prompts
+from vl_checks import (
+    check_batch_equals_solo,
+    check_logits_and_greedy,
+    check_tp2_equals_tp1,
+    image_of,
+)
 
 from tpserve.ranks.model_config import load_model_config
 
@@ -50,10 +55,7 @@ def test_features_logits_and_greedy_tokens_match_transformers(model_dir):
     torch.testing.assert_close(features, theirs.pooler_output[0], rtol=0, atol=1e-4)
     prompt, offset = image_prompt(merged)
     image = (offset, features, merged)
-    ours_logits = check_logits_and_greedy(model_dir, reference, inputs, prompt, image, IMAGE_TOKEN_ID)
-    # The multimodal positions changed the logits: plain 1-D positions give others.
-    flat_logits, _ = run_prompts(model_dir, [prompt], [(offset, features, (1, merged[0] * merged[1]))])
-    assert (flat_logits[0, 0] - ours_logits[0, 0]).abs().max() > 1e-3
+    check_logits_and_greedy(model_dir, reference, inputs, prompt, image, IMAGE_TOKEN_ID)
 
 
 def test_a_batch_with_and_without_images_equals_each_solo_run(model_dir):

@@ -17,7 +17,7 @@ import torch
 from hf_reference import cached_greedy
 from jinja2 import Template
 from multiproc import RankPool
-from test_qwen3_vl_video import _tp2, run_video
+from test_qwen3_vl_video import LIMITS, MESSAGES, _tp2, ours, run_video, video_input
 from tiny_glm4v import (
     CHAT_TEMPLATE,
     IMAGE_TOKEN_ID,
@@ -27,21 +27,13 @@ from tiny_glm4v import (
     glm4v_processor,
     write_tiny_glm4v,
 )
-from tiny_video import MIME_TYPES, block_video
+from tiny_video import block_video
 from tokenizers import Tokenizer as RawTokenizer
 from vl_checks import NUM_STEPS
 
-from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import prompt_positions
 from tpserve.server.glm4v_videos import Glm4vVideoPreprocessor
-from tpserve.server.qwen_vision_input import QwenVisionInput
-from tpserve.server.tokenizer import Tokenizer
-from tpserve.server.validation import Limits
-from tpserve.server.videos import decode_frames, demux
-from tpserve.v1 import serving_pb2
-
-LIMITS = Limits(context_size=1024, vocab_size=400)
-MESSAGES = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens"}]}]
+from tpserve.server.videos import demux
 
 
 @pytest.fixture(scope="module")
@@ -51,31 +43,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def vision(model_dir):
-    tokenizer = Tokenizer.from_model_dir(model_dir)
-    return QwenVisionInput.from_model_dir(
-        model_dir,
-        load_model_config(model_dir),
-        "<|image|>",
-        torch.float32,
-        encode_text=lambda text: tokenizer.encode(text, add_bos=False),
-    )
-
-
-def ours(vision, model_dir, data: bytes, fmt: str = "mp4"):
-    """Our prompt for MESSAGES with the video, its PromptImages (one per temporal patch), and the
-    plan and patches they came from."""
-    part = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=data)
-    ids = Tokenizer.from_model_dir(model_dir).encode_chat(MESSAGES)
-    prompt, placed = vision.expand(ids, 1, [part], ["video"], LIMITS)
-    images = vision.read([part], placed, ["video"], LIMITS)
-    pre = Glm4vVideoPreprocessor.from_model_dir(model_dir)
-    video = demux(data, "video", LIMITS)
-    plan = pre.plan(video.header, "video")
-    frames = decode_frames(
-        video, "video", plan.indices, lambda image: pre.frames.pixels_at(image, *plan.size)
-    )
-    patches, grid = pre.patches(frames)
-    return prompt, images, plan, patches, grid
+    return video_input(model_dir, "<|image|>")
 
 
 def sampled(num_frames: int, fps: float) -> list[int]:

@@ -16,13 +16,16 @@ from test_qwen_vl import image_prompt
 from tiny_llava import block_image
 from tiny_qwen3_vl import write_tiny_qwen3_vl
 from tiny_qwen_vl import IMAGE_TOKEN_ID
-from vl_checks import check_batch_equals_solo, check_logits_and_greedy, check_tp2_equals_tp1, run_prompts
+from vl_checks import (
+    check_batch_equals_solo,
+    check_logits_and_greedy,
+    check_tp2_equals_tp1,
+    image_of,
+    run_prompts,
+)
 
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import section_axes
-from tpserve.ranks.qwen3_vision import load_qwen3_vision_tower
-from tpserve.server.images import decode_image
-from tpserve.server.qwen_images import QwenPreprocessor
 
 SIZES = ((70, 50), (40, 90))  # (width, height): 10x6 and 6x12 patch grids of 8 pixels, past the 4x4 table
 
@@ -30,15 +33,6 @@ SIZES = ((70, 50), (40, 90))  # (width, height): 10x6 and 6x12 patch grids of 8 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return str(write_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl")))
-
-
-def image_of(model_dir: str, data: bytes):
-    """(features [tokens, hidden * 2]: merged and deepstack side by side, merged (rows, columns))."""
-    config = load_model_config(model_dir)
-    patches, grid = QwenPreprocessor.from_model_dir(model_dir).patches(decode_image(data, "image", 1 << 20))
-    features = load_qwen3_vision_tower(model_dir, config.vision, torch.float32).features(patches, grid)
-    merge = config.vision.spatial_merge_size
-    return features, (grid[1] // merge, grid[2] // merge)
 
 
 def test_logits_and_greedy_tokens_match_transformers(model_dir):

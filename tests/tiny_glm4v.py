@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from tiny_hf_models import GLM4_MOE
 from tiny_models import BASE, SPECIAL_TOKENS
 from tiny_vlm import chat_template, save_with_tokenizer, scramble, text_settings, train_tokenizer
 from tokenizers import Tokenizer
@@ -46,19 +47,6 @@ VIDEO_PROCESSOR = {
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "resample": 3,
 }
-# GLM-4.5V's text model: tests/tiny_hf_models.py's GLM-4.5 shape, without its q/k norms (4.5V has none)
-MOE_TEXT = {
-    "num_hidden_layers": 3,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 3,
-    "moe_intermediate_size": 18,
-    "n_group": 4,
-    "topk_group": 2,
-    "n_shared_experts": 2,
-    "first_k_dense_replace": 1,
-    "routed_scaling_factor": 2.5,
-    "attention_bias": True,
-}
 CHAT_TEMPLATE = chat_template(
     "<|begin_of_image|><|image|><|end_of_image|>", "<|begin_of_video|><|video|><|end_of_video|>"
 )
@@ -80,7 +68,7 @@ def write_tiny_glm4v(out_dir: str | Path, seed: int = 0, moe: bool = False) -> P
     tokenizer = glm4v_tokenizer()
     text = text_settings(tokenizer.get_vocab_size())
     if moe:
-        text |= MOE_TEXT
+        text |= GLM4_MOE  # tests/tiny_hf_models.py's GLM-4.5 shape, without q/k norms (4.5V has none)
     text["rope_parameters"] = {
         "rope_type": "default",
         "rope_theta": 10000.0,

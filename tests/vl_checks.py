@@ -13,7 +13,10 @@ from multiproc import RankPool, world_collectives
 from test_tp_exact import decode_steps
 
 from tpserve.kernels.sampling_params import SamplingParams
+from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import prompt_positions, span_rope
+from tpserve.server.images import decode_image
+from tpserve.server.qwen_vision_input import QwenVisionInput
 
 NUM_STEPS = 6
 GREEDY = SamplingParams()
@@ -55,8 +58,34 @@ def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=No
     return decode_steps(engine, logits, positions, [GREEDY] * len(prompts), tp_rank, tp_size, NUM_STEPS)
 
 
+def image_of(model_dir: str, data: bytes):
+    """(features [tokens, ...], merged (rows, columns)) of one image: the family's preprocessor and tower,
+    as the daemon picks them."""
+    config = load_model_config(model_dir)
+    vision = QwenVisionInput.from_model_dir(model_dir, config, "", torch.float32, encode_text=lambda text: [])
+    patches, grid = vision.preprocessor.patches(decode_image(data, "image", 1 << 20))
+    merge = config.vision.spatial_merge_size
+    return vision.tower.features(patches, grid), (grid[1] // merge, grid[2] // merge)
+
+
+def greedy_generate(model, ids: list[int], max_tokens: int, **inputs) -> list[int]:
+    """transformers' own greedy reply of exactly max_tokens tokens to the prompt ids, with its media inputs."""
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            **inputs,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 def check_logits_and_greedy(model_dir, reference, inputs, prompt, image, image_token_id: int):
-    """image: (offset, features, merged); inputs: the image processor's outputs. Returns our logits."""
+    """image: (offset, features, merged); inputs: the image processor's outputs. Also: the multimodal
+    positions change the logits (plain 1-D positions give others). Returns our logits."""
     ids = torch.tensor([prompt])
     ours_logits, ours_tokens = run_prompts(model_dir, [prompt], [image])
     theirs_logits, theirs_tokens = cached_greedy(
@@ -73,6 +102,9 @@ def check_logits_and_greedy(model_dir, reference, inputs, prompt, image, image_t
     chunked, chunked_tokens = run_prompts(model_dir, [prompt], [image], chunk=11)
     torch.testing.assert_close(chunked[:, 0], theirs_logits, rtol=0, atol=1e-4)
     assert chunked_tokens == ours_tokens
+    offset, features, (rows, cols) = image
+    flat_logits, _ = run_prompts(model_dir, [prompt], [(offset, features, (1, rows * cols))])
+    assert (flat_logits[0, 0] - ours_logits[0, 0]).abs().max() > 1e-3
     return ours_logits
 
 
