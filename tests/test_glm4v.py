@@ -8,8 +8,11 @@ without images against each prompt's solo run."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +31,8 @@ from vl_checks import (
 )
 
 from tpserve.kernels.rotary import partial_rotary_order
-from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.model_config import load_model_config, parse_model_config
 from tpserve.ranks.mrope import prompt_positions
 from tpserve.server.glm4v_images import Glm4vPreprocessor
 from tpserve.server.images import decode_image
@@ -149,3 +153,28 @@ def test_a_batch_with_and_without_images_equals_each_solo_run(model_dir):
 def test_tp2_equals_tp1_bit_for_bit_with_images(model_dir):
     torch.set_num_threads(1)
     check_tp2_equals_tp1(model_dir, image_prompt, image_of(model_dir, block_image(4, SIZES[0])))
+
+
+def test_a_transformers_4_config_reads_as_transformers_5s_and_a_wrong_one_is_refused(model_dir):
+    """GLM-4.1V-9B's own config.json (transformers 4): the sections in a rope_scaling of type "default",
+    partial_rotary_factor and attention_bias beside them in text_config."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    old = copy.deepcopy(raw)
+    rope = old["text_config"].pop("rope_parameters")
+    old["text_config"] |= {
+        "rope_scaling": {"type": "default", "mrope_section": rope["mrope_section"]},
+        "rope_theta": rope["rope_theta"],
+        "partial_rotary_factor": rope["partial_rotary_factor"],
+        "attention_bias": True,
+    }
+    assert parse_model_config(old) == parse_model_config(raw)
+    config = parse_model_config(raw)
+    assert (config.rotary_dim, config.rotary_interleaved, config.qkv_bias) == (8, True, True)
+    wrong = copy.deepcopy(raw)
+    wrong["text_config"]["rope_parameters"]["mrope_section"] = [2, 2, 2]
+    with pytest.raises(ModelFileError, match="mrope_section"):
+        parse_model_config(wrong)
+    wrong = copy.deepcopy(raw)
+    wrong["vision_config"]["hidden_act"] = "gelu"
+    with pytest.raises(ModelFileError, match="hidden_act"):
+        parse_model_config(wrong)
