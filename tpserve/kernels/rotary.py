@@ -69,14 +69,10 @@ def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = Fal
     with each other at rate zero (cos 1, sin 0: unchanged), so every attention kernel serves it."""
     rotary_dim = rotary_dim or head_dim
     half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    firsts, seconds = (
-        (range(0, rotary_dim, 2), range(1, rotary_dim, 2))
-        if interleaved
-        else (
-            range(half),
-            range(half, rotary_dim),
-        )
-    )
+    if interleaved:
+        firsts, seconds = range(0, rotary_dim, 2), range(1, rotary_dim, 2)
+    else:
+        firsts, seconds = range(half), range(half, rotary_dim)
     first = [*firsts, *range(rotary_dim, rotary_dim + rest)]
     second = [*seconds, *range(rotary_dim + rest, head_dim)]
     return torch.tensor(first + second)
