@@ -3,7 +3,7 @@ writes: the tiles against transformers' Idefics3 image processor (its PIL backen
 default one needs, has no build here), the prompt ids against Idefics3Processor (SmolVLM's image text
 against its processor's own function: building SmolVLMProcessor needs its video processor, so
 torchvision, too), the patch positions against transformers' embedding; what start-up refuses (a
-processor or tokenizer that disagrees with the tower, GLM-4.1V/4.5V) and a video part, refused by name."""
+processor or tokenizer that disagrees with the tower) and a video part, refused by name."""
 
 from __future__ import annotations
 
@@ -89,15 +89,6 @@ def test_a_video_part_is_refused_by_name(directories):
     video = serving_pb2.Media(mime_type="video/mp4", data=b"\x00" * 64)
     with pytest.raises(RequestRefused, match="video input is not implemented"):
         vision.expand(ids, 1, [video], ["messages[0].parts[0]"], LIMITS)
-
-
-def test_glm4v_is_refused_by_name():
-    for architecture, what in (
-        ("Glm4vForConditionalGeneration", "GLM-4.1V"),
-        ("Glm4vMoeForConditionalGeneration", "GLM-4.5V"),
-    ):
-        with pytest.raises(ModelFileError, match=f"{architecture} is not supported: {what}"):
-            parse_model_config({"architectures": [architecture]})
 
 
 def test_transformers4_layout_reads_the_same(directories, tmp_path):

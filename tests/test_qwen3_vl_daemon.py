@@ -11,15 +11,13 @@ import base64
 import io
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 import torch
 from daemon import running_daemon
-from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
-from test_qwen3_vl_video import MESSAGES, ours, transformers_prompt
+from test_qwen3_vl_video import MESSAGES, ours, transformers_prompt, video_input
 from tiny_qwen3_vl import MERGE, write_tiny_qwen3_vl
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
 from tiny_video import MIME_TYPES, block_video
@@ -29,15 +27,13 @@ from vision_requests import (
     VISION_ARGS,
     ask,
     check_beside_images,
+    check_broken_videos,
     check_cache_across_images,
     check_transformers_greedy,
-    corrupted,
     generate,
 )
+from vl_checks import greedy_generate
 
-from tpserve.ranks.model_config import load_model_config
-from tpserve.server.qwen_vision_input import QwenVisionInput
-from tpserve.server.tokenizer import Tokenizer
 from tpserve.v1 import serving_pb2
 
 NUM_FRAMES, FPS = 10, 4  # 2.5 s: 5 frames sampled at 2 a second, 3 temporal patches
@@ -99,29 +95,17 @@ def transformers_video_greedy(model_dir: str, video: bytes) -> list[int]:
     temporal patch after its time), the same frames' pixels."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    tokenizer = Tokenizer.from_model_dir(model_dir)
-    vision = QwenVisionInput.from_model_dir(
-        model_dir,
-        load_model_config(model_dir),
-        "<|image_pad|>",
-        torch.float32,
-        encode_text=lambda text: tokenizer.encode(text, add_bos=False),
-    )
-    _, _, plan, patches, grid = ours(vision, model_dir, video)
-    ids = torch.tensor([transformers_prompt(model_dir, plan, grid, NUM_FRAMES, FPS)])
+    _, _, plan, patches, grid = ours(video_input(model_dir, "<|image_pad|>"), model_dir, video)
+    ids = transformers_prompt(model_dir, plan, grid, NUM_FRAMES, FPS)
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values_videos=torch.from_numpy(patches),
-            video_grid_thw=torch.tensor([grid]),
-            mm_token_type_ids=(ids == VIDEO_TOKEN_ID).int() * 2,
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return out[0, ids.shape[1] :].tolist()
+    return greedy_generate(
+        model,
+        ids,
+        MAX_TOKENS,
+        pixel_values_videos=torch.from_numpy(patches),
+        video_grid_thw=torch.tensor([grid]),
+        mm_token_type_ids=(torch.tensor([ids]) == VIDEO_TOKEN_ID).int() * 2,
+    )
 
 
 def ask_video(video: bytes, fmt: str = "mp4") -> serving_pb2.GenerateRequest:
@@ -161,9 +145,4 @@ def test_a_webm_over_http_is_a_data_url_and_reads_as_over_grpc(served):
 
 
 def test_broken_video_bytes_fail_their_own_request_only(served):
-    good = block_video(4, NUM_FRAMES, (40, 34), fps=FPS)
-    for data in corrupted(good, 12):
-        reply = generate(served, ask_video(data))
-        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
-    assert served.health() == health_pb2.HealthCheckResponse.SERVING
-    assert generate(served, ask_video(good)).ok
+    check_broken_videos(served, block_video(4, NUM_FRAMES, (40, 34), fps=FPS), ask_video)

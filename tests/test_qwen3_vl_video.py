@@ -17,12 +17,12 @@ from engine_lanes import open_lane, tiny_engine
 from hf_reference import cached_greedy
 from jinja2 import Template
 from multiproc import RankPool, world_collectives
-from test_qwen_vl import GREEDY, NUM_STEPS
 from test_tp_exact import decode_steps
 from tiny_qwen3_vl import MERGE, TEMPORAL, VIDEO_PROCESSOR, write_tiny_qwen3_vl
 from tiny_qwen_vl import CHAT_TEMPLATE, VIDEO_TOKEN_ID
 from tiny_video import MIME_TYPES, block_video
 from tokenizers import Tokenizer as RawTokenizer
+from vl_checks import GREEDY, NUM_STEPS
 
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import chunk_rope
@@ -42,26 +42,31 @@ def model_dir(tmp_path_factory) -> str:
     return str(write_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl_video")))
 
 
-@pytest.fixture(scope="module")
-def vision(model_dir):
+def video_input(model_dir: str, image_token: str) -> QwenVisionInput:
+    """The model's vision input as the daemon makes it: its frames' times through the tokenizer."""
     tokenizer = Tokenizer.from_model_dir(model_dir)
     return QwenVisionInput.from_model_dir(
         model_dir,
         load_model_config(model_dir),
-        "<|image_pad|>",
+        image_token,
         torch.float32,
         encode_text=lambda text: tokenizer.encode(text, add_bos=False),
     )
 
 
+@pytest.fixture(scope="module")
+def vision(model_dir):
+    return video_input(model_dir, "<|image_pad|>")
+
+
 def ours(vision, model_dir, data: bytes, fmt: str = "mp4"):
     """Our prompt for MESSAGES with the video, its PromptImages (one per temporal patch), and the
-    plan and patches they came from."""
+    plan and patches they came from (the model's own timed video preprocessor: Qwen3-VL's or GLM's)."""
     part = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=data)
     ids = Tokenizer.from_model_dir(model_dir).encode_chat(MESSAGES)
     prompt, placed = vision.expand(ids, 1, [part], ["video"], LIMITS)
     images = vision.read([part], placed, ["video"], LIMITS)
-    pre = Qwen3VideoPreprocessor.from_model_dir(model_dir)
+    pre = vision.timed_video
     video = demux(data, "video", LIMITS)
     plan = pre.plan(video.header, "video")
     frames = decode_frames(

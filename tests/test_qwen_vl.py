@@ -9,15 +9,17 @@ import io
 
 import pytest
 import torch
-from engine_lanes import open_lane, tiny_engine
-from hf_reference import cached_greedy
-from multiproc import RankPool, world_collectives
+from multiproc import RankPool
 from PIL import Image
-from test_tp_exact import decode_steps
 from tiny_llava import block_image
 from tiny_qwen_vl import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, write_tiny_qwen_vl
+from vl_checks import (
+    check_batch_equals_solo,
+    check_logits_and_greedy,
+    check_tp2_equals_tp1,
+    image_of,
+)
 
-from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.mrope import prompt_positions, span_rope
 from tpserve.ranks.qwen_vision import load_qwen_vision_tower
@@ -27,8 +29,6 @@ from tpserve.ranks.wire_spans import Span
 from tpserve.server.images import decode_image
 from tpserve.server.qwen_images import QwenPreprocessor
 
-NUM_STEPS = 6
-GREEDY = SamplingParams()
 SIZES = ((61, 83), (40, 34), (130, 20))  # (width, height): 14x10, 6x6 and 22x4 patch grids
 
 
@@ -41,56 +41,11 @@ def patches_of(model_dir: str, data: bytes):
     return QwenPreprocessor.from_model_dir(model_dir).patches(decode_image(data, "image", 1 << 20))
 
 
-def image_of(model_dir: str, data: bytes):
-    """(features, merged (rows, columns)) of one image."""
-    config = load_model_config(model_dir)
-    patches, grid = patches_of(model_dir, data)
-    features = load_qwen_vision_tower(model_dir, config.vision, torch.float32).features(patches, grid)
-    merge = config.vision.spatial_merge_size
-    return features, (grid[1] // merge, grid[2] // merge)
-
-
 def image_prompt(merged, before=(40, 41), after=(50, 51, 52)):
     """Token ids around one image (vision start, its pads, vision end) and where the pads start."""
     rows, cols = merged
     ids = (*before, VISION_START_ID, *[IMAGE_TOKEN_ID] * (rows * cols), VISION_END_ID, *after)
     return ids, len(before) + 1
-
-
-def run_prompts(model_dir, prompts, images, tp_rank=0, tp_size=1, collectives=None, chunk=0):
-    """Prefill `prompts` (images: per prompt, (offset, features or None on a follower, merged grid)
-    or None) in one pass, or one prompt in chunks of `chunk` tokens; then NUM_STEPS greedy rounds."""
-    engine = tiny_engine(model_dir, 1024, tp_rank, tp_size, collectives)
-    spans, media_rows, media, ropes = [], [], [], []
-    for lane, (prompt, image) in enumerate(zip(prompts, images)):
-        open_lane(engine, lane, 200)
-        spans.append((lane, 0, prompt))
-        runs = [] if image is None else [(image[0], image[2])]
-        ropes.append(span_rope(prompt_positions(len(prompt), runs), 0, len(prompt)))
-        rows = [] if image is None else list(range(image[0], image[0] + image[2][0] * image[2][1]))
-        media_rows.append(rows)
-        if image is not None and tp_rank == 0:
-            media.append(image[1])
-    if chunk:
-        (prompt,), (rows,), (image,) = prompts, media_rows, images
-        axes = prompt_positions(len(prompt), [(image[0], image[2])])
-        for start in range(0, len(prompt), chunk):
-            end = min(start + chunk, len(prompt))
-            here = [r for r in rows if start <= r < end]
-            rope = span_rope(axes, start, end)
-            feats = image[1][here[0] - rows[0] : here[-1] - rows[0] + 1] if here and tp_rank == 0 else None
-            logits = engine.forward(
-                [(0, start, prompt[start:end])],
-                media_rows=[[r - start for r in here]],
-                media=feats,
-                rope=[rope],
-            )
-    else:
-        logits = engine.forward(
-            spans, media_rows=media_rows, media=torch.cat(media) if media else None, rope=ropes
-        )
-    positions = [len(p) for p in prompts]
-    return decode_steps(engine, logits, positions, [GREEDY] * len(prompts), tp_rank, tp_size, NUM_STEPS)
 
 
 def test_preprocessing_matches_transformers_qwen2vl_processor(qwen_dir):
@@ -126,51 +81,18 @@ def test_logits_and_greedy_tokens_match_transformers(qwen_dir):
     data = block_image(1, SIZES[0])
     features, merged = image_of(qwen_dir, data)
     prompt, offset = image_prompt(merged)
-    ours_logits, ours_tokens = run_prompts(qwen_dir, [prompt], [(offset, features, merged)])
     reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
     inputs = Qwen2VLImageProcessorPil.from_pretrained(qwen_dir)(
         images=Image.open(io.BytesIO(data)), return_tensors="pt"
     )
-    ids = torch.tensor([prompt])
-    theirs_logits, theirs_tokens = cached_greedy(
-        reference,
-        NUM_STEPS,
-        input_ids=ids,
-        pixel_values=inputs["pixel_values"],
-        image_grid_thw=inputs["image_grid_thw"],
-        mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-    )
-    torch.testing.assert_close(ours_logits[:, 0], theirs_logits, rtol=0, atol=1e-4)
-    assert [step[0] for step in ours_tokens] == theirs_tokens
-    # In chunks that cut the image (a long prompt's prefill, or a cached prefix, does).
-    chunked, chunked_tokens = run_prompts(qwen_dir, [prompt], [(offset, features, merged)], chunk=11)
-    torch.testing.assert_close(chunked[:, 0], theirs_logits, rtol=0, atol=1e-4)
-    assert chunked_tokens == ours_tokens
-    # The multimodal positions changed the logits: plain 1-D positions give others.
-    flat_logits, _ = run_prompts(qwen_dir, [prompt], [(offset, features, (1, merged[0] * merged[1]))])
-    assert (flat_logits[0, 0] - ours_logits[0, 0]).abs().max() > 1e-3
+    image = (offset, features, merged)
+    check_logits_and_greedy(qwen_dir, reference, inputs, prompt, image, IMAGE_TOKEN_ID)
 
 
 def test_a_batch_with_and_without_images_equals_each_solo_run(qwen_dir):
     torch.set_num_threads(1)
     first = image_of(qwen_dir, block_image(1, SIZES[0]))
-    second = image_of(qwen_dir, block_image(2, SIZES[2]))
-    one, one_at = image_prompt(first[1])
-    two, two_at = image_prompt(second[1], before=(60,) * 7, after=(61,))
-    prompts = [one, (70, 71, 72, 73, 74), two]
-    images = [(one_at, first[0], first[1]), None, (two_at, second[0], second[1])]
-    together, _ = run_prompts(qwen_dir, prompts, images)
-    for lane, (prompt, image) in enumerate(zip(prompts, images)):
-        alone, _ = run_prompts(qwen_dir, [prompt], [image])
-        assert torch.equal(together[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
-
-
-def _tp2(ctx, model_dir, prompts, images):
-    torch.set_num_threads(1)
-    collectives = world_collectives(ctx, "gloo")
-    if ctx.rank:  # a follower holds no features: only where they go and the positions
-        images = [None if i is None else (i[0], None, i[2]) for i in images]
-    return run_prompts(model_dir, prompts, images, ctx.rank, 2, collectives)
+    check_batch_equals_solo(qwen_dir, image_prompt, first, image_of(qwen_dir, block_image(2, SIZES[2])))
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +103,7 @@ def pool():
 
 def test_tp2_equals_tp1_bit_for_bit_with_images(pool, qwen_dir):
     torch.set_num_threads(1)
-    features, merged = image_of(qwen_dir, block_image(4, SIZES[0]))
-    prompt, offset = image_prompt(merged)
-    prompts, images = [prompt, (70, 71, 72)], [(offset, features, merged), None]
-    solo_logits, solo_tokens = run_prompts(qwen_dir, prompts, images)
-    pair_logits, pair_tokens = pool.run(_tp2, qwen_dir, prompts, images, timeout_s=120)[0]
-    assert pair_tokens == solo_tokens
-    torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
+    check_tp2_equals_tp1(qwen_dir, image_prompt, image_of(qwen_dir, block_image(4, SIZES[0])), pool)
 
 
 def test_rope_positions_travel_on_the_wire_and_a_wrong_count_is_refused():

@@ -8,11 +8,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from daemon import running_daemon
-from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from PIL import Image
 from tiny_llava import block_image
@@ -21,12 +19,10 @@ from tokenizers import Tokenizer
 from vision_requests import (
     MAX_TOKENS,
     VISION_ARGS,
-    ask,
     check_beside_images,
+    check_broken_and_sliver_images,
     check_cache_across_images,
     check_transformers_greedy,
-    corrupted,
-    generate,
 )
 
 SIZE = (61, 83)  # a 14x10 patch grid: 35 image positions in windows cut by the edges
@@ -84,14 +80,4 @@ def test_replies_beside_images_equal_their_solo_runs(served):
 
 
 def test_broken_and_sliver_images_fail_their_own_request_only(served):
-    good = block_image(51, SIZE)
-    for data in corrupted(good, 20):
-        reply = generate(served, ask(data))
-        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
-    sliver = io.BytesIO()
-    Image.new("RGB", (1, 250)).save(sliver, format="PNG")
-    refused = generate(served, ask(sliver.getvalue()))
-    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "more than 200 times as long as it is wide" in refused.details
-    assert served.health() == health_pb2.HealthCheckResponse.SERVING
-    assert generate(served, ask(good)).ok
+    check_broken_and_sliver_images(served, block_image(51, SIZE))

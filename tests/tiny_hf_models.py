@@ -30,6 +30,21 @@ SMALL = {
     "pad_token_id": 0,
     "tie_word_embeddings": False,
 }
+# GLM-4.5's mixture (GLM-4.5V's text model too: tests/tiny_glm4v.py): a dense first layer, then 8
+# experts in 4 groups (the best 2 kept, top 3 of theirs) of an odd width (18), two shared experts (36
+# wide: 18 + 18 a piece), the routed weights scaled, q/k/v biases
+GLM4_MOE = {
+    "num_hidden_layers": 3,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 18,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "attention_bias": True,
+}
 FAMILIES = {
     "phi3": lambda **kw: transformers.Phi3Config(**(SMALL | kw)),
     # longrope within its original context: the short factors (head_dim 16: 8 of them)
@@ -162,24 +177,7 @@ FAMILIES = {
     # an odd width (18), two shared experts (36 wide: 18 + 18 a piece), the routed weights scaled,
     # q/k norms, q/k/v biases, rotary on half of each head
     "glm4-moe": lambda **kw: transformers.Glm4MoeConfig(
-        **(
-            SMALL
-            | {
-                "num_hidden_layers": 3,
-                "head_dim": 16,
-                "n_routed_experts": 8,
-                "num_experts_per_tok": 3,
-                "moe_intermediate_size": 18,
-                "n_group": 4,
-                "topk_group": 2,
-                "n_shared_experts": 2,
-                "first_k_dense_replace": 1,
-                "routed_scaling_factor": 2.5,
-                "use_qk_norm": True,
-                "attention_bias": True,
-            }
-            | kw
-        )
+        **(SMALL | GLM4_MOE | {"head_dim": 16, "use_qk_norm": True} | kw)
     ),
 }
 

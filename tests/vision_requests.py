@@ -6,11 +6,17 @@ bytes."""
 
 from __future__ import annotations
 
+import base64
+import io
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+import httpx
 from daemon import Reply, read_reply
+from grpc_health.v1 import health_pb2
+from PIL import Image
 from tiny_llava import block_image
 
 from tpserve.v1 import serving_pb2
@@ -104,3 +110,42 @@ def check_beside_images(daemon, size: tuple[int, int], other_size: tuple[int, in
         ask(block_image(31, size), "the quick brown fox"),
     ]
     check_batched(daemon, requests)
+
+
+def check_broken_and_sliver_images(daemon, good: bytes) -> None:
+    """Corrupted copies of `good` each read or fail alone with INVALID_ARGUMENT, a 1x250 sliver is
+    refused for its aspect, and the daemon serves on."""
+    for data in corrupted(good, 20):
+        reply = generate(daemon, ask(data))
+        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
+    sliver = io.BytesIO()
+    Image.new("RGB", (1, 250)).save(sliver, format="PNG")
+    refused = generate(daemon, ask(sliver.getvalue()))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 200 times as long as it is wide" in refused.details
+    assert daemon.health() == health_pb2.HealthCheckResponse.SERVING
+    assert generate(daemon, ask(good)).ok
+
+
+def http_chat(daemon, kind: str, mime_type: str, data: bytes, text: str = "what") -> httpx.Response:
+    """One greedy chat over HTTP with a media part (kind "image" or "video") as a data: URL."""
+    url = f"data:{mime_type};base64," + base64.b64encode(data).decode()
+    content = [{"type": f"{kind}_url", f"{kind}_url": {"url": url}}, {"type": "text", "text": text}]
+    body = {
+        "model": daemon.model_name,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,  # gRPC's unset
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+    return httpx.post(f"{daemon.http_url}/chat/completions", json=body, timeout=60)
+
+
+def check_broken_videos(daemon, good: bytes, ask_video) -> None:
+    """Corrupted copies of the video `good` (asked by ask_video) each read or fail alone with
+    INVALID_ARGUMENT, and the daemon serves on."""
+    for data in corrupted(good, 12):
+        reply = generate(daemon, ask_video(data))
+        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
+    assert daemon.health() == health_pb2.HealthCheckResponse.SERVING
+    assert generate(daemon, ask_video(good)).ok

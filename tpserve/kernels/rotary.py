@@ -58,17 +58,23 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -
     return mixed, attention_factor
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """The order of a head's dims [head_dim] under which a partial rotary is rotate-half over the
     whole head: new dim j holds old dim order[j].
 
     A partial rotary (GLM-4.5's) turns pairs (i, i + R/2) of the first R dims and leaves the rest;
-    rotate-half over D turns pairs (j, j + D/2). With q's and k's dims reordered alike (their dot
+    an interleaved one (GLM-4's and GLM-4.1V's, transformers' rotate_half_llm) turns pairs (2i, 2i + 1).
+    Rotate-half over D turns pairs (j, j + D/2). With q's and k's dims reordered alike (their dot
     products unchanged), the rotating pairs sit at (j, j + D/2) for j < R/2 and the resting dims pair
     with each other at rate zero (cos 1, sin 0: unchanged), so every attention kernel serves it."""
+    rotary_dim = rotary_dim or head_dim
     half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    first = [*range(half), *range(rotary_dim, rotary_dim + rest)]
-    second = [*range(half, rotary_dim), *range(rotary_dim + rest, head_dim)]
+    if interleaved:
+        firsts, seconds = range(0, rotary_dim, 2), range(1, rotary_dim, 2)
+    else:
+        firsts, seconds = range(half), range(half, rotary_dim)
+    first = [*firsts, *range(rotary_dim, rotary_dim + rest)]
+    second = [*seconds, *range(rotary_dim + rest, head_dim)]
     return torch.tensor(first + second)
 
 

@@ -10,6 +10,7 @@ from tpserve.kernels.collectives import Collectives
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import ModelConfig, load_model_config
 from tpserve.ranks.model_gemma3 import Gemma3Model
+from tpserve.ranks.model_glm4v import Glm4vModel
 from tpserve.ranks.model_gpt_oss import GptOssModel
 from tpserve.ranks.settings import DTYPE_NAMES
 from tpserve.ranks.sharding import pieces_of_rank
@@ -18,7 +19,7 @@ from tpserve.ranks.weights import read_rank_weights
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # name -> torch dtype
 # Families whose decoder differs from the Llama-style one (tpserve/ranks/model.py) beyond its pieces' shape.
-FAMILY_MODELS = {"gemma3": Gemma3Model, "gpt_oss": GptOssModel}
+FAMILY_MODELS = {"gemma3": Gemma3Model, "gpt_oss": GptOssModel, "glm4v": Glm4vModel}
 
 
 def load_rank_model(

@@ -133,7 +133,7 @@ class TPModel:
     ):
         self.config = config
         self.pieces = pieces
-        if config.rotary_dim:  # q's and k's head dims reordered before they are packed
+        if config.rotary_dim or config.rotary_interleaved:  # q's and k's head dims reordered before packing
             reorder_heads(config, weights, pieces)
         self.tp_rank, self.tp_size, self.collectives = tp_rank, tp_size, collectives
         self.replicated = weights.replicated
@@ -180,7 +180,7 @@ class TPModel:
         section = getattr(config.vision, "mrope_section", None)  # a Qwen-VL's positions are (t, h, w)
         interleaved = getattr(config.vision, "mrope_interleaved", False)
         self.rotary = (
-            MRotary(section, *rotary_args, interleaved=interleaved)
+            MRotary(section, *rotary_args, interleaved=interleaved, rotary_dim=config.rotary_dim)
             if section
             else Rotary(*rotary_args, rotary_dim=config.rotary_dim)
         )
@@ -347,6 +347,22 @@ class TPModel:
         h = h + self._attention_block(index, pieces, x, plan, kv)
         x = rms_norm(h, replicated[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         return h + self._mlp_block(index, pieces, x, plan)
+
+    def _normed_layer(
+        self, index: int, pieces, h, plan: PassPlan, kv, norms: tuple[str, ...]
+    ) -> torch.Tensor:
+        """A layer whose attention and MLP are each normed before and after, each then added to the
+        residual (Gemma 3's, GLM-4.1V's); norms: the four norms' names (before the attention, after it,
+        before the MLP, after it)."""
+
+        def norm(name: str, x: torch.Tensor) -> torch.Tensor:
+            weight = self.replicated[f"model.layers.{index}.{name}.weight"]
+            return rms_norm(x, weight, self.config.rms_norm_eps)
+
+        x = norm(norms[0], h)
+        h = h + norm(norms[1], self._attention_block(index, pieces, x, plan, kv))
+        x = norm(norms[2], h)
+        return h + norm(norms[3], self._mlp_block(index, pieces, x, plan))
 
     def _attention_block(self, index: int, pieces: list[PieceLayer], x, plan: PassPlan, kv) -> torch.Tensor:
         """Layer `index`'s attention of normed x over its pieces, all-reduced: [rows, hidden]."""

@@ -11,6 +11,11 @@ from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_config import Gemma3Shape, global_and_local_rope, parse_gemma3
+from tpserve.ranks.glm4v_vision_config import (
+    GLM4V_ARCHITECTURES,
+    Glm4vVisionConfig,
+    parse_glm4v_vision_config,
+)
 from tpserve.ranks.idefics3_config import (
     IDEFICS3_ARCHITECTURES,
     TEXT_DEFAULTS,
@@ -85,7 +90,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     architecture: str = ""
     # a vision-language model's tower, projector and media tokens (a Qwen-VL's: mrope in the text model)
-    vision: VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Idefics3VisionConfig | None = None
+    vision: (
+        VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Idefics3VisionConfig | Glm4vVisionConfig | None
+    ) = None
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
     sliding_window: int | None = None  # a window some layers attend within (tpserve/ranks/unsupported.py)
     windows: tuple[int, ...] = ()  # each layer's window, 0 for a full-attention layer (() none slides)
@@ -95,6 +102,7 @@ class ModelConfig:
     sinks: bool = False  # a sink logit per query head in every softmax (gpt-oss)
     # the leading dims of a head that rotate (GLM-4.5's half, Phi-4-mini's 3/4; 0: all of them)
     rotary_dim: int = 0
+    rotary_interleaved: bool = False  # the rotating dims pair as (2i, 2i + 1) (GLM-4.1V's text model)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -141,6 +149,9 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
     qwen3_vl = next((a for a in architectures if a in QWEN3_VL_ARCHITECTURES), None)
     if qwen3_vl is not None:
         return _parse_qwen3_vl(raw, qwen3_vl, path)
+    glm4v = next((a for a in architectures if a in GLM4V_ARCHITECTURES), None)
+    if glm4v is not None:
+        return _parse_glm4v(raw, glm4v, path)
     vision_arch = next(
         (a for a in architectures if a in VISION_ARCHITECTURES or a in IDEFICS3_ARCHITECTURES), None
     )
@@ -156,6 +167,7 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
                 *QWEN_VL_ARCHITECTURES,
                 *QWEN3_VL_ARCHITECTURES,
                 *IDEFICS3_ARCHITECTURES,
+                *GLM4V_ARCHITECTURES,
             )
         )
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
@@ -216,6 +228,35 @@ def _parse_qwen3_vl(raw: dict, architecture: str, path: str | Path) -> ModelConf
     return replace(config, vision=vision)
 
 
+def _parse_glm4v(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
+    """GLM-4.1V: a GLM-4 decoder (q/k/v biases, a norm on the attention's and the MLP's outputs too:
+    tpserve/ranks/model_glm4v.py) whose partial rotary pairs its dims interleaved and is multimodal, its
+    sections in runs (t, h, w), and the ViT (tpserve/ranks/glm4v_vision.py). GLM-4.5V: the same tower
+    before GLM-4.5's decoder (tpserve/ranks/moe_config.py; rotate-half over its partial rotary), its
+    positions multimodal as 4.1V's. transformers 5 writes the sections in rope_parameters; a
+    transformers 4 config in rope_scaling, of type "default"."""
+    moe = architecture == "Glm4vMoeForConditionalGeneration"
+    text = dict(raw.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    scaling = text.pop("rope_scaling", None) or {}
+    if scaling.get("type", scaling.get("rope_type", "default")) != "default":
+        raise ModelFileError(path, f"{architecture}: rope scaling {scaling!r} is not implemented")
+    if moe:
+        config = _parse_text(text, "glm4_moe", architecture, path)
+    else:
+        text.pop("attention_bias", None)  # Glm4vTextAttention biases q, k and v whatever it says, never o
+        config = replace(_parse_text(text, "glm4v", architecture, path), rotary_interleaved=True)
+    rope = {**scaling, **(text.get("rope_parameters") or {})}
+    vision = parse_glm4v_vision_config(
+        raw, {"rope_parameters": rope}, config.rotary_dim or config.head_dim, path, moe
+    )
+    if vision.out_hidden_size != config.hidden_size:
+        raise ModelFileError(path, "vision_config.out_hidden_size is not the text model's hidden_size")
+    return replace(config, vision=vision)
+
+
 def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> ModelConfig:
 
     def need(key: str, kind: type = int):
@@ -267,7 +308,7 @@ def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> 
         rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2"
+        qkv_bias=family in ("qwen2", "glm4v")
         or (family == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
         or bool(raw.get("attention_bias", False)),
         o_bias=family == "gpt_oss" and bool(raw.get("attention_bias", False)),

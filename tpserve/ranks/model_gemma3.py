@@ -22,10 +22,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tpserve.kernels.norms import rms_norm
 from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.kernels.rotary import Rotary
 from tpserve.ranks.model import PassPlan, PieceLayer, TPModel
+
+# Before the attention, after it, before the MLP, after it
+NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 class Gemma3Model(TPModel):
@@ -51,15 +58,7 @@ class Gemma3Model(TPModel):
 
     def _layer(self, index: int, pieces: list[PieceLayer], h, plan: PassPlan, kv) -> torch.Tensor:
         """Attention and MLP, each normed before and after, each added to the residual."""
-
-        def norm(name: str, x: torch.Tensor) -> torch.Tensor:
-            weight = self.replicated[f"model.layers.{index}.{name}.weight"]
-            return rms_norm(x, weight, self.config.rms_norm_eps)
-
-        x = norm("input_layernorm", h)
-        h = h + norm("post_attention_layernorm", self._attention_block(index, pieces, x, plan, kv))
-        x = norm("pre_feedforward_layernorm", h)
-        return h + norm("post_feedforward_layernorm", self._mlp_block(index, pieces, x, plan))
+        return self._normed_layer(index, pieces, h, plan, kv, NORMS)
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor | None:
         logits = super()._logits(last)

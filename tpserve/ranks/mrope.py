@@ -107,10 +107,14 @@ class MRotary(Rotary):
     def __init__(self, section: Sequence[int], *args, interleaved: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         half = self.cos.shape[-1] // 2
-        axis = section_axes(section, interleaved)  # [half]
+        rotating = (kwargs.get("rotary_dim") or 2 * half) // 2
+        if sum(section) != rotating:
+            raise ValueError(
+                f"mrope_section {list(section)} does not sum to the rotary's {rotating} frequencies"
+            )
+        # A partial rotary's resting columns (cos 1, sin 0 at every position) read axis t.
+        axis = torch.cat([section_axes(section, interleaved), torch.zeros(half - rotating, dtype=torch.long)])
         self.axis = torch.cat([axis, axis]).to(self.cos.device)  # which axis turns each column
-        if self.axis.numel() != 2 * half:
-            raise ValueError(f"mrope_section {list(section)} does not sum to head_dim / 2 ({half})")
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:

@@ -1,5 +1,6 @@
 """A partial rotary (GLM-4.5's half of each head, Phi-4-mini's three quarters): rotate-half over a
-head's first `rotary_dim` dims only, the rest passed through, as transformers computes it.
+head's first `rotary_dim` dims only, the rest passed through, as transformers computes it; or GLM-4.1V's,
+whose rotating dims pair up interleaved, (2i, 2i + 1).
 
 The kernels serve it as a whole-head rotary: q's and k's head dims (their projections' rows, biases
 and norms) are reordered once at load, before packing, so that the rotating pairs are rotate-half's
@@ -22,7 +23,7 @@ from tpserve.ranks.int8_tensors import Int8Values
 
 def reorder_heads(config, weights, pieces) -> None:
     """Every q and k head's dims (their projections' rows, biases and norms) in partial_rotary_order."""
-    order = partial_rotary_order(config.head_dim, config.rotary_dim)
+    order = partial_rotary_order(config.head_dim, config.rotary_dim, config.rotary_interleaved)
     for layer in range(config.num_layers):
         attn = f"model.layers.{layer}.self_attn."
         for kind in "qk":

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpserve.ranks.errors import ModelFileError
+from tpserve.ranks.qwen_vision_config import PatchGrid, grid_fields, vision_rope_theta
 
 QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
 QWEN3_VISION_DEFAULTS = {
@@ -30,7 +31,7 @@ ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 
 
 @dataclass(frozen=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(PatchGrid):
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -57,17 +58,8 @@ class Qwen3VisionConfig:
         return len(self.deepstack_visual_indexes)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def position_side(self) -> int:
         return math.isqrt(self.num_position_embeddings)
-
-    @property
-    def patch_values(self) -> int:
-        """Values in one flattened patch, as the processor writes them: C * T * P * P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 def parse_qwen3_vision_config(raw: dict, text: dict, head_dim: int, path: str | Path) -> Qwen3VisionConfig:
@@ -98,18 +90,11 @@ def parse_qwen3_vision_config(raw: dict, text: dict, head_dim: int, path: str | 
     if not isinstance(image_token_id, int):
         raise ModelFileError(path, "missing 'image_token_id'")
     return Qwen3VisionConfig(
-        depth=int(vision["depth"]),
-        hidden_size=int(vision["hidden_size"]),
-        intermediate_size=int(vision["intermediate_size"]),
-        num_heads=int(vision["num_heads"]),
-        in_channels=int(vision["in_channels"]),
-        patch_size=int(vision["patch_size"]),
-        temporal_patch_size=int(vision["temporal_patch_size"]),
-        spatial_merge_size=int(vision["spatial_merge_size"]),
+        **grid_fields(vision),
         num_position_embeddings=int(vision["num_position_embeddings"]),
         deepstack_visual_indexes=indexes,
         hidden_act=vision["hidden_act"],
-        rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=vision_rope_theta(vision),
         out_hidden_size=int(vision["out_hidden_size"]),
         image_token_id=image_token_id,
         video_token_id=raw.get("video_token_id", text.get("video_token_id")),

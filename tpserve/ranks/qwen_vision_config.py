@@ -26,10 +26,50 @@ QWEN_VISION_DEFAULTS = {
     "fullatt_block_indexes": [7, 15, 23, 31],
 }
 ACTIVATIONS = ("silu", "gelu")
+# The tower's shape, in every Qwen-VL-style vision_config (Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's)
+GRID_KEYS = (
+    "depth",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "in_channels",
+    "patch_size",
+    "temporal_patch_size",
+    "spatial_merge_size",
+)
+
+
+def grid_fields(vision: dict) -> dict[str, int]:
+    """GRID_KEYS' values as ints (in_channels also under transformers 4's name, in_chans)."""
+    renamed = {"in_channels": "in_chans"} if "in_chans" in vision else {}
+    return {key: int(vision[renamed.get(key, key)]) for key in GRID_KEYS}
+
+
+def vision_rope_theta(vision: dict) -> float:
+    return float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
+class PatchGrid:
+    """What a Qwen-VL-style tower's config derives from its shape (GRID_KEYS)."""
+
+    hidden_size: int
+    num_heads: int
+    in_channels: int
+    temporal_patch_size: int
+    patch_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_values(self) -> int:
+        """Values in one flattened patch, as the processor writes them: C * T * P * P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 @dataclass(frozen=True)
-class QwenVisionConfig:
+class QwenVisionConfig(PatchGrid):
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -49,15 +89,6 @@ class QwenVisionConfig:
     mrope_section: tuple[int, ...]  # the text rotary's frequencies per axis (t, h, w)
     mrope_interleaved: bool = False  # Qwen2.5-VL's sections are runs: all t, then h, then w
     num_deepstack: int = 0  # no features are added past the embedding (Qwen3-VL's deepstack)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_values(self) -> int:
-        """Values in one flattened patch, as the processor writes them: C * T * P * P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     def tokens_for(self, grid: tuple[int, int, int]) -> int:
         """Text positions an image (or video) of patch grid (t, h, w) takes after the 2x2 merge."""
@@ -83,21 +114,13 @@ def parse_qwen_vision_config(raw: dict, text: dict, head_dim: int, path: str | P
     image_token_id = raw.get("image_token_id", text.get("image_token_id"))
     if not isinstance(image_token_id, int):
         raise ModelFileError(path, "missing 'image_token_id'")
-    vision_rope = vision.get("rope_parameters") or {}
     return QwenVisionConfig(
-        depth=int(vision["depth"]),
-        hidden_size=int(vision["hidden_size"]),
-        intermediate_size=int(vision["intermediate_size"]),
-        num_heads=int(vision["num_heads"]),
-        in_channels=int(vision.get("in_chans", vision["in_channels"])),
-        patch_size=int(vision["patch_size"]),
-        temporal_patch_size=int(vision["temporal_patch_size"]),
-        spatial_merge_size=int(vision["spatial_merge_size"]),
+        **grid_fields(vision),
         window_size=int(vision["window_size"]),
         fullatt_block_indexes=tuple(int(i) for i in vision["fullatt_block_indexes"]),
         hidden_act=vision["hidden_act"],
         tokens_per_second=float(vision["tokens_per_second"]),
-        rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+        rope_theta=vision_rope_theta(vision),
         out_hidden_size=int(vision["out_hidden_size"]),
         image_token_id=image_token_id,
         video_token_id=raw.get("video_token_id", text.get("video_token_id")),

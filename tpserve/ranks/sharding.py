@@ -73,6 +73,8 @@ SHARDING_TABLE: dict[str, tuple[Split, str | None]] = {
     "post_attention_layernorm.weight": (Split.REPLICATED, None),
     "pre_feedforward_layernorm.weight": (Split.REPLICATED, None),  # Gemma 3's MLP norms
     "post_feedforward_layernorm.weight": (Split.REPLICATED, None),
+    "post_self_attn_layernorm.weight": (Split.REPLICATED, None),  # GLM-4.1V's output norms
+    "post_mlp_layernorm.weight": (Split.REPLICATED, None),
     "norm.weight": (Split.REPLICATED, None),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

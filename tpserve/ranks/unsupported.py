@@ -32,8 +32,6 @@ REFUSED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "logit soft-capping and alternating sliding-window layers",
     # Qwen3-VL's dense model is computed (tpserve/ranks/qwen3_vision.py); its MoE text model is not.
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts text model (with deepstack features)",
-    "Glm4vForConditionalGeneration": "GLM-4.1V's vision tower and its 3-D rotary positions",
-    "Glm4vMoeForConditionalGeneration": "GLM-4.5V's vision tower, 3-D rotary positions and mixture of experts",
 }
 # Families whose configs turn a sliding window on with a flag (transformers' Qwen2 and Qwen3:
 # `use_sliding_window`); in the others a `sliding_window` set is a window in force.
@@ -45,7 +43,7 @@ LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe", "gemma3", "gpt_oss")
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 # Families whose partial rotary is computed (tpserve/ranks/partial_rotary.py), and transformers'
 # default partial_rotary_factor for each
-PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0}
+PARTIAL_ROTARY = {"glm4_moe": 0.5, "phi3": 1.0, "glm4v": 1.0}
 WINDOWLESS = ("llama", "glm4_moe")  # transformers' have no sliding window, whatever the config carries
 ACTIVATIONS = ("silu", "swish")  # SwiGLU's
 # Layer kinds tpserve computes: full causal attention, and causal within a sliding window.

@@ -70,6 +70,8 @@ def required_names(config: ModelConfig) -> list[str]:
     per_layer += ["self_attn.sinks"] if config.sinks else []
     if config.gemma3 is not None:  # norms around the MLP too
         per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    if config.family == "glm4v":  # norms on the attention's and the MLP's outputs
+        per_layer += ["post_self_attn_layernorm.weight", "post_mlp_layernorm.weight"]
     moe = config.moe
     for layer in range(config.num_layers):
         names += [f"model.layers.{layer}.{leaf}" for leaf in per_layer]

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from tpserve.ranks.deadline import leave_after
+from tpserve.ranks.glm4v_vision_config import Glm4vVisionConfig
 from tpserve.ranks.idefics3_config import Idefics3VisionConfig
 from tpserve.ranks.leader import Leader
 from tpserve.ranks.loader import DTYPES
@@ -155,7 +156,7 @@ def _vision_input(
         runtime.device,
     )
     encode_text = functools.partial(tokenizer.encode, add_bos=False)
-    if isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig)):
+    if isinstance(runtime.config.vision, (QwenVisionConfig, Qwen3VisionConfig, Glm4vVisionConfig)):
         return QwenVisionInput.from_model_dir(*args, encode_text=encode_text)
     if isinstance(runtime.config.vision, Idefics3VisionConfig):
         return Idefics3VisionInput.from_model_dir(*args, encode_text=encode_text)

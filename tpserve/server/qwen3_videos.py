@@ -15,7 +15,7 @@ after the text "<{seconds:.1f} seconds>": the mean of its first and last frame's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -86,6 +86,25 @@ class Qwen3VideoPreprocessor(VideoSampling):
         seconds = tuple((times[i] + times[i + patch - 1]) / 2 for i in range(0, len(times), patch))
         grid = (len(padded) // patch, size[0] // pre.patch_size, size[1] // pre.patch_size)
         return Qwen3VideoPlan(indices, size, grid, seconds)
+
+    def expansion(
+        self,
+        plan: Qwen3VideoPlan,
+        config,
+        encode_text: Callable[[str], list[int]],
+        ids: Sequence[int],
+        index: int,
+    ) -> tuple[int, int, list[int], list[int]]:
+        """The template's video pad at ids[index] -> the span of ids it replaces (the template's vision
+        start and end around it too, as Qwen3VLProcessor collapses them), its tokens and where each
+        patch's pads start among them."""
+        start_id, end_id = config.vision_start_token_id, config.vision_end_token_id
+        tokens, starts = timed_frames(
+            plan, config.spatial_merge_size, encode_text, start_id, config.video_token_id, end_id
+        )
+        wrapped = 0 < index < len(ids) - 1 and ids[index - 1] == start_id and ids[index + 1] == end_id
+        first, last = (index - 1, index + 2) if wrapped else (index, index + 1)
+        return first, last, tokens, starts
 
     def patches(self, frames: list[np.ndarray]) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Prepared frames (each [3, H, W]) -> patches [t * gh * gw, 3 * T * P * P] and the grid (t, gh, gw)."""

@@ -25,21 +25,24 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # transformers' defaults
 MAX_ASPECT = 200
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1
+) -> tuple[int, int]:
     """(height, width) divisible by `factor`, the pixel count within bounds, the aspect kept as
-    nearly as may be; transformers' rule, rounding included."""
+    nearly as may be; transformers' rule, rounding included. GLM-4.1V's bounds count the `frames`
+    of a temporal patch (an image's too), Qwen-VL's one frame."""
     if max(height, width) / min(height, width) > MAX_ASPECT:
         raise RequestRefused(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"an image of {width}x{height} is more than {MAX_ASPECT} times as long as it is wide",
         )
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    if frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar

@@ -1,7 +1,8 @@
-"""Rank 0's image and video inputs for a Qwen2.5-VL or Qwen3-VL model: as tpserve/server/vision_input.py's
-for LLaVA, except that a part's token count follows its size (smart resize to the patch grid, then the 2x2
-merge) and, for a video, its frames (two per temporal patch; Qwen3-VL puts each patch apart, after its
-time in text: tpserve/server/qwen3_videos.py).
+"""Rank 0's image and video inputs for a Qwen2.5-VL, Qwen3-VL or GLM-4.1V (and GLM-4.5V) model: as
+tpserve/server/vision_input.py's for LLaVA, except that a part's token count follows its size (smart
+resize to the patch grid, then the 2x2 merge) and, for a video, its frames (two per temporal patch;
+Qwen3-VL and GLM put each patch apart, with its time in text: tpserve/server/qwen3_videos.py,
+tpserve/server/glm4v_videos.py).
 
 The chat template writes one image pad (or video pad) token per part; each becomes the merged grid's
 frames * rows * columns positions, which the part's header alone says (no pixel or frame is decoded
@@ -19,13 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from tpserve.ranks.glm4v_vision import Glm4vVisionTower, load_glm4v_vision_tower
+from tpserve.ranks.glm4v_vision_config import Glm4vVisionConfig
 from tpserve.ranks.model_config import ModelConfig
 from tpserve.ranks.qwen3_vision import Qwen3VisionTower, load_qwen3_vision_tower
 from tpserve.ranks.qwen3_vision_config import Qwen3VisionConfig
 from tpserve.ranks.qwen_vision import QwenVisionTower, load_qwen_vision_tower
+from tpserve.server.glm4v_images import Glm4vPreprocessor
+from tpserve.server.glm4v_videos import Glm4vVideoPreprocessor
 from tpserve.server.images import decode_image, header_size
 from tpserve.server.media_checks import is_video
-from tpserve.server.qwen3_videos import Qwen3VideoPreprocessor, timed_frames
+from tpserve.server.qwen3_videos import Qwen3VideoPreprocessor
 from tpserve.server.qwen_images import QwenPreprocessor
 from tpserve.server.qwen_videos import QwenVideoPreprocessor, VideoPlan
 from tpserve.server.requests import PromptImage
@@ -39,7 +44,7 @@ DEFAULT_LIMITS = Limits(context_size=0, vocab_size=0)  # the media limits' defau
 class QwenVisionInput:
     def __init__(
         self,
-        tower: QwenVisionTower | Qwen3VisionTower,
+        tower: QwenVisionTower | Qwen3VisionTower | Glm4vVisionTower,
         preprocessor: QwenPreprocessor,
         image_token: str,
         video: QwenVideoPreprocessor | None = None,
@@ -67,8 +72,19 @@ class QwenVisionInput:
         encode_text: Callable[[str], list[int]] | None = None,
     ):
         """encode_text: the tokenizer's encode without BOS (Qwen3-VL writes each video frame's time)."""
-        preprocessor = QwenPreprocessor.from_model_dir(model_dir)
         vision = config.vision
+        if isinstance(vision, Glm4vVisionConfig):
+            tower = load_glm4v_vision_tower(model_dir, vision, dtype, device)
+            preprocessor = Glm4vPreprocessor.from_model_dir(model_dir)
+            if vision.video_token_id is None:
+                return cls(tower, preprocessor, image_token)
+            if encode_text is None:
+                raise ValueError(
+                    "a GLM-4.1V model's video inputs need encode_text (each frame's time is text)"
+                )
+            timed_video = Glm4vVideoPreprocessor.from_model_dir(model_dir)
+            return cls(tower, preprocessor, image_token, None, timed_video, encode_text)
+        preprocessor = QwenPreprocessor.from_model_dir(model_dir)
         if isinstance(vision, Qwen3VisionConfig):
             tower = load_qwen3_vision_tower(model_dir, vision, dtype, device)
             timed = None not in (
@@ -148,18 +164,14 @@ class QwenVisionInput:
         return out + list(ids[at:]), placed
 
     def _expand_timed_video(self, ids: Sequence[int], index: int, data: bytes, where: str, limits: Limits):
-        """A Qwen3-VL video's pad at ids[index] -> the span of ids it replaces (the template's vision start
-        and end around it too, as Qwen3VLProcessor collapses them), its tokens and its place (offsets
-        from the span's start)."""
-        cfg = self.tower.config
+        """A Qwen3-VL or GLM-4.1V video's pad at ids[index] -> the span of ids it replaces, its tokens
+        (each temporal patch apart, with its time in text: the family's `expansion`) and its place
+        (offsets from the span's start)."""
         video = demux(data, where, limits)
         plan = self.timed_video.plan(video.header, where)
-        start_id, end_id = cfg.vision_start_token_id, cfg.vision_end_token_id
-        tokens, starts = timed_frames(
-            plan, cfg.spatial_merge_size, self.encode_text, start_id, cfg.video_token_id, end_id
+        first, last, tokens, starts = self.timed_video.expansion(
+            plan, self.tower.config, self.encode_text, ids, index
         )
-        wrapped = 0 < index < len(ids) - 1 and ids[index - 1] == start_id and ids[index + 1] == end_id
-        first, last = (index - 1, index + 2) if wrapped else (index, index + 1)
         return first, last, tokens, PlacedPart(starts[0], video, tuple(starts))
 
     def _read_timed_video(self, data: bytes, place: PlacedPart, where: str) -> list[PromptImage]:
