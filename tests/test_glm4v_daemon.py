@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import vision_requests
 from daemon import running_daemon
 from jinja2 import Template
 from PIL import Image
@@ -149,10 +150,7 @@ def transformers_video_greedy(served, video: bytes) -> list[int]:
 
 
 def ask_video(video: bytes, fmt: str = "mp4") -> serving_pb2.GenerateRequest:
-    request = ask(None, MESSAGES[0]["content"][1]["text"])
-    media = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=video)
-    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
-    return request
+    return vision_requests.ask_video(video, MESSAGES[0]["content"][1]["text"], fmt)
 
 
 def test_a_video_chat_gives_transformers_greedy_tokens_and_hits_the_cache_again(served):

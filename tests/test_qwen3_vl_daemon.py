@@ -14,18 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import vision_requests
 from daemon import running_daemon
 from jinja2 import Template
 from PIL import Image
 from test_qwen3_vl_video import MESSAGES, ours, transformers_prompt, video_input
 from tiny_qwen3_vl import MERGE, write_tiny_qwen3_vl
 from tiny_qwen_vl import CHAT_TEMPLATE, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
-from tiny_video import MIME_TYPES, block_video
+from tiny_video import block_video
 from tokenizers import Tokenizer as RawTokenizer
 from vision_requests import (
     MAX_TOKENS,
     VISION_ARGS,
-    ask,
     check_beside_images,
     check_broken_videos,
     check_cache_across_images,
@@ -109,10 +109,7 @@ def transformers_video_greedy(model_dir: str, video: bytes) -> list[int]:
 
 
 def ask_video(video: bytes, fmt: str = "mp4") -> serving_pb2.GenerateRequest:
-    request = ask(None, MESSAGES[0]["content"][1]["text"])
-    media = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=video)
-    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
-    return request
+    return vision_requests.ask_video(video, MESSAGES[0]["content"][1]["text"], fmt)
 
 
 def test_a_video_chat_gives_transformers_greedy_tokens_and_hits_the_cache_again(served):

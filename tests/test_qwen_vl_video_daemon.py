@@ -19,11 +19,9 @@ from grpc_health.v1 import health_pb2
 from jinja2 import Template
 from test_qwen_vl_video import ours, transformers_inputs
 from tiny_qwen_vl import CHAT_TEMPLATE, MERGE, VIDEO_TOKEN_ID, write_tiny_qwen_vl
-from tiny_video import MIME_TYPES, block_video
+from tiny_video import block_video
 from tokenizers import Tokenizer
-from vision_requests import MAX_TOKENS, VISION_ARGS, ask, corrupted, generate
-
-from tpserve.v1 import serving_pb2
+from vision_requests import MAX_TOKENS, VISION_ARGS, ask, ask_video, corrupted, generate
 
 # Small limits, so each can be passed cheaply.
 LIMITS = {"max_video_bytes": 20000, "max_video_seconds": 5, "max_video_frames": 30, "max_video_pixels": 4096}
@@ -39,15 +37,6 @@ def served(tmp_path_factory):
     ) as daemon:
         daemon.model_dir, daemon.model_name = model_dir, Path(model_dir).name
         yield daemon
-
-
-def ask_video(
-    video: bytes, text: str = "what is in this video", fmt: str = "mp4"
-) -> serving_pb2.GenerateRequest:
-    request = ask(None, text)
-    media = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=video)
-    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
-    return request
 
 
 def transformers_greedy(model_dir: str, video: bytes, text: str, tmp_path: Path) -> list[int]:

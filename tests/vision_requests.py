@@ -18,6 +18,7 @@ from daemon import Reply, read_reply
 from grpc_health.v1 import health_pb2
 from PIL import Image
 from tiny_llava import block_image
+from tiny_video import MIME_TYPES
 
 from tpserve.v1 import serving_pb2
 
@@ -42,6 +43,16 @@ def ask(image: bytes | None, text: str = "what is in this picture", **fields) ->
     if image is not None:
         message.parts.add(media=serving_pb2.Media(mime_type="image/png", data=image))
     message.parts.add(text=text)
+    return request
+
+
+def ask_video(
+    video: bytes, text: str = "what is in this video", fmt: str = "mp4"
+) -> serving_pb2.GenerateRequest:
+    """ask's greedy chat with the video's bytes (`fmt`: mp4 or webm) before the text."""
+    request = ask(None, text)
+    media = serving_pb2.Media(mime_type=MIME_TYPES[fmt], data=video)
+    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
     return request
 
 
