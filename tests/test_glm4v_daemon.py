@@ -28,8 +28,8 @@ from vision_requests import (
     VISION_ARGS,
     ask,
     check_batched,
+    check_broken,
     check_broken_and_sliver_images,
-    check_broken_videos,
     generate,
     http_chat,
     same_then_other,
@@ -173,4 +173,4 @@ def test_a_webm_over_http_is_a_data_url_and_reads_as_over_grpc(served):
 
 
 def test_broken_video_bytes_fail_their_own_request_only(served):
-    check_broken_videos(served, block_video(4, NUM_FRAMES, (40, 34), fps=FPS), ask_video)
+    check_broken(served, block_video(4, NUM_FRAMES, (40, 34), fps=FPS), ask_video, 12)

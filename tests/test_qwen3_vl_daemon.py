@@ -27,7 +27,7 @@ from vision_requests import (
     MAX_TOKENS,
     VISION_ARGS,
     check_beside_images,
-    check_broken_videos,
+    check_broken,
     check_cache_across_images,
     check_transformers_greedy,
     generate,
@@ -142,4 +142,4 @@ def test_a_webm_over_http_is_a_data_url_and_reads_as_over_grpc(served):
 
 
 def test_broken_video_bytes_fail_their_own_request_only(served):
-    check_broken_videos(served, block_video(4, NUM_FRAMES, (40, 34), fps=FPS), ask_video)
+    check_broken(served, block_video(4, NUM_FRAMES, (40, 34), fps=FPS), ask_video, 12)

@@ -124,18 +124,13 @@ def check_beside_images(daemon, size: tuple[int, int], other_size: tuple[int, in
 
 
 def check_broken_and_sliver_images(daemon, good: bytes) -> None:
-    """Corrupted copies of `good` each read or fail alone with INVALID_ARGUMENT, a 1x250 sliver is
-    refused for its aspect, and the daemon serves on."""
-    for data in corrupted(good, 20):
-        reply = generate(daemon, ask(data))
-        assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
+    """A 1x250 sliver is refused for its aspect; then check_broken on 20 copies of the image `good`."""
     sliver = io.BytesIO()
     Image.new("RGB", (1, 250)).save(sliver, format="PNG")
     refused = generate(daemon, ask(sliver.getvalue()))
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than 200 times as long as it is wide" in refused.details
-    assert daemon.health() == health_pb2.HealthCheckResponse.SERVING
-    assert generate(daemon, ask(good)).ok
+    check_broken(daemon, good, ask, 20)
 
 
 def http_chat(daemon, kind: str, mime_type: str, data: bytes, text: str = "what") -> httpx.Response:
@@ -152,11 +147,11 @@ def http_chat(daemon, kind: str, mime_type: str, data: bytes, text: str = "what"
     return httpx.post(f"{daemon.http_url}/chat/completions", json=body, timeout=60)
 
 
-def check_broken_videos(daemon, good: bytes, ask_video) -> None:
-    """Corrupted copies of the video `good` (asked by ask_video) each read or fail alone with
-    INVALID_ARGUMENT, and the daemon serves on."""
-    for data in corrupted(good, 12):
-        reply = generate(daemon, ask_video(data))
+def check_broken(daemon, good: bytes, asker, count: int) -> None:
+    """`count` corrupted copies of the media `good` (each asked by asker(data)) each read or fail
+    alone with INVALID_ARGUMENT, and the daemon serves on: healthy, and `good` still read."""
+    for data in corrupted(good, count):
+        reply = generate(daemon, asker(data))
         assert reply.ok or reply.code == grpc.StatusCode.INVALID_ARGUMENT, reply.details
     assert daemon.health() == health_pb2.HealthCheckResponse.SERVING
-    assert generate(daemon, ask_video(good)).ok
+    assert generate(daemon, asker(good)).ok

@@ -158,9 +158,8 @@ class OpenAIApi:
         return JSONResponse(self._model_card(request.path_params["model_id"]))
 
     async def tokenize(self, request: Request) -> Response:
-        if self._media_fetcher is None:
-            return await self._answer(request, tokenize_reply)
-        return await self._answer(request, partial(tokenize_reply, fill_media=self._fill_media_from_worker))
+        fill_media = self._fill_media_from_worker if self._media_fetcher is not None else None
+        return await self._answer(request, partial(tokenize_reply, fill_media=fill_media))
 
     async def detokenize(self, request: Request) -> Response:
         return await self._answer(request, detokenize_reply)
