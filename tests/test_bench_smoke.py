@@ -32,6 +32,7 @@ from bench.mxfp4_linear import run_mxfp4_linear
 from bench.q6_linear import run_q6_linear
 from bench.q8_linear import run_q8_linear
 from bench.shared_prefix import main as shared_prefix_main
+from bench.shm_exchange import run_exchange
 from bench.vision_ttft import main as vision_ttft_main
 from tpserve.kernels.fp16_linear import supported_paths as fp16_paths
 from tpserve.kernels.int8_linear import int8_available
@@ -112,6 +113,15 @@ def test_collectives_decode_the_same_tokens_over_shared_memory_gloo_and_one_rank
     assert report["ratios"]["decode_shared_memory_over_gloo"] == (
         shared["decode_tokens_per_s"] / gloo["decode_tokens_per_s"]
     )
+
+
+def test_the_exchange_benchmark_sums_alike_in_c_and_python():
+    report = run_exchange([1, 16], steps=20, rounds=1)
+    assert [row["rows"] for row in report["results"]] == [1, 16]
+    for row in report["results"]:
+        assert row["C_wall_us"] > 0 and row["Python_wall_us"] > 0
+        assert row["python_over_c"] == row["Python_wall_us"] / row["C_wall_us"]
+    assert report["same_bits"] is True
 
 
 def test_drafts_change_no_reply_of_the_benchmark(tiny_model):

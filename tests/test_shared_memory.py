@@ -38,9 +38,17 @@ def pool():
 def _compare_with_gloo(ctx):
     shared = _choose(ctx)
     assert isinstance(shared, SharedMemoryCollectives)
-    generator = torch.Generator().manual_seed(100 + ctx.rank)
+    assert shared._native is not None  # the C exchange builds wherever the C kernels do
+    mismatches = _compare_on(shared, 100 + ctx.rank, (torch.float32, torch.bfloat16, torch.int64))
+    shared._native = None  # float32 through the Python exchange too
+    return mismatches + _compare_on(shared, 200 + ctx.rank, (torch.float32,))
+
+
+def _compare_on(shared, seed, dtypes):
+    rank = shared.rank
+    generator = torch.Generator().manual_seed(seed)
     mismatches = []
-    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+    for dtype in dtypes:
         for size in SIZES:
             if dtype is torch.int64:
                 x = torch.randint(-(10**12), 10**12, (size,), generator=generator)
@@ -51,12 +59,12 @@ def _compare_with_gloo(ctx):
             if not torch.equal(shared.all_reduce_sum(x), expected) or not torch.equal(x, expected):
                 mismatches.append(("all_reduce", dtype, size))
             logits = torch.randn(3, size, generator=generator).to(dtype)
-            expected = [torch.empty_like(logits) for _ in range(2)] if ctx.rank == 0 else None
+            expected = [torch.empty_like(logits) for _ in range(2)] if rank == 0 else None
             dist.gather(logits, gather_list=expected, dst=0)
             got = shared.gather_to_first(logits)
-            if ctx.rank == 0 and not all(torch.equal(a, b) for a, b in zip(got, expected)):
+            if rank == 0 and not all(torch.equal(a, b) for a, b in zip(got, expected)):
                 mismatches.append(("gather", dtype, size))
-            if ctx.rank == 1 and got is not None:
+            if rank == 1 and got is not None:
                 mismatches.append(("gather gave a follower chunks", dtype, size))
     return mismatches
 
@@ -67,13 +75,14 @@ def test_sums_and_gathers_equal_gloo_bit_for_bit(pool):
 
 
 def _many_steps_with_skew(ctx, num_steps):
-    """Many small sums with random pauses on either side: a slot is never overwritten while read."""
+    """Many small sums with random pauses on either side (some past the C exchange's spin and yield,
+    so its wait ends in Python's): a slot is never overwritten while read."""
     shared = _choose(ctx)
     pause = random.Random(ctx.rank)
     wrong = []
     for step in range(num_steps):
         if pause.random() < 0.1:
-            time.sleep(pause.random() * 0.002)
+            time.sleep(pause.random() * 0.004)
         x = torch.full((576,), float(step * 10 + ctx.rank))
         shared.all_reduce_sum(x)
         if not torch.all(x == step * 20 + 1):

@@ -107,6 +107,7 @@ KERNELS = (
     "q5f_linear",
     "q8_linear",
     "q6_linear",
+    "shm_exchange",  # not a kernel: the shared-memory collectives' step (tpserve/kernels/shared_memory.py)
     "beat",  # not a kernel: the liveness link's beats (tpserve/ranks/beats.py)
 )
 
