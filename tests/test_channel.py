@@ -1,4 +1,5 @@
-"""The channel between two real ranks (gloo): order, overflow, votes, idling, and losing a peer."""
+"""The channel between two real ranks: order, overflow, votes, idling, and losing a peer; over gloo,
+and over a shared-memory segment of its own (as ranks on one host run it)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from multiproc import RankPool, run_ranks
 
 from tpserve.ranks.channel import Channel, ChannelBroken, LeaderLost
+from tpserve.ranks.collectives_choice import choose_wire_exchange
 from tpserve.ranks.liveness import LeaderWatch, LivenessHub
 from tpserve.ranks.model_group import exercise
 from tpserve.ranks.wire_messages import Admit, Idle, Prefill, Release, Round, Stop, Verify
@@ -30,7 +32,22 @@ def pool():
         yield pool
 
 
-def _channel(ctx) -> Channel:
+WIRES = ["gloo", "shared memory"]
+
+
+def _exchange(ctx, wire: str, timeout_s: float = PG_TIMEOUT_S):
+    """The channel's own segment, as start-up builds it, for the shared-memory wire; None for gloo."""
+    if wire == "gloo":
+        return None
+    exchange = choose_wire_exchange(
+        "auto", rank=ctx.rank, world_size=ctx.world_size, device=torch.device("cpu"),
+        control_group=dist.group.WORLD, timeout_s=timeout_s,
+    )  # fmt: skip
+    assert exchange is not None, "two ranks on one host share no segment"
+    return exchange
+
+
+def _channel(ctx, wire: str = "gloo") -> Channel:
     return Channel(
         None,
         ctx.store,
@@ -38,6 +55,7 @@ def _channel(ctx) -> Channel:
         timeout_s=PG_TIMEOUT_S,
         heartbeat_s=HEARTBEAT_S,
         leader_dead_after_s=LEADER_DEAD_AFTER_S,
+        exchange=_exchange(ctx, wire),
     )
 
 
@@ -61,8 +79,8 @@ def _every_kind() -> list:
     ]
 
 
-def _send_every_kind(ctx):
-    channel = _channel(ctx)
+def _send_every_kind(ctx, wire):
+    channel = _channel(ctx, wire)
     if ctx.rank == 0:
         for msg in _every_kind():
             channel.send(msg)
@@ -73,8 +91,9 @@ def _send_every_kind(ctx):
     return received
 
 
-def test_every_kind_arrives_intact_and_in_order_through_idles_and_overflow(pool):
-    rank0_threads, received = pool.run(_send_every_kind, timeout_s=30)
+@pytest.mark.parametrize("wire", WIRES)
+def test_every_kind_arrives_intact_and_in_order_through_idles_and_overflow(pool, wire):
+    rank0_threads, received = pool.run(_send_every_kind, wire, timeout_s=30)
     assert received == _every_kind()
     assert "wire-heartbeat" not in rank0_threads  # Stop ended rank 0's heartbeat
 
@@ -82,8 +101,8 @@ def test_every_kind_arrives_intact_and_in_order_through_idles_and_overflow(pool)
 VOTES = [(True, True), (True, False), (False, True), (False, False)]
 
 
-def _vote(ctx):
-    channel = _channel(ctx)
+def _vote(ctx, wire):
+    channel = _channel(ctx, wire)
     results = []
     for lane, oks in enumerate(VOTES):
         if ctx.rank == 0:
@@ -94,8 +113,9 @@ def _vote(ctx):
     return results
 
 
-def test_one_rank_saying_no_makes_the_vote_fail_on_both(pool):
-    assert pool.run(_vote, timeout_s=30) == [[True, False, False, False]] * 2
+@pytest.mark.parametrize("wire", WIRES)
+def test_one_rank_saying_no_makes_the_vote_fail_on_both(pool, wire):
+    assert pool.run(_vote, wire, timeout_s=30) == [[True, False, False, False]] * 2
 
 
 IDLE_S = PG_TIMEOUT_S + 1.0  # longer than the group's timeout and than leader_dead_after_s
@@ -211,8 +231,8 @@ def test_an_idle_follower_learns_that_rank0_died(store_on_rank0):
     ) in message
 
 
-def _follower_gives_up_on_a_silent_rank0(ctx):
-    channel = _channel(ctx)
+def _follower_gives_up_on_a_silent_rank0(ctx, wire="gloo"):
+    channel = _channel(ctx, wire)
     if ctx.rank == 1:
         started = time.monotonic()
         try:
@@ -252,6 +272,24 @@ def test_a_follower_names_a_silent_rank0_and_rank0_learns_of_its_exit_at_the_nex
     assert rank0_message.startswith("rank 0: send Round #0: the followers did not answer")
 
 
+def test_over_shared_memory_a_follower_names_a_silent_rank0_and_rank0_learns_of_its_exit():
+    (waited_s, message, noticed_after, rank0_message), exited = run_ranks(
+        _follower_gives_up_on_a_silent_rank0,
+        args=("shared memory",),
+        may_exit=(1,),
+        timeout_s=60,
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
+    assert exited.code == 3
+    assert PG_TIMEOUT_S - 0.5 < waited_s < PG_TIMEOUT_S + 1.5
+    assert message.startswith("rank 1: receive #0: rank 0 did not answer")
+    # The follower had published its part of #0 before it gave up, so rank 0 learns at the vote
+    # after it: the exchange sees the process gone, no timeout waited out.
+    assert noticed_after < 2.0
+    assert rank0_message.startswith("rank 0: vote after #0: the other ranks did not answer")
+    assert "rank 1 (pid" in rank0_message and "died" in rank0_message
+
+
 def _wire_beside_a_models_group(ctx):
     """As between GPUs: the wire on a gloo group of its own, the model's collectives on another
     group, each message followed by a vote and a model collective (start-up's NCCL check)."""
@@ -281,7 +319,7 @@ def test_the_wire_runs_on_a_gloo_subgroup_beside_the_models_own_group(pool):
     assert votes0 == votes1 == [not isinstance(msg, Verify) for msg in kinds]
 
 
-def _skip_a_vote(ctx, skipper: int):
+def _skip_a_vote(ctx, skipper: int, wire: str):
     """Both ranks exchange a message and vote; then `skipper` goes on without voting. Each rank's
     error and how long it took to raise (the channel's timeout is 60 s)."""
     channel = Channel(
@@ -291,6 +329,7 @@ def _skip_a_vote(ctx, skipper: int):
         timeout_s=60.0,
         heartbeat_s=HEARTBEAT_S,
         leader_dead_after_s=LEADER_DEAD_AFTER_S,
+        exchange=_exchange(ctx, wire, timeout_s=60.0),
     )
     if ctx.rank == 0:
         channel.send(Admit(0, (16,)))
@@ -314,11 +353,12 @@ def _skip_a_vote(ctx, skipper: int):
     raise AssertionError(f"rank {ctx.rank} went on although rank {skipper} skipped a vote")
 
 
+@pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("skipper", [0, 1])
-def test_a_skipped_vote_fails_both_ranks_at_once_naming_the_vote(skipper):
+def test_a_skipped_vote_fails_both_ranks_at_once_naming_the_vote(skipper, wire):
     # A vote met by a message is no mismatched collective left to time out: both ranks read a sum
     # that is neither, and say so.
-    results = run_ranks(_skip_a_vote, args=(skipper,), timeout_s=120)
+    results = run_ranks(_skip_a_vote, args=(skipper, wire), timeout_s=120)
     for rank, (took_s, message) in enumerate(results):
         assert "vote" in message and "skipped" in message, f"rank {rank}: {message}"
         assert took_s < 30, f"rank {rank} waited {took_s:.1f} s: the 60 s timeout, not the mismatch"

@@ -12,7 +12,10 @@ call holding rank 0's GIL starves; so a follower told to `trust_leader_link` (th
 beaten natively: tpserve/ranks/liveness.py) waits on while that link says rank 0 lives.
 
 Messages and votes are the same collective, an all-reduce (SUM) of HEAD_SIZE int64s: a message is
-rank 0's head with the followers adding zeros, a vote is every rank's [VOTE_MAGIC, seq, ok]. So a
+rank 0's head with the followers adding zeros, a vote is every rank's [VOTE_MAGIC, seq, ok]. Between
+ranks on one host that sum goes through a shared-memory segment of the channel's own (`exchange`,
+tpserve/kernels/shared_memory.py) rather than gloo's loopback TCP: a message then reaches a waiting
+follower in microseconds, not the 0.5-1 ms of a gloo all-reduce and its thread wake-ups. So a
 rank that votes while another receives (a vote skipped on either side, a message applied twice)
 does not wait out the timeout in a mismatched collective: both read a sum that is neither a message
 nor a full vote, and fail at once, naming the vote and the message.
@@ -34,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpserve.kernels.shared_memory import SharedMemoryCollectives
 from tpserve.ranks.wire import HEAD_SIZE, WireError, decode, encode, read_head
 from tpserve.ranks.wire_messages import Idle, Message, Stop
 
@@ -62,7 +66,9 @@ class Channel:
     `group` is a gloo process group (None: the default group); the wire is small CPU tensors, so a
     NCCL deployment gives the channel its own `new_group(backend="gloo")`. `store` is the group's
     store; the channel works on its own clone so its waits never hold up anyone else's. `timeout_s`
-    bounds every collective, `heartbeat_s` is rank 0's beat interval while idle.
+    bounds every collective, `heartbeat_s` is rank 0's beat interval while idle. `exchange`: a
+    shared-memory segment of the channel's own between ranks on one host, which then carries the
+    messages and votes in gloo's place (built with the same timeout).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class Channel:
         timeout_s: float,
         heartbeat_s: float = 2.0,
         leader_dead_after_s: float = 30.0,
+        exchange: SharedMemoryCollectives | None = None,
     ):
         if dist.get_backend(group) != "gloo":
             raise ValueError(f"the channel needs a gloo group, got {dist.get_backend(group)}")
@@ -93,6 +100,7 @@ class Channel:
         self.heartbeat_s = heartbeat_s
         self.leader_dead_after_s = leader_dead_after_s
         self._group = group
+        self._exchange = exchange
         self._next_seq = 0  # rank 0: the next to send; followers: the next expected
         self._idle_seq: int | None = None  # the Idle message that ended the last exchange, if it did
         self._broken: str | None = None
@@ -144,11 +152,7 @@ class Channel:
         ballot = torch.zeros(HEAD_SIZE, dtype=torch.int64)
         ballot[:3] = torch.tensor([VOTE_MAGIC, after, 1 if ok else 0])
         what = f"vote after #{after}"
-        self._collective(
-            what,
-            "the other ranks",
-            lambda: dist.all_reduce(ballot, op=dist.ReduceOp.SUM, group=self._group, async_op=True),
-        )
+        self._sum(ballot, what, "the other ranks")
         magic, seq, num_ok = ballot[:3].tolist()
         if magic != self.world_size * VOTE_MAGIC or seq != self.world_size * after:
             expected = "rank 0 sent a message" if self.rank else "a follower waited for a message"
@@ -303,11 +307,7 @@ class Channel:
         docstring); rank 0 checks that nothing was added."""
         peers = "the followers" if self.rank == 0 else "rank 0"
         sent = tensor.clone() if self.rank == 0 else None
-        self._collective(
-            what,
-            peers,
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True),
-        )
+        self._sum(tensor, what, peers)
         if sent is not None and not torch.equal(tensor, sent):
             voted = tensor.numel() >= 3 and (tensor - sent)[0].item() == VOTE_MAGIC
             raise self._break(
@@ -321,11 +321,16 @@ class Channel:
                 ),
             )
 
-    def _collective(self, what: str, peers: str, start: Callable[[], dist.Work]) -> None:
-        """Run one collective with timeout_s; any failure breaks the channel, naming who failed to answer."""
+    def _sum(self, tensor: torch.Tensor, what: str, peers: str) -> None:
+        """`tensor` becomes its sum over the ranks, in place, within timeout_s (through the exchange
+        where there is one, else gloo); any failure breaks the channel, naming who failed to answer."""
         started = time.monotonic()
         try:
-            start().wait(timeout=timedelta(seconds=self.timeout_s))
+            if self._exchange is not None:
+                self._exchange.all_reduce_sum(tensor)  # PeerLost, a RuntimeError, when one is not
+            else:
+                work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
             raise self._break(
                 ChannelBroken,

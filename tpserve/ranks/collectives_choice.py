@@ -66,6 +66,27 @@ def choose_collectives(
     return GroupCollectives(model_group, rank, world_size)
 
 
+def choose_wire_exchange(
+    choice: str,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    control_group,
+    timeout_s: float,
+    directory: str | Path = SHARED_MEMORY_DIR,
+) -> SharedMemoryCollectives | None:
+    """The channel's own segment (tpserve/ranks/channel.py: messages and votes) where the forward
+    collectives take one, CPU ranks on one host and `choice` not gloo; None elsewhere: the wire
+    stays on gloo. Every rank calls it at the same point (it meets the others on `control_group`)."""
+    if world_size == 1 or device.type != "cpu" or choice == "gloo":
+        return None
+    exchange = _connect(rank, world_size, control_group, timeout_s, Path(directory))
+    if exchange is not None:
+        log.info("rank %d: the wire over shared memory", rank)
+    return exchange
+
+
 def _connect(
     rank: int, world_size: int, control_group, timeout_s: float, directory: Path
 ) -> SharedMemoryCollectives | None:

@@ -26,7 +26,7 @@ from tpserve.kernels.linear import ROW_TILE, linear
 from tpserve.kernels.machine import describe_machine
 from tpserve.kernels.weight_formats import quantize_unavailable
 from tpserve.ranks.channel import Channel
-from tpserve.ranks.collectives_choice import choose_collectives
+from tpserve.ranks.collectives_choice import choose_collectives, choose_wire_exchange
 from tpserve.ranks.decode_runner import model_graphs_unfit
 from tpserve.ranks.device import choose_device, device_facts
 from tpserve.ranks.engine import Engine
@@ -223,12 +223,21 @@ def start_rank(
         str(kv_type).removeprefix("torch."),
     )
     engine = _build_engine(settings, model, kv_budget, kv_type, rank, device)
+    exchange = choose_wire_exchange(
+        settings.cpu_collectives,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        control_group=control,
+        timeout_s=settings.collective_timeout_s,
+    )
     channel = Channel(
         control,
         store,
         rank=rank,
         timeout_s=settings.collective_timeout_s,
         leader_dead_after_s=settings.leader_dead_after_s,
+        exchange=exchange,
     )
     # Last, once nothing can refuse any more: the heartbeat between rank 0 and each follower.
     liveness = watch_peers(store, rank, world_size, host, settings)
