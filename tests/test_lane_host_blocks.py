@@ -15,7 +15,7 @@ from fake_replies import make_request, read_reply, run_all, step_until_finished
 from fake_tokens import fake_detokenize
 from test_lane_host import make_host
 
-from tpserve.server.admit_outcomes import Ended
+from tpserve.server.admit_outcomes import Ended, Riding
 from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_table import LaneTable
@@ -142,6 +142,9 @@ def test_a_job_cancelled_between_take_and_setup_is_never_launched():
     ended = [outcome for outcome in outcomes if isinstance(outcome, Ended)]
     assert [(outcome.job, outcome.reason) for outcome in ended] == [(jobs[1], CANCELLED)]
     assert jobs[1].lane is None and backend.num_opens == 2, "the cancelled job got no lane"
+    riding = [outcome.job for outcome in outcomes if isinstance(outcome, Riding)]
+    assert riding == [jobs[0], jobs[2]], "only the others ride in the step's plan"
+    admission.run_prompts(riding, admission.joint_prompts(riding))
     assert backend.joint_passes == [2]
 
 

@@ -1,13 +1,12 @@
-"""What an admission reports (tpserve/server/lane_admit.py): per job, a first token, an end, a
-long prompt that goes in chunks, a wait for KV blocks, or a prompt riding in this step's round. The
-scheduler applies them itself, one way (STYLE 14).
+"""What admission and the plan's prompt passes report (tpserve/server/lane_admit.py): per job, a
+first token, an end, a long prompt that goes in chunks, a wait for KV blocks, or a prompt riding in
+this step's plan. The scheduler applies them itself, one way (STYLE 14).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.server.backend import PrefillItem
 from tpserve.server.lane_job import Job
 
 
@@ -45,11 +44,11 @@ class BlockWait:
 
 @dataclass(frozen=True)
 class Riding:
-    """The job's whole prompt goes in this step's decode round, in the same pass (`item`, its blocks
-    covered): the step stays one message and one pass; its first token comes with the round's."""
+    """The job's whole prompt (its blocks booked) goes in this step's plan: beside the decode round,
+    in the same pass, or with nothing decoding in the plan's prompt pass. The step stays one message
+    and one pass; its first token comes with that pass's."""
 
     job: Job
-    item: PrefillItem
 
 
 Outcome = FirstToken | Ended | Chunking | BlockWait | Riding

@@ -1,16 +1,18 @@
-"""Admission: getting the jobs taken off the queue into lanes, up to each one's first sampled token.
+"""Admission: getting the jobs taken off the queue into lanes, and the passes a plan gives their prompts.
 
-Three steps per job, as in the design: take it off the queue when its first pass's KV blocks are
-free (admit_choice.py says which), set it up (a lane, with the shared blocks of its prompt's cached
-prefix: kv_blocks.py), launch it (its own prefill, chunks of a long prompt between decode rounds, or
-one prefill_many with other jobs). A refusal or failure ends that job alone and frees what it held;
-only BackendBroken goes further (the host latches broken).
+Per job, as in the design: take it off the queue when its first pass's KV blocks are free
+(admit_choice.py says which), then set it up (`launch`: a lane, with the shared blocks of its
+prompt's cached prefix, kv_blocks.py, and the blocks its first pass writes). No pass runs at
+admission: a whole prompt rides in the step's plan (step_plan.py: beside the decode round, or with
+nothing decoding in the plan's prompt pass, `run_prompts`), a long one goes in chunks, one per
+step. A refusal or failure ends that job alone and frees what it held; only BackendBroken goes
+further (the host latches broken).
 
-Admission runs the passes; it never touches the host's lock, queue or streams. Each call returns
-what happened (admit_outcomes.py: a first token, an end, a prompt that goes in chunks) and the lane
-host applies that itself, one way (STYLE 14, like vLLM v1's schedule() / update_from_output()).
-Which job is chunking is the host's to record; it is passed in. Every full block a pass computes
-becomes shareable at once, so the chunks of one long prompt serve the next that starts so.
+Admission never touches the host's lock, queue or streams. Each call returns what happened
+(admit_outcomes.py: a first token, an end, a prompt that rides or goes in chunks) and the lane host
+applies that itself, one way (STYLE 14, like vLLM v1's schedule() / update_from_output()). Which
+job is chunking is the host's to record; it is passed in. Every full block a pass computes becomes
+shareable at once, so the chunks of one long prompt serve the next that starts so.
 """
 
 from __future__ import annotations
@@ -49,58 +51,44 @@ class Admission:
         self._joint_prompts_cap = MAX_JOINT_PROMPTS if batches else 1
         self.max_joint_prompts = self._joint_prompts_cap
         self.max_iterations = 2 * lanes.num_lanes + 16  # bounds one step's admission however many jobs fail
-        # Prompt passes tried so far: the scheduler reads whether a launch ran one (then that pass
-        # is its step's one message, and the streams it started decode from the next step on).
-        self.num_passes = 0
 
     def _needs_chunks(self, job: Job) -> bool:
         """After setup: whether the prompt left past the restored prefix takes more than one pass."""
         return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
 
-    def launch(self, jobs: list[Job], chunking: Job | None, beside_round: bool = False) -> list[Outcome]:
-        """Set up the taken jobs and launch them. `beside_round` (streams are decoding): each whole
-        prompt rides in this step's decode round (Riding); else short prompts go in one joint pass
-        when two or more, the rest alone. `chunking`: the job whose prompt goes in chunks now, if any."""
+    def launch(self, jobs: list[Job], chunking: Job | None) -> list[Outcome]:
+        """Set up the taken jobs (a lane each, on the shared blocks of its cached prefix) and book
+        what their first pass writes; no pass runs here. A whole prompt rides in this step's plan
+        (Riding: beside the decode round, or with nothing decoding in the plan's prompt pass); a
+        long one goes in chunks from this step on (Chunking). `chunking`: the job whose prompt goes
+        in chunks now, if any: a job taken as short that turns out long (the prefix it counted on
+        went meanwhile) then waits for that one to finish (BlockWait: back to the front of its line)."""
         outcomes: list[Outcome] = []
-        ready = []
         for job in jobs:
             refusal = self._setup(job)
-            if refusal is None:
-                ready.append(job)
-            else:
+            if refusal is not None:
                 outcomes.append(refusal)
-        if beside_round:
-            riding = [job for job in ready if not job.cancel_requested and not self._needs_chunks(job)]
-            for job in riding:
-                item = self._whole_prompt(job)
-                outcomes.append(BlockWait(job) if item is None else Riding(job, item))
-            ready = [job for job in ready if job not in riding]
-        return outcomes + self.run_now(ready, chunking)
-
-    def run_now(self, ready: list[Job], chunking: Job | None) -> list[Outcome]:
-        """Launch jobs that are set up in passes of their own: short prompts in one joint pass when
-        two or more, the rest alone, a long one in chunks (or every chunk now while another chunks)."""
-        outcomes: list[Outcome] = []
-        # A job taken as short can turn out long when its restore failed: it launches alone. Jobs
-        # whose restores failed can also be short each and too long together: the joint pass takes
-        # them while they fit in one pass, the rest go alone.
-        whole = self.joint_prompts(ready)
-        if whole:
-            joint = self._prefill_together(whole)
-            if joint is not None:
-                outcomes += joint
-                ready = [job for job in ready if job not in whole]
-        for job in ready:
-            if job.cancel_requested:
-                outcomes.append(Ended(job, CANCELLED))
             elif not self._needs_chunks(job):
-                outcomes.append(self._prefill(job, self._whole_prompt(job)))
+                covered = self._lanes.cover(job, len(job.feed_ids))
+                outcomes.append(Riding(job) if covered else BlockWait(job))
             elif chunking is None:
-                chunking = job  # its chunks run one per step, between decode rounds
+                chunking = job  # its chunks run one per step, beside the decode rounds
                 outcomes.append(Chunking(job))
             else:
-                outcomes.append(self._prefill_all_chunks(job))
+                outcomes.append(BlockWait(job))
         return outcomes
+
+    def run_prompts(self, jobs: list[Job], joint: list[Job]) -> list[Outcome]:
+        """A plan's whole prompts with nothing decoding (their blocks booked): the `joint` ones (the
+        plan's, from joint_prompts) in one pass, all or none, the rest each alone; a refused joint
+        pass goes again with each prompt alone, so only a refused one fails."""
+        outcomes: list[Outcome] = []
+        if joint:
+            together = self._prefill_together(joint)
+            if together is not None:
+                outcomes += together
+                jobs = [job for job in jobs if job not in joint]
+        return outcomes + self.run_alone(jobs)
 
     def joint_prompts(self, ready: list[Job]) -> list[Job]:
         """The jobs of `ready` that go in one joint pass (the first that fit in one pass together),
@@ -134,7 +122,6 @@ class Admission:
         items = [self._whole_prompt(job) for job in jobs]
         if None in items:
             return None
-        self.num_passes += 1
         tokens, error = attempt(self._backend.prefill_many, items)
         if error is not None:
             log.warning(
@@ -159,18 +146,6 @@ class Admission:
             self._lanes.keep_computed(job, job.num_prefilled)
             outcomes.append(FirstToken(job, token))
         return outcomes
-
-    def _prefill_all_chunks(self, job: Job) -> Outcome:
-        """Every chunk now: a job taken as short whose restore failed while another job chunks.
-
-        Safe: no pass exceeds max_prefill_tokens, only one job is ever chunking, and the job has its
-        first token before a decode round sees its lane. The price (this step's decode round waits)
-        is paid only after a failed restore.
-        """
-        while True:
-            outcome = self._prefill(job, self._next_chunk(job))
-            if outcome is not None:  # the last chunk's first token, a failed chunk's end, a wait
-                return outcome
 
     def prefill_chunk(self, job: Job) -> list[Outcome]:
         """The next chunk of `job`'s long prompt. No outcome while more chunks are to come, or while
@@ -220,7 +195,6 @@ class Admission:
         (its blocks are not free)."""
         if item is None:
             return BlockWait(job)
-        self.num_passes += 1
         token, error = attempt(self._backend.prefill, item)
         if error is not None:
             return Ended(job, ERROR, f"prefill failed: {error}")

@@ -1,13 +1,14 @@
 """The scheduler's step: what one scheduling iteration does with the lanes and the backend.
 
 Each step: end cancelled streams, admit waiting jobs (admit_choice.py says which to take, Admission
-in lane_admit.py sets them up), then one pass. `schedule()` plans the decode round (step_plan.py:
+in lane_admit.py sets them up: a lane on the shared blocks of its cached prefix, its first pass's
+blocks booked; no pass runs there), then `schedule()` plans the step's one pass (step_plan.py:
 plain data, decided before anything runs): every live stream's rows, the long prompt's next chunk
-and the whole prompts admitted this step beside them, the blocks it books, the streams it preempts.
-The plan is applied, its one pass runs (round_pass.py), and `update_from_output()` applies the
-sampled tokens (sampled_tokens.py), one way (STYLE 14). While no stream decodes, prompts go in a
-pass of their own that ends the step (a step is one message; the streams it starts decode from the
-next step on). Admission runs those passes and returns what happened for the scheduler to apply: the
+and the whole prompts admitted this step beside them, the blocks it books, the streams it preempts;
+with nothing decoding, the whole prompts of its one prompt pass (`joint`: those that go together,
+all or none), else the chunk. The plan is applied, its one pass runs (round_pass.py, or
+Admission.run_prompts), and `update_from_output()` applies the sampled tokens (sampled_tokens.py),
+one way (STYLE 14). What a prompt pass reports (admit_outcomes.py) the scheduler applies: the
 streams and which job is chunking are the scheduler's alone, the queue is HostState's (peeked and
 taken under its lock, never held across a backend call). A BackendBroken anywhere latches the host
 broken: every stream ends with an error, new work is refused and `on_broken` is called once.
@@ -61,7 +62,7 @@ class Scheduler:
         self._profile = profile
         self._step_lock = threading.Lock()
         self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
-        self._riding: list[Riding] = []  # whole prompts that go in this step's decode round
+        self._riding: list[Riding] = []  # whole prompts admitted this step: they go in its plan
         self.num_preempted = 0  # streams that gave up their lane for want of KV blocks (read by stats)
 
     def step(self) -> bool:
@@ -75,13 +76,9 @@ class Scheduler:
                 return False
             try:
                 changed = self._end_cancelled()
-                passed = False  # admission ran this step's pass (prompts alone)
                 if not self._state.stopping:
-                    admitted, passed = self._admit()
-                    changed = admitted or changed
-                if passed:
-                    self._profile.prefilled()  # a prompt step, whatever the backend tells the timers
-                ran = (not passed and self._decode_round()) or changed
+                    changed = self._admit() or changed
+                ran = self._decode_round() or changed
                 return ran
             except BackendBroken as error:
                 self.latch_broken(str(error))
@@ -96,12 +93,13 @@ class Scheduler:
             self._end(job, CANCELLED)
         return bool(cancelled)
 
-    def _admit(self) -> tuple[bool, bool]:
+    def _admit(self) -> bool:
         """Admit waiting jobs while lanes, room and this step's prompt budget allow (admit_choice.py
-        says why that budget). Returns whether anything changed, and whether admission ran this
-        step's one pass: nothing decoded, so what it took went in a pass of their own. A round over
-        the streams that pass started needs the tokens it sampled (a second message), so they
-        decode from the next step on, the prompts taken then riding beside them."""
+        says which and why that budget), each set up with its lane and its first pass's blocks
+        booked; no pass runs here, the prompts go in this step's plan. With nothing decoding, what
+        one take admitted is the plan's prompt pass, the step's one message: a round over the
+        streams it starts needs the tokens it samples (a second message), so they decode from the
+        next step on, the prompts taken then riding beside them. Returns whether anything changed."""
         changed = False
         budget = None  # None: nothing prefilled yet this step
         for _ in range(self._admission.max_iterations):
@@ -116,13 +114,10 @@ class Scheduler:
             if not jobs:
                 break
             changed = True
-            num_passes = self._admission.num_passes
-            self._apply(self._admission.launch(jobs, self._chunking, beside_round=beside))
-            # With prompts riding already (a taken prompt that needed every chunk at once, after
-            # a failed restore), the round goes too, as those prompts were counted in this step.
-            if self._admission.num_passes > num_passes and not self._riding:
-                return True, True
-        return changed, False
+            self._apply(self._admission.launch(jobs, self._chunking))
+            if self._riding and not beside:
+                break  # the plan's prompt pass is this step's
+        return changed
 
     def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
         """Take the head jobs AdmitChoice chooses (at most `most`); with the step's prompt budget left
@@ -182,8 +177,9 @@ class Scheduler:
                     self._riding.append(outcome)
 
     def schedule(self) -> StepPlan:
-        """This step's decode round as a plan (step_plan.py): decided from the lanes, the KV book and
-        the scheduler's notes, changing nothing and calling nothing on the engine."""
+        """This step's pass as a plan (step_plan.py), the prompts admitted this step in it: decided
+        from the lanes, the KV book and the scheduler's notes, changing nothing and calling nothing
+        on the engine."""
         return plan_round(
             self.lanes,
             self._chunking,
@@ -194,9 +190,10 @@ class Scheduler:
         )
 
     def _decode_round(self) -> bool:
-        """One decode round over every live stream, with the whole prompts admitted this step and
-        the long prompt's next chunk in the same pass (those alone when no stream decodes): plan it,
-        apply the plan, one pass, apply the sampled tokens. True when anything ran."""
+        """The step's one pass: a decode round over every live stream, with the whole prompts
+        admitted this step and the long prompt's next chunk in the same pass (those alone when no
+        stream decodes): plan it, apply the plan, one pass, apply the sampled tokens. True when
+        anything ran."""
         with self._profile.part("plan"):
             plan = self.schedule()
         jobs = {job.lane: job for job in self.lanes.jobs()}
@@ -221,13 +218,15 @@ class Scheduler:
         return True
 
     def _prompts_alone(self, plan: StepPlan) -> bool:
-        """A plan in which nothing decodes: its whole prompts in passes of their own (the joint
-        ones together: Admission.run_now chooses them as the plan did), then the chunk. True when
-        anything ran or a chunk waits for its blocks."""
+        """A plan in which nothing decodes: its whole prompts in a pass of their own (the plan's
+        `joint` ones together, any other alone), else the chunk. True when anything ran or a chunk
+        waits for its blocks."""
         riding, self._riding = [ride.job for ride in self._riding], []
         chunking = self._chunking
         if riding:
-            self._apply(self._admission.run_now(riding, chunking))
+            self._profile.prefilled()  # a prompt step, whatever the backend tells the timers
+            joint = [job for job in riding if job.lane in plan.joint]
+            self._apply(self._admission.run_prompts(riding, joint))
         if (
             chunking is not None
             and self._chunking is chunking
