@@ -1,5 +1,5 @@
-"""Admission reports, the lane host applies: one admission's set-ups, then the refusals, failures and
-first tokens of the plan's prompt pass, come back as outcomes in the jobs' order, and no client hears of any of them before the host applies it."""
+"""Admission reports, the lane host applies: the refusals, failures and first tokens of a plan's
+prompt pass come back as outcomes in the jobs' order, and no client hears of any of them before the host applies it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from fake_backend import FakeBackend
 from fake_replies import make_request
 from fake_tokens import fake_detokenize
 
-from tpserve.server.admit_outcomes import Ended, FirstToken, Riding
+from tpserve.server.admit_outcomes import Ended, FirstToken
 from tpserve.server.lane_admit import Admission
 from tpserve.server.lane_job import Job, reserve_for
 from tpserve.server.lane_table import LaneTable
@@ -28,8 +28,9 @@ def test_a_failed_prefill_is_returned_and_the_other_jobs_still_get_their_tokens(
     admission = Admission(backend, lanes, batch_prefill=True)
     jobs = [make_job(backend, first) for first in (1, 5, 9, 13)]
 
-    launched = admission.launch(jobs, chunking=None)
-    assert launched == [Riding(job) for job in jobs], "set up and booked: no pass runs at admission"
+    for job in jobs:  # what a plan's admission did (admit_plan.py): a lane each, its prompt booked
+        lanes.open(job, 0)
+        assert lanes.cover(job, len(job.feed_ids))
     outcomes = admission.run_prompts(jobs, admission.joint_prompts(jobs))  # the plan's prompt pass
 
     assert [(type(outcome), outcome.job) for outcome in outcomes] == [

@@ -10,6 +10,7 @@ from fake_backend import FakeBackend
 from fake_replies import make_request, read_reply
 from fake_tokens import EOS_IDS, fake_detokenize
 
+from tpserve.server.admit_plan import Opening, Yielded
 from tpserve.server.backend import BACKEND_NAMES
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.step_plan import StepPlan
@@ -90,37 +91,32 @@ def plan_twice(host, backend) -> StepPlan:
 
 def run_checking_plans(host, backend, streams, max_steps: int = 200, until_finished: bool = True) -> set[str]:
     """Step until every stream finished (or `max_steps` steps, unless `until_finished`); before
-    each step, and in it after its admission, schedule() is checked pure (plan_twice), and the
-    passes the step runs are checked to be its plan's: admission runs none. What the plans held:
-    "rows" with "drafts", a "chunk" or "riding" prompts beside them, "alone" (prompts, nothing
-    decoding), "admitted" (whole prompts of jobs taken this step in such a plan)."""
+    each step schedule() is checked pure (plan_twice), the step is checked to run that very plan,
+    and its passes to be the plan's: admission runs none. What the plans held: "took" (jobs taken
+    off the queue, lanes opened), "yielded" (a background stream's lane), "rows" with "drafts", a
+    "chunk" or "riding" prompts beside them, "alone" (prompts, nothing decoding), "admitted" (whole
+    prompts of jobs taken this step in such a plan)."""
     scheduler = host._scheduler
     schedule = scheduler.schedule
     used = []  # (the plan the step ran, the rounds and prompt passes before it)
 
-    def logged_schedule():
-        # Pure here too, after this step's admission: the plan holds the prompts just admitted.
-        scheduler.schedule = schedule
-        plan = plan_twice(host, backend)
-        scheduler.schedule = logged_schedule
-        used.append((schedule(), len(backend.rounds), len(backend.prompt_passes)))
-        assert used[-1][0] == plan
-        return plan
+    def logged_schedule(admit=True):
+        used.append((schedule(admit=admit), len(backend.rounds), len(backend.prompt_passes)))
+        return used[-1][0]
 
     seen = set()
     for _ in range(max_steps):
         if all(stream.finished is not None for stream in streams):
             return seen
-        plan_twice(host, backend)  # admission may change the state before the step's own plan
+        planned = plan_twice(host, backend)
         scheduler.schedule = logged_schedule
         used.clear()
-        num_rounds, num_passes = len(backend.rounds), len(backend.prompt_passes)
         host.step()
         scheduler.schedule = schedule
-        if not used:  # no plan, no pass: admission runs none
-            assert len(backend.rounds) == num_rounds and len(backend.prompt_passes) == num_passes
-            continue
+        assert [plan for plan, *_ in used] == [planned], "the step ran the plan made before it, once"
         plan, num_rounds, num_passes = used[-1]
+        seen |= {"took"} if any(isinstance(step, Opening) for step in plan.admitted) else set()
+        seen |= {"yielded"} if any(isinstance(step, Yielded) for step in plan.admitted) else set()
         if not plan.rows:  # nothing decodes: the plan's prompts went in passes of their own
             passes = backend.prompt_passes[num_passes:]
             fed = {(p.lane, p.start, len(p.token_ids), p.last) for items in passes for p in items}
@@ -168,7 +164,7 @@ def test_schedule_is_pure_and_the_pass_that_runs_is_its_plan():
     ]
     streams += [host.submit(request) for request in later]
     seen = run_checking_plans(host, backend, streams)
-    assert {"rows", "chunk", "riding", "drafts"} <= seen, seen
+    assert {"took", "rows", "chunk", "riding", "drafts"} <= seen, seen
     assert [read_reply(stream) for stream in streams] == [backend.solo_reply(r) for r in first + later]
     backend.assert_clean()
 
@@ -253,4 +249,64 @@ def test_prompts_taken_while_nothing_decodes_are_their_steps_plan():
             if 37 not in request.prompt_ids:
                 assert reply == backend.solo_reply(request)
     assert backend.refused_passes and backend.joint_passes[-1] == 4, backend.joint_passes
+    backend.assert_clean()
+
+
+def test_a_plan_takes_jobs_and_yields_lanes_before_anything_of_it_runs():
+    """A background stream holds the only lane when a foreground request arrives: the plan names
+    the lane it yields, then the job it takes with the lane that job opens, while nothing has
+    changed (asked twice, the same); the step applies that very plan, and both replies equal their
+    solo runs (the yielded stream is recomputed when taken again)."""
+    backend = LoggedFake(num_lanes=1, room=64, block_size=4, max_prefill_tokens=16)
+    host = make_host(backend)
+    background = make_request([4, 5, 6], 12, ignore_eos=True, background=True)
+    foreground = make_request([7, 8], 5, ignore_eos=True)
+    streams = [host.submit(background)]
+    for _ in range(3):
+        host.step()
+    (held,) = host._lanes.jobs()
+    streams.append(host.submit(foreground))
+    plan = plan_twice(host, backend)
+    yielded, opening = plan.admitted
+    assert yielded == Yielded(held.lane) and host._lanes.jobs() == [held], "nothing applied yet"
+    assert (opening.lane, opening.rides, opening.num_cached) == (held.lane, True, 0)
+    seen = run_checking_plans(host, backend, streams)
+    assert {"took", "yielded"} <= seen, seen
+    assert [read_reply(stream) for stream in streams] == [
+        backend.solo_reply(background),
+        backend.solo_reply(foreground),
+    ]
+    backend.assert_clean()
+
+
+def test_a_plan_the_queue_no_longer_fits_is_made_again_without_its_takes():
+    """The plan takes a background job; a foreground request arrives before the step applies it:
+    the queue's head is no longer the job the plan named, so nothing is taken, the step's plan is
+    made again from what then is (admitting nothing), and the foreground job is taken next step.
+    Every reply equals its solo run."""
+    backend = LoggedFake(num_lanes=2, room=64, block_size=4, max_prefill_tokens=16)
+    host = make_host(backend)
+    late = make_request([9, 9, 3], 4, ignore_eos=True)
+    first = make_request([2, 3, 4], 4, ignore_eos=True, background=True)
+    streams = [host.submit(first)]
+    scheduler = host._scheduler
+    schedule = scheduler.schedule
+    asked = []
+
+    def arriving_meanwhile(admit=True):
+        plan = schedule(admit=admit)
+        asked.append((admit, plan))
+        if len(streams) == 1:
+            streams.append(host.submit(late))  # after the plan, before the step applies it
+        return plan
+
+    scheduler.schedule = arriving_meanwhile
+    host.step()
+    scheduler.schedule = schedule
+    (took, again) = asked
+    assert took[0] and [type(step) for step in took[1].admitted] == [Opening]
+    assert not again[0] and again[1].admitted == () and host._lanes.jobs() == [], "nothing taken"
+    assert host._state.num_queued() == 2
+    run_checking_plans(host, backend, streams)
+    assert [read_reply(stream) for stream in streams] == [backend.solo_reply(first), backend.solo_reply(late)]
     backend.assert_clean()

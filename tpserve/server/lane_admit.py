@@ -1,25 +1,25 @@
-"""Admission: getting the jobs taken off the queue into lanes, and the passes a plan gives their prompts.
+"""Admission's passes: the prompt passes a step's plan gives the jobs it admitted, up to each one's
+first sampled token.
 
-Per job, as in the design: take it off the queue when its first pass's KV blocks are free
-(admit_choice.py says which), then set it up (`launch`: a lane, with the shared blocks of its
-prompt's cached prefix, kv_blocks.py, and the blocks its first pass writes). No pass runs at
-admission: a whole prompt rides in the step's plan (step_plan.py: beside the decode round, or with
-nothing decoding in the plan's prompt pass, `run_prompts`), a long one goes in chunks, one per
-step. A refusal or failure ends that job alone and frees what it held; only BackendBroken goes
-further (the host latches broken).
+The plan (step_plan.py, its admission in admit_plan.py) takes the jobs, opens their lanes on the
+shared blocks of their cached prefixes and books their blocks; what runs here is the prompt pass
+of a plan in which nothing decodes (`run_prompts`: its joint prompts in one prefill_many, the rest
+alone), a long prompt's next chunk while nothing decodes (`prefill_chunk`), each prompt alone after
+a refusal (`run_alone`), and what a prompt pass that went through does to its job (`prefilled`).
+A refusal or failure ends that job alone; only BackendBroken goes further (the host latches
+broken).
 
 Admission never touches the host's lock, queue or streams. Each call returns what happened
-(admit_outcomes.py: a first token, an end, a prompt that rides or goes in chunks) and the lane host
-applies that itself, one way (STYLE 14, like vLLM v1's schedule() / update_from_output()). Which
-job is chunking is the host's to record; it is passed in. Every full block a pass computes becomes
-shareable at once, so the chunks of one long prompt serve the next that starts so.
+(admit_outcomes.py: a first token, an end, a wait for blocks) and the lane host applies that itself,
+one way (STYLE 14, like vLLM v1's schedule() / update_from_output()). Every full block a pass
+computes becomes shareable at once, so the chunks of one long prompt serve the next that starts so.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tpserve.server.admit_outcomes import BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
+from tpserve.server.admit_outcomes import BlockWait, Ended, FirstToken, Outcome
 from tpserve.server.backend import Backend, BackendBroken, PrefillItem, attempt
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
@@ -44,7 +44,7 @@ class Admission:
         cap, a whole max_prefill_tokens chunk)."""
         self._backend = backend
         self._lanes = lanes
-        self._max_prefill_tokens = backend.max_prefill_tokens
+        self.max_prefill_tokens = backend.max_prefill_tokens
         self._step_tokens = step_tokens
         batches = batch_prefill and backend.batches_prompts
         # Halved whenever the backend refuses a pass (returns None): it said it cannot take that many.
@@ -52,31 +52,9 @@ class Admission:
         self.max_joint_prompts = self._joint_prompts_cap
         self.max_iterations = 2 * lanes.num_lanes + 16  # bounds one step's admission however many jobs fail
 
-    def _needs_chunks(self, job: Job) -> bool:
-        """After setup: whether the prompt left past the restored prefix takes more than one pass."""
-        return len(job.feed_ids) - job.cached_tokens > self._max_prefill_tokens
-
-    def launch(self, jobs: list[Job], chunking: Job | None) -> list[Outcome]:
-        """Set up the taken jobs (a lane each, on the shared blocks of its cached prefix) and book
-        what their first pass writes; no pass runs here. A whole prompt rides in this step's plan
-        (Riding: beside the decode round, or with nothing decoding in the plan's prompt pass); a
-        long one goes in chunks from this step on (Chunking). `chunking`: the job whose prompt goes
-        in chunks now, if any: a job taken as short that turns out long (the prefix it counted on
-        went meanwhile) then waits for that one to finish (BlockWait: back to the front of its line)."""
-        outcomes: list[Outcome] = []
-        for job in jobs:
-            refusal = self._setup(job)
-            if refusal is not None:
-                outcomes.append(refusal)
-            elif not self._needs_chunks(job):
-                covered = self._lanes.cover(job, len(job.feed_ids))
-                outcomes.append(Riding(job) if covered else BlockWait(job))
-            elif chunking is None:
-                chunking = job  # its chunks run one per step, beside the decode rounds
-                outcomes.append(Chunking(job))
-            else:
-                outcomes.append(BlockWait(job))
-        return outcomes
+    def needs_chunks(self, job: Job) -> bool:
+        """After setup: whether the prompt left past its cached prefix takes more than one pass."""
+        return len(job.feed_ids) - job.cached_tokens > self.max_prefill_tokens
 
     def run_prompts(self, jobs: list[Job], joint: list[Job]) -> list[Outcome]:
         """A plan's whole prompts with nothing decoding (their blocks booked): the `joint` ones (the
@@ -96,7 +74,7 @@ class Admission:
         whole, num_tokens = [], 0
         for job in ready:
             new_tokens = len(job.feed_ids) - job.cached_tokens
-            if num_tokens + new_tokens <= self._max_prefill_tokens:
+            if num_tokens + new_tokens <= self.max_prefill_tokens:
                 whole.append(job)
                 num_tokens += new_tokens
         return whole if len(whole) >= 2 else []
@@ -107,14 +85,6 @@ class Admission:
             Ended(job, CANCELLED) if job.cancel_requested else self._prefill(job, self._whole_prompt(job))
             for job in jobs
         ]
-
-    def _setup(self, job: Job) -> Ended | None:
-        """Lane, shared prefix and first blocks. None when the job is ready, else how it ended."""
-        if job.cancel_requested:
-            return Ended(job, CANCELLED)
-        # The shared prefix's blocks now; the rest of the first pass's come with its prefill.
-        self._lanes.open(job, 0)
-        return None
 
     def _prefill_together(self, jobs: list[Job]) -> list[Outcome] | None:
         """One prefill_many over `jobs`. None when the backend refused or failed (none prefilled), or
@@ -158,10 +128,10 @@ class Admission:
         outcome = self._prefill(job, item)
         return [] if outcome is None else [outcome]
 
-    def _next_chunk(self, job: Job, size: int | None = None) -> PrefillItem | None:
-        """The next `size` tokens (max_prefill_tokens unless said); None when their blocks are not free."""
+    def _next_chunk(self, job: Job) -> PrefillItem | None:
+        """The next max_prefill_tokens tokens; None when their blocks are not free."""
         start = job.num_prefilled
-        num_tokens = len(job.feed_ids[start : start + (size or self._max_prefill_tokens)])
+        num_tokens = len(job.feed_ids[start : start + self.max_prefill_tokens])
         if not self._lanes.cover(job, start + num_tokens):
             return None
         return self.prompt_item(job, start, num_tokens)
@@ -206,8 +176,8 @@ class Admission:
         pass costs about its rows, so the decoders' next token comes about as soon as without it),
         at least one row tile."""
         if self._step_tokens is None or num_rows == 0:
-            return self._max_prefill_tokens
-        return min(self._max_prefill_tokens, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
+            return self.max_prefill_tokens
+        return min(self.max_prefill_tokens, max(MIN_CHUNK_BESIDE, self._step_tokens - num_rows))
 
     def prefilled(self, job: Job, end: int, last: bool, token: int | None) -> Outcome | None:
         """A pass over the job's prompt up to `end` went through (`last`: it ended the prompt, and
