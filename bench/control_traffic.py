@@ -2,11 +2,12 @@
 
 One two-rank engine (local_engine, the real lane host) serves `--streams` short chat prompts in two
 bursts (the second arriving while the first decodes) and one long prompt in chunks among them,
-then `--alone` more one at a time, each after an idle spell (as sporadic traffic comes); rank 0's channel is watched, counting every broadcast by kind (the kinds inside a Bundle too) and
+then `--alone` more one at a time, each after an idle spell (as sporadic traffic comes); rank 0's channel is watched, counting every broadcast by kind (the parts of a StepPlan too) and
 every vote, and the lane host's on_step marks where each scheduling step ends. A step here is a
-scheduling step that sent a pass (a Prefill, Round, Verify or Mixed, alone or last in a Bundle);
+scheduling step that sent a pass (a StepPlan carrying a Prefill, a Round or a Verify; an older tree's
+Prefill, Round, Verify or Mixed, alone or in a Bundle);
 what goes between steps (Idle before an idle spell, with the lanes closed just before it in a
-Bundle of their own, and Stop at the end) is counted apart. Reported: messages and votes per step,
+plan with no pass of their own, and Stop at the end) is counted apart. Reported: messages and votes per step,
 the most in one step, the steps with no decode round (prompts alone), the messages beyond one a
 step per request served, and the messages per idle spell (Stop and what goes with it aside). `--steps` prints each step's messages. The script reads only Channel.send,
 Channel.vote and local_engine's on_step, so the very same file measures an older tree (copy it
@@ -42,7 +43,7 @@ from tpserve.server.requests import GenerationRequest  # noqa: E402
 from tpserve.server.tokenizer import Tokenizer  # noqa: E402
 from tpserve.server.wiring import local_engine  # noqa: E402
 
-PASSES = ("Prefill", "Round", "Verify", "Mixed")  # the kinds that run a forward pass
+PASSES = ("Prefill", "Round", "Verify", "Mixed")  # the kinds that run a forward pass (Mixed: an older tree's)
 DECODES = ("Round", "Verify", "Mixed")  # the passes that carry a decode round
 IDLE_WAIT_S = 60.0  # the longest wait for the lane host to go idle between lone requests
 
@@ -54,13 +55,14 @@ class WatchedChannel:
     def __init__(self, channel):
         self._channel = channel
         self.sent: Counter[str] = Counter()
-        self.kinds: Counter[str] = Counter()  # message kinds, inside Bundles too
+        self.kinds: Counter[str] = Counter()  # message kinds, a StepPlan's parts too
         self.votes = 0
         self.steps: list[list[tuple[str, int]]] = [[]]  # per step: (what was sent, votes after it)
 
     def send(self, msg) -> None:
         self.sent[type(msg).__name__] += 1
-        inner = getattr(msg, "messages", (msg,))
+        # A StepPlan's parts (an older tree's Bundle's messages), in the order they are applied.
+        inner = getattr(msg, "parts", None) or getattr(msg, "messages", (msg,))
         for each in inner:
             self.kinds[type(each).__name__] += 1
         self.steps[-1].append(("+".join(type(each).__name__ for each in inner), 0))
@@ -90,12 +92,18 @@ class WatchedChannel:
 
 
 def runs_pass(what: str) -> bool:
-    """Whether a message (its kinds joined by "+", a Bundle's in order) runs a forward pass."""
-    return what.rsplit("+", 1)[-1] in PASSES
+    """Whether a message (its kinds joined by "+": a StepPlan's parts, an older tree's Bundle's)
+    runs a forward pass."""
+    return any(kind in PASSES for kind in what.split("+"))
+
+
+def decodes(what: str) -> bool:
+    """Whether a message (as runs_pass reads it) carries a decode round."""
+    return any(kind in DECODES for kind in what.split("+"))
 
 
 def idle_messages(between: list[str]) -> int:
-    """The messages of idle spells: those between steps but Stop and a Bundle sent just before it."""
+    """The messages of idle spells: those between steps but Stop and the lanes sent just before it."""
     kept = [what for what in between if what != "Stop"]
     if between and between[-1] == "Stop" and len(between) > 1 and between[-2] != "Idle":
         kept = kept[:-1]  # the lanes closed since the last pass, sent before Stop
@@ -135,14 +143,14 @@ def run_traffic(
             records += watch_streams([engine.host.submit(each)])
         watched.wait_for_idle()
     num_requests = len(records)
-    # Idle, Stop and the lanes closed just before them (a Bundle with no pass) go between steps,
+    # Idle, Stop and the lanes closed just before them (a plan with no pass) go between steps,
     # wherever an idle spell falls (Idle is sent after a step's on_step, so it opens the next one).
     between = [sent for step in watched.steps for sent in step if not runs_pass(sent[0])]
     steps = [[sent for sent in step if runs_pass(sent[0])] for step in watched.steps]
     steps = [step for step in steps if step]
     in_steps = sum(len(step) for step in steps)
     num_rounds = sum(watched.kinds[kind] for kind in DECODES)
-    alone = [step for step in steps if not any(what.rsplit("+", 1)[-1] in DECODES for what, _ in step)]
+    alone = [step for step in steps if not any(decodes(what) for what, _ in step)]
     num_idles = watched.kinds["Idle"]
     return {
         "model": model_dir,

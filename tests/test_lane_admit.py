@@ -1,5 +1,5 @@
-"""Admission reports, the lane host applies: one admission's refusals, failures and first tokens come
-back as outcomes in the jobs' order, and no client hears of any of them before the host applies it."""
+"""Admission reports, the lane host applies: the refusals, failures and first tokens of a plan's
+prompt pass come back as outcomes in the jobs' order, and no client hears of any of them before the host applies it."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def test_a_failed_prefill_is_returned_and_the_other_jobs_still_get_their_tokens(
     admission = Admission(backend, lanes, batch_prefill=True)
     jobs = [make_job(backend, first) for first in (1, 5, 9, 13)]
 
-    outcomes = admission.launch(jobs, chunking=None)
+    for job in jobs:  # what a plan's admission did (admit_plan.py): a lane each, its prompt booked
+        lanes.open(job, 0)
+        assert lanes.cover(job, len(job.feed_ids))
+    outcomes = admission.run_prompts(jobs, admission.joint_prompts(jobs))  # the plan's prompt pass
 
     assert [(type(outcome), outcome.job) for outcome in outcomes] == [
         (FirstToken, jobs[0]),  # the joint pass failed: each prefilled alone, in order

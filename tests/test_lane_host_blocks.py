@@ -12,13 +12,8 @@ import random
 
 from fake_backend import FakeBackend
 from fake_replies import make_request, read_reply, run_all, step_until_finished
-from fake_tokens import fake_detokenize
 from test_lane_host import make_host
 
-from tpserve.server.admit_outcomes import Ended
-from tpserve.server.lane_admit import Admission
-from tpserve.server.lane_job import Job, reserve_for
-from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED
 
 
@@ -123,26 +118,27 @@ def test_a_refused_joint_pass_does_not_shrink_later_passes_for_good():
 
 
 def test_a_job_cancelled_between_take_and_setup_is_never_launched():
+    """The plan named three jobs to take; the second is cancelled just as it leaves the queue: it
+    gets no lane, the plan is made again without it (the third waits a step), and the others'
+    replies equal their solo runs."""
     backend = FakeBackend(batched=True)
-    lanes = LaneTable(backend)
-    admission = Admission(backend, lanes, batch_prefill=True)
-    jobs = []
-    for first in (1, 5, 9):
-        request = make_request([first, first + 1], 4)
-        job = Job(
-            request,
-            reserve=reserve_for(request, backend.context_size),
-            detokenize=fake_detokenize,
-            submitted_at=0.0,
-            cancel=lambda job: None,
-        )
-        jobs.append(job)
-    jobs[1].cancel_requested = True  # a cancel that came after the take
-    outcomes = admission.launch(jobs, chunking=None)
-    ended = [outcome for outcome in outcomes if isinstance(outcome, Ended)]
-    assert [(outcome.job, outcome.reason) for outcome in ended] == [(jobs[1], CANCELLED)]
-    assert jobs[1].lane is None and backend.num_opens == 2, "the cancelled job got no lane"
-    assert backend.joint_passes == [2]
+    host = make_host(backend)
+    requests = [make_request([first, first + 1], 4) for first in (1, 5, 9)]
+    streams = [host.submit(request) for request in requests]
+    take_head = host._state.take_head
+
+    def take_then_cancel(jobs):
+        taken = take_head(jobs)
+        if any(job.request is requests[1] for job in taken):
+            streams[1].cancel()  # after the take, before its lane opens
+        return taken
+
+    host._state.take_head = take_then_cancel
+    replies = run_all(host, streams)
+    assert replies[1].reason == CANCELLED and replies[1].token_ids == ()
+    assert backend.num_opens == 2, "the cancelled job got no lane"
+    assert [replies[0], replies[2]] == [backend.solo_reply(requests[0]), backend.solo_reply(requests[2])]
+    backend.assert_clean()
 
 
 def test_a_long_prompts_chunks_ride_with_the_decode_rounds():

@@ -21,15 +21,14 @@ from test_engine_pair import (
 )
 from tiny_models import write_tiny_model
 
-from tpserve.ranks.wire_messages import Bundle, Idle, Mixed, Prefill, Release, Round, Verify
+from tpserve.ranks.wire_messages import Idle, Release, StepPlan
 from tpserve.server.wiring import local_engine
 
 
 @dataclass
 class Sent:
-    msg: object  # the message rank 0 sent (a Bundle's last message: the pass)
+    msg: object  # the message rank 0 sent (a StepPlan, or Idle or Stop between steps)
     votes: int = 0  # votes rank 0 took before its next message
-    carried: tuple = ()  # every message it carried (a Bundle's, in order)
 
 
 class WatchedChannel:
@@ -40,8 +39,7 @@ class WatchedChannel:
         self.sent: list[Sent] = []
 
     def send(self, msg) -> None:
-        inner = msg.messages if isinstance(msg, Bundle) else (msg,)
-        self.sent.append(Sent(inner[-1], carried=inner))
+        self.sent.append(Sent(msg))
         self._channel.send(msg)
 
     def vote(self, ok: bool) -> bool:
@@ -53,9 +51,9 @@ class WatchedChannel:
 
 
 def prompt_starts(msg) -> list[int]:
-    """Where each prompt span of a pass starts ([] for a pass with no prompt)."""
-    prefill = msg.prefill if isinstance(msg, Mixed) else msg
-    return [span.start for span in prefill.spans] if isinstance(prefill, Prefill) else []
+    """Where each prompt span of a step's pass starts ([] for a pass with no prompt)."""
+    prefill = msg.prefill if isinstance(msg, StepPlan) else None
+    return [span.start for span in prefill.spans] if prefill is not None else []
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +82,7 @@ def test_a_long_prompts_later_chunks_beside_the_round_cost_no_vote(model_dir):
         f"{len(watched.sent)} messages, {sum(s.votes for s in watched.sent)} votes; "
         f"{len(later_chunks)} later chunks beside the round"
     )
-    assert len(later_chunks) >= 2 and all(isinstance(sent.msg, Mixed) for sent in later_chunks)
+    assert len(later_chunks) >= 2 and all(sent.msg.round is not None for sent in later_chunks)
     # A pass that starts a prompt is voted on once (so a refusal still rolls back); nothing else is.
     assert [sent.votes for sent in watched.sent] == [
         int(sent in passes and min(prompt_starts(sent.msg)) == 0) for sent in watched.sent
@@ -103,21 +101,21 @@ class StepMarks:
             self.ends.append(len(self.watched.sent))
 
     def steps(self, sent: list[Sent]) -> list[list[Sent]]:
-        """The messages of each step that sent a pass, those of an idle spell (Idle, and the lanes
-        closed just before it, a Bundle of their own) left out: they go between steps."""
+        """The messages of each step that sent a pass, those between steps (Idle, and Stop with the
+        lanes closed just before it, a StepPlan with no pass) left out."""
         bounds = [0, *self.ends, len(sent)]
         groups = [[s for s in sent[a:b] if runs_pass(s.msg)] for a, b in zip(bounds, bounds[1:])]
         return [group for group in groups if group]
 
 
 def runs_pass(msg) -> bool:
-    return isinstance(msg, (Prefill, Round, Verify, Mixed))
+    return isinstance(msg, StepPlan) and msg.runs_pass
 
 
 def test_a_step_is_one_message_when_prompts_go_alone_and_when_they_ride(model_dir):
-    """Prompts taken while nothing decodes go in one joint Prefill, their step's only message (the
-    streams it starts decode from the next step on); prompts taken while those decode, and a long
-    prompt's chunks, ride in the round's Mixed message. No step sends a second message, so an
+    """Prompts taken while nothing decodes go in one joint prompt pass, their step's only message
+    (the streams it starts decode from the next step on); prompts taken while those decode, and a
+    long prompt's chunks, ride in the round's pass: each step is one StepPlan. No step sends a second message, so an
     admitted request costs no message of its own; every reply equals its solo run."""
     long = request([i * 7 % 290 + 3 for i in range(120)], 6, GREEDY)  # over max_prefill_tokens 48
     burst = [REQUESTS[0], REQUESTS[1], REQUESTS[2]]
@@ -137,11 +135,12 @@ def test_a_step_is_one_message_when_prompts_go_alone_and_when_they_ride(model_di
     assert replies == alone
     steps = marks.steps(watched.sent)
     print(f"{sum(len(step) for step in steps)} messages in {len(steps)} steps")
-    assert all(len(step) == 1 for step in steps), [[type(s.msg).__name__ for s in step] for step in steps]
+    assert all(len(step) == 1 for step in steps), [[s.msg for s in step] for step in steps]
     passes = [step[0].msg for step in steps]
-    assert isinstance(passes[0], Prefill) and len(passes[0].spans) == 3, "the burst's joint pass, alone"
-    assert not isinstance(passes[1], Prefill), "its streams decode in the next step"
-    riding = [msg for msg in passes if isinstance(msg, Mixed) and 0 in prompt_starts(msg)]
+    first = passes[0]
+    assert first.round is None and len(first.prefill.spans) == 3, "the burst's joint pass, alone"
+    assert passes[1].round is not None, "its streams decode in the next step"
+    riding = [msg for msg in passes if msg.round is not None and 0 in prompt_starts(msg)]
     assert riding and all(sum(s.votes for s in step) <= 1 for step in steps)
 
 
@@ -156,7 +155,7 @@ def wait_for_idle(watched: WatchedChannel, timeout_s: float = 30.0) -> None:
 
 def test_an_idle_spell_costs_one_message_and_the_lanes_closed_before_it_go_with_the_next_pass(model_dir):
     """A request served alone, then an idle spell, then the next: rank 0 sends Idle and nothing
-    else between them (the first lane's Release waits for the second's first pass, in its Bundle),
+    else between them (the first lane's Release waits for the second's first pass, in its StepPlan),
     so a request costs only its steps' messages; the replies equal their solo runs."""
     requests = [REQUESTS[0], REQUESTS[1]]
     with local_engine(pair_settings(model_dir)) as engine:
@@ -176,4 +175,5 @@ def test_an_idle_spell_costs_one_message_and_the_lanes_closed_before_it_go_with_
     idles = [i for i, s in enumerate(sent) if isinstance(s.msg, Idle)]
     assert len(idles) == 2 and idles[1] == len(sent) - 1
     after = sent[idles[0] + 1]  # the second request's first pass
-    assert isinstance(after.msg, Prefill) and any(isinstance(m, Release) for m in after.carried)
+    assert after.msg.round is None and after.msg.prefill is not None
+    assert any(isinstance(change, Release) for change in after.msg.lanes)

@@ -10,6 +10,7 @@ from fake_backend import FakeBackend
 from fake_replies import make_request, read_reply
 from fake_tokens import EOS_IDS, fake_detokenize
 
+from tpserve.server.admit_plan import Opening, Yielded
 from tpserve.server.backend import BACKEND_NAMES
 from tpserve.server.lane_host import LaneHost
 from tpserve.server.step_plan import StepPlan
@@ -88,40 +89,43 @@ def plan_twice(host, backend) -> StepPlan:
     return first
 
 
-def run_checking_plans(host, backend, streams, max_steps: int = 200) -> set[str]:
-    """Step until every stream finished; before each step schedule() is checked pure (plan_twice),
-    and the passes the step's round runs are checked to be its plan's. What the plans held: "rows"
-    with "drafts", a "chunk" or "riding" prompts beside them, "alone" (prompts, nothing decoding)."""
+def run_checking_plans(host, backend, streams, max_steps: int = 200, until_finished: bool = True) -> set[str]:
+    """Step until every stream finished (or `max_steps` steps, unless `until_finished`); before
+    each step schedule() is checked pure (plan_twice), the step is checked to run that very plan,
+    and its passes to be the plan's: admission runs none. What the plans held: "took" (jobs taken
+    off the queue, lanes opened), "yielded" (a background stream's lane), "rows" with "drafts", a
+    "chunk" or "riding" prompts beside them, "alone" (prompts, nothing decoding), "admitted" (whole
+    prompts of jobs taken this step in such a plan)."""
     scheduler = host._scheduler
     schedule = scheduler.schedule
     used = []  # (the plan the step ran, the rounds and prompt passes before it)
 
-    def logged_schedule():
-        used.append((schedule(), len(backend.rounds), len(backend.prompt_passes)))
+    def logged_schedule(admit=True):
+        used.append((schedule(admit=admit), len(backend.rounds), len(backend.prompt_passes)))
         return used[-1][0]
 
     seen = set()
     for _ in range(max_steps):
         if all(stream.finished is not None for stream in streams):
             return seen
-        plan_twice(host, backend)  # admission may change the state before the step's own plan
+        planned = plan_twice(host, backend)
         scheduler.schedule = logged_schedule
         used.clear()
-        num_rounds, num_passes = len(backend.rounds), len(backend.prompt_passes)
         host.step()
         scheduler.schedule = schedule
-        if not used:  # admission's prompts went alone, nothing decoding: that pass is the step's one
-            assert len(backend.rounds) == num_rounds and len(backend.prompt_passes) == num_passes + 1
-            seen |= {"admitted alone"}
-            continue
+        assert [plan for plan, *_ in used] == [planned], "the step ran the plan made before it, once"
         plan, num_rounds, num_passes = used[-1]
+        seen |= {"took"} if any(isinstance(step, Opening) for step in plan.admitted) else set()
+        seen |= {"yielded"} if any(isinstance(step, Yielded) for step in plan.admitted) else set()
         if not plan.rows:  # nothing decodes: the plan's prompts went in passes of their own
             passes = backend.prompt_passes[num_passes:]
-            fed = [(p.lane, p.start, len(p.token_ids), p.last) for items in passes for p in items]
-            assert sorted(fed) == sorted((p.lane, p.start, p.num_tokens, p.last) for p in plan.prompts)
+            fed = {(p.lane, p.start, len(p.token_ids), p.last) for items in passes for p in items}
+            # (a set: a refused joint pass goes again, each prompt alone)
+            assert fed == {(p.lane, p.start, p.num_tokens, p.last) for p in plan.prompts}
             if plan.joint:  # those went together, in the first of these passes
                 assert [p.lane for p in passes[0]] == list(plan.joint)
             seen |= {"alone"} if plan.prompts else set()
+            seen |= {"admitted"} if any(p.start == 0 and p.last for p in plan.prompts) else set()
             seen |= {"joint"} if plan.joint else set()
             continue
         items, prompts = backend.rounds[num_rounds]
@@ -134,7 +138,9 @@ def run_checking_plans(host, backend, streams, max_steps: int = 200) -> set[str]
         seen |= {"rows"} | ({"chunk"} if any(not p.last for p in plan.prompts) else set())
         seen |= {"riding"} if any(p.last and p.start == 0 for p in plan.prompts) else set()
         seen |= {"drafts"} if any(r.draft for r in plan.rows) else set()
-    raise AssertionError(f"streams still running after {max_steps} steps")
+    if until_finished:
+        raise AssertionError(f"streams still running after {max_steps} steps")
+    return seen
 
 
 def test_schedule_is_pure_and_the_pass_that_runs_is_its_plan():
@@ -149,7 +155,8 @@ def test_schedule_is_pure_and_the_pass_that_runs_is_its_plan():
     assert "alone" in seen
     first = [make_request([3, 4, 5], 30, ignore_eos=True), make_request([9, 8], 30, ignore_eos=True, seed=7)]
     streams = [host.submit(request) for request in first]
-    for _ in range(3):
+    assert "admitted" in run_checking_plans(host, backend, streams, max_steps=1, until_finished=False)
+    for _ in range(2):
         host.step()
     later = [
         make_request(list(range(1, 45)), 10, ignore_eos=True),
@@ -157,7 +164,7 @@ def test_schedule_is_pure_and_the_pass_that_runs_is_its_plan():
     ]
     streams += [host.submit(request) for request in later]
     seen = run_checking_plans(host, backend, streams)
-    assert {"rows", "chunk", "riding", "drafts"} <= seen, seen
+    assert {"took", "rows", "chunk", "riding", "drafts"} <= seen, seen
     assert [read_reply(stream) for stream in streams] == [backend.solo_reply(r) for r in first + later]
     backend.assert_clean()
 
@@ -214,3 +221,92 @@ def test_two_hosts_in_the_same_state_make_the_same_plans():
     assert [read_reply(s) for s in streams[0]] == [read_reply(s) for s in streams[1]]
     for backend in backends:
         backend.assert_clean()
+
+
+def test_prompts_taken_while_nothing_decodes_are_their_steps_plan():
+    """A burst taken while nothing decodes: admission opens its lanes and books its blocks but runs
+    no pass; the step's plan holds the whole prompts, `joint` naming the ones that share its one
+    pass (all or none), and that pass is the step's only one. A poisoned prompt makes the joint
+    pass refused: each prompt then goes alone, only the poisoned one fails, and later bursts' plans
+    grow back to the whole burst. Every other reply equals its solo run."""
+    backend = LoggedFake(batched=True, num_lanes=8, max_prefill_tokens=16)
+    backend.poisoned_prompts = {37}
+    backend.refuse_poisoned_passes = True
+    host = make_host(backend)
+    bursts = [[make_request([36 + k, 2, 3], 4, ignore_eos=True) for k in range(4)]]  # 37: refused jointly
+    bursts += [[make_request([k, 5, 6], 4, ignore_eos=True) for k in range(b, b + 4)] for b in (10, 20, 30)]
+    for index, burst in enumerate(bursts):
+        streams = [host.submit(request) for request in burst]
+        num_calls = len(backend.calls)
+        seen = run_checking_plans(host, backend, streams, max_steps=1, until_finished=False)
+        assert {"alone", "joint", "admitted"} <= seen, seen
+        calls = backend.calls[num_calls:]
+        num_taken = calls.index("prefill_many")
+        assert calls[:num_taken] == ["open"] * num_taken and (index or num_taken == 4), calls
+        run_checking_plans(host, backend, streams)
+        replies = [read_reply(stream) for stream in streams]
+        for request, reply in zip(burst, replies):
+            if 37 not in request.prompt_ids:
+                assert reply == backend.solo_reply(request)
+    assert backend.refused_passes and backend.joint_passes[-1] == 4, backend.joint_passes
+    backend.assert_clean()
+
+
+def test_a_plan_takes_jobs_and_yields_lanes_before_anything_of_it_runs():
+    """A background stream holds the only lane when a foreground request arrives: the plan names
+    the lane it yields, then the job it takes with the lane that job opens, while nothing has
+    changed (asked twice, the same); the step applies that very plan, and both replies equal their
+    solo runs (the yielded stream is recomputed when taken again)."""
+    backend = LoggedFake(num_lanes=1, room=64, block_size=4, max_prefill_tokens=16)
+    host = make_host(backend)
+    background = make_request([4, 5, 6], 12, ignore_eos=True, background=True)
+    foreground = make_request([7, 8], 5, ignore_eos=True)
+    streams = [host.submit(background)]
+    for _ in range(3):
+        host.step()
+    (held,) = host._lanes.jobs()
+    streams.append(host.submit(foreground))
+    plan = plan_twice(host, backend)
+    yielded, opening = plan.admitted
+    assert yielded == Yielded(held.lane) and host._lanes.jobs() == [held], "nothing applied yet"
+    assert (opening.lane, opening.rides, opening.num_cached) == (held.lane, True, 0)
+    seen = run_checking_plans(host, backend, streams)
+    assert {"took", "yielded"} <= seen, seen
+    assert [read_reply(stream) for stream in streams] == [
+        backend.solo_reply(background),
+        backend.solo_reply(foreground),
+    ]
+    backend.assert_clean()
+
+
+def test_a_plan_the_queue_no_longer_fits_is_made_again_without_its_takes():
+    """The plan takes a background job; a foreground request arrives before the step applies it:
+    the queue's head is no longer the job the plan named, so nothing is taken, the step's plan is
+    made again from what then is (admitting nothing), and the foreground job is taken next step.
+    Every reply equals its solo run."""
+    backend = LoggedFake(num_lanes=2, room=64, block_size=4, max_prefill_tokens=16)
+    host = make_host(backend)
+    late = make_request([9, 9, 3], 4, ignore_eos=True)
+    first = make_request([2, 3, 4], 4, ignore_eos=True, background=True)
+    streams = [host.submit(first)]
+    scheduler = host._scheduler
+    schedule = scheduler.schedule
+    asked = []
+
+    def arriving_meanwhile(admit=True):
+        plan = schedule(admit=admit)
+        asked.append((admit, plan))
+        if len(streams) == 1:
+            streams.append(host.submit(late))  # after the plan, before the step applies it
+        return plan
+
+    scheduler.schedule = arriving_meanwhile
+    host.step()
+    scheduler.schedule = schedule
+    (took, again) = asked
+    assert took[0] and [type(step) for step in took[1].admitted] == [Opening]
+    assert not again[0] and again[1].admitted == () and host._lanes.jobs() == [], "nothing taken"
+    assert host._state.num_queued() == 2
+    run_checking_plans(host, backend, streams)
+    assert [read_reply(stream) for stream in streams] == [backend.solo_reply(first), backend.solo_reply(late)]
+    backend.assert_clean()

@@ -17,7 +17,7 @@ from tpserve.ranks.wire import (
     encode,
     read_head,
 )
-from tpserve.ranks.wire_messages import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire_messages import Admit, Idle, Prefill, Release, Round, StepPlan, Stop, Verify
 from tpserve.ranks.wire_spans import Span, Step
 
 int64s = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
@@ -44,25 +44,27 @@ def spans(draw):
 block_lists = st.lists(counts, max_size=6).map(tuple)
 steps = st.builds(Step, lane=counts, position=counts, token_id=int64s, blocks=block_lists)
 
-bundled = st.one_of(
-    st.builds(Admit, lane=counts, blocks=block_lists, num_cached=counts),
+lane_changes = st.one_of(
+    st.builds(Admit, lane=counts, blocks=block_lists, num_cached=counts, copy_from=counts),
+    st.builds(Release, lane=counts),
+)
+rounds = st.one_of(
+    st.none(),
+    st.builds(Round, steps=st.lists(steps, max_size=64).map(tuple)),
+    st.builds(Verify, spans=st.lists(spans(), max_size=8).map(tuple)),
+)
+prompts = st.one_of(
+    st.none(), st.builds(Prefill, spans=st.lists(spans(), min_size=1, max_size=17).map(tuple))
+)
+plans = st.builds(
+    StepPlan, lanes=st.lists(lane_changes, max_size=5).map(tuple), round=rounds, prefill=prompts
+).filter(lambda plan: plan.parts)
+messages = st.one_of(
+    plans,
+    lane_changes,
     st.builds(Prefill, spans=st.lists(spans(), max_size=16).map(tuple)),
     st.builds(Round, steps=st.lists(steps, max_size=64).map(tuple)),
     st.builds(Verify, spans=st.lists(spans(), max_size=16).map(tuple)),
-    st.builds(Release, lane=counts),
-)
-mixed = st.builds(
-    Mixed,
-    round=st.one_of(
-        st.builds(Round, steps=st.lists(steps, max_size=16).map(tuple)),
-        st.builds(Verify, spans=st.lists(spans(), max_size=8).map(tuple)),
-    ),
-    prefill=st.builds(Prefill, spans=st.lists(spans(), min_size=1, max_size=17).map(tuple)),
-)
-messages = st.one_of(
-    bundled,
-    mixed,
-    st.builds(Bundle, messages=st.lists(bundled, min_size=1, max_size=5).map(tuple)),
     st.just(Idle()),
     st.just(Stop()),
 )
@@ -117,13 +119,37 @@ def test_values_that_are_not_int64_are_refused(msg, problem):
         encode(msg)
 
 
-def test_a_bundle_carries_no_idle_nor_another_bundle():
+def test_a_step_plan_is_its_lanes_then_its_round_then_its_prompts():
+    plan = StepPlan(
+        (Release(2), Admit(2, (5, 6), 32)), Round((Step(0, 40, 7, (9,)),)), Prefill((Span(2, 32, (1, 2)),))
+    )
+    assert decode(encode(plan)) == plan and plan.parts[-1] == plan.prefill
     with pytest.raises(WireError, match="cannot carry Idle"):
-        encode(Bundle((Release(0), Idle())))
-    tensor = encode(Bundle((Release(3),))).clone()
+        encode(StepPlan((Release(0), Idle())))
+    with pytest.raises(WireError, match="empty StepPlan"):
+        encode(StepPlan())
+    with pytest.raises(WireError, match="at least one span"):
+        encode(StepPlan(round=Round((Step(0, 1, 2),)), prefill=Prefill(())))
+    with pytest.raises(WireError, match="cannot carry Prefill"):
+        encode(StepPlan(round=Prefill((Span(0, 0, (1,)),))))
+    tensor = encode(StepPlan((Release(3),))).clone()
     tensor[4] = Idle.KIND  # the inner message's kind
     with pytest.raises(WireError, match="kind 8"):
         decode(tensor)
+    # A round after the prompts, or a second round, is no plan.
+    prompt, round_msg = encode(Prefill((Span(0, 0, (1,)),))), encode(Round((Step(1, 2, 3),)))
+    parts = [Prefill.KIND, int(prompt[3]), *prompt[4 : 4 + int(prompt[3])].tolist()]
+    parts += [Round.KIND, int(round_msg[3]), *round_msg[4 : 4 + int(round_msg[3])].tolist()]
+    tensor = encode(StepPlan((Release(0),))).clone()
+    tensor[3] = len(parts)
+    tensor[4 : 4 + len(parts)] = torch.tensor(parts)
+    with pytest.raises(WireError, match="then a round, then prompts"):
+        decode(tensor)
+
+
+def test_a_step_that_only_decodes_over_30_lanes_fits_in_the_head():
+    plan = StepPlan(round=Round(tuple(Step(lane, 100 + lane, 7) for lane in range(30))))
+    assert encode(plan).numel() == HEAD_SIZE and decode(encode(plan)) == plan
 
 
 def test_a_non_message_is_refused():

@@ -1,6 +1,7 @@
 """Applies one wire message to this rank's engine: the same code on rank 0 and on the followers.
 
-A prompt's first pass (a whole prompt, or its first chunk) is voted on before anything changes (an
+A step comes as one StepPlan: its lane changes, then its one pass (a round, prompts, or both). A
+prompt's first pass (a whole prompt, or its first chunk) is voted on before anything changes (an
 all-reduce of an ok flag on the control channel), so a refusal anywhere leaves every rank as it
 was; the vote comes before the forward pass because once its collectives start, a failure cannot
 be rolled back and latches the engine broken instead. A pass that opens no prompt (decode steps, a
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.ranks.engine import Engine
-from tpserve.ranks.wire_messages import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire_messages import Admit, Idle, Prefill, Release, Round, StepPlan, Stop, Verify
 
 
 class VotedDown(Exception):
@@ -24,66 +25,64 @@ class VotedDown(Exception):
 def apply_message(
     engine: Engine, channel, msg, media: torch.Tensor | None = None, greedy: bool = False, listed=None
 ) -> torch.Tensor | None:
-    """Returns the logits of a Prefill, Round or Verify on rank 0 (None elsewhere and for other kinds).
+    """Returns the logits of a StepPlan's pass on rank 0 (None elsewhere, and for other kinds).
 
-    `media`: on rank 0, the image features of a Prefill's media runs, in message order; `greedy`: a
-    Round's argmax ids in place of its logits (rank 0's choice: the pass is the same on every rank);
-    `listed`: a Round's rows' SamplingParams, for its shortlist in place of its logits (the same).
-    Raises VotedDown when the ranks voted no.
+    `media`: on rank 0, the image features of the plan's prompts' media runs, in message order;
+    `greedy`: a plan that only decodes returns its round's argmax ids in place of its logits (rank
+    0's choice: the pass is the same on every rank); `listed`: its rows' SamplingParams, for its
+    shortlist in place of its logits (the same). Raises VotedDown when the ranks voted no.
     """
-    if isinstance(msg, Bundle):  # a follower's: rank 0 applied all but the last as it sent them
-        *first, last = msg.messages
-        for inner in first:
-            apply_message(engine, channel, inner)
-        return apply_message(engine, channel, last, media, greedy, listed)
+    if isinstance(msg, StepPlan):
+        for change in msg.lanes:  # a follower's: rank 0 applied them as it made them
+            apply_message(engine, channel, change)
+        return _apply_pass(engine, channel, msg.round, msg.prefill, media, greedy, listed)
     if isinstance(msg, Admit):
-        engine.admit(
-            msg.lane, msg.blocks, msg.num_cached, msg.copy_from
-        )  # rank 0 chose them: nothing to vote on
+        engine.admit(msg.lane, msg.blocks, msg.num_cached, msg.copy_from)  # rank 0 chose them: no vote
         return None
-    if isinstance(msg, Prefill):
-        spans = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans]
-        if engine.first_pass(spans) and not channel.vote(engine.check(spans) and not engine.refuses(spans)):
-            raise VotedDown("prefill refused by some rank")
-        every_row = [s.every_row for s in msg.spans]
-        rope = [s.rope for s in msg.spans] if any(s.rope for s in msg.spans) else None
-        media_rows = [s.media_rows() for s in msg.spans] if any(s.media for s in msg.spans) else None
-        return engine.forward(
-            spans, every_row=every_row, media_rows=media_rows, media=media if media_rows else None, rope=rope
-        )
-    if isinstance(msg, Mixed):
-        verify = isinstance(msg.round, Verify)
-        steps = msg.round.spans if verify else msg.round.steps
-        steps = [
-            (s.lane, s.start, s.token_ids, s.blocks)
-            if verify
-            else (s.lane, s.position, (s.token_id,), s.blocks)
-            for s in steps
-        ]
-        prompts = [(s.lane, s.start, s.token_ids, s.blocks) for s in msg.prefill.spans]
-        engine.drop_unkept_drafts(steps)  # the same on every rank, whatever the vote: drafts it did not keep
-        voted = engine.first_pass(prompts)
-        if voted and not channel.vote(engine.check([*steps, *prompts]) and not engine.refuses(prompts)):
-            raise VotedDown("a prompt beside a decode round refused by some rank")
-        spans = msg.prefill.spans
-        media_rows = [s.media_rows() for s in spans] if any(s.media for s in spans) else None
-        return engine.mixed(
-            steps,
-            verify,
-            prompts,
-            media_rows,
-            media if media_rows else None,
-            prompt_rows=[s.every_row for s in spans],
-            rope=[s.rope for s in spans] if any(s.rope for s in spans) else None,
-        )
-    if isinstance(msg, Round):
-        steps = [(s.lane, s.position, (s.token_id,), s.blocks) for s in msg.steps]
-        return engine.decode_round(steps, greedy=greedy, listed=listed)
-    if isinstance(msg, Verify):
-        return engine.verify([(s.lane, s.start, s.token_ids, s.blocks) for s in msg.spans])
     if isinstance(msg, Release):
         engine.release(msg.lane)
         return None
     if isinstance(msg, (Idle, Stop)):
         return None
     raise TypeError(f"no rule to apply {type(msg).__name__}")
+
+
+def _apply_pass(
+    engine: Engine, channel, round_msg: Round | Verify | None, prefill: Prefill | None, media, greedy, listed
+) -> torch.Tensor | None:
+    """A plan's one forward pass: its round alone, its prompts alone, or both in one pass (none: a
+    plan that only closes lanes). Voted on once when a prompt starts in it, after this rank checked
+    every span of the pass, before the pass's collectives; a no anywhere changes nothing anywhere."""
+    verify = isinstance(round_msg, Verify)
+    if round_msg is None:
+        steps = []
+    elif verify:
+        steps = [(s.lane, s.start, s.token_ids, s.blocks) for s in round_msg.spans]
+    else:
+        steps = [(s.lane, s.position, (s.token_id,), s.blocks) for s in round_msg.steps]
+    if prefill is None:
+        if round_msg is None:
+            return None
+        return engine.verify(steps) if verify else engine.decode_round(steps, greedy=greedy, listed=listed)
+    spans = prefill.spans
+    prompts = [(s.lane, s.start, s.token_ids, s.blocks) for s in spans]
+    if steps:
+        engine.drop_unkept_drafts(steps)  # the same on every rank, whatever the vote: drafts it did not keep
+    if engine.first_pass(prompts) and not channel.vote(
+        engine.check([*steps, *prompts]) and not engine.refuses(prompts)
+    ):
+        raise VotedDown("a prompt refused by some rank")
+    media_rows = [s.media_rows() for s in spans] if any(s.media for s in spans) else None
+    rope = [s.rope for s in spans] if any(s.rope for s in spans) else None
+    every_row = [s.every_row for s in spans]
+    if round_msg is None:
+        return engine.forward(
+            prompts,
+            every_row=every_row,
+            media_rows=media_rows,
+            media=media if media_rows else None,
+            rope=rope,
+        )
+    return engine.mixed(
+        steps, verify, prompts, media_rows, media if media_rows else None, prompt_rows=every_row, rope=rope
+    )

@@ -1,6 +1,7 @@
 """Rank 0's side of the engine: the Backend the lane host drives.
 
-Each call is sent on the wire, then applied here with the same code the followers run
+Each pass is sent on the wire as one StepPlan (carrying the lanes opened and closed since the last
+message, which rank 0 applied at once), then applied here with the same code the followers run
 (`apply_message`), and only here are tokens sampled. Any failure of the wire or of a pass whose
 collectives already started latches the leader broken: it cannot know what the followers hold.
 """
@@ -20,7 +21,7 @@ from tpserve.ranks.engine import Engine
 from tpserve.ranks.errors import BackendBroken, ChunkRefused
 from tpserve.ranks.mrope import chunk_rope
 from tpserve.ranks.step_profile import NoProfile, StepProfile
-from tpserve.ranks.wire_messages import Admit, Bundle, Idle, Mixed, Prefill, Release, Round, Stop, Verify
+from tpserve.ranks.wire_messages import Admit, Idle, Prefill, Release, Round, StepPlan, Stop, Verify
 from tpserve.ranks.wire_spans import Span, Step
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,13 @@ def media_in_chunk(images, start: int, num_tokens: int):
             runs.append((first - start, end - first))
             rows.append(image.features[first - image.offset : end - image.offset])
     return tuple(runs), rows
+
+
+def _kind_of(msg) -> str:
+    """What a message ran, for the broken reason: a plan's pass by its parts ("Round+Prefill")."""
+    if isinstance(msg, StepPlan) and msg.runs_pass:
+        return "+".join(type(part).__name__ for part in (msg.round, msg.prefill) if part is not None)
+    return type(msg).__name__
 
 
 class Leader:
@@ -74,7 +82,7 @@ class Leader:
         self.broken: str | None = None
         self._idle = False
         # Lanes opened and closed since the last message: applied here at once, and sent to the
-        # followers inside the next pass's message (a Bundle), so a lane costs no message of its own.
+        # followers inside the next step's StepPlan, so a lane costs no message of its own.
         self._unsent: list[Admit | Release] = []
         self._features: dict[int, list[tuple[int, float]]] = {}
         self._draft_features: dict[int, list[list[tuple[int, float]]]] = {}  # per row of a Verify
@@ -102,7 +110,7 @@ class Leader:
     def prefill_many(self, items) -> list[int] | None:
         msg, media = self._prefill_message(items)
         try:
-            logits = self._run(msg, media)
+            logits = self._run(StepPlan(prefill=msg), media)
         except VotedDown:
             return None
         logits = self._take_prompt_rows(logits, items)
@@ -126,10 +134,10 @@ class Leader:
         """Run a Round or Verify, with `prompts` (PrefillItems) in the same pass. Returns the logits
         of the round's rows, then one row per prompt that ends (item.last), in order."""
         if not prompts:
-            return self._run(round_msg)
+            return self._run(StepPlan(round=round_msg))
         prefill, media = self._prefill_message(prompts)
         try:
-            logits = self._run(Mixed(round_msg, prefill), media)
+            logits = self._run(StepPlan(round=round_msg, prefill=prefill), media)
         except VotedDown as error:
             lanes = ", ".join(str(item.lane) for item in prompts)
             raise ChunkRefused(f"lanes {lanes}: a prompt beside the decode round refused") from error
@@ -206,13 +214,15 @@ class Leader:
         msg = Round(tuple(Step(i.lane, i.position, i.token_id, i.blocks) for i in items))
         if not prompts and self._greedy_on_device(items):
             with self.profile.part("sample"):
-                ids = self._run(msg, greedy=True)  # [lanes] int64: only the ids left the device
+                # [lanes] int64: only the ids left the device
+                ids = self._run(StepPlan(round=msg), greedy=True)
             self._logprobs.clear()
             return ids.tolist()
         if not prompts and self._lists_on_device(items):
             sampling = tuple(item.sampling for item in items)
             with self.profile.part("sample"):
-                packed = self._run(msg, listed=sampling)  # only each row's shortlist left the device
+                # only each row's shortlist left the device
+                packed = self._run(StepPlan(round=msg), listed=sampling)
                 listed = Shortlist.unpack(packed)
                 positions = [i.position + 1 for i in items]
                 tokens = sample_listed(
@@ -262,7 +272,7 @@ class Leader:
         """Tell the followers no message is coming soon, so they wait off any collective timeout."""
         self.profile.flush()
         if not self._idle and self.broken is None:
-            self._run(Idle())  # the lanes rank 0 opened or closed go with the next pass (_run)
+            self._run(Idle())  # the lanes rank 0 opened or closed go with the next step (_run)
             self._idle = True
 
     # Beyond the protocol -------------------------------------------------------------------------
@@ -288,39 +298,43 @@ class Leader:
         apply_message(self.engine, self.channel, msg)  # raises EngineError on an unsound table
         self._unsent.append(msg)
 
-    def _run(self, msg, media=None, greedy: bool = False, listed=None):
-        """Send `msg` (with the lanes opened and closed since the last message) and apply it here
-        (greedy: a Round's argmax ids instead of its logits; listed: its rows' SamplingParams, for its
-        shortlist instead; rank 0's affair: the followers' message is the same). Any failure but a vote's no latches the leader broken."""
+    def _run(self, msg: StepPlan | Idle | Stop, media=None, greedy: bool = False, listed=None):
+        """Send `msg` (a StepPlan with the lanes opened and closed since the last message) and apply
+        its pass here (greedy: a round's argmax ids instead of its logits; listed: its rows'
+        SamplingParams, for its shortlist instead; rank 0's affair: the followers' message is the
+        same). Any failure but a vote's no latches the leader broken."""
         if self.broken is not None:
             raise BackendBroken(self.broken)
         try:
-            unsent, self._unsent = self._unsent, []
-            if isinstance(msg, Idle):
-                # The lanes opened and closed since the last pass wait for the next one (in its
-                # Bundle, after the idle spell): nothing on a follower reads them while it waits,
-                # so an idle spell costs the wire its one Idle.
-                self._unsent, unsent = unsent, []
-            elif unsent and isinstance(msg, Stop):
-                self.channel.send(Bundle(tuple(unsent)))  # what rank 0 already applied, alone
-                unsent = []
+            if isinstance(msg, StepPlan):
+                unsent, self._unsent = tuple(self._unsent), []
+                sent = StepPlan(unsent, msg.round, msg.prefill)
+            else:
+                # Idle: the lanes opened and closed since the last step wait for the next one
+                # (nothing on a follower reads them while it waits), so an idle spell costs the wire
+                # its one Idle; Stop: they go first, in a plan with no pass.
+                if self._unsent and isinstance(msg, Stop):
+                    self.channel.send(StepPlan(tuple(self._unsent)))  # what rank 0 already applied
+                    self._unsent = []
+                sent = msg
             with self.profile.part("wire send"):
-                self.channel.send(Bundle((*unsent, msg)) if unsent else msg)
+                self.channel.send(sent)
             self._idle = False
-            if isinstance(msg, (Prefill, Mixed)):
+            if isinstance(msg, StepPlan) and msg.prefill is not None:
                 self.profile.prefilled()
             with self.profile.part("forward (and vote)"):
+                # msg, not sent: rank 0 applied its lanes' changes as it made them
                 return apply_message(self.engine, self.channel, msg, media, greedy=greedy, listed=listed)
         except VotedDown:
             raise
         except ChannelBroken as error:  # names the rank that did not answer
-            self.broken = f"{type(msg).__name__} failed: {error}"
+            self.broken = f"{_kind_of(msg)} failed: {error}"
             log.error("rank 0: engine broken: %s", self.broken)
             raise BackendBroken(self.broken) from error
         except Exception as error:  # the ranks may now disagree: nothing more can be trusted
             peers = ", ".join(str(rank) for rank in range(1, self.channel.world_size))
             where = f" (a collective with rank {peers} failed or timed out)" if peers else ""
-            self.broken = f"{type(msg).__name__} failed{where}: {gist_of(error)}"
+            self.broken = f"{_kind_of(msg)} failed{where}: {gist_of(error)}"
             log.error("rank 0: engine broken: %s", self.broken)
             raise BackendBroken(self.broken) from error
 

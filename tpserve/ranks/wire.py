@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from tpserve.ranks.wire_messages import BUNDLED, KINDS, Admit, Bundle, Message, Mixed, Prefill, Round, Verify
+from tpserve.ranks.wire_messages import KINDS, LANE_CHANGES, Admit, Message, Prefill, Round, StepPlan, Verify
 from tpserve.ranks.wire_spans import WireError, spans_from, spans_payload, steps_from, steps_payload
 
 __all__ = [
@@ -34,16 +34,18 @@ __all__ = [
 
 # 6: a span says whether every row's logits are wanted and carries its rope positions; 7: a Mixed
 # pass carries any number of prompts; 8: only a prompt's first pass is voted on (tpserve/ranks/apply.py);
-# 10: a span's rope positions end with the lane's delta after it (a video's time may pass its text)
-WIRE_VERSION = 10
+# 10: a span's rope positions end with the lane's delta after it (a video's time may pass its text);
+# 11: a step is one StepPlan (its lanes, its round, its prompts), replacing Bundle and Mixed
+WIRE_VERSION = 11
 _MAGIC_MASK = ~0xFFFF
 MAGIC = 0x7470736572760000  # "tpserv" in ASCII; the low 16 bits carry WIRE_VERSION
 HEAD_SIZE = 128
 _HEAD_FIELDS = 4  # magic|version, kind, seq, payload size
-INLINE_SIZE = HEAD_SIZE - _HEAD_FIELDS  # a decode round over up to 31 lanes needs no overflow
+INLINE_SIZE = HEAD_SIZE - _HEAD_FIELDS  # a step that only decodes, over up to 30 lanes, needs no overflow
 # Bounds what a corrupt head can make a follower allocate (128 MiB of int64s).
 MAX_PAYLOAD_SIZE = 1 << 24
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_PASSES = (Round, Verify, Prefill)  # a StepPlan's pass: a round, prompts, or both, in that order
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,8 @@ def _unnested(payload: list[int], allowed, outer: str) -> list:
 
 
 def _payload(msg: Message) -> list:
-    if isinstance(msg, Bundle):
-        return _nested(msg.messages, BUNDLED, "Bundle")
-    if isinstance(msg, Mixed):
-        if not msg.prefill.spans:
-            raise WireError("a Mixed pass takes at least one prompt")
-        return _nested((msg.round, msg.prefill), (Round, Verify, Prefill), "Mixed")
+    if isinstance(msg, StepPlan):
+        return _step_plan_payload(msg)
     if isinstance(msg, (Prefill, Verify)):
         return spans_payload(msg.spans)
     if isinstance(msg, Round):
@@ -154,15 +152,8 @@ def _payload(msg: Message) -> list:
 
 
 def _from_payload(cls: type, payload: list[int]) -> Message:
-    if cls is Bundle:
-        return Bundle(tuple(_unnested(payload, BUNDLED, "Bundle")))
-    if cls is Mixed:
-        parts = _unnested(payload, (Round, Verify, Prefill), "Mixed")
-        if [type(p) for p in parts] not in ([Round, Prefill], [Verify, Prefill]) or not parts[1].spans:
-            raise WireError(
-                f"a Mixed pass is a round and a Prefill of its prompts, got {[type(p).__name__ for p in parts]}"
-            )
-        return Mixed(*parts)
+    if cls is StepPlan:
+        return _step_plan(_unnested(payload, (*LANE_CHANGES, *_PASSES), "StepPlan"))
     if cls in (Prefill, Verify):
         return cls(spans_from(payload))
     if cls is Round:
@@ -177,6 +168,30 @@ def _from_payload(cls: type, payload: list[int]) -> Message:
     if len(payload) != num_fields:
         raise WireError(f"a {cls.__name__} payload holds {num_fields} ints, got {len(payload)}")
     return cls(*payload)
+
+
+def _step_plan_payload(plan: StepPlan) -> list:
+    """Its parts as [kind, size, payload...] each, in the order they are applied."""
+    if not plan.parts:
+        raise WireError("an empty StepPlan: a step carries lanes or a pass")
+    if plan.prefill is not None and (not isinstance(plan.prefill, Prefill) or not plan.prefill.spans):
+        raise WireError(f"a StepPlan's prompts are a Prefill of at least one span, got {plan.prefill!r}")
+    payload = _nested(plan.lanes, LANE_CHANGES, "StepPlan's lanes")
+    payload += _nested(() if plan.round is None else (plan.round,), (Round, Verify), "StepPlan's round")
+    return payload + _nested(() if plan.prefill is None else (plan.prefill,), (Prefill,), "StepPlan")
+
+
+def _step_plan(parts: list) -> StepPlan:
+    """A StepPlan from its parts in wire order: lane changes, then a round, then prompts (each
+    optional, not all absent); any other order or an empty Prefill is refused."""
+    num_lanes = next((i for i, part in enumerate(parts) if not isinstance(part, LANE_CHANGES)), len(parts))
+    rest = parts[num_lanes:]
+    round_msg = rest.pop(0) if rest and isinstance(rest[0], (Round, Verify)) else None
+    prefill = rest.pop(0) if rest and isinstance(rest[0], Prefill) else None
+    if rest or not parts or (prefill is not None and not prefill.spans):
+        kinds = [type(part).__name__ for part in parts]
+        raise WireError(f"a StepPlan is lane changes, then a round, then prompts (not empty), got {kinds}")
+    return StepPlan(tuple(parts[:num_lanes]), round_msg, prefill)
 
 
 def _as_int64(value) -> int:

@@ -1,7 +1,10 @@
 """The wire's messages: rank 0's decisions as typed, frozen dataclasses, one per kind.
 
 Each kind carries a KIND number and a few ints (or the spans and steps of tpserve/ranks/wire_spans.py);
-tpserve/ranks/wire.py encodes them to the int64 tensors a broadcast carries, and back.
+tpserve/ranks/wire.py encodes them to the int64 tensors a broadcast carries, and back. A scheduling
+step travels as one StepPlan: Admit, Release, Prefill, Round and Verify are its parts (rank 0 applies
+an Admit or a Release alone as it makes it, and sends it in the next plan); Idle and Stop go between
+steps.
 """
 
 from __future__ import annotations
@@ -12,16 +15,15 @@ from typing import ClassVar
 from tpserve.ranks.wire_spans import Span, Step
 
 __all__ = [
-    "BUNDLED",
     "KINDS",
+    "LANE_CHANGES",
     "Admit",
-    "Bundle",
     "Idle",
     "Message",
-    "Mixed",
     "Prefill",
     "Release",
     "Round",
+    "StepPlan",
     "Stop",
     "Verify",
 ]
@@ -109,31 +111,35 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Mixed:
-    """A decode round (a Round or a Verify) and prompts (a Prefill: whole prompts admitted this step,
-    a long prompt's next chunk) in one forward pass (voted on first when a prompt starts in it, as a
-    Prefill): a step is one message, one pass and at most one vote."""
+class StepPlan:
+    """One scheduling step as every rank applies it, in order: the lanes rank 0 opened and closed
+    since its last message (`lanes`: opening or closing a lane costs the wire nothing of its own),
+    then at most one forward pass: a decode round (`round`, a Round or a Verify), prompts
+    (`prefill`: whole prompts admitted this step, a long prompt's next chunk), or both in one pass.
+    A step is one message, one pass and at most one vote, taken when a prompt starts in the pass,
+    after every rank checked the whole pass and before its collectives (tpserve/ranks/apply.py). A
+    plan with no pass carries only the lanes closed just before a Stop."""
 
-    KIND: ClassVar[int] = 12
-    round: Round | Verify
-    prefill: Prefill
-
-
-@dataclass(frozen=True)
-class Bundle:
-    """Several messages in one broadcast, applied in order: the lanes rank 0 opened and closed since
-    its last message, then the pass that uses them. Opening or closing a lane so costs the wire
-    nothing of its own; rank 0 applied those at once, the followers apply them before the pass."""
-
-    KIND: ClassVar[int] = 11
-    messages: tuple[Admit | Release | Prefill | Round | Verify | Mixed, ...]
+    KIND: ClassVar[int] = 13
+    lanes: tuple[Admit | Release, ...] = ()
+    round: Round | Verify | None = None
+    prefill: Prefill | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "messages", tuple(self.messages))
+        object.__setattr__(self, "lanes", tuple(self.lanes))
+
+    @property
+    def parts(self) -> tuple:
+        """What the plan carries, in the order it is applied: the lanes, the round, the prompts."""
+        return (*self.lanes, *(part for part in (self.round, self.prefill) if part is not None))
+
+    @property
+    def runs_pass(self) -> bool:
+        return self.round is not None or self.prefill is not None
 
 
-Message = Admit | Prefill | Round | Verify | Release | Idle | Stop | Bundle | Mixed
+Message = Admit | Prefill | Round | Verify | Release | Idle | Stop | StepPlan
 KINDS: dict[int, type] = {
-    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, Bundle, Mixed)
+    cls.KIND: cls for cls in (Admit, Prefill, Round, Verify, Release, Idle, Stop, StepPlan)
 }
-BUNDLED = (Admit, Release, Prefill, Round, Verify, Mixed)
+LANE_CHANGES = (Admit, Release)  # what a StepPlan carries before its pass

@@ -9,7 +9,8 @@ mostly cached prompt can join a joint pass; one long prompt chunks at a time.
 A foreground job that cannot get a lane or room makes the newest background stream yield its lane;
 the yielded job goes back to the front of the background line and later re-prefills its prompt and
 the tokens it already produced, so position-keyed sampling continues exactly where it left off.
-Taking, and launching what is taken (tpserve/server/lane_admit.py), are others' to do.
+A step's plan asks it, on scratch copies (tpserve/server/admit_plan.py); taking and opening are the
+scheduler's, applying that plan (tpserve/server/lane_scheduler.py).
 """
 
 from __future__ import annotations

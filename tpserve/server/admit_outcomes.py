@@ -1,13 +1,11 @@
-"""What an admission reports (tpserve/server/lane_admit.py): per job, a first token, an end, a
-long prompt that goes in chunks, a wait for KV blocks, or a prompt riding in this step's round. The
-scheduler applies them itself, one way (STYLE 14).
+"""What a plan's prompt passes report (tpserve/server/lane_admit.py): per job, a first token, an end,
+or a wait for KV blocks. The scheduler applies them itself, one way (STYLE 14).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpserve.server.backend import PrefillItem
 from tpserve.server.lane_job import Job
 
 
@@ -29,13 +27,6 @@ class Ended:
 
 
 @dataclass(frozen=True)
-class Chunking:
-    """The job's long prompt goes in chunks from now on, one per step between decode rounds."""
-
-    job: Job
-
-
-@dataclass(frozen=True)
 class BlockWait:
     """The job's next pass needs KV blocks that are not free: the chunking job waits a step; any
     other goes back to the front of its line (its lane closed) and is taken again when they are."""
@@ -43,13 +34,4 @@ class BlockWait:
     job: Job
 
 
-@dataclass(frozen=True)
-class Riding:
-    """The job's whole prompt goes in this step's decode round, in the same pass (`item`, its blocks
-    covered): the step stays one message and one pass; its first token comes with the round's."""
-
-    job: Job
-    item: PrefillItem
-
-
-Outcome = FirstToken | Ended | Chunking | BlockWait | Riding
+Outcome = FirstToken | Ended | BlockWait

@@ -26,6 +26,7 @@ class HostState:
         self._failure: str | None = None  # set by fail(), latched by the scheduler thread
         self._wake = False
         self._thread: threading.Thread | None = None
+        self._num_added = 0  # jobs numbered so far (Job.seq)
 
     # Read without the lock: each only goes from unset to set, under it.
 
@@ -52,6 +53,8 @@ class HostState:
                 raise HostUnavailable("the server is stopping")
             if queued:
                 self._queue.push(job, background=job.background)
+            self._num_added += 1
+            job.seq = self._num_added
             self._alive.add(job)
             self._wake_scheduler()
 

@@ -23,6 +23,7 @@ Plain Python, no torch (STYLE 6): the fake backend and the real engine are booke
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import heapq
 import itertools
@@ -194,6 +195,17 @@ class KVBlocks:
             self.num_blocks,
             self.block_size,
         )
+
+    def scratch(self) -> KVBlocks:
+        """A copy with the same free, cached and held blocks, for a plan to try admission on
+        (tpserve/server/admit_plan.py): changing it changes nothing here."""
+        clone = copy.copy(self)
+        clone._free = list(self._free)
+        clone._idle = OrderedDict(self._idle)
+        clone._refs = dict(self._refs)
+        clone._key_of = dict(self._key_of)
+        clone._block_of = dict(self._block_of)
+        return clone
 
     def reset(self) -> None:
         """Every block free again and nothing cached (the engine broke: nothing it held matters)."""

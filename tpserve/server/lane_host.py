@@ -5,9 +5,10 @@ and cancel from any thread. The host's lock (host_state.py) guards only the queu
 unfinished jobs and the flags threads share, and is never held across a backend call, so submit,
 cancel and stats never wait on the engine.
 
-LaneHost is the clients' face and the wiring. What a step does is lane_scheduler.py's (AdmitChoice,
-admit_choice.py, decides what to take; Admission, lane_admit.py, runs the prompt passes; the
-scheduler applies what it reports); the thread's life (start, idle, stop, failure) is scheduler_thread.py's.
+LaneHost is the clients' face and the wiring. What a step does is lane_scheduler.py's (its plan,
+step_plan.py, with admit_plan.py's admission, AdmitChoice in admit_choice.py deciding what to take;
+Admission, lane_admit.py, runs the plan's prompt passes; the scheduler applies the plan and what
+its pass reports); the thread's life (start, idle, stop, failure) is scheduler_thread.py's.
 A BackendBroken anywhere latches the host broken: every stream ends with an error, new work is
 refused and `on_broken` is called once so the daemon can exit non-zero.
 """
@@ -19,7 +20,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from tpserve.ranks.step_profile import NoProfile, StepProfile
-from tpserve.server.admit_choice import AdmitChoice
 from tpserve.server.backend import Backend, check_backend
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
@@ -88,7 +88,6 @@ class LaneHost:
         self._state = HostState(queue_size, clock)
         self._lanes = LaneTable(backend, prefix_caching=prefix_caching)
         admission = Admission(backend, self._lanes, batch_prefill=batch_prefill, step_tokens=step_tokens)
-        choice = AdmitChoice(self._lanes, backend.max_prefill_tokens)
         # Draft tokens (tpserve/server/drafts.py) when asked for and the backend can check them.
         speculates = max_draft_tokens > 0 and backend.verifies_drafts
         if max_draft_tokens > 0 and not speculates:
@@ -98,7 +97,6 @@ class LaneHost:
             backend,
             self._state,
             admission,
-            choice,
             self._lanes,
             SampledTokens(
                 eos_ids=frozenset(eos_ids), clock=clock, logprobs=logprobs, prompt_logprobs=prompt_logprobs

@@ -6,6 +6,7 @@ The scheduling thread owns a job once it leaves the queue; the only field anothe
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 
 from tpserve.kernels.token_counts import TokenCounts
@@ -69,9 +70,18 @@ class Job:
         self.prefilled_sent = False
         self.cancel_requested = False
         self.submitted_at = submitted_at
+        self.seq = 0  # its number in submission order (HostState gives it): how a plan names it
         self.first_token_at: float | None = None
         # Structured outputs: the stream's place in its grammar, advanced on every kept token.
         self.matcher = request.grammar.matcher() if request.grammar is not None else None
+
+    def scratch(self) -> Job:
+        """A copy whose lane, blocks and progress a plan may change while it tries admission
+        (tpserve/server/admit_plan.py); the request, stream and tokens are this job's, only read there."""
+        clone = copy.copy(self)
+        clone.blocks = list(self.blocks)
+        clone.block_keys = list(self.block_keys)
+        return clone
 
     @property
     def background(self) -> bool:

@@ -1,31 +1,35 @@
 """The scheduler's step: what one scheduling iteration does with the lanes and the backend.
 
-Each step: end cancelled streams, admit waiting jobs (admit_choice.py says which to take, Admission
-in lane_admit.py sets them up), then one pass. `schedule()` plans the decode round (step_plan.py:
-plain data, decided before anything runs): every live stream's rows, the long prompt's next chunk
-and the whole prompts admitted this step beside them, the blocks it books, the streams it preempts.
-The plan is applied, its one pass runs (round_pass.py), and `update_from_output()` applies the
-sampled tokens (sampled_tokens.py), one way (STYLE 14). While no stream decodes, prompts go in a
-pass of their own that ends the step (a step is one message; the streams it starts decode from the
-next step on). Admission runs those passes and returns what happened for the scheduler to apply: the
-streams and which job is chunking are the scheduler's alone, the queue is HostState's (peeked and
-taken under its lock, never held across a backend call). A BackendBroken anywhere latches the host
-broken: every stream ends with an error, new work is refused and `on_broken` is called once.
+Each step is planned whole before anything of it runs: `schedule()` returns a StepPlan of plain
+data (step_plan.py), changing nothing and calling nothing on the engine: the streams that end; the
+waiting jobs it takes, the lanes they open on the shared blocks of their cached prefixes and the
+blocks they book, and the background streams that yield for them (admit_plan.py, admit_choice.py
+choosing; tried on scratch copies); the streams it preempts; every live stream's rows, the long
+prompt's next chunk and the whole prompts admitted this step beside them, the blocks it books; with
+nothing decoding, the whole prompts of its one prompt pass (`joint`: those that go together, all or
+none), else the chunk. The plan is applied in that order (its admission checked to open every lane
+as planned), its one pass runs (round_pass.py, or Admission.run_prompts), and `update_from_output()`
+applies the sampled tokens (sampled_tokens.py), one way (STYLE 14). What a prompt pass reports
+(admit_outcomes.py) the scheduler applies: the streams and which job is chunking are the
+scheduler's alone, the queue is HostState's (peeked and taken under its lock, never held across a
+backend call). A BackendBroken anywhere latches the host broken: every stream ends with an error,
+new work is refused and `on_broken` is called once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
 
 from tpserve.ranks.step_profile import NoProfile, StepProfile
-from tpserve.server.admit_choice import AdmitChoice
-from tpserve.server.admit_outcomes import BlockWait, Chunking, Ended, FirstToken, Outcome, Riding
+from tpserve.server.admit_outcomes import BlockWait, Ended, FirstToken, Outcome
+from tpserve.server.admit_plan import AdmitStep, ScratchBackend, ScratchQueue, Yielded, plan_admission
 from tpserve.server.backend import Backend, BackendBroken
 from tpserve.server.drafts import Drafter
 from tpserve.server.host_state import HostState
-from tpserve.server.lane_admit import Admission
+from tpserve.server.lane_admit import MAX_JOINT_PROMPTS, Admission
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
 from tpserve.server.requests import CANCELLED, ERROR
@@ -42,7 +46,6 @@ class Scheduler:
         backend: Backend,
         state: HostState,
         admission: Admission,
-        choice: AdmitChoice,
         lanes: LaneTable,
         tokens: SampledTokens,
         *,
@@ -53,7 +56,6 @@ class Scheduler:
         self._backend = backend
         self._state = state
         self._admission = admission
-        self._choice = choice
         self.lanes = lanes
         self._drafter = drafter
         self._tokens = tokens
@@ -61,7 +63,7 @@ class Scheduler:
         self._profile = profile
         self._step_lock = threading.Lock()
         self._chunking: Job | None = None  # the one job whose long prompt goes in chunks
-        self._riding: list[Riding] = []  # whole prompts that go in this step's decode round
+        self._riding: list[Job] = []  # whole prompts admitted this step: they go in its plan's pass
         self.num_preempted = 0  # streams that gave up their lane for want of KV blocks (read by stats)
 
     def step(self) -> bool:
@@ -74,14 +76,7 @@ class Scheduler:
             if self._state.broken_reason is not None:
                 return False
             try:
-                changed = self._end_cancelled()
-                passed = False  # admission ran this step's pass (prompts alone)
-                if not self._state.stopping:
-                    admitted, passed = self._admit()
-                    changed = admitted or changed
-                if passed:
-                    self._profile.prefilled()  # a prompt step, whatever the backend tells the timers
-                ran = (not passed and self._decode_round()) or changed
+                ran = self._run_step()
                 return ran
             except BackendBroken as error:
                 self.latch_broken(str(error))
@@ -90,53 +85,61 @@ class Scheduler:
             self._profile.end_step(ran)
             self._step_lock.release()
 
-    def _end_cancelled(self) -> bool:
-        cancelled = [job for job in self.lanes.jobs() if job.cancel_requested]
-        for job in cancelled:
-            self._end(job, CANCELLED)
-        return bool(cancelled)
-
-    def _admit(self) -> tuple[bool, bool]:
-        """Admit waiting jobs while lanes, room and this step's prompt budget allow (admit_choice.py
-        says why that budget). Returns whether anything changed, and whether admission ran this
-        step's one pass: nothing decoded, so what it took went in a pass of their own. A round over
-        the streams that pass started needs the tokens it sampled (a second message), so they
-        decode from the next step on, the prompts taken then riding beside them."""
-        changed = False
-        budget = None  # None: nothing prefilled yet this step
-        for _ in range(self._admission.max_iterations):
-            waiting = self._state.peek_many(self._admission.max_joint_prompts)
-            victim = self._choice.yielding_stream(waiting, self._chunking)
-            if victim is not None:
-                self._yield_lane(victim)
-                changed = True
-                continue
-            beside = self._choice.decodes(self._chunking, [ride.job for ride in self._riding])
-            jobs, budget = self._take_jobs(budget, self._admission.max_joint_prompts - len(self._riding))
-            if not jobs:
-                break
+    def _run_step(self) -> bool:
+        """Plan the step, end the streams it ends, apply its admission, run its one pass. True when
+        anything ran or changed. A plan whose admission no longer fits the queue (a cancel or an
+        arrival since it was made) is made again from what then is, taking nothing more this step."""
+        with self._profile.part("plan"):
+            plan = self.schedule(admit=not self._state.stopping)
+        changed = self._end_finished(plan)
+        if plan.admitted:
             changed = True
-            num_passes = self._admission.num_passes
-            self._apply(self._admission.launch(jobs, self._chunking, beside_round=beside))
-            # With prompts riding already (a taken prompt that needed every chunk at once, after
-            # a failed restore), the round goes too, as those prompts were counted in this step.
-            if self._admission.num_passes > num_passes and not self._riding:
-                return True, True
-        return changed, False
+            if not self._admit(plan.admitted):
+                with self._profile.part("plan"):
+                    plan = self.schedule(admit=False)
+                self._end_finished(plan)
+        return self._decode_round(plan) or changed
 
-    def _take_jobs(self, budget: int | None, most: int) -> tuple[list[Job], int | None]:
-        """Take the head jobs AdmitChoice chooses (at most `most`); with the step's prompt budget left
-        after them. The choice reads a snapshot of the queue's head outside its lock; the take pops
-        what is still at the head (a cancel meanwhile only takes fewer, which always fits)."""
-        num_free = self.lanes.num_free
-        if most < 1 or not self._choice.can_take(num_free, budget) or not self._state.has_waiting():
-            return [], budget
-        head = self._state.peek_many(min(most, num_free))
-        free_blocks = self.lanes.blocks.num_free - self._choice.blocks_wanted(self._chunking)
-        riding = [ride.job for ride in self._riding]
-        num_taken, left = self._choice.num_to_take(head, free_blocks, budget, self._chunking, riding)
-        # Fewer taken than chosen leaves `left` short of the truth: the step prefills less, never more.
-        return self._state.take_head(head[:num_taken]), left
+    def _end_finished(self, plan: StepPlan) -> bool:
+        """End the plan's cancelled streams (their lanes close first: the rest of the plan counts on it)."""
+        for lane in plan.finished:
+            self._end(self.lanes.job_on(lane), CANCELLED)
+        return bool(plan.finished)
+
+    def _admit(self, admitted: tuple[AdmitStep, ...]) -> bool:
+        """Apply the plan's admission (admit_plan.py), in order: a yield closes the stream's lane
+        and requeues it; a take pops the job the plan named, opens its lane (which must open as
+        planned: the plan was made from this very state) and books its prompt's blocks. False, with
+        the rest left undone, when the queue's head is not the job the plan named (cancelled or
+        overtaken since), or the job taken was cancelled before its lane opened: it is never
+        launched."""
+        for step in admitted:
+            if isinstance(step, Yielded):
+                self._yield_lane(self.lanes.job_on(step.lane))
+                continue
+            head = self._state.peek_many(1)
+            taken = self._state.take_head(head) if head and head[0].seq == step.job else []
+            if not taken:
+                return False
+            job = taken[0]
+            if job.cancel_requested:
+                self._end(job, CANCELLED)
+                return False
+            self.lanes.open(job, 0)
+            opened = (job.lane, tuple(job.blocks), job.cached_tokens)
+            if opened != (step.lane, step.blocks, step.num_cached):
+                raise RuntimeError(
+                    f"the step's plan opened lane {step.lane} so; the lane table opened {opened}"
+                )
+            if step.rides:
+                self.lanes.book(step.booked)
+                self.lanes.append(job, step.booked)
+                self._riding.append(job)
+            elif step.chunks:
+                self._chunking = job
+            else:
+                self._give_up_lane(job)
+        return True
 
     def _give_up_lane(self, job: Job) -> None:
         """The job's lane closes (its blocks freed) and it goes back to the front of its line, to
@@ -161,14 +164,12 @@ class Scheduler:
         log.info("a stream was preempted for KV blocks after %d tokens", len(job.produced))
 
     def _unride(self, job: Job) -> None:
-        self._riding = [ride for ride in self._riding if ride.job is not job]
+        self._riding = [ride for ride in self._riding if ride is not job]
 
     def _apply(self, outcomes: list[Outcome]) -> None:
-        """What Admission reports, in its order."""
+        """What a prompt pass reports (Admission's), in its order."""
         for outcome in outcomes:
             match outcome:
-                case Chunking(job):
-                    self._chunking = job
                 case FirstToken(job, token):
                     if job is self._chunking:
                         self._chunking = None  # its last chunk went
@@ -178,30 +179,43 @@ class Scheduler:
                 case BlockWait(job):
                     if job is not self._chunking:  # the chunking job waits a step for its blocks
                         self._give_up_lane(job)
-                case Riding():
-                    self._riding.append(outcome)
 
-    def schedule(self) -> StepPlan:
-        """This step's decode round as a plan (step_plan.py): decided from the lanes, the KV book and
-        the scheduler's notes, changing nothing and calling nothing on the engine."""
-        return plan_round(
-            self.lanes,
-            self._chunking,
-            [ride.job for ride in self._riding],
-            self._drafter.drafts if self._drafter else None,
-            self._admission.chunk_size,
-            self._admission.joint_prompts,
-        )
+    def schedule(self, admit: bool = True) -> StepPlan:
+        """This step as a plan (step_plan.py): the streams that end, then (`admit`) the waiting jobs
+        it takes, the lanes they open and the blocks they book (admit_plan.py, tried on scratch
+        copies of the lane table, the queue's head and the jobs), then its one pass, with the
+        prompts admitted in it. Decided from the lanes, the KV book, the queue and the scheduler's
+        notes, changing nothing and calling nothing on the engine."""
+        drafts = self._drafter.drafts if self._drafter else None
+        sizes = (self._admission.chunk_size, self._admission.joint_prompts)
+        if not (admit and self._may_admit() and self._state.has_waiting()):
+            return plan_round(self.lanes, self._chunking, self._riding, drafts, *sizes)
+        lanes, copies = self.lanes.scratch(ScratchBackend())
+        finished = [job for job in self.lanes.jobs() if job.cancel_requested]
+        for job in finished:
+            lanes.close(copies[job])
+        chunking = None if self._chunking in (None, *finished) else copies[self._chunking]
+        riding = [copies[job] for job in self._riding if job not in finished]
+        head = self._state.peek_many(self.lanes.num_lanes + MAX_JOINT_PROMPTS)
+        queue = ScratchQueue([job.scratch() for job in head])
+        admitted, chunking, riding = plan_admission(lanes, queue, self._admission, chunking, riding)
+        if drafts is not None:
+            drafts = _on_originals(drafts, {copy: job for job, copy in copies.items()})
+        plan = plan_round(lanes, chunking, riding, drafts, *sizes)
+        return dataclasses.replace(plan, finished=tuple(job.lane for job in finished), admitted=admitted)
 
-    def _decode_round(self) -> bool:
-        """One decode round over every live stream, with the whole prompts admitted this step and
-        the long prompt's next chunk in the same pass (those alone when no stream decodes): plan it,
-        apply the plan, one pass, apply the sampled tokens. True when anything ran."""
-        with self._profile.part("plan"):
-            plan = self.schedule()
+    def _may_admit(self) -> bool:
+        """Whether admission could take or yield anything (a lane free or freed by a cancel, or a
+        background stream that could yield one): else no scratch copy is made for it."""
+        jobs = self.lanes.jobs()
+        return self.lanes.num_free > 0 or any(job.background or job.cancel_requested for job in jobs)
+
+    def _decode_round(self, plan: StepPlan) -> bool:
+        """The step's one pass: a decode round over every live stream, with the whole prompts
+        admitted this step and the long prompt's next chunk in the same pass (those alone when no
+        stream decodes): plan it, apply the plan, one pass, apply the sampled tokens. True when
+        anything ran."""
         jobs = {job.lane: job for job in self.lanes.jobs()}
-        for lane in plan.finished:
-            self._end(jobs[lane], CANCELLED)
         for lane in plan.preempted:
             self._preempt(jobs[lane])
         self.lanes.book(plan.booked)
@@ -221,13 +235,15 @@ class Scheduler:
         return True
 
     def _prompts_alone(self, plan: StepPlan) -> bool:
-        """A plan in which nothing decodes: its whole prompts in passes of their own (the joint
-        ones together: Admission.run_now chooses them as the plan did), then the chunk. True when
-        anything ran or a chunk waits for its blocks."""
-        riding, self._riding = [ride.job for ride in self._riding], []
+        """A plan in which nothing decodes: its whole prompts in a pass of their own (the plan's
+        `joint` ones together, any other alone), else the chunk. True when anything ran or a chunk
+        waits for its blocks."""
+        riding, self._riding = self._riding, []
         chunking = self._chunking
         if riding:
-            self._apply(self._admission.run_now(riding, chunking))
+            self._profile.prefilled()  # a prompt step, whatever the backend tells the timers
+            joint = [job for job in riding if job.lane in plan.joint]
+            self._apply(self._admission.run_prompts(riding, joint))
         if (
             chunking is not None
             and self._chunking is chunking
@@ -308,3 +324,8 @@ class Scheduler:
                 self._on_broken(reason)
             except Exception:
                 log.exception("the on_broken callback failed")
+
+
+def _on_originals(drafts, originals: dict[Job, Job]):
+    """The drafter's `drafts` asked of scratch copies' streams: it knows the streams themselves."""
+    return lambda live: drafts([originals[job] for job in live])

@@ -11,7 +11,7 @@ state, so it is reported as BackendBroken.
 
 from __future__ import annotations
 
-import itertools
+import copy
 
 from tpserve.server.backend import Backend, BackendBroken, attempt
 from tpserve.server.kv_blocks import KVBlocks, extend_keys
@@ -25,7 +25,7 @@ class LaneTable:
         self.blocks = KVBlocks(backend.num_blocks, backend.block_size, prefix_caching=prefix_caching)
         self._free = list(range(self.num_lanes))
         self._jobs: dict[int, Job] = {}
-        self._admissions = itertools.count(1)
+        self._num_admitted = 0
 
     @property
     def num_free(self) -> int:
@@ -39,6 +39,10 @@ class LaneTable:
     def room_used(self) -> int:
         """KV tokens the open lanes' blocks hold (read by stats from any thread)."""
         return self.blocks.num_used * self.blocks.block_size
+
+    def job_on(self, lane: int) -> Job:
+        """The job holding `lane`."""
+        return self._jobs[lane]
 
     def jobs(self) -> list[Job]:
         """Every job holding a lane, in lane order."""
@@ -136,7 +140,20 @@ class LaneTable:
         job.lane = lane
         job.blocks, job.num_blocks_sent, job.num_blocks_kept = list(blocks), len(blocks), len(shared)
         job.cached_tokens = job.num_prefilled = num_cached
-        job.admitted_seq = next(self._admissions)
+        self._num_admitted += 1
+        job.admitted_seq = self._num_admitted
+
+    def scratch(self, backend: Backend) -> tuple[LaneTable, dict[Job, Job]]:
+        """A copy of the book on `backend` (one that runs nothing), each lane's job a scratch copy
+        (Job.scratch), for a plan to try admission on (tpserve/server/admit_plan.py): nothing here
+        changes. Returns it and the copies by the jobs they copy."""
+        clone = copy.copy(self)
+        clone._backend = backend
+        clone.blocks = self.blocks.scratch()
+        clone._free = list(self._free)
+        copies = {job: job.scratch() for job in self._jobs.values()}
+        clone._jobs = {lane: copies[job] for lane, job in self._jobs.items()}
+        return clone, copies
 
     def keep_computed(self, job: Job, num_computed: int) -> None:
         """The job's KV is computed for positions below `num_computed`: its full blocks there become

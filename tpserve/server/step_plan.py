@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tpserve.server.admit_plan import AdmitStep
 from tpserve.server.kv_blocks import KVBlocks
 from tpserve.server.lane_job import Job
 from tpserve.server.lane_table import LaneTable
@@ -52,11 +53,13 @@ class PromptRows:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step, in the order it is applied: `finished` (cancelled streams) end, `preempted` streams
-    give up their lanes (back to the queue, recomputed later), `booked` blocks leave the pool, then
-    one pass over `rows` and `prompts` (a chunk first, then whole prompts). No rows: nothing
-    decodes this step, and the prompts go in a pass of their own: the whole prompts (the `joint`
-    ones together, any other alone), or else the long prompt's chunk."""
+    """One step, in the order it is applied: `finished` (cancelled streams) end, `admitted`: the
+    waiting jobs taken, each opening its lane and booking its prompt's blocks, and the background
+    streams that yield for them (admit_plan.py), `preempted` streams give up their lanes (back to
+    the queue, recomputed later), `booked` blocks leave the pool, then one pass over `rows` and
+    `prompts` (a chunk first, then whole prompts). No rows: nothing decodes this step, and the
+    prompts go in a pass of their own: the whole prompts (the `joint` ones together, any other
+    alone), or else the long prompt's chunk."""
 
     finished: tuple[int, ...] = ()  # lanes
     preempted: tuple[int, ...] = ()  # lanes, in the order they give them up
@@ -66,6 +69,7 @@ class StepPlan:
     # With no rows: the lanes of the whole prompts that go in one joint pass (two or more, all or
     # none: refused, each goes alone); the other prompts go alone.
     joint: tuple[int, ...] = ()
+    admitted: tuple[AdmitStep, ...] = ()  # in the order they are applied, after `finished`
 
     @property
     def num_rows(self) -> int:
