@@ -25,7 +25,7 @@ from tpserve.kernels.q5_linear import Q5Weight
 from tpserve.kernels.q6_linear import Q6Weight
 from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.stacked_weight import StackedWeight
-from tpserve.kernels.weight_formats import quantize_weight
+from tpserve.kernels.weight_formats import ROW_FORMATS, quantize_weight
 from tpserve.ranks.block_tensors import MXFP4, BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.fp8_tensors import Fp8Values
@@ -106,6 +106,15 @@ def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, ki
     if weight.values.numel() == 0:  # a piece holding no KV head has an empty q/k/v
         return weight.values.float()
     return Int8Weight.from_int8(weight.values, weight.scales)
+
+
+def pack_embedding(weight: torch.Tensor | BlockValues | Fp8Values, head_format: str, dtype: torch.dtype):
+    """An embedding table of its own (where the head's cannot be read by rows): 8-bit blocks where the
+    head is in them (6-bit ones where the file keeps it in Q6_K), else float."""
+    packed = pack_weight(weight, "q8") if head_format == "q8" else None
+    if isinstance(packed, ROW_FORMATS):
+        return packed
+    return weight.dequantize().to(dtype) if isinstance(weight, (BlockValues, Fp8Values)) else weight
 
 
 def _on_gpu_in_int4(weight: BlockValues, kind: str, dtype: torch.dtype) -> bool:
