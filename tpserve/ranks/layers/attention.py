@@ -50,11 +50,11 @@ class PieceAttention:
 class Attention:
     """Layer `index`'s attention over this rank's pieces.
 
-    window: the layer's sliding window (0: it sees every earlier token); local_rotary: the layer
-    rotates by the family's rotary for its sliding layers (Gemma 3's base), read from the pass's
-    plan; scale: the scores' factor; qk_norm: q and k each RMS-normed per head before rotating;
-    sinks: the family's sink logits [Hq] (gpt-oss), sliced per piece; o_bias: a bias on o added once
-    after the reduce (gpt-oss), so every rank adds the same."""
+    scale: the scores' factor; window: the layer's sliding window (0: it sees every earlier token);
+    local_rotary: the layer rotates by the family's rotary for its sliding layers (Gemma 3's base),
+    read from the pass's plan; qk_norms: q's and k's norms, each head RMS-normed before rotating
+    (Qwen3's, Gemma 3's); sinks: the family's sink logits [Hq] (gpt-oss), sliced per piece; o_bias:
+    a bias on o added once after the reduce (gpt-oss), so every rank adds the same."""
 
     def __init__(
         self,
@@ -64,12 +64,11 @@ class Attention:
         scale: float,
         window: int = 0,
         local_rotary: bool = False,
-        qk_norm: bool = False,
-        norms_plus_one: bool = False,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
         sinks: torch.Tensor | None = None,
         o_bias: torch.Tensor | None = None,
     ):
-        config, group = shard.config, shard.config.num_queries_per_kv
+        group = shard.config.num_queries_per_kv
         self.index, self.scale, self.window, self.local_rotary = index, scale, window, local_rotary
         self.row_tile, self.group = shard.row_tile, shard.group
         self.pieces = [
@@ -82,15 +81,7 @@ class Attention:
             )
             for piece, tensors in zip(shard.pieces, shard.weights.pieces)
         ]
-        # q's and k's norms [D] each, shared by every head
-        self.q_norm = self.k_norm = None
-        if qk_norm:
-            self.q_norm, self.k_norm = (
-                RMSNorm(shard.replicated(shard.layer_name(index, f"self_attn.{n}_norm.weight")),
-                        config.rms_norm_eps, plus_one=norms_plus_one)
-                for n in "qk"
-            )  # fmt: skip
-        self.qk_norms = (self.q_norm.forward, self.k_norm.forward) if qk_norm else None
+        self.qk_norms = qk_norms  # [D] each, shared by every head
         self.sinks, self.o_bias = sinks, o_bias  # [Hq], [hidden]
 
     def products(self) -> list:
@@ -98,7 +89,7 @@ class Attention:
 
     def held(self) -> list:
         """Every weight the attention holds (for a rank's byte count)."""
-        norms = [norm.weight for norm in (self.q_norm, self.k_norm) if norm is not None]
+        norms = [norm.weight for norm in self.qk_norms or ()]
         whole = [w for w in (self.sinks, self.o_bias) if w is not None]
         return [w for piece in self.pieces for w in piece.held()] + norms + whole
 
@@ -116,8 +107,9 @@ class Attention:
         """One piece's heads: its o product's partial sum [rows, hidden]."""
         qkv = linear(x, piece.w_qkv, piece.b_qkv, self.row_tile, plan.num_tokens)  # [rows, (Hq+2Hkv)*D]
         tables = plan.local_rotary if self.local_rotary else plan.rotary
+        norms = None if self.qk_norms is None else tuple(norm.forward for norm in self.qk_norms)
         attended = rotate_store_attend(
-            plan.kernel, qkv, piece.num_q_heads, self.qk_norms, tables, plan.slots, pool_k, pool_v,
+            plan.kernel, qkv, piece.num_q_heads, norms, tables, plan.slots, pool_k, pool_v,
             plan.attention, self.scale, self.window, piece.sinks, plan.num_tokens,
         )  # fmt: skip
         return linear(attended, piece.w_o, None, self.row_tile, plan.num_tokens)

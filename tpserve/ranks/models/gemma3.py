@@ -30,7 +30,7 @@ from tpserve.ranks.layers.norm import RMSNorm
 from tpserve.ranks.layers.shard import Shard
 from tpserve.ranks.layers.vocab import VocabEmbedding, VocabHead
 from tpserve.ranks.model import TPModel
-from tpserve.ranks.models.llama import layer_norm, layer_window
+from tpserve.ranks.models.llama import layer_norm, layer_window, qk_norms
 
 # Before the attention, after it, before the MLP, after it
 NORMS = (
@@ -62,8 +62,7 @@ class Gemma3Model(TPModel):
             scale=config.gemma3.query_pre_attn_scalar**-0.5,
             window=window,
             local_rotary=bool(window),  # a local layer's base is its own
-            qk_norm=config.qk_norm,
-            norms_plus_one=True,
+            qk_norms=qk_norms(shard, index, plus_one=True),
         )
         norms = tuple(layer_norm(shard, index, name, plus_one=True) for name in NORMS)
         return SandwichDecoderLayer(attention, DenseMLP(shard, index, activation=GEGLU), norms)

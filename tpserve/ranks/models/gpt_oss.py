@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from tpserve.ranks.layers.attention import Attention
 from tpserve.ranks.layers.shard import Shard
-from tpserve.ranks.models.llama import layer_window
+from tpserve.ranks.models.llama import layer_window, qk_norms
 from tpserve.ranks.models.moe import MoeModel
 
 
@@ -33,7 +33,7 @@ class GptOssModel(MoeModel):
             index,
             scale=config.head_dim**-0.5,
             window=layer_window(shard, index),
-            qk_norm=config.qk_norm,
+            qk_norms=qk_norms(shard, index),
             sinks=shard.replicated(shard.layer_name(index, "self_attn.sinks")),  # [Hq]
             o_bias=o_bias,
         )

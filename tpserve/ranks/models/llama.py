@@ -36,13 +36,12 @@ class LlamaModel(TPModel):
         )
 
     def self_attention(self, shard: Shard, index: int) -> Attention:
-        config = shard.config
         return Attention(
             shard,
             index,
-            scale=config.head_dim**-0.5,
+            scale=shard.config.head_dim**-0.5,
             window=layer_window(shard, index),
-            qk_norm=config.qk_norm,
+            qk_norms=qk_norms(shard, index),
         )
 
     def mlp(self, shard: Shard, index: int) -> DenseMLP | SparseMoE:
@@ -53,6 +52,13 @@ def layer_norm(shard: Shard, index: int, name: str, plus_one: bool = False) -> R
     """Layer `index`'s norm `name` (input_layernorm, ...)."""
     weight = shard.replicated(shard.layer_name(index, name + ".weight"))
     return RMSNorm(weight, shard.config.rms_norm_eps, plus_one=plus_one)
+
+
+def qk_norms(shard: Shard, index: int, plus_one: bool = False) -> tuple[RMSNorm, RMSNorm] | None:
+    """Layer `index`'s q and k norms where the family has them (config qk_norm), else None."""
+    if not shard.config.qk_norm:
+        return None
+    return tuple(layer_norm(shard, index, f"self_attn.{n}_norm", plus_one) for n in "qk")
 
 
 def layer_window(shard: Shard, index: int) -> int:
