@@ -144,7 +144,7 @@ def pack_embedding(weight: torch.Tensor | BlockValues | Fp8Values, head_format: 
     packed = pack_weight(weight, "q8") if head_format == "q8" else None
     if isinstance(packed, ROW_FORMATS):
         return packed
-    return weight.dequantize().to(dtype) if isinstance(weight, (BlockValues, Fp8Values)) else weight
+    return weight if stored_kind(weight) is torch.Tensor else weight.dequantize().to(dtype)
 
 
 def _on_gpu_in_int4(weight: BlockValues, kind: str, dtype: torch.dtype) -> bool:
