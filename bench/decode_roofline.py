@@ -59,14 +59,11 @@ class Mode:
 
 def loaded_weight_bytes(model: TPModel) -> int:
     """The same figure counted from the tensors a loaded rank holds (a check on the plan's)."""
-    tensors = [*model.replicated.values(), *model.head]
-    for pieces in model.layers:
-        for layer in pieces:
-            tensors += [layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down]
-            if layer.b_qkv is not None:
-                tensors.append(layer.b_qkv)
+    tensors = [model.norm.weight, *model.lm_head.weights]
+    for layer in model.layers:  # its products, biases and norms
+        tensors += layer.held()
     if not model.config.tie_word_embeddings:
-        tensors += [table[:1] for table in model.embed]
+        tensors += [table[:1] for table in model.embed_tokens.tables]
     unique = {tensor.data_ptr(): tensor.numel() * tensor.element_size() for tensor in tensors}
     return sum(unique.values())
 

@@ -14,6 +14,7 @@ pytest.importorskip("compressed_tensors", minversion="0.20")  # the test extra's
 import torch
 from multiproc import RankPool
 from safetensors.torch import load_file
+from served_pieces import piece_products
 from test_int8_checkpoint import Q_PROJ, load
 from test_tp_exact import PROMPTS, SAMPLINGS, _tp2, run_streams
 from tiny_compressed_models import (
@@ -62,9 +63,9 @@ def test_every_piece_serves_what_the_dequantized_float_model_serves(fp8_model, n
     model_dir, twin = fp8_model(name)
     for tp_rank, tp_size in ((0, 1), (0, 2), (1, 2)):
         served, reference = (load(d, tp_rank, tp_size, quantize=quantize) for d in (model_dir, twin))
-        for pieces, twin_pieces in zip(served.layers, reference.layers):
-            for layer, twin_layer in zip(pieces, twin_pieces):
-                for ours, theirs in zip(layer.products(), twin_layer.products()):
+        for layer, twin_layer in zip(served.layers, reference.layers):
+            for index in range(len(served.pieces)):
+                for ours, theirs in zip(piece_products(layer, index), piece_products(twin_layer, index)):
                     assert type(ours) is type(theirs)
                     assert torch.equal(_values(ours), _values(theirs))
 

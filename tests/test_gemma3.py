@@ -1,4 +1,4 @@
-"""Gemma 3 text (tpserve/ranks/model_gemma3.py) against transformers' own Gemma3ForCausalLM on a tiny model it
+"""Gemma 3 text (tpserve/ranks/models/gemma3.py) against transformers' own Gemma3ForCausalLM on a tiny model it
 writes itself: local and global layers with their two rotary bases, a window of 8 that a 90-token
 prompt outgrows, GeGLU, the four norms a layer, soft-capped logits; tp=2 against tp=1 bit for bit,
 batched against solo, chunks against the whole prompt."""

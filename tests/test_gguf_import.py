@@ -531,7 +531,7 @@ def test_kept_blocks_are_served_as_the_file_stores_them(tmp_path: Path):
         blocks, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4"
     )
     up = imported_weights(blocks)["model.layers.0.mlp.up_proj.weight"]
-    gate_up = model.layers[0][0].w_gate_up.dequantize()
+    gate_up = model.layers[0].mlp.pieces[0].w_gate_up.dequantize()
     assert torch.equal(
         gate_up[FFN // 2 : FFN], torch.from_numpy(up[: FFN // 2])
     )  # piece 1's rows: up's first half

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
+from served_pieces import piece_weight
 from test_gguf_import import (
     LLAMA_TYPES,
     _logits,
@@ -70,7 +71,7 @@ def test_q4_k_layers_import_as_4_bit_blocks_with_float32_scales(tmp_path: Path):
 def expected_pieces(model, originals: dict[str, np.ndarray], tp_rank: int, tp_size: int) -> list[dict]:
     """Layer 0's fused and sliced weights each piece of `model` (rank tp_rank of tp_size) should serve,
     taken from the original float weights."""
-    pieces = model.layers[0]
+    pieces = model.pieces
     head_dim, num_kv = model.config.head_dim, model.config.num_kv_heads
     kv_per_piece = num_kv // (tp_size * len(pieces))
     q_per_piece = kv_per_piece * model.config.num_queries_per_kv
@@ -104,7 +105,7 @@ def test_int4_serves_the_q4_k_files_own_values(tmp_path: Path, tp_rank, tp_size)
     )
     for index, expected in enumerate(expected_pieces(model, originals, tp_rank, tp_size)):
         for name, values in expected.items():
-            served = getattr(model.layers[0][index], name)
+            served = piece_weight(model.layers[0], index, name)
             assert served.scale_dtype == torch.float32, name
             assert torch.equal(served.dequantize(), values), f"piece {index}'s {name}"
     if tp_size == 1:
@@ -147,7 +148,7 @@ def test_int4_serves_the_q5_k_files_own_values(tmp_path: Path, tp_rank, tp_size)
     )
     for index, expected in enumerate(expected_pieces(model, originals, tp_rank, tp_size)):
         for name, values in expected.items():
-            served = getattr(model.layers[0][index], name)
+            served = piece_weight(model.layers[0], index, name)
             assert isinstance(served, Q5Weight) and served.scale_dtype == torch.float32, name
             assert torch.equal(served.dequantize(), values), f"piece {index}'s {name}"
 
@@ -167,5 +168,5 @@ def test_q5_0_and_q5_1_layers_are_served_as_stored_and_as_a_float_import_in_int8
         blocks, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4"
     )
     # gate/up's rows are whole blocks (this tiny model's row-parallel pieces are not: they fall back)
-    gate_up = model.layers[1][0].w_gate_up
+    gate_up = model.layers[1].mlp.pieces[0].w_gate_up
     assert isinstance(gate_up, Q5Weight) and gate_up.scale_dtype == torch.float16

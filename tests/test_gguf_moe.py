@@ -165,7 +165,7 @@ def test_gpt_oss_mxfp4_experts_keep_their_codes_and_scales_and_match_transformer
     served = load_rank_model(
         out_dir, tp_rank=0, tp_size=1, dtype=torch.float32, max_positions=64, quantize="int4"
     )
-    assert all(isinstance(g, Mxfp4Weight) for piece in served.layers[1] for g in piece.experts.gate_ups)
+    assert all(isinstance(g, Mxfp4Weight) for piece in served.layers[1].mlp.pieces for g in piece.gate_ups)
     weights[f"{stem}up_proj.weight_e8m0"][3, 0] = 255  # a NaN scale, written after the import
     save_file(weights, str(out_dir / "model.safetensors"))
     with pytest.raises(ModelFileError, match=r"up_proj.weight_e8m0 holds a NaN MXFP4 scale \(255\)"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from multiproc import RankPool
 from safetensors.numpy import load_file
+from served_pieces import piece_weight
 from test_gguf_import import (
     LLAMA_TYPES,
     RANDOM_BLOCKS,
@@ -104,17 +105,17 @@ def test_int4_serves_the_q6_k_files_own_values(tmp_path: Path, tp_rank, tp_size,
         served_as |= {"w_qkv": StackedWeight, "w_o": Q4Weight, "w_gate_up": Q4Weight}
     for index, expected in enumerate(expected_pieces(model, originals, tp_rank, tp_size)):
         for name, values in expected.items():
-            served = getattr(model.layers[0][index], name)
+            served = piece_weight(model.layers[0], index, name)
             assert isinstance(served, served_as[name]), name
             assert torch.equal(served.dequantize(), values), f"piece {index}'s {name}"
     # The tied head is the Q6_K embedding as stored, and the embedding reads the head's rows.
     vocab = torch.from_numpy(originals["model.embed_tokens.weight"])
     start = split_evenly(model.config.vocab_size, tp_size)[tp_rank][0]
-    for head in model.head:
+    for head in model.lm_head.weights:
         assert isinstance(head, Q6Weight)
         assert torch.equal(head.dequantize(), vocab[start : start + head.shape[0]])
         start += head.shape[0]
-    assert model.embed is model.head
+    assert model.embed_tokens.tables is model.lm_head.weights
 
 
 @needs_kernel

@@ -1,4 +1,4 @@
-"""gpt-oss (tpserve/ranks/model_gpt_oss.py) against transformers' own GptOssForCausalLM on a tiny model it
+"""gpt-oss (tpserve/ranks/models/gpt_oss.py) against transformers' own GptOssForCausalLM on a tiny model it
 writes itself: sliding (window 8) and full layers that a 90-token prompt outgrows, sinks, biases on q/k/v/o,
 the router and the experts, the clamped GLU, yarn; tp=2 against tp=1 bit for bit, batched against solo, chunks
 against the whole prompt. Then MXFP4: the decoding against the spec's table worked by hand, and a checkpoint
@@ -130,8 +130,8 @@ def test_int4_serves_mxfp4_experts_as_stored_in_mxfp4_blocks(mxfp4_pair):
         for d, q in zip(mxfp4_pair, ("int4", "none"))
     )
     for packed, plain in zip(mxfp4.layers, twin.layers):
-        for piece, float_piece in zip(packed, plain):
-            for gate_up, float_gate_up in zip(piece.experts.gate_ups, float_piece.experts.gate_ups):
+        for piece, float_piece in zip(packed.mlp.pieces, plain.mlp.pieces):
+            for gate_up, float_gate_up in zip(piece.gate_ups, float_piece.gate_ups):
                 assert isinstance(gate_up, Mxfp4Weight)
                 assert torch.equal(gate_up.dequantize(), float_gate_up)
 

@@ -14,6 +14,7 @@ import torch
 from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from served_pieces import piece_products
 from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load, served_and_stored
 from test_tp_exact import check_int4_logits_near_the_float_twin, check_tp2_equals_tp1_and_batched_equals_solo
 from tiny_gptq_models import (
@@ -92,7 +93,9 @@ def test_the_librarys_float16_dequantization_is_ours_rounded_once(gptq_model, na
 def test_the_blocks_hold_the_files_scales_and_zero_points(gptq_model):
     model_dir = gptq_model("llama-g32-sym")
     stored = load_file(model_dir / "model.safetensors")
-    q, d, m = load(model_dir, quantize="int4").layers[0][0].w_o.blocks()  # piece 0: 64 columns
+    q, d, m = (
+        load(model_dir, quantize="int4").layers[0].self_attn.pieces[0].w_o.blocks()
+    )  # piece 0: 64 columns
     scales = stored["model.layers.0.self_attn.o_proj.scales"][:2].t().float()  # [out, 2 groups]
     assert torch.equal(d.float(), scales) and torch.equal(m.float(), -8 * scales)  # sym: z = 7 + 1
     weight = dequantize({key: stored["model.layers.0.self_attn.o_proj." + key] for key in PACKED})
@@ -130,8 +133,10 @@ def test_quantize_int8_serves_what_it_serves_for_the_dequantized_float_model(gpt
     model_dir = gptq_model("llama-g32-sym")
     twin = float_twin(model_dir, tmp_path / "twin", dequantized(model_dir))
     served, reference = load(model_dir, quantize="int8"), load(twin, quantize="int8")
-    for layer, twin_layer in zip(served.layers[0], reference.layers[0]):
-        for ours, theirs in zip(layer.products(), twin_layer.products()):
+    for index in range(len(served.pieces)):
+        for ours, theirs in zip(
+            piece_products(served.layers[0], index), piece_products(reference.layers[0], index)
+        ):
             assert torch.equal(ours.dequantize(), theirs.dequantize())
 
 
@@ -163,8 +168,10 @@ def test_a_module_left_in_float_is_served_as_a_float_checkpoint_s(tmp_path):
     assert "model.layers.0.mlp.down_proj.qweight" not in load_file(model_dir / "model.safetensors")
     for served, stored in served_and_stored(load(model_dir, 0, 2), file):
         assert torch.equal(served, stored)
-    layer = load(model_dir, 0, 2, quantize="int4").layers[0][0]
-    assert isinstance(layer.w_down, Q4Weight) and isinstance(layer.w_o, Q4Weight)
+    layer = load(model_dir, 0, 2, quantize="int4").layers[0]
+    assert isinstance(layer.mlp.pieces[0].w_down, Q4Weight) and isinstance(
+        layer.self_attn.pieces[0].w_o, Q4Weight
+    )
 
 
 def test_an_older_checkpoint_s_quantize_config_json_declares_its_scheme(gptq_model, tmp_path):

@@ -16,9 +16,9 @@ from tpserve.ranks import memory, model_group
 from tpserve.ranks.device import DeviceError, choose_device, device_facts
 from tpserve.ranks.device_wait import DeviceTimeout, wait_for
 from tpserve.ranks.flags import FLAG_NAMES, flags_row, shown_row
-from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import load_model_config
 from tpserve.ranks.model_group import ModelGroupError, _within, open_model_group, watchdog_timeout_s
+from tpserve.ranks.models.llama import LlamaModel
 from tpserve.ranks.settings import EngineSettings
 from tpserve.ranks.sharding import pieces_of_rank
 from tpserve.ranks.weights import read_rank_weights
@@ -275,11 +275,14 @@ def test_a_rank_holds_the_bytes_of_its_shard_once_so_room_sees_only_that(tmp_pat
     config = load_model_config(model_dir)
     pieces = pieces_of_rank(config, tp_rank, 2)
     weights = read_rank_weights(model_dir, config, pieces, torch.float32)
-    model = TPModel(config, weights, pieces, tp_rank=tp_rank, tp_size=2, max_positions=64)
-    used = [*weights.replicated.values(), *model.embed, *model.head]
-    for layer in (layer for per_layer in model.layers for layer in per_layer):
+    model = LlamaModel(config, weights, pieces, tp_rank=tp_rank, tp_size=2, max_positions=64)
+    used = [*weights.replicated.values(), *model.embed_tokens.tables, *model.lm_head.weights]
+    for layer in model.layers:
         used += [
-            t for t in (layer.w_qkv, layer.b_qkv, layer.w_o, layer.w_gate_up, layer.w_down) if t is not None
+            t
+            for attention, mlp in zip(layer.self_attn.pieces, layer.mlp.pieces)
+            for t in (attention.w_qkv, attention.b_qkv, attention.w_o, mlp.w_gate_up, mlp.w_down)
+            if t is not None
         ]
     left_in_weights = [t for piece in weights.pieces for t in piece.values()]
     held = _storage_bytes(used + left_in_weights)

@@ -20,6 +20,7 @@ from daemon import read_reply, running_daemon
 from multiproc import RankPool
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from served_pieces import piece_products, piece_weight
 from test_int8_checkpoint import Q_PROJ, check_every_piece_serves, load, served_and_stored
 from test_tp_exact import (
     NUM_STEPS,
@@ -88,7 +89,7 @@ def test_the_blocks_hold_the_files_scales_as_they_are(tmp_path, dtype, layout):
     # ones in the float32 layout: d = scale and m = -8 * scale either way, never rounded.
     model_dir = write_compressed_checkpoint(tmp_path / "m", dtype=dtype)
     stored = load_file(model_dir / "model.safetensors")
-    w_o = load(model_dir, quantize="int4").layers[0][0].w_o
+    w_o = load(model_dir, quantize="int4").layers[0].self_attn.pieces[0].w_o
     assert w_o.scale_dtype == layout
     q, d, m = w_o.blocks()  # piece 0's columns: 2 KV heads of 2 x 16 = 64, two groups of 32
     module = "model.layers.0.self_attn.o_proj.weight"
@@ -126,9 +127,11 @@ def test_quantize_int8_serves_what_it_serves_for_the_dequantized_float_model(int
     model_dir = int4_model("llama-g32-bf16")
     twin = float_twin(model_dir, tmp_path / "twin")
     served, reference = load(model_dir, quantize="int8"), load(twin, quantize="int8")
-    for layer, twin_layer in zip(served.layers[0], reference.layers[0]):
-        assert isinstance(layer.w_qkv, Int8Weight) and isinstance(layer.w_down, Fp16Weight)
-        for ours, theirs in zip(layer.products(), twin_layer.products()):
+    for index in range(len(served.pieces)):
+        layer = served.layers[0]
+        assert isinstance(piece_weight(layer, index, "w_qkv"), Int8Weight)
+        assert isinstance(piece_weight(layer, index, "w_down"), Fp16Weight)
+        for ours, theirs in zip(piece_products(layer, index), piece_products(reference.layers[0], index)):
             assert torch.equal(ours.dequantize(), theirs.dequantize())
 
 
@@ -159,8 +162,12 @@ def test_groups_that_are_not_whole_blocks_are_served_dequantized(tmp_path):
     file = decompressed(model_dir)
     model = load(model_dir)
     start, end = model.pieces[0].intermediate
-    assert torch.equal(model.layers[1][0].w_down, file["model.layers.1.mlp.down_proj.weight"][:, start:end])
-    assert isinstance(load(model_dir, quantize="int4").layers[1][0].w_down, Q4Weight)  # quantized at load
+    assert torch.equal(
+        model.layers[1].mlp.pieces[0].w_down, file["model.layers.1.mlp.down_proj.weight"][:, start:end]
+    )
+    assert isinstance(
+        load(model_dir, quantize="int4").layers[1].mlp.pieces[0].w_down, Q4Weight
+    )  # quantized at load
 
 
 def test_a_row_parallel_piece_off_the_block_edges_is_served_dequantized(tmp_path):
@@ -168,9 +175,13 @@ def test_a_row_parallel_piece_off_the_block_edges_is_served_dequantized(tmp_path
     model_dir = write_compressed_checkpoint(tmp_path / "mistral", "mistral")
     for served, stored in served_and_stored(load(model_dir, 0, 2), decompressed(model_dir)):
         assert torch.equal(served, stored)  # quantize none: every value the file's
-    layer = load(model_dir, 0, 2, quantize="int4").layers[0][0]
-    assert isinstance(layer.w_o, Int8Weight)  # quantized at load, as a float weight of 48 inputs is
-    assert isinstance(layer.w_qkv, Q4Weight) and isinstance(layer.w_down, Q4Weight)
+    layer = load(model_dir, 0, 2, quantize="int4").layers[0]
+    assert isinstance(
+        piece_weight(layer, 0, "w_o"), Int8Weight
+    )  # quantized at load, as a float weight of 48 inputs is
+    assert isinstance(piece_weight(layer, 0, "w_qkv"), Q4Weight) and isinstance(
+        piece_weight(layer, 0, "w_down"), Q4Weight
+    )
 
 
 def test_a_packed_weights_rows_and_columns_are_read_at_any_offset(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from served_pieces import piece_weight
 from test_probe import tiny_rank
 
 from tpserve.kernels.fp16_linear import Fp16Weight
@@ -70,8 +71,9 @@ def test_the_start_up_probe_passes_on_int8_weights(tmp_path):
     try:
         for tp_rank, tp_size in ((0, 1), (1, 2)):
             model = tiny_rank(tmp_path / f"{tp_rank}-{tp_size}", "qwen2", tp_rank, tp_size, quantize="int8")
-            layer = model.layers[0][0]
-            assert isinstance(layer.w_qkv, Int8Weight) and isinstance(layer.w_down, Fp16Weight)
+            layer = model.layers[0]
+            assert isinstance(piece_weight(layer, 0, "w_qkv"), Int8Weight)
+            assert isinstance(piece_weight(layer, 0, "w_down"), Fp16Weight)
             probe_model(model)
     finally:
         torch.set_num_threads(1)

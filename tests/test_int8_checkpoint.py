@@ -16,6 +16,7 @@ from daemon import read_reply, running_daemon, write_daemon_model
 from multiproc import RankPool, world_collectives
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from served_pieces import piece_weight
 from test_tp_exact import NUM_STEPS, PROMPTS, SAMPLINGS, run_streams
 from tiny_int8_models import (
     FORMATS,
@@ -65,15 +66,15 @@ def piece_of(file, config, piece, prefix: str, module: str, unit: str, columns: 
 def served_and_stored(model, file):
     """(served product, the file's weights of its piece: rows stacked as it fuses them) for every
     layer product of every piece of `model`."""
-    for index, layers in enumerate(model.layers):
-        for piece, layer in zip(model.pieces, layers):
+    for index, layer in enumerate(model.layers):
+        for piece, attention, mlp in zip(model.pieces, layer.self_attn.pieces, layer.mlp.pieces):
             part = functools.partial(piece_of, file, model.config, piece, f"model.layers.{index}.")
             qkv = [part(f"self_attn.{n}_proj", u) for n, u in zip("qkv", ("q_heads", "kv_heads", "kv_heads"))]
             gate_up = [part(f"mlp.{n}_proj", "intermediate") for n in ("gate", "up")]
-            yield layer.w_qkv, torch.cat(qkv)
-            yield layer.w_gate_up, torch.cat(gate_up)
-            yield layer.w_o, part("self_attn.o_proj", "q_heads", columns=True)
-            yield layer.w_down, part("mlp.down_proj", "intermediate", columns=True)
+            yield attention.w_qkv, torch.cat(qkv)
+            yield mlp.w_gate_up, torch.cat(gate_up)
+            yield attention.w_o, part("self_attn.o_proj", "q_heads", columns=True)
+            yield mlp.w_down, part("mlp.down_proj", "intermediate", columns=True)
 
 
 def check_every_piece_serves(model_dir, file, quantize: str, served_type) -> None:
@@ -98,7 +99,7 @@ def test_every_piece_computes_with_the_files_int8_values_and_scales(tmp_path, va
             assert isinstance(served, Int8Weight)
             assert torch.equal(served.dequantize(), stored)
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        for piece, served in zip(model.pieces, model.head):
+        for piece, served in zip(model.pieces, model.lm_head.weights):
             start, end = piece.vocab
             if ignore:  # the ignored head (or a tied one) is float, and quantize none keeps it so
                 assert not isinstance(served, Int8Weight)
@@ -111,18 +112,22 @@ def test_quantize_int8_applies_only_to_what_the_file_left_in_float(tmp_path):
     model_dir = int8_model(tmp_path, "mistral", "int-quantized", ignore=("lm_head",))
     file = dequantized(model_dir)
     plain, quantized = load(model_dir), load(model_dir, quantize="int8")
-    assert not isinstance(plain.head[0], Int8Weight)
-    assert isinstance(quantized.head[0], Int8Weight)  # the float head, quantized at load
+    assert not isinstance(plain.lm_head.weights[0], Int8Weight)
+    assert isinstance(quantized.lm_head.weights[0], Int8Weight)  # the float head, quantized at load
     start, end = plain.pieces[0].vocab
-    steps = quantized.head[0].dequantize() / (
+    steps = quantized.lm_head.weights[0].dequantize() / (
         file["lm_head.weight"][start:end].abs().amax(1, keepdim=True) / 127
     )
     assert torch.allclose(steps, steps.round(), atol=1e-3)
     # The file's int8 layers are the same either way, down_proj still int8 (not float16).
-    for before, after in zip(plain.layers[0], quantized.layers[0]):
-        assert isinstance(after.w_down, Int8Weight)
-        assert torch.equal(before.w_down.dequantize(), after.w_down.dequantize())
-        assert torch.equal(before.w_qkv.dequantize(), after.w_qkv.dequantize())
+    for index in range(len(plain.pieces)):
+        before, after = (
+            {name: piece_weight(model.layers[0], index, name) for name in ("w_down", "w_qkv")}
+            for model in (plain, quantized)
+        )
+        assert isinstance(after["w_down"], Int8Weight)
+        assert torch.equal(before["w_down"].dequantize(), after["w_down"].dequantize())
+        assert torch.equal(before["w_qkv"].dequantize(), after["w_qkv"].dequantize())
 
 
 def test_a_packed_weights_columns_are_read_at_any_offset(tmp_path):

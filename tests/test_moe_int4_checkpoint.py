@@ -96,11 +96,10 @@ def served_experts(model, file):
     """(served product, the file's weights of its piece) for every expert's fused gate/up and down,
     and the shared expert's, of every sparse layer of every piece of `model`."""
     moe = model.config.moe
-    for index, layers in enumerate(model.layers):
-        for piece, layer in zip(model.pieces, layers):
-            if layer.experts is None:
-                continue
-            experts = layer.experts
+    for index, layer in enumerate(model.layers):
+        if not moe.is_sparse(index):
+            continue
+        for piece, experts in zip(model.pieces, layer.mlp.pieces):
             start, end = piece.expert_intermediate
             for expert in range(moe.num_experts):
                 gate, up, down = moe.expert_names(index, expert)

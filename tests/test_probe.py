@@ -64,7 +64,7 @@ def test_an_untiled_product_is_caught_where_the_blas_rounds_by_shape(tmp_path):
     # differently. Where it does not, the probe rightly passes.
     model = tiny_rank(tmp_path, "llama", 0, 1)
     x = torch.randn(17, 96)
-    weight = model.layers[0][0].w_qkv
+    weight = model.layers[0].self_attn.pieces[0].w_qkv
     rounds_by_shape = not torch.equal(
         torch.nn.functional.linear(x[:1], weight), torch.nn.functional.linear(x, weight)[:1]
     )
@@ -131,7 +131,7 @@ def test_a_mixed_pass_over_untiled_products_is_refused_where_the_blas_rounds_by_
         max_positions=1024,
         row_tile=0,
     )
-    weight = model.layers[0][0].w_qkv
+    weight = model.layers[0].self_attn.pieces[0].w_qkv
     x = torch.randn(33, weight.shape[1])
     if torch.equal(torch.nn.functional.linear(x[:3], weight), torch.nn.functional.linear(x, weight)[:3]):
         pytest.skip("this BLAS rounds three rows as it does thirty-three")

@@ -20,13 +20,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tpserve.kernels.fp16_linear import Fp16Weight
-from tpserve.kernels.int8_linear import Int8Weight, QuantizeError, int8_available
+from tpserve.kernels.int8_linear import Int8Weight, PackedWeight, QuantizeError, int8_available
 from tpserve.kernels.mxfp4_linear import mxfp4_available
 from tpserve.kernels.q4_linear import BLOCK, Q4Weight, q4_available, supported_paths
 from tpserve.kernels.q5_linear import q5_available
-from tpserve.kernels.q6_linear import q6_available
+from tpserve.kernels.q6_linear import Q6Weight, q6_available
 from tpserve.kernels.q8_linear import Q8Weight, q8_available
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,31 @@ def served_as(quantize: str) -> ServedAs:
 
 def _unknown(kind: str) -> QuantizeError:
     return QuantizeError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+
+
+# Served forms whose rows an embedding reads as they are (`rows(ids)`); any other table is float.
+ROW_FORMATS = (Q8Weight, Q6Weight)
+
+
+def has_rows(weight) -> bool:
+    """Whether `weight` (float, or a packed form) is a table an embedding can look rows up in."""
+    return isinstance(weight, (torch.Tensor, *ROW_FORMATS))
+
+
+def embedding_rows(table, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table (float, or 8- or 6-bit blocks): [n, hidden]."""
+    return table.rows(ids) if isinstance(table, ROW_FORMATS) else F.embedding(ids, table)
+
+
+def is_packed(weight) -> bool:
+    """Whether `weight` is a packed form, whose rows come out the same at any batch
+    (tpserve/kernels/int8_linear.py): such products need no row tiles."""
+    return isinstance(weight, PackedWeight)
+
+
+def held_bytes(weight) -> int:
+    """The bytes a served weight holds: a packed form's own count, else the tensor's."""
+    return weight.nbytes if is_packed(weight) else weight.numel() * weight.element_size()
 
 
 _KINDS = {"int8": Int8Weight, "fp16": Fp16Weight, "int4": Q4Weight, "q8": Q8Weight}

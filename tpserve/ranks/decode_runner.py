@@ -115,6 +115,7 @@ class RoundPlan:
         self.num_rows = -(-buffers.bucket // tile) * tile if tile else buffers.bucket
         self.padding = self.num_rows - self.num_tokens
         self.slots, self.attention, self.local_rotary = buffers.slots, attention, None
+        self.kernel = model.attention
         self.rotary = None  # (cos, sin), set by the step from buffers.positions
 
     @property
@@ -154,13 +155,12 @@ class DecodeGraphs:
     def _made(self, bucket: int) -> tuple[DecodeBuffers, RoundPlan]:
         model, head_dim = self.model, self.model.config.head_dim
         buffers = DecodeBuffers(bucket, self.kv.num_blocks + bucket, self.kv.block_size, model.device)
+        first = model.layers[0].self_attn
         shapes = {
-            (layer.num_q_heads, layer.num_kv_heads, head_dim)
-            for layer in model.layers[0]
-            if layer.num_kv_heads
+            (piece.num_q_heads, piece.num_kv_heads, head_dim) for piece in first.pieces if piece.num_kv_heads
         }
         dtypes = (model.dtype, self.kv.k[0].dtype)
-        attention = RoundPaged(buffers, model.attention.backend, sorted(shapes), model.scale, dtypes)
+        attention = RoundPaged(buffers, model.attention.backend, sorted(shapes), first.scale, dtypes)
         return buffers, RoundPlan(model, buffers, attention)
 
     def _step(self, buffers: DecodeBuffers, plan: RoundPlan) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""What Gemma 3's config adds to a Llama-style decoder's shape (tpserve/ranks/model_gemma3.py computes it)."""
+"""What Gemma 3's config adds to a Llama-style decoder's shape (tpserve/ranks/models/gemma3.py computes it)."""
 
 from __future__ import annotations
 

@@ -9,17 +9,33 @@ import torch
 from tpserve.kernels.collectives import Collectives
 from tpserve.ranks.model import TPModel
 from tpserve.ranks.model_config import ModelConfig, load_model_config
-from tpserve.ranks.model_gemma3 import Gemma3Model
-from tpserve.ranks.model_glm4v import Glm4vModel
-from tpserve.ranks.model_gpt_oss import GptOssModel
+from tpserve.ranks.models.gemma3 import Gemma3Model
+from tpserve.ranks.models.glm4v import Glm4vModel
+from tpserve.ranks.models.gpt_oss import GptOssModel
+from tpserve.ranks.models.llama import LlamaModel
+from tpserve.ranks.models.moe import MoeModel
 from tpserve.ranks.settings import DTYPE_NAMES
 from tpserve.ranks.sharding import pieces_of_rank
 from tpserve.ranks.unsupported import check_served_context
 from tpserve.ranks.weights import read_rank_weights
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # name -> torch dtype
-# Families whose decoder differs from the Llama-style one (tpserve/ranks/model.py) beyond its pieces' shape.
-FAMILY_MODELS = {"gemma3": Gemma3Model, "gpt_oss": GptOssModel, "glm4v": Glm4vModel}
+# A family (tpserve/ranks/model_config.py FAMILIES, and the vision-language models' text decoders) ->
+# its decoder's file (tpserve/ranks/models/).
+FAMILY_MODELS = {
+    "llama": LlamaModel,
+    "mistral": LlamaModel,
+    "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
+    "phi3": LlamaModel,
+    "mixtral": MoeModel,
+    "qwen3_moe": MoeModel,
+    "qwen2_moe": MoeModel,
+    "glm4_moe": MoeModel,
+    "gpt_oss": GptOssModel,
+    "gemma3": Gemma3Model,
+    "glm4v": Glm4vModel,
+}
 
 
 def load_rank_model(
@@ -42,8 +58,7 @@ def load_rank_model(
     )
     pieces = pieces_of_rank(config, tp_rank, tp_size)
     weights = read_rank_weights(model_dir, config, pieces, dtype, device)
-    family = FAMILY_MODELS.get(config.family, TPModel)  # the decoder's own file
-    return family(
+    return FAMILY_MODELS[config.family](
         config,
         weights,
         pieces,

@@ -49,9 +49,9 @@ FAMILIES = {
     "MixtralForCausalLM": "mixtral",  # mixtures of experts (tpserve/ranks/moe_config.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",  # a shared expert, its output gated by a sigmoid
-    # local and global layers, GeGLU, four norms a layer (tpserve/ranks/model_gemma3.py)
+    # local and global layers, GeGLU, four norms a layer (tpserve/ranks/models/gemma3.py)
     "Gemma3ForCausalLM": "gemma3",
-    # attention sinks, sliding and full layers, biased experts (tpserve/ranks/model_gpt_oss.py)
+    # attention sinks, sliding and full layers, biased experts (tpserve/ranks/models/gpt_oss.py)
     "GptOssForCausalLM": "gpt_oss",
     # grouped sigmoid routing, a shared expert, partial rotary (tpserve/ranks/moe_config.py)
     "Glm4MoeForCausalLM": "glm4_moe",
@@ -97,7 +97,7 @@ class ModelConfig:
     sliding_window: int | None = None  # a window some layers attend within (tpserve/ranks/unsupported.py)
     windows: tuple[int, ...] = ()  # each layer's window, 0 for a full-attention layer (() none slides)
     moe: MoeConfig | None = None  # a mixture of experts' routing shape
-    gemma3: Gemma3Shape | None = None  # Gemma 3's own keys (tpserve/ranks/model_gemma3.py)
+    gemma3: Gemma3Shape | None = None  # Gemma 3's own keys (tpserve/ranks/models/gemma3.py)
     o_bias: bool = False  # a bias on o_proj (gpt-oss), added once after the reduce
     sinks: bool = False  # a sink logit per query head in every softmax (gpt-oss)
     # the leading dims of a head that rotate (GLM-4.5's half, Phi-4-mini's 3/4; 0: all of them)
@@ -230,7 +230,7 @@ def _parse_qwen3_vl(raw: dict, architecture: str, path: str | Path) -> ModelConf
 
 def _parse_glm4v(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
     """GLM-4.1V: a GLM-4 decoder (q/k/v biases, a norm on the attention's and the MLP's outputs too:
-    tpserve/ranks/model_glm4v.py) whose partial rotary pairs its dims interleaved and is multimodal, its
+    tpserve/ranks/models/glm4v.py) whose partial rotary pairs its dims interleaved and is multimodal, its
     sections in runs (t, h, w), and the ViT (tpserve/ranks/glm4v_vision.py). GLM-4.5V: the same tower
     before GLM-4.5's decoder (tpserve/ranks/moe_config.py; rotate-half over its partial rotary), its
     positions multimodal as 4.1V's. transformers 5 writes the sections in rope_parameters; a

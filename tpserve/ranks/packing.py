@@ -25,7 +25,7 @@ from tpserve.kernels.q5_linear import Q5Weight
 from tpserve.kernels.q6_linear import Q6Weight
 from tpserve.kernels.q8_linear import Q8Weight
 from tpserve.kernels.stacked_weight import StackedWeight
-from tpserve.kernels.weight_formats import quantize_weight
+from tpserve.kernels.weight_formats import ROW_FORMATS, quantize_weight
 from tpserve.ranks.block_tensors import MXFP4, BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.fp8_tensors import Fp8Values
@@ -60,52 +60,91 @@ class MixedParts:
         return torch.cat([p.dequantize() if isinstance(p, BlockValues) else p.float() for p in self.parts])
 
 
-def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | BlockValues | MixedParts:
+def stored_kind(weight) -> type:
+    """The kind a loaded weight is stored in: float (torch.Tensor), a checkpoint's int8 or fp8 values
+    with their scales, blocks (tpserve/ranks/block_tensors.py), or mixed parts: a key of PACKERS."""
+    kind = next((k for k in type(weight).__mro__ if k in PACKERS), None)
+    if kind is None:
+        raise TypeError(f"no served form for a weight stored as {type(weight).__name__}")
+    return kind
+
+
+def _stack_scaled(parts: list):
+    """int8 or fp8 parts stacked, each part keeping its rows' scales."""
+    return type(parts[0])(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
+
+
+# A stored kind -> its parts stacked by rows as one weight of that kind (blocks: of one width).
+STACKED = {
+    torch.Tensor: torch.cat,
+    Int8Values: _stack_scaled,
+    Fp8Values: _stack_scaled,
+    BlockValues: cat_blocks,
+}
+
+
+def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | Fp8Values | BlockValues | MixedParts:
     """The weights `names`, taken out of `tensors`, stacked by rows (q/k/v, gate/up): all float, all
-    int8 each keeping its scales, or all in blocks of one width (else their MixedParts)."""
+    int8 or all fp8 each keeping its scales, or all in blocks of one width (else their MixedParts)."""
     parts = [tensors.pop(name) for name in names]
-    if all(isinstance(part, torch.Tensor) for part in parts):
-        return torch.cat(parts)
-    if all(isinstance(part, Int8Values) for part in parts):
-        return Int8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
-    if all(isinstance(part, Fp8Values) for part in parts):  # each part keeps its rows' scales
-        return Fp8Values(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
-    if all(isinstance(part, BlockValues) for part in parts) and len({p.bits for p in parts}) == 1:
-        return cat_blocks(parts)
-    if not any(isinstance(part, Int8Values) for part in parts):  # floats and blocks (a mixed GGUF)
+    kinds = {stored_kind(part) for part in parts}
+    widths = {part.bits for part in parts if isinstance(part, BlockValues)}
+    if len(kinds) == 1 and len(widths) <= 1:
+        return STACKED[kinds.pop()](parts)
+    if Int8Values not in kinds:  # floats and blocks (a mixed GGUF)
         return MixedParts(parts)
     raise ModelFileError(", ".join(names), "one fused product, stored partly in int8 and partly in float")
 
 
-def pack_weight(weight: torch.Tensor | Int8Values | BlockValues | MixedParts, kind: str, dtype=torch.float32):
-    """A weight as the products take it. A checkpoint's int8 is served as stored whatever `kind`
-    (down_proj included: the file chose int8 for it); a GGUF's blocks are served as stored where
-    `kind` is int4 (and 8- and 6-bit ones where it is q8: a Q6_K head keeps its 6 bits; 4- and
-    5-bit heads go to 8 bits, as a float head does), mixed parts
-    each in its own form, stacked (tpserve/kernels/stacked_weight.py); anything else goes through
-    quantize_weight (blocks dequantized first, exactly, to `dtype` where they stay float: int8 and
-    none serve a Q6_K's exact values as they serve a Q4's)."""
-    if isinstance(weight, MixedParts):
-        if kind != "int4" or weight.num_rows == 0:  # no KV head: an empty q/k/v
-            return pack_weight(weight.dequantize(), kind, dtype)
-        # Blocks in 4 bits are per output row, so each part packed alone is the fused product's rows.
-        return StackedWeight([pack_weight(part, kind, dtype) for part in weight.parts])
-    if isinstance(weight, Fp8Values):
-        return pack_fp8(weight, kind, dtype)
-    if isinstance(weight, BlockValues):
-        if weight.q.numel() == 0:
-            return weight.q.to(dtype)
-        if _on_gpu_in_int4(weight, kind, dtype):
-            return Int4PackWeight.from_blocks(weight.q, weight.d, weight.m, dtype)
-        kinds, pack = AS_STORED[weight.bits]
-        if kind in kinds:
-            return pack(weight)
-        weight = weight.dequantize().to(dtype if kind == "none" else torch.float32)
-    if not isinstance(weight, Int8Values):
-        return quantize_weight(weight, kind)
+def pack_weight(
+    weight: torch.Tensor | Int8Values | Fp8Values | BlockValues | MixedParts, kind: str, dtype=torch.float32
+):
+    """A weight as the products take it, in the served form its stored kind and `kind` (a format of
+    tpserve/kernels/weight_formats.py) choose: PACKERS, the one table from a stored weight to its
+    served form. A checkpoint's int8 is served as stored whatever `kind` (down_proj included: the
+    file chose int8 for it); a GGUF's blocks are served as stored where `kind` is int4 (and 8- and
+    6-bit ones where it is q8: a Q6_K head keeps its 6 bits; 4- and 5-bit heads go to 8 bits, as a
+    float head does), mixed parts each in its own form, stacked (tpserve/kernels/stacked_weight.py);
+    anything else goes through quantize_weight (blocks dequantized first, exactly, to `dtype` where
+    they stay float: int8 and none serve a Q6_K's exact values as they serve a Q4's)."""
+    return PACKERS[stored_kind(weight)](weight, kind, dtype)
+
+
+def _pack_float(weight: torch.Tensor, kind: str, dtype: torch.dtype):
+    return quantize_weight(weight, kind)
+
+
+def _pack_int8(weight: Int8Values, kind: str, dtype: torch.dtype):
     if weight.values.numel() == 0:  # a piece holding no KV head has an empty q/k/v
         return weight.values.float()
     return Int8Weight.from_int8(weight.values, weight.scales)
+
+
+def _pack_blocks(weight: BlockValues, kind: str, dtype: torch.dtype):
+    if weight.q.numel() == 0:
+        return weight.q.to(dtype)
+    if _on_gpu_in_int4(weight, kind, dtype):
+        return Int4PackWeight.from_blocks(weight.q, weight.d, weight.m, dtype)
+    kinds, pack = AS_STORED[weight.bits]
+    if kind in kinds:
+        return pack(weight)
+    return quantize_weight(weight.dequantize().to(dtype if kind == "none" else torch.float32), kind)
+
+
+def _pack_mixed(weight: MixedParts, kind: str, dtype: torch.dtype):
+    if kind != "int4" or weight.num_rows == 0:  # no KV head: an empty q/k/v
+        return pack_weight(weight.dequantize(), kind, dtype)
+    # Blocks in 4 bits are per output row, so each part packed alone is the fused product's rows.
+    return StackedWeight([pack_weight(part, kind, dtype) for part in weight.parts])
+
+
+def pack_embedding(weight: torch.Tensor | BlockValues | Fp8Values, head_format: str, dtype: torch.dtype):
+    """An embedding table of its own (where the head's cannot be read by rows): 8-bit blocks where the
+    head is in them (6-bit ones where the file keeps it in Q6_K), else float."""
+    packed = pack_weight(weight, "q8") if head_format == "q8" else None
+    if isinstance(packed, ROW_FORMATS):
+        return packed
+    return weight if stored_kind(weight) is torch.Tensor else weight.dequantize().to(dtype)
 
 
 def _on_gpu_in_int4(weight: BlockValues, kind: str, dtype: torch.dtype) -> bool:
@@ -169,3 +208,13 @@ def describe_serving(kinds: tuple[str, ...], quantize: str, device_type: str = "
         )
     also = "them and to " if dequantized or ("mxfp4" in kinds and quantize != "int4") else ""
     return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"
+
+
+# A stored kind -> how it is packed: the one table from a loaded weight to its served form.
+PACKERS = {
+    torch.Tensor: _pack_float,
+    Int8Values: _pack_int8,
+    Fp8Values: pack_fp8,
+    BlockValues: _pack_blocks,
+    MixedParts: _pack_mixed,
+}

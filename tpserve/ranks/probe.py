@@ -50,26 +50,31 @@ def probe_model(model, *, product=linear, attention=None, kv_type: torch.dtype |
     """
     gen = torch.Generator().manual_seed(0)
     first = model.layers[0]
-    weights = [(f"{name} {tuple(w.shape)}", w, b) for piece in first for name, w, b in _linears(piece)]
-    weights += [(f"head {tuple(w.shape)}", w, None) for w in model.head]
+    pieces = list(zip(first.self_attn.pieces, first.mlp.pieces))  # each piece's attention and MLP
+    weights = [(f"{name} {tuple(w.shape)}", w, b) for piece in pieces for name, w, b in _linears(*piece)]
+    weights += [(f"head {tuple(w.shape)}", w, None) for w in model.lm_head.weights]
     for name, weight, bias in weights:
         x = torch.randn(PROBE_ROWS, weight.shape[1], generator=gen).to(model.device, model.dtype)
         _check_rows(f"linear {name}", lambda rows, w=weight, b=bias: product(rows, w, b, model.row_tile), x)
     x = torch.randn(PROBE_ROWS, model.config.hidden_size, generator=gen).to(model.device, model.dtype)
-    norm = model.replicated["model.norm.weight"]
+    norm = model.norm.weight
     _check_rows("rms_norm", lambda rows: rms_norm(rows, norm, model.config.rms_norm_eps), x)
     cfg = model.config
-    for num_kv_heads in sorted({layer.num_kv_heads for layer in first if layer.num_kv_heads}):
+    for num_kv_heads in sorted(
+        {piece.num_kv_heads for piece in first.self_attn.pieces if piece.num_kv_heads}
+    ):
         shape = (num_kv_heads, cfg.num_queries_per_kv, cfg.head_dim)
         attend = attention or model.attention.attend
         _check_attention(model.attention.plan, attend, *shape, model, kv_type or model.dtype, gen)
 
 
-def _linears(piece):
+def _linears(attention, mlp):
+    """A piece's products: its attention's (tpserve/ranks/layers/attention.py PieceAttention) and its MLP's
+    or experts' (PieceMLP, PieceExperts: one expert's stand for all)."""
     return (
-        ("qkv", piece.w_qkv, piece.b_qkv),
-        ("o", piece.w_o, None),
-        *((name, weight, None) for name, weight in piece.probed_mlp()),
+        ("qkv", attention.w_qkv, attention.b_qkv),
+        ("o", attention.w_o, None),
+        *((name, weight, None) for name, weight in mlp.probed()),
     )
 
 

@@ -113,7 +113,7 @@ class Qwen3VisionTower:
 
     def features(self, patches, grid: tuple[int, int, int]) -> torch.Tensor:
         """[tokens, text hidden * (1 + num_deepstack)]: the merged features, then each deepstack
-        merger's, side by side, as the engine's embedding takes them (tpserve/ranks/model.py _embed)."""
+        merger's, side by side, as the engine's embedding takes them (tpserve/ranks/layers/vocab.py VocabEmbedding)."""
         features, deepstack = self.features_and_deepstack(patches, grid)
         return torch.cat([features, *deepstack], dim=1)
 
