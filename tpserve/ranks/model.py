@@ -187,6 +187,9 @@ class TPModel:
         # Qwen3-VL: the first num_deepstack layers' outputs take more features at the media's rows
         self.num_deepstack = getattr(config.vision, "num_deepstack", 0)
         self.local_rotary: Rotary | None = None  # a family's own rotary for its sliding layers
+        # a family whose image tokens see each other (Gemma 3): the engine names each pass's images
+        # in its spans (SpanView.images), which the attention kernels read
+        self.images_see_each_other = False
         self.scale = config.head_dim**-0.5
         self.activation = F.silu  # the MLP's gate: SwiGLU
         self.row_tile = row_tile  # see tpserve/kernels/linear.py: batch-invariant products
@@ -226,6 +229,14 @@ class TPModel:
     def _embed(self, token_ids: torch.Tensor, media_rows, media) -> torch.Tensor:
         """[T, hidden], or with media on a deepstack model [T, hidden * (1 + num_deepstack)]: the media's
         deepstack features ride the embedding's all-reduce (rank 0's, zeros elsewhere: exact at any tp)."""
+        out = self._token_embeddings(token_ids, media_rows)
+        if media_rows is not None:
+            place_features(out, media_rows, media)
+        return self._reduce(out)
+
+    def _token_embeddings(self, token_ids: torch.Tensor, media_rows) -> torch.Tensor:
+        """This rank's share of the token embeddings, float32 (each token's row from the one piece
+        that owns it, zeros elsewhere), before the media's features go in and the all-reduce."""
         deepstack = self.num_deepstack if media_rows is not None else 0
         out = torch.zeros(
             token_ids.shape[0],
@@ -238,9 +249,7 @@ class TPModel:
             owned = (token_ids >= start) & (token_ids < end)
             local = (token_ids - start).clamp(0, end - start - 1)
             out[:, : self.config.hidden_size] += _lookup(table, local).float() * owned.unsqueeze(1)
-        if media_rows is not None:
-            place_features(out, media_rows, media)
-        return self._reduce(out)
+        return out
 
     def _attention(
         self, layer: PieceLayer, x, plan: PassPlan, pool_k, pool_v, qk_norms, window: int, sinks=None

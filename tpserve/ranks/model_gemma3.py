@@ -10,7 +10,9 @@ What it changes in the Llama-style decoder (tpserve/ranks/model.py), each where 
   replacing Gemma 2's soft-capping of attention scores);
 - GeGLU: the MLP's gate through the tanh-approximated GELU;
 - the embeddings scaled by sqrt(hidden_size); attention scaled by query_pre_attn_scalar^-1/2;
-  logits soft-capped as cap * tanh(logits / cap) where the config sets final_logit_softcapping.
+  logits soft-capped as cap * tanh(logits / cap) where the config sets final_logit_softcapping;
+- with images (Gemma3ForConditionalGeneration), an image's tokens see each other, in local and
+  global layers (the attention kernels' SpanView.images, named by the engine from the media rows).
 The sharding, products, KV pool and attention kernels are the shared ones: only the layer's shape
 differs, so tp=2 == tp=1 and batched == solo hold as for every family.
 """
@@ -52,9 +54,14 @@ class Gemma3Model(TPModel):
         self.activation = functools.partial(F.gelu, approximate="tanh")  # GeGLU
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=self.dtype)
         self.softcap = gemma.final_logit_softcapping
+        # Gemma3ForConditionalGeneration: each image's tokens attend to each other (token_type_ids)
+        self.images_see_each_other = config.vision is not None
 
-    def _embed(self, token_ids, media_rows, media) -> torch.Tensor:
-        return super()._embed(token_ids, media_rows, media) * self.embed_scale
+    def _token_embeddings(self, token_ids, media_rows) -> torch.Tensor:
+        """Scaled before the image features go in, which are not (as transformers' scatter). Each
+        row has one nonzero share, so scaling before the all-reduce gives the bits of scaling after
+        it; in float32 the product of two narrower numbers is exact, rounded once as theirs."""
+        return super()._token_embeddings(token_ids, media_rows) * self.embed_scale.float()
 
     def _layer(self, index: int, pieces: list[PieceLayer], h, plan: PassPlan, kv) -> torch.Tensor:
         """Attention and MLP, each normed before and after, each added to the residual."""
