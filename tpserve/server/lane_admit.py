@@ -186,7 +186,7 @@ class Admission:
     def _next_chunk(self, job: Job, size: int | None = None) -> PrefillItem | None:
         """The next `size` tokens (max_prefill_tokens unless said); None when their blocks are not free."""
         start = job.num_prefilled
-        num_tokens = len(job.feed_ids[start : start + (size or self._max_prefill_tokens)])
+        num_tokens = job.chunk_end(start, size or self._max_prefill_tokens) - start
         if not self._lanes.cover(job, start + num_tokens):
             return None
         return self.prompt_item(job, start, num_tokens)
