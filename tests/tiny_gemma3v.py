@@ -78,6 +78,9 @@ def write_tiny_gemma3v(out_dir: str | Path, seed: int = 0, **processor_options) 
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
     scramble(model, seed, ("norm",))
+    with torch.no_grad():  # Gemma scales its embeddings by sqrt(hidden): unit noise after it, so a
+        # reply is not the last token's own embedding again and again
+        model.get_input_embeddings().weight.mul_(text["hidden_size"] ** -0.5)
     image_processor = Gemma3ImageProcessorPil(
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **processor_options
     )
