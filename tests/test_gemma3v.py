@@ -23,7 +23,7 @@ from tiny_llava import block_image
 from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.leader import media_in_chunk
-from tpserve.ranks.model_config import load_model_config
+from tpserve.ranks.model_config import load_model_config, parse_model_config
 from tpserve.server.gemma3_input import Gemma3VisionInput
 from tpserve.server.images import decode_image
 from tpserve.server.tokenizer import Tokenizer
@@ -197,3 +197,45 @@ def test_pan_and_scan_is_refused_by_name(tmp_path):
     model_dir = write_tiny_gemma3v(tmp_path / "pan", do_pan_and_scan=True)
     with pytest.raises(ModelFileError, match="do_pan_and_scan"):
         vision_of(str(model_dir))
+
+
+def test_a_config_as_google_writes_it_takes_transformers_defaults():
+    # gemma-3-4b-it's config.json: a text_config of few keys, the token ids at the top level
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+        "eos_token_id": [1, 106],
+        "image_token_index": 262144,
+        "mm_tokens_per_image": 256,
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "model_type": "siglip_vision_model",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+    }
+    config = parse_model_config(raw)
+    assert (config.family, config.num_heads, config.num_kv_heads, config.head_dim) == ("gemma3", 8, 4, 256)
+    assert config.vocab_size == 262_208 and config.eos_token_ids == (1, 106) and config.tie_word_embeddings
+    assert config.windows == tuple(0 if (layer + 1) % 6 == 0 else 1024 for layer in range(34))
+    assert config.rope_theta == 1_000_000.0 and config.rope_scaling.factor == 8.0
+    assert config.gemma3.local_theta == 10_000.0 and config.gemma3.query_pre_attn_scalar == 256
+    vision = config.vision
+    assert (vision.patches_per_side, vision.pool_size, vision.tokens_per_image) == (64, 4, 256)
+    assert (vision.image_token_id, vision.boi_token_id, vision.eoi_token_id) == (262144, 255999, 256000)
+    with pytest.raises(ModelFileError, match="mm_tokens_per_image"):
+        parse_model_config(raw | {"mm_tokens_per_image": 250})

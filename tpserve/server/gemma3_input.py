@@ -18,7 +18,7 @@ from PIL import Image
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_vision import load_gemma3_vision_tower
 from tpserve.ranks.model_config import ModelConfig
-from tpserve.server.images import Preprocessor, _size, value_settings
+from tpserve.server.images import Preprocessor, size_setting, value_settings
 from tpserve.server.media_checks import is_video
 from tpserve.server.processor_config import image_processor_settings
 from tpserve.server.validation import invalid_argument
@@ -37,7 +37,7 @@ def gemma3_preprocessor(model_dir: str | Path, image_size: int) -> Preprocessor:
         "image_mean": IMAGENET_STANDARD,
         "image_std": IMAGENET_STANDARD,
     }
-    size = _size(raw.get("size", image_size), "size", path)
+    size = size_setting(raw.get("size", image_size), "size", path)
     if size != (image_size, image_size):
         raise ModelFileError(path, f"size {size} is not the vision tower's image_size {image_size}")
     return Preprocessor(
