@@ -46,13 +46,18 @@ def pool_and_queries(seed: int = 0, head_dim: int = HEAD_DIM, group: int = GROUP
     return q, k, v, pool_k, pool_v, table
 
 
-def reference(q, k, v, window: int, sinks=None):
-    """Float64 attention of every position over keys 0.., within the window, with the sinks."""
+def reference(q, k, v, window: int, sinks=None, images=()):
+    """Float64 attention of every position over keys 0.., within the window, with the sinks; images:
+    (first, end) position ranges whose rows also see each other's keys, as transformers' Gemma 3
+    mask: AND(window, OR(causal, same image))."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[0]
     scores = torch.einsum("thd,hjd->htj", q, k.repeat_interleave(group, dim=0)) * SCALE
     positions, keys = torch.arange(q.shape[0]).unsqueeze(1), torch.arange(k.shape[1]).unsqueeze(0)
-    seen = (keys <= positions) & ((keys > positions - window) if window else True)
+    seen = keys <= positions
+    for first, end in images:
+        seen |= (positions >= first) & (positions < end) & (keys >= first) & (keys < end)
+    seen &= (keys > positions - window) if window else True
     scores = scores.masked_fill(~seen, float("-inf"))
     if sinks is not None:
         sink = sinks.double().view(-1, 1, 1).expand(-1, q.shape[0], 1)

@@ -27,13 +27,25 @@ class SpanView:
 
     offset: first row of the span in the packed tensors; start: position of the span's first token;
     length: number of tokens in the span; blocks: the stream's block table, the KV block ids holding
-    positions 0..end-1 in order (at least ceil(end / block_size) of them; more are ignored).
+    positions 0..end-1 in order (at least ceil(end / block_size) of them; more are ignored); images:
+    (first, end) position ranges of images whose rows see each other's keys (Gemma 3's bidirectional
+    image tokens: a row inside one also sees its later keys), each wholly inside the span, since a
+    row cannot see keys not yet written: a pass never cuts such an image. () for every other family.
     """
 
     offset: int
     start: int
     length: int
     blocks: tuple[int, ...]
+    images: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        for first, end in self.images:
+            if not self.start <= first < end <= self.end:
+                raise ValueError(
+                    f"an image at positions {first}..{end - 1} is not inside the span's "
+                    f"{self.start}..{self.end - 1}: a pass may not cut an image"
+                )
 
     @property
     def end(self) -> int:  # one past the span's last position
@@ -155,7 +167,8 @@ def span_attention(
 ):
     """q: [T, Hq, D] (rotated); pool_*: [Hkv, room, D] already holding the spans' keys. Returns [T, Hq*D].
     window: a row at position p sees keys p - window + 1 .. p (0: all of 0 .. p), the keys before
-    the span's first window never read; sinks: [Hq] logits in each row's softmax denominator."""
+    the span's first window never read, and a row inside one of the span's images its image's
+    later keys too; sinks: [Hq] logits in each row's softmax denominator."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for span, keys in zip(plan.spans, plan.keys):
@@ -166,13 +179,26 @@ def span_attention(
         vs = _keys(pool_v, keys, first).unsqueeze(0).to(q.dtype)
         if sinks is not None:
             o = _with_sinks(qs, ks, vs, scale, _visible(span, first, window, q.device), sinks)
-        elif window and span.end > window:  # a window that binds: a mask (the math kernel on CUDA)
+        elif span.images or (window and span.end > window):  # a window that binds, or images: a mask
+            # (the math kernel on CUDA)
             mask = _visible(span, first, window, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True, **causal(span))
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def last_keys(span: SpanView, positions: torch.Tensor) -> torch.Tensor:
+    """The last key each row at `positions` (of `span`) sees: its own position, or the last of the
+    image holding it (SpanView.images). The window's lower edge does not move: transformers' sliding
+    mask for Gemma 3 is AND(window, OR(causal, image))."""
+    if not span.images:
+        return positions
+    last = positions.clone()
+    for first, end in span.images:
+        last[(positions >= first) & (positions < end)] = end - 1
+    return last
 
 
 def first_key(position: int, window: int) -> int:
@@ -184,7 +210,7 @@ def _visible(span: SpanView, first: int, window: int, device) -> torch.Tensor:
     """[length, end - first] bool: query i (position start + i) sees key first + j."""
     positions = torch.arange(span.start, span.end, device=device).unsqueeze(1)
     keys = torch.arange(first, span.end, device=device).unsqueeze(0)
-    seen = keys <= positions
+    seen = keys <= last_keys(span, positions)
     return seen & (keys > positions - window) if window else seen
 
 

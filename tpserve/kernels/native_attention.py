@@ -25,7 +25,10 @@ MAX_HEAD_DIM = 512  # the rotated key row tp_rotate_store_attend holds
 
 class NativePlan:
     """One pass's spans as attention.c reads them: `table` [num_spans, 4] int64 (offset, where the
-    span's block table begins in `blocks`, start, length) and `blocks`, the tables concatenated."""
+    span's block table begins in `blocks`, start, length) and `blocks`, the tables concatenated;
+    where a span holds images whose rows see each other (SpanView.images), `image_index` [num_spans
+    + 1] and `image_ranges` [images, 2] (first, end) (span s's are rows image_index[s] ..
+    image_index[s + 1] - 1), else both None."""
 
     def __init__(self, spans, group: int, num_slots: int, block_size: int):
         # (the tables tensor lives as long as the plan: the C kernel reads its memory)
@@ -35,6 +38,12 @@ class NativePlan:
         rows = [(span.offset, first, span.start, span.length) for span, first in zip(spans, tables.first)]
         self.table = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
         self.blocks = tables.flat
+        self.image_index = self.image_ranges = None
+        if any(span.images for span in spans):
+            counts = [len(span.images) for span in spans]
+            self.image_index = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+            ranges = [bounds for span in spans for bounds in span.images]
+            self.image_ranges = torch.tensor(ranges, dtype=torch.int64).view(-1, 2)
 
 
 def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) -> str | None:
@@ -57,8 +66,8 @@ def native_unavailable(head_dim: int, group: int, dtype: torch.dtype, device) ->
 
 _P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # The tail every entry point shares: pool_k, pool_v, head_stride, kv_half, num_kv_heads, group,
-# head_dim, spans, num_spans, blocks, block_size, window, sinks, scale, out.
-_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _P, _I64, _I64, _P, _FLOAT, _P]
+# head_dim, spans, num_spans, blocks, block_size, window, sinks, image_index, image_ranges, scale, out.
+_ATTEND = [_P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _P, _I64, _I64, _P, _P, _P, _FLOAT, _P]
 POOL_DTYPES = (torch.float32, torch.float16)  # what the KV pool may hold: float16 is widened exactly
 _SIGNATURES = {
     "tp_span_attention": [_P, _I64, *_ATTEND],
@@ -202,6 +211,8 @@ def _attend_args(
         plan.block_size,
         int(window or 0),
         None if sinks is None else sinks.data_ptr(),
+        None if plan.image_index is None else plan.image_index.data_ptr(),
+        None if plan.image_ranges is None else plan.image_ranges.data_ptr(),
         scale,
         out.data_ptr(),
     )

@@ -11,8 +11,9 @@ row runs the decode wrapper (BatchDecodeWithPagedKVCacheWrapper), any other the 
 chunk's row i sees keys 0 .. start + i). Each wrapper is planned once per pass and head shape, and
 run by every layer.
 
-The fallback order: FlashInfer where it imports and the pass is float16 or bfloat16 with no sinks
-and no window that binds; else SDPA a span at a time, its keys gathered through the same CSR arrays
+The fallback order: FlashInfer where it imports and the pass is float16 or bfloat16 with no sinks,
+no window that binds and no image whose rows see each other (Gemma 3's); else SDPA a span at a
+time, its keys gathered through the same CSR arrays
 (what this module's CPU tests run, and what a GPU without FlashInfer serves through
 tpserve/kernels/attention.py's spans kernel). FlashInfer is optional: nothing here imports it until a GPU
 pass asks, and a machine without it serves SDPA.
@@ -185,7 +186,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [rows, Hq, D] (rotated; rows past the spans' tokens are padding, left zero); pool_*: [Hkv,
     slots, D] holding the spans' keys. Returns [rows, Hq*D], as span_attention."""
-    if sinks is not None or (window and any(span.end > window for span in plan.spans)):
+    # (FlashInfer's causal mask knows no images: a pass holding one runs SDPA's masks)
+    binding = window and any(span.end > window for span in plan.spans)
+    if sinks is not None or binding or any(span.images for span in plan.spans):
         return span_attention(q, pool_k, pool_v, plan.span_plan(), scale, window, sinks)
     num_rows, num_heads, head_dim = q.shape
     real = q[: plan.num_tokens]

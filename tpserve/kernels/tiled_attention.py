@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from tpserve.kernels.attention import BlockTables, first_key
+from tpserve.kernels.attention import BlockTables, first_key, last_keys
 
 # Rows of every attention product. Against 16 (the linear layers' tile), 4 made a 16-lane decode
 # round of the default model 21-24% faster at 160 and 600 keys (CPU time, one thread, int8).
@@ -100,9 +100,11 @@ class TiledPlan:
         if (index, window) not in self._long_blocks:
             span, _, firsts = self.long[index]
             positions = _row_positions(span, self.group)  # [tiles, ROW_TILE]
+            last = last_keys(span, positions)
             ends = _end_tiles(positions, len(firsts), window)
             self._long_blocks[index, window] = [
-                _SeenBlock(block, first, end, _bias(positions[first:end], 1, window, block * KEY_BLOCK)
+                _SeenBlock(block, first, end,
+                           _bias(positions[first:end], last[first:end], 1, window, block * KEY_BLOCK)
                            .view(end - first, ROW_TILE, KEY_BLOCK).to(self.device))
                 for block, (first, end) in enumerate(zip(firsts, ends))
                 if first < end
@@ -163,7 +165,7 @@ class _ShortBatch:
         self._slots, self._num_slots = slots, num_slots
         # Built in Python lists and turned into tensors once: a round of many lanes runs no
         # operation per entry.
-        q_rows, out_rows, positions, entry_spans, entry_heads = [], [], [], [], []
+        q_rows, out_rows, positions, last, entry_spans, entry_heads = [], [], [], [], [], []
         for index, span in enumerate(spans):
             rows = span.length * group
             for head in range(num_kv_heads):
@@ -175,6 +177,8 @@ class _ShortBatch:
                         positions.append(span.start + r // group)
                 entry_spans += [index] * num_tiles(rows)
                 entry_heads += [head] * num_tiles(rows)
+            span_positions = positions[len(last) :]
+            last += last_keys(span, torch.tensor(span_positions)).tolist() if span.images else span_positions
         self.num_entries = len(entry_spans)
         self.q_index = torch.tensor(q_rows, device=device)  # [E*ROW_TILE] rows of q as [T*Hq, D]
         self.out_index = torch.tensor(out_rows, device=device)  # where they go; padding: the dump row
@@ -186,6 +190,7 @@ class _ShortBatch:
                 result_rows[q_row] = entry_row
         self.result_index = torch.tensor(result_rows, device=device)  # [T*Hq]
         self.positions, self.device = torch.tensor(positions), device
+        self.last_keys = torch.tensor(last)  # [E*ROW_TILE] each row's last key (last_keys)
         self._entry_spans, self._entry_heads = torch.tensor(entry_spans), torch.tensor(entry_heads)
         self._keys: dict[int, _ShortKeys] = {}
         self.row_heads = torch.tensor(
@@ -200,7 +205,7 @@ class _ShortBatch:
             heads = self._entry_heads.unsqueeze(1) * self._num_slots
             rows = (slots[self._entry_spans] + heads).view(-1).to(self.device)
             first_keys = torch.tensor(starts)[self._entry_spans] * KEY_BLOCK
-            bias = _bias(self.positions, blocks, window, first_keys).to(self.device)
+            bias = _bias(self.positions, self.last_keys, blocks, window, first_keys).to(self.device)
             self._keys[window] = _ShortKeys(blocks, rows, bias)
         return self._keys[window]
 
@@ -215,7 +220,7 @@ def _row_positions(span, group: int) -> torch.Tensor:
 def _first_tiles(span, group: int) -> list[int]:
     """Per key block of a span, the first of its tiles whose last row sees a key of the block (the
     tiles before it lie wholly before the block: causal)."""
-    last = _row_positions(span, group)[:, -1].tolist()  # each tile's last (largest) position
+    last = last_keys(span, _row_positions(span, group))[:, -1].tolist()  # each tile's last (largest) key
     return [bisect.bisect_left(last, block * KEY_BLOCK) for block in range(num_blocks(span.end))]
 
 
@@ -233,16 +238,19 @@ def _end_tiles(positions: torch.Tensor, num_key_blocks: int, window: int) -> lis
     return [bisect.bisect_left(lows, (block + 1) * KEY_BLOCK) for block in range(num_key_blocks)]
 
 
-def _bias(positions: torch.Tensor, num_key_blocks: int, window: int = 0, first_key=0) -> torch.Tensor:
-    """[tiles, blocks, ROW_TILE, KEY_BLOCK] float32: -inf where key j lies past the row's position
-    p (j > p), or before its window (j <= p - window, where window is set), else 0; added to the
-    scores, it leaves a visible score's bits as they are. first_key: the position of each tile's
-    first key (an int, or [tiles])."""
+def _bias(
+    positions: torch.Tensor, last: torch.Tensor, num_key_blocks: int, window: int = 0, first_key=0
+) -> torch.Tensor:
+    """[tiles, blocks, ROW_TILE, KEY_BLOCK] float32: -inf where key j lies past the row's last key
+    (last: its position p, or its image's last: last_keys), or before its window (j <= p - window,
+    where window is set), else 0; added to the scores, it leaves a visible score's bits as they are.
+    positions, last: [tiles, ROW_TILE]; first_key: the position of each tile's first key (an int, or
+    [tiles])."""
     if isinstance(first_key, torch.Tensor):
         first_key = first_key.view(-1, 1, 1, 1)
     keys = torch.arange(num_key_blocks * KEY_BLOCK).view(1, num_key_blocks, 1, KEY_BLOCK) + first_key
     rows = positions.view(-1, 1, ROW_TILE, 1)
-    hidden = keys > rows
+    hidden = keys > last.view(-1, 1, ROW_TILE, 1)
     if window:
         hidden |= keys <= rows - window
     return torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))

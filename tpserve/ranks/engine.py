@@ -156,9 +156,11 @@ class Engine(LaneTables):
         self._grow(spans)
         views, token_ids, positions, logit_rows, packed_media, axes = [], [], [], [], [], []
         multimodal = isinstance(self.model.rotary, MRotary)
+        see_each_other = media_rows is not None and self.model.images_see_each_other
         for index, (lane, start, tokens, _) in enumerate(spans):
             state = self.lanes[lane]
-            views.append(SpanView(len(token_ids), start, len(tokens), tuple(state.blocks)))
+            images = image_ranges(start, media_rows[index]) if see_each_other else ()
+            views.append(SpanView(len(token_ids), start, len(tokens), tuple(state.blocks), images))
             if media_rows is not None:
                 packed_media.extend(len(token_ids) + row for row in media_rows[index])
             token_ids.extend(tokens)
@@ -214,6 +216,18 @@ class Engine(LaneTables):
         peers = ", ".join(f"rank {r}" for r in range(1, self.model.tp_size))
         who = f"a collective with {peers} never finished (lost or hung)" if peers else "the device hung"
         return f"rank 0: the logits of a pass over {len(spans)} span(s) never reached the host: {who}"
+
+
+def image_ranges(start: int, rows) -> tuple[tuple[int, int], ...]:
+    """A span's images as (first, end) positions: its image rows' offsets (rising) in runs of
+    consecutive ones, as transformers groups image tokens (get_block_sequence_ids_for_mask)."""
+    ranges: list[list[int]] = []
+    for row in rows:
+        if ranges and ranges[-1][1] == start + row:
+            ranges[-1][1] += 1
+        else:
+            ranges.append([start + row, start + row + 1])
+    return tuple((first, end) for first, end in ranges)
 
 
 def _rope_axes(given, start: int, length: int, delta: int) -> list[list[int]]:

@@ -50,8 +50,9 @@ class Idefics3VisionConfig:
         return self.patches_per_side**2 // self.scale_factor**2
 
 
-def parse_idefics3_config(raw: dict, text_hidden_size: int, path: str | Path) -> Idefics3VisionConfig:
-    vision = {**SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
+def siglip_fields(vision: dict, path: str | Path) -> dict:
+    """A SigLIP tower's shape from a vision_config (its defaults filled in), checked: the fields
+    Idefics3VisionConfig and Gemma3VisionConfig (tpserve/ranks/gemma3_vision_config.py) share."""
     if vision["hidden_act"] not in ACTIVATIONS:
         raise ModelFileError(
             path, f"vision_config.hidden_act {vision['hidden_act']!r} is not one of {', '.join(ACTIVATIONS)}"
@@ -61,6 +62,22 @@ def parse_idefics3_config(raw: dict, text_hidden_size: int, path: str | Path) ->
             raise ModelFileError(path, f"vision_config.{key} {vision[key]!r} is not one int (a square)")
     if vision["hidden_size"] % vision["num_attention_heads"]:
         raise ModelFileError(path, "vision_config.hidden_size does not divide into num_attention_heads")
+    return {
+        "hidden_size": int(vision["hidden_size"]),
+        "intermediate_size": int(vision["intermediate_size"]),
+        "num_layers": int(vision["num_hidden_layers"]),
+        "num_heads": int(vision["num_attention_heads"]),
+        "num_channels": int(vision["num_channels"]),
+        "image_size": vision["image_size"],
+        "patch_size": vision["patch_size"],
+        "hidden_act": vision["hidden_act"],
+        "layer_norm_eps": float(vision["layer_norm_eps"]),
+    }
+
+
+def parse_idefics3_config(raw: dict, text_hidden_size: int, path: str | Path) -> Idefics3VisionConfig:
+    vision = {**SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
+    fields = siglip_fields(vision, path)
     scale = raw.get("scale_factor", 2)
     if not isinstance(scale, int) or scale < 1 or (vision["image_size"] // vision["patch_size"]) % scale:
         raise ModelFileError(
@@ -71,15 +88,7 @@ def parse_idefics3_config(raw: dict, text_hidden_size: int, path: str | Path) ->
     if not isinstance(image_token_id, int):
         raise ModelFileError(path, f"image_token_id {image_token_id!r} is not a token id")
     return Idefics3VisionConfig(
-        hidden_size=int(vision["hidden_size"]),
-        intermediate_size=int(vision["intermediate_size"]),
-        num_layers=int(vision["num_hidden_layers"]),
-        num_heads=int(vision["num_attention_heads"]),
-        num_channels=int(vision["num_channels"]),
-        image_size=vision["image_size"],
-        patch_size=vision["patch_size"],
-        hidden_act=vision["hidden_act"],
-        layer_norm_eps=float(vision["layer_norm_eps"]),
+        **fields,
         scale_factor=scale,
         text_hidden_size=text_hidden_size,
         image_token_id=image_token_id,

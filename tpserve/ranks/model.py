@@ -97,6 +97,9 @@ class TPModel:
         self.local_rotary: Rotary | None = None  # a family's own rotary for its sliding layers
         # Qwen3-VL: the first num_deepstack layers' outputs take more features at the media's rows
         self.num_deepstack = getattr(config.vision, "num_deepstack", 0)
+        # a family whose image tokens see each other (Gemma 3): the engine names each pass's images
+        # in its spans (SpanView.images), which the attention kernels read
+        self.images_see_each_other = False
         self.attention = attention or choose_attention(
             bool(row_tile), config.head_dim, config.num_queries_per_kv, self.dtype, self.device
         )

@@ -11,6 +11,12 @@ from tpserve.kernels.rope_scaling import RopeScaling
 from tpserve.ranks.checkpoint_quantization import CheckpointQuantization, parse_quantization_config
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.gemma3_config import Gemma3Shape, global_and_local_rope, parse_gemma3
+from tpserve.ranks.gemma3_vision_config import (
+    GEMMA3_VL_ARCHITECTURES,
+    Gemma3VisionConfig,
+    gemma3_text_settings,
+    parse_gemma3_vision_config,
+)
 from tpserve.ranks.glm4v_vision_config import (
     GLM4V_ARCHITECTURES,
     Glm4vVisionConfig,
@@ -91,7 +97,13 @@ class ModelConfig:
     architecture: str = ""
     # a vision-language model's tower, projector and media tokens (a Qwen-VL's: mrope in the text model)
     vision: (
-        VisionConfig | QwenVisionConfig | Qwen3VisionConfig | Idefics3VisionConfig | Glm4vVisionConfig | None
+        VisionConfig
+        | QwenVisionConfig
+        | Qwen3VisionConfig
+        | Idefics3VisionConfig
+        | Glm4vVisionConfig
+        | Gemma3VisionConfig
+        | None
     ) = None
     quantization: CheckpointQuantization | None = None  # a pre-quantized (int8) checkpoint's scheme
     sliding_window: int | None = None  # a window some layers attend within (tpserve/ranks/unsupported.py)
@@ -152,6 +164,8 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
     glm4v = next((a for a in architectures if a in GLM4V_ARCHITECTURES), None)
     if glm4v is not None:
         return _parse_glm4v(raw, glm4v, path)
+    if any(a in GEMMA3_VL_ARCHITECTURES for a in architectures):
+        return _parse_gemma3_vl(raw, GEMMA3_VL_ARCHITECTURES[0], path)
     vision_arch = next(
         (a for a in architectures if a in VISION_ARCHITECTURES or a in IDEFICS3_ARCHITECTURES), None
     )
@@ -168,6 +182,7 @@ def _parse_model(raw: dict, path: str | Path) -> ModelConfig:
                 *QWEN3_VL_ARCHITECTURES,
                 *IDEFICS3_ARCHITECTURES,
                 *GLM4V_ARCHITECTURES,
+                *GEMMA3_VL_ARCHITECTURES,
             )
         )
         raise ModelFileError(path, f"unsupported architecture {architectures!r} (supported: {supported})")
@@ -255,6 +270,21 @@ def _parse_glm4v(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
     if vision.out_hidden_size != config.hidden_size:
         raise ModelFileError(path, "vision_config.out_hidden_size is not the text model's hidden_size")
     return replace(config, vision=vision)
+
+
+def _parse_gemma3_vl(raw: dict, architecture: str, path: str | Path) -> ModelConfig:
+    """Gemma 3 with images: its text model (family gemma3, whose image tokens see each other:
+    tpserve/ranks/models/gemma3.py) from text_config, the SigLIP tower and projector from vision_config
+    (tpserve/ranks/gemma3_vision.py)."""
+    text = gemma3_text_settings(raw)
+    model_type = text.get("model_type", "gemma3_text")
+    if model_type != "gemma3_text":
+        raise ModelFileError(path, f"Gemma3: text model {model_type!r} is not gemma3_text")
+    config = _parse_text(text, "gemma3", architecture, path)
+    # transformers' Gemma3ForConditionalGeneration soft-caps no logits (its forward reads no
+    # final_logit_softcapping; Google's configs set none): neither do we
+    gemma3 = replace(config.gemma3, final_logit_softcapping=None)
+    return replace(config, gemma3=gemma3, vision=parse_gemma3_vision_config(raw, config.hidden_size, path))
 
 
 def _parse_text(raw: dict, family: str, architecture: str, path: str | Path) -> ModelConfig:

@@ -48,7 +48,8 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
 
 
 class SiglipVisionTower(VisionTower):
-    """tiles [N, 3, image_size, image_size] -> features [N * image_seq_len, text hidden]."""
+    """tiles [N, 3, image_size, image_size] -> features [N * image_seq_len, text hidden]. Gemma 3's
+    tower (tpserve/ranks/gemma3_vision.py) is this one with its own connector."""
 
     config: Idefics3VisionConfig
 
@@ -59,6 +60,14 @@ class SiglipVisionTower(VisionTower):
 
     def _tile(self, pixels: torch.Tensor) -> torch.Tensor:
         """One tile [3, S, S] -> its image tokens [image_seq_len, text hidden]."""
+        return self._connect(self._encode(pixels))
+
+    def _connect(self, h: torch.Tensor) -> torch.Tensor:
+        """The tower's output [patches, hidden] -> image tokens: the pixel shuffle and projection."""
+        return self._linear(pixel_shuffle(h, self.config.scale_factor), "modality_projection.proj")
+
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One tile [3, S, S] -> the tower's last hidden state [patches, hidden], post-layernormed."""
         cfg, w = self.config, self.w
         patches = F.conv2d(
             pixels.unsqueeze(0),
@@ -70,8 +79,7 @@ class SiglipVisionTower(VisionTower):
         h = h + w["embeddings.position_embedding.weight"][self.positions]
         for index in range(cfg.num_layers):
             h = self._layer(h, index)
-        h = self._norm(h, "post_layernorm")
-        return self._linear(pixel_shuffle(h, cfg.scale_factor), "modality_projection.proj")
+        return self._norm(h, "post_layernorm")
 
     def features(self, tiles) -> torch.Tensor:
         """tiles: float32 [N, 3, S, S], a tensor or a numpy array (the server prepares numpy)."""

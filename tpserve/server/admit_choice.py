@@ -48,7 +48,7 @@ class AdmitChoice:
         end = (
             len(job.feed_ids) + 1
             if new_tokens <= self._max_prefill_tokens
-            else hit + self._max_prefill_tokens
+            else job.chunk_end(hit, self._max_prefill_tokens)
         )
         blocks = self._lanes.blocks
         return blocks.blocks_for(end) - hit // blocks.block_size + num_idle
@@ -129,6 +129,6 @@ class AdmitChoice:
             if job is not chunking and job.produced
         )
         if chunking is not None:
-            end = min(len(chunking.feed_ids), chunking.num_prefilled + self._max_prefill_tokens)
+            end = chunking.chunk_end(chunking.num_prefilled, self._max_prefill_tokens)
             wanted += self._lanes.blocks_missing(chunking, end)
         return wanted

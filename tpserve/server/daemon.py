@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 
 from tpserve.ranks.deadline import leave_after
+from tpserve.ranks.errors import StartupError
+from tpserve.ranks.gemma3_vision_config import Gemma3VisionConfig
 from tpserve.ranks.glm4v_vision_config import Glm4vVisionConfig
 from tpserve.ranks.idefics3_config import Idefics3VisionConfig
 from tpserve.ranks.leader import Leader
@@ -34,6 +36,7 @@ from tpserve.server.backend import BackendBroken
 from tpserve.server.config import ServeConfig
 from tpserve.server.front_link import FrontLink
 from tpserve.server.front_wire import FrontSpec
+from tpserve.server.gemma3_input import Gemma3VisionInput
 from tpserve.server.generation_defaults import generation_defaults, openai_temperature
 from tpserve.server.grammar import Grammars
 from tpserve.server.heap import return_large_frees_to_the_system
@@ -141,13 +144,13 @@ def _serving_info(config: ServeConfig, runtime: RankRuntime, settings: EngineSet
 
 def _vision_input(
     config: ServeConfig, runtime: RankRuntime, settings: EngineSettings, tokenizer: Tokenizer
-) -> VisionInput | QwenVisionInput | Idefics3VisionInput | None:
+) -> VisionInput | QwenVisionInput | Idefics3VisionInput | Gemma3VisionInput | None:
     """The tower and projector, loaded here on rank 0 only (see tpserve/ranks/vision.py); None without
     vision."""
     if not config.vision:
         return None
     # A Qwen-VL's tower and its images' sizes (tpserve/server/qwen_vision_input.py), an Idefics3's tiles
-    # (tpserve/server/idefics3_input.py), or LLaVA's.
+    # (tpserve/server/idefics3_input.py), Gemma 3's (tpserve/server/gemma3_input.py), or LLaVA's.
     args = (
         settings.model_dir,
         runtime.config,
@@ -160,6 +163,15 @@ def _vision_input(
         return QwenVisionInput.from_model_dir(*args, encode_text=encode_text)
     if isinstance(runtime.config.vision, Idefics3VisionConfig):
         return Idefics3VisionInput.from_model_dir(*args, encode_text=encode_text)
+    if isinstance(runtime.config.vision, Gemma3VisionConfig):
+        # an image's tokens go in one pass (they see each other): a pass must hold them
+        if settings.max_prefill_tokens < runtime.config.vision.tokens_per_image:
+            raise StartupError(
+                f"--max-prefill-tokens {settings.max_prefill_tokens} is less than an image's "
+                f"{runtime.config.vision.tokens_per_image} tokens, which go in one pass"
+            )
+        decode_text = functools.partial(tokenizer.decode, skip_special_tokens=False)
+        return Gemma3VisionInput.from_model_dir(*args, encode_text=encode_text, decode_text=decode_text)
     return VisionInput.from_model_dir(*args)
 
 

@@ -26,7 +26,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def _size(value, what: str, path: Path) -> tuple[int, int]:
+def size_setting(value, what: str, path: Path) -> tuple[int, int]:
     """(height, width) from a preprocessor config's size: an int, {height, width} or {shortest_edge}."""
     if isinstance(value, int):
         return value, value
@@ -86,8 +86,8 @@ class Preprocessor:
             shortest_edge=int(shortest) if shortest is not None else None,
             resize_to=None
             if shortest is not None or not raw.get("do_resize", True)
-            else _size(size, "size", path),
-            crop=_size(raw.get("crop_size", 224), "crop_size", path)
+            else size_setting(size, "size", path),
+            crop=size_setting(raw.get("crop_size", 224), "crop_size", path)
             if raw.get("do_center_crop", True)
             else None,
             pad_to_square=bool(raw.get("do_pad", False)),

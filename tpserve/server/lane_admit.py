@@ -129,9 +129,10 @@ class Admission:
         return [] if outcome is None else [outcome]
 
     def _next_chunk(self, job: Job) -> PrefillItem | None:
-        """The next max_prefill_tokens tokens; None when their blocks are not free."""
+        """The next max_prefill_tokens tokens (never ending inside an image that goes whole: Job.chunk_end);
+        None when their blocks are not free."""
         start = job.num_prefilled
-        num_tokens = len(job.feed_ids[start : start + self.max_prefill_tokens])
+        num_tokens = job.chunk_end(start, self.max_prefill_tokens) - start
         if not self._lanes.cover(job, start + num_tokens):
             return None
         return self.prompt_item(job, start, num_tokens)

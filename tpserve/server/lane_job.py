@@ -96,6 +96,19 @@ class Job:
         """
         return self.request.prompt_ids + tuple(self.produced)
 
+    def chunk_end(self, start: int, max_tokens: int) -> int:
+        """Where a pass over feed_ids from `start` of at most max_tokens ends: never inside an image
+        that goes in one pass (PromptImage.whole, Gemma 3's): before it where the pass reaches it,
+        else (the pass starts inside or at it, after a cached prefix or the chunk before) after its
+        last token, past max_tokens if it must be (a step's token budget beside a decode round; the
+        daemon refuses a max_prefill_tokens under an image's tokens, so never past that)."""
+        end = min(len(self.feed_ids), start + max_tokens)
+        for image in self.request.images:
+            first, last = image.offset, image.offset + image.num_tokens
+            if image.whole and first < end < last:
+                end = first if first > start else last
+        return end
+
     @property
     def cache_ids(self) -> tuple[int, ...]:
         """feed_ids as the prompt cache keys them (image positions by their image's key)."""

@@ -59,6 +59,9 @@ class PromptImage:
     # seconds one spans): its tokens are frames * rows * columns; an image is one frame.
     frames: int = 1
     interval: float = 1.0
+    # Its positions go in one pass (no chunk ends inside them): Gemma 3's image tokens see each
+    # other (tpserve/kernels/attention.py SpanView.images), so all of them must be in the pass
+    whole: bool = False
 
 
 @dataclass(frozen=True)

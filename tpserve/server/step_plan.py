@@ -223,7 +223,7 @@ def _prompts_alone(lanes, finished, preempted, riding, chunking, pool, max_chunk
 def _next_chunk(lanes: LaneTable, chunking: Job, max_tokens: int) -> tuple[int, int, int]:
     """The long prompt's next chunk of at most `max_tokens`: (start, tokens, blocks it must book)."""
     start = chunking.num_prefilled
-    num_tokens = len(chunking.feed_ids[start : start + max_tokens])
+    num_tokens = chunking.chunk_end(start, max_tokens) - start  # (no image cut: Job.chunk_end)
     return start, num_tokens, lanes.blocks_missing(chunking, start + num_tokens)
 
 

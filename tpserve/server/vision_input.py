@@ -71,6 +71,10 @@ class PlacedPart:
 
 
 class VisionInput:
+    # whether an image's positions go in one pass (PromptImage.whole): Gemma 3's, whose rows see
+    # each other (tpserve/server/gemma3_input.py)
+    whole_images = False
+
     def __init__(self, tower: VisionTower, preprocessor: Preprocessor, image_token: str):
         self.tower = tower
         self.preprocessor = preprocessor
@@ -125,5 +129,8 @@ class VisionInput:
         for part, place, array in zip(media, placed, pixels):
             with self._lock:
                 features = self.tower.features(array)
-            images.append(PromptImage(place.offset, self.tokens_per_image, image_key(part.data), features))
+            key = image_key(part.data)
+            images.append(
+                PromptImage(place.offset, self.tokens_per_image, key, features, whole=self.whole_images)
+            )
         return tuple(images)

@@ -8,6 +8,9 @@
  *                                              then the head's sink term where it has one
  *   out         = (sum_j w_j v_j) / total   added in key order, j = lo first
  * A sink (gpt-oss) is a per-head learned logit in the softmax's denominator that attends to no value.
+ * An image's rows see each other (Gemma 3): a row inside an image span [first, end) of its lane reads
+ * keys lo .. end - 1, the image's later keys too (the window's lower edge stays where it was, as
+ * transformers' sliding mask is AND(window, OR(causal, image))); spans name no image: no row changes.
  * Keys before lo are never read: a window's blocks wholly behind every row of a span cost nothing.
  * Every step is written elementwise with explicit fmaf, and the build turns off contraction
  * (-ffp-contract=off), so a vector lane and the scalar tail round alike. Nothing depends on the
@@ -132,6 +135,14 @@ static float softmax_tail(float *restrict row, int j, int n, float m, float *par
     }
     float total = tree_of(part);
     return sink == -INFINITY ? total : total + exp_one(sink - m);
+}
+
+/* One past the last key a row at position p sees: p + 1, or the end of the image span holding p
+ * (images: num_images (first, end) position pairs of the row's lane). */
+static inline int64_t keys_end(int64_t p, const int64_t *images, int64_t num_images) {
+    for (int64_t i = 0; i < num_images; i++)
+        if (images[2 * i] <= p && p < images[2 * i + 1]) return images[2 * i + 1];
+    return p + 1;
 }
 
 /* Each path's three steps for a row block. scores: out[j] = dot(row, key j) * scale for lo <= j < n.
@@ -568,12 +579,16 @@ int tp_attention_path(int path) {
  * float16 where kv_half (read so by a vector path, else each span widened once, exactly, to float32);
  * window: a row at position p sees keys p - window + 1 .. p (0: keys 0 .. p); sinks: NULL, or a logit
  * per query head [num_kv_heads * group] in every row's softmax denominator;
+ * image_index: NULL, or [num_spans + 1]: span s's image spans are image_ranges[2 * image_index[s] ..
+ * 2 * image_index[s + 1] - 1], (first, end) position pairs within the span's positions, whose rows
+ * see each other's keys (keys_end);
  * out: [T, num_kv_heads * group, head_dim] contiguous (it may be q itself: a row block reads its
  * rows of q before it writes its rows of out). Returns 0, or -1 if out of memory. */
 int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const void *values,
                       int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
                       const int64_t *spans, int num_spans, const int64_t *blocks, int64_t block_size,
-                      int64_t window, const float *sinks, float scale, float *out) {
+                      int64_t window, const float *sinks, const int64_t *image_index,
+                      const int64_t *image_ranges, float scale, float *out) {
     if (chosen_path < 0) tp_attention_path(-1);
     const path_steps *steps = &PATHS[chosen_path];
     int64_t max_keys = 1;
@@ -599,6 +614,8 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
     for (int s = 0; s < num_spans; s++) {
         int64_t offset = spans[4 * s], table = spans[4 * s + 1], start = spans[4 * s + 2];
         int64_t length = spans[4 * s + 3];
+        const int64_t *images = image_index ? image_ranges + 2 * image_index[s] : NULL;
+        int64_t num_images = image_index ? image_index[s + 1] - image_index[s] : 0;
         runs_of(blocks + table, block_size, start + length, runs);
         kv_run whole[2] = {{0, start + length, 0}, {start + length, SENTINEL_COUNT, 0}};
         int64_t seen = window && start + 1 > window ? start + 1 - window : 0; /* the span's first key */
@@ -620,15 +637,16 @@ int tp_span_attention(const float *q, int64_t q_stride, const void *keys, const 
                 int num_rows = num_tokens * group;
                 int64_t first = start + t0; /* position of the block's first token */
                 /* row r: token t = r / group at position first + t, query head h * group + r % group;
-                 * it sees keys 0 .. first + t */
+                 * it sees keys lo .. first + t (its image's last key, inside one) */
                 const float *w[MAX_ROWS];
                 float *o[MAX_ROWS], totals[MAX_ROWS];
                 int lo[MAX_ROWS], n[MAX_ROWS];
                 for (int r = 0; r < num_rows; r++) {
                     int64_t token = offset + t0 + r / group, head = h * group + r % group;
                     float *row_scores = scores + r * max_keys; /* key j's score at j */
-                    n[r] = (int)(first + r / group + 1);
-                    lo[r] = window && n[r] > window ? (int)(n[r] - window) : 0;
+                    int64_t position = first + r / group;
+                    lo[r] = window && position + 1 > window ? (int)(position + 1 - window) : 0;
+                    n[r] = (int)keys_end(position, images, num_images); /* rising with r: images lie apart */
                     steps->scores(q + token * q_stride + head * head_dim, key_runs, k_head, half, lo[r], n[r],
                                   head_dim, scale, row_scores);
                     float sink = sinks ? sinks[head] : -INFINITY;
@@ -672,7 +690,7 @@ static void store_row(const float *restrict row, int head_dim, int kv_half, void
  * q, k, v: [T, heads, head_dim] rows of token stride q_stride, k_stride, v_stride (views of the
  * fused product); cos, sin: [T, head_dim]; slots: [num_real] pool slots (tpserve/kernels/attention.py
  * kv_slots: each token's through its span's block table) of the pass's real tokens (rows past them
- * are padding, neither stored nor attended); spans, blocks, window, sinks: as tp_span_attention reads
+ * are padding, neither stored nor attended); spans, blocks, window, sinks, images: as tp_span_attention reads
  * them. head_dim
  * is at most MAX_HEAD_DIM. */
 int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
@@ -680,7 +698,8 @@ int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int
                            const int64_t *slots, int64_t num_real, void *pool_k, void *pool_v,
                            int64_t head_stride, int kv_half, int num_kv_heads, int group, int head_dim,
                            const int64_t *spans, int num_spans, const int64_t *blocks, int64_t block_size,
-                           int64_t window, const float *sinks, float scale, float *out) {
+                           int64_t window, const float *sinks, const int64_t *image_index,
+                           const int64_t *image_ranges, float scale, float *out) {
     int num_heads = num_kv_heads * group;
     size_t element = kv_half ? sizeof(_Float16) : sizeof(float);
     float rotated[MAX_HEAD_DIM];
@@ -698,5 +717,5 @@ int tp_rotate_store_attend(const float *q, int64_t q_stride, const float *k, int
     }
     return tp_span_attention(out, (int64_t)num_heads * head_dim, pool_k, pool_v, head_stride, kv_half,
                              num_kv_heads, group, head_dim, spans, num_spans, blocks, block_size, window, sinks,
-                             scale, out);
+                             image_index, image_ranges, scale, out);
 }

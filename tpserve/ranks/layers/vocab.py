@@ -42,7 +42,7 @@ class VocabHead:
 
 
 class VocabEmbedding:
-    """scale: the embeddings' factor (Gemma 3's sqrt(hidden_size)), applied after the reduce."""
+    """scale: the token embeddings' factor (Gemma 3's sqrt(hidden_size)), in the model's dtype."""
 
     def __init__(self, shard: Shard, head: VocabHead, scale: float | None = None):
         config = shard.config
@@ -65,7 +65,12 @@ class VocabEmbedding:
             owned = (token_ids >= start) & (token_ids < end)
             local = (token_ids - start).clamp(0, end - start - 1)
             out[:, : self.hidden_size] += embedding_rows(table, local).float() * owned.unsqueeze(1)
+        if self.scale is not None:
+            # Before the media's features go in, which are not scaled (as transformers' scatter).
+            # Each row has one nonzero share, so scaling before the all-reduce gives the bits of
+            # scaling after it; in float32 the product of two narrower numbers is exact, rounded
+            # once as theirs.
+            out *= self.scale.float()
         if media_rows is not None:
             place_features(out, media_rows, media)
-        out = self.group.reduce(out)
-        return out if self.scale is None else out * self.scale
+        return self.group.reduce(out)

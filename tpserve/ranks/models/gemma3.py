@@ -10,7 +10,10 @@ What it changes in the Llama-style decoder (tpserve/ranks/models/llama.py), each
   replacing Gemma 2's soft-capping of attention scores);
 - GeGLU: the MLP's gate through the tanh-approximated GELU;
 - the embeddings scaled by sqrt(hidden_size); attention scaled by query_pre_attn_scalar^-1/2;
-  logits soft-capped as cap * tanh(logits / cap) where the config sets final_logit_softcapping.
+  logits soft-capped as cap * tanh(logits / cap) where the config sets final_logit_softcapping;
+- with images (Gemma3ForConditionalGeneration), an image's tokens see each other, in local and
+  global layers (the attention kernels' SpanView.images, named by the engine from the media rows),
+  and the image features go in unscaled.
 The sharding, products, KV pool and attention kernels are the shared ones: only the layer's shape
 differs, so tp=2 == tp=1 and batched == solo hold as for every family.
 """
@@ -48,6 +51,8 @@ class Gemma3Model(TPModel):
         self.local_rotary = Rotary(
             config.head_dim, gemma.local_theta, RopeScaling(), self.max_positions, self.device
         )
+        # Gemma3ForConditionalGeneration: each image's tokens attend to each other (token_type_ids)
+        self.images_see_each_other = config.vision is not None
         head = VocabHead(shard, softcap=gemma.final_logit_softcapping)
         embed = VocabEmbedding(shard, head, scale=config.hidden_size**0.5)
         layers = [self.decoder_layer(shard, index) for index in range(config.num_layers)]
