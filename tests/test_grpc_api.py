@@ -33,6 +33,7 @@ from tpserve.kernels.sampling_params import SamplingParams
 from tpserve.ranks.model_config import load_model_config
 from tpserve.server.grpc_server import GrpcServer
 from tpserve.server.lane_host import LaneHost
+from tpserve.server.media_fetch import MediaFetcher
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.requests import GenerationRequest
 from tpserve.server.servicer import ServingInfo
@@ -109,9 +110,11 @@ def serving(
     metrics_port: int | None = None,
     tokenizer: Tokenizer | None = None,
     vision_input: VisionInput | None = None,
+    media_fetcher: MediaFetcher | None = None,
     **limits,
 ):
-    """`limits`: further ServingInfo fields (the image limits)."""
+    """`limits`: further ServingInfo fields (the image limits). media_fetcher: the server's fetcher
+    of Media urls (None: every url refused)."""
     tokenizer = tokenizer or tiny_tokenizer()
     host = LaneHost(backend, detokenize=tokenizer.decode, eos_ids=tokenizer.eos_ids, queue_size=queue_size)
     host.start()
@@ -133,6 +136,7 @@ def serving(
         metrics_port=metrics_port,
         health_poll_s=0.05,
         submitter=submitter,
+        media_fetcher=media_fetcher,
     )
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")

@@ -273,7 +273,7 @@ def test_fill_replaces_each_url_part_once_for_every_choice(authority, server):
     for _ in range(3):  # n = 3: the same messages in each choice
         request = serving_pb2.GenerateRequest()
         message = request.messages.add(role="user")
-        message.parts.add(media=serving_pb2.Media(mime_type="image/*", data=url(server, "/cat.png").encode()))
+        message.parts.add(media=serving_pb2.Media(mime_type="image/*", url=url(server, "/cat.png")))
         message.parts.add(text="what")
         requests.append(request)
     before = len(server.paths)

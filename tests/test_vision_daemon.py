@@ -187,11 +187,20 @@ def chat_with_url(served, url: str) -> dict:
     }
 
 
+def ask_url(url: str) -> serving_pb2.GenerateRequest:
+    """ask's chat with an image given by its URL (gRPC's Media.url) before the text."""
+    request = ask(None, "what")
+    media = serving_pb2.Media(mime_type="image/*", url=url)
+    request.messages[0].parts.insert(0, serving_pb2.ContentPart(media=media))
+    return request
+
+
 def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_dir, tmp_path):
     """allowed_media_domains names localhost: its URL is refused as a loopback address before any
-    connection (the listener behind it is never reached), by chat and by /tokenize alike, while a
-    reply in flight runs to its end (whenever the refusal lands in it: no test of speed);
-    http:// is refused by name, and gRPC, which fetches nothing, keeps its wording."""
+    connection (the listener behind it is never reached), over HTTP (chat and /tokenize) and over
+    gRPC (Media.url in Generate and Tokenize) in the same words, while a reply in flight runs to its
+    end (whenever the refusals land in it: no test of speed); http:// is refused by name on both,
+    and a gRPC URL sent as data, which is never fetched, keeps its wording."""
     args = (*VISION_ARGS, "--allowed-media-domains", "localhost", "--media-fetch-timeout-s", "5")
     with (
         closing(socket.socket()) as listener,
@@ -217,11 +226,16 @@ def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_
             json=chat_with_url(daemon, url.replace("https", "http")),
             timeout=60,
         )
-        over_grpc = ask(None, "what")
-        over_grpc.messages[0].parts.insert(
+        grpc_loopback = generate(daemon, ask_url(url))
+        grpc_plain = generate(daemon, ask_url(url.replace("https", "http")))
+        with pytest.raises(grpc.RpcError) as grpc_tokenize:
+            tokenize_request = serving_pb2.TokenizeRequest(messages=ask_url(url).messages)
+            daemon.stub.Tokenize(tokenize_request, timeout=60)
+        as_data = ask(None, "what")
+        as_data.messages[0].parts.insert(
             0, serving_pb2.ContentPart(media=serving_pb2.Media(mime_type="image/*", data=url.encode()))
         )
-        grpc_refused = generate(daemon, over_grpc)
+        grpc_refused = generate(daemon, as_data)
         finished = in_flight.join(120)
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):  # nothing waits to be accepted: no connection was made
@@ -242,3 +256,10 @@ def test_an_allowed_host_resolving_to_loopback_fails_its_own_request_only(model_
         "messages[0].parts[0].media: http:// URLs are not fetched, only https:// ones",
     )
     assert grpc_refused.code == grpc.StatusCode.INVALID_ARGUMENT and "fetches none" in grpc_refused.details
+    loopback = (grpc.StatusCode.INVALID_ARGUMENT, refused.json()["error"]["message"])
+    assert (grpc_loopback.code, grpc_loopback.details) == loopback
+    assert (grpc_tokenize.value.code(), grpc_tokenize.value.details()) == loopback
+    assert (grpc_plain.code, grpc_plain.details) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        plain.json()["error"]["message"],
+    )

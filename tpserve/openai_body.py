@@ -79,5 +79,7 @@ def _part(part: serving_pb2.ContentPart) -> dict:
     if part.HasField("text"):
         return {"type": "text", "text": part.text}
     kind = "image_url" if part.media.mime_type.startswith("image/") else "video_url"
+    if part.media.HasField("url"):
+        return {"type": kind, kind: {"url": part.media.url}}
     url = f"data:{part.media.mime_type};base64,{base64.b64encode(part.media.data).decode()}"
     return {"type": kind, kind: {"url": url}}

@@ -40,6 +40,7 @@ class LocalApis:
             engine, tokenizer, info, metrics, vision, max_unread_tokens=config.max_unread_tokens
         )
         tls = tls_files(config.ssl_certfile, config.ssl_keyfile)
+        fetcher = media_fetcher(config)  # one for both APIs: the same rules and limits
         self.server = GrpcServer(
             engine,
             tokenizer,
@@ -55,6 +56,7 @@ class LocalApis:
             handshake_timeout_s=config.grpc_handshake_timeout_s,
             keepalive_s=config.grpc_keepalive_s,
             tls=tls,
+            media_fetcher=fetcher,
         )
         self.http = None
         if config.http_port:
@@ -67,7 +69,7 @@ class LocalApis:
                 body_timeout_s=config.http_body_timeout_s,
                 max_body_bytes=max_http_body_bytes(config),
                 cors_origins=config.cors_origins,
-                media_fetcher=media_fetcher(config),
+                media_fetcher=fetcher,
             )
             limits = HttpLimits(
                 header_timeout_s=config.http_header_timeout_s,
@@ -96,7 +98,7 @@ class LocalApis:
 
 
 def media_fetcher(config: ServeConfig) -> MediaFetcher | None:
-    """The HTTP API's fetcher of remote media URLs; None (every URL refused) without allowed hosts."""
+    """Both APIs' fetcher of remote media URLs; None (every URL refused) without allowed hosts."""
     if not config.allowed_media_domains:
         return None
     return MediaFetcher(

@@ -113,7 +113,7 @@ class ServeConfig:
     max_video_seconds: float = 120.0  # with --vision: a video's duration
     max_video_frames: int = 3600  # with --vision: frames in a video's file, before sampling
     max_video_pixels: int = 1920 * 1080  # with --vision: width x height per video frame
-    # With --vision: the hosts whose https image and video URLs the HTTP API fetches, each named
+    # With --vision: the hosts whose https image and video URLs both APIs fetch, each named
     # exactly (vLLM's --allowed-media-domains); empty: none, every remote URL refused
     # (tpserve/server/media_fetch.py). The byte limits above hold while the body is read.
     allowed_media_domains: tuple[str, ...] = ()

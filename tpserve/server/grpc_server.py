@@ -20,6 +20,7 @@ from tpserve.ranks.errors import UserError
 from tpserve.server.api_key import ApiKeyInterceptor
 from tpserve.server.engine_client import EngineClient
 from tpserve.server.grpc_calls import CallGuard
+from tpserve.server.media_fetch import MediaFetcher
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.request_size import TEXT_BYTES
 from tpserve.server.servicer import ServingServicer
@@ -56,6 +57,7 @@ class GrpcServer:
         handshake_timeout_s: float = 10.0,
         keepalive_s: float = 60.0,
         tls: TlsFiles | None = None,
+        media_fetcher: MediaFetcher | None = None,
     ):
         """port 0 picks a free port (read it from `port` after start).
 
@@ -70,6 +72,8 @@ class GrpcServer:
         pinged after that long quiet, and closed when the ping is unanswered as long again
         (grpc's default pings after 2 hours, so a vanished client's calls held their places).
         tls: serve TLS with these files (tpserve/server/tls.py); None: plain.
+        media_fetcher: fetches Media urls of allowed_media_domains (tpserve/server/media_fetch.py);
+        None refuses every url.
         """
         self._tls = tls
         self._lane_host = lane_host
@@ -82,7 +86,7 @@ class GrpcServer:
             submitter = Submitter(lane_host, tokenizer, info, metrics)
         self.metrics = submitter.metrics
         self._submitter = submitter
-        self._servicer = ServingServicer(submitter)
+        self._servicer = ServingServicer(submitter, media_fetcher=media_fetcher)
         self._api_key = api_key
         self._metrics_need_key = metrics_need_key  # the metrics port checks api_key too
         self._health = health.HealthServicer()

@@ -19,6 +19,12 @@ MEDIA_TYPES = ("image/", "video/")
 VISION_NEEDED = "image and video inputs need a server started with --vision"
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 VIDEO_TYPES = ("video/mp4", "video/webm")
+# A url left unfetched: only a server whose allowed_media_domains names hosts fetches (before these
+# checks: tpserve/server/media_fetch.py), and it fetches every image or video url.
+URL_NOT_FETCHED = (
+    "{where}.media.url: this server fetches none (allowed_media_domains names no host): send the "
+    "{kind}'s bytes (gRPC: media.data; HTTP: a data: URL)"
+)
 
 
 def is_video(media) -> bool:
@@ -31,6 +37,9 @@ def check_media(media, where: str, limits: Limits) -> None:
         raise invalid_argument(f"{where}.media.mime_type {media.mime_type!r} is not an image or video type")
     if not limits.vision:
         raise RequestRefused(grpc.StatusCode.FAILED_PRECONDITION, VISION_NEEDED)
+    if media.HasField("url"):
+        kind = "video" if is_video(media) else "image"
+        raise invalid_argument(URL_NOT_FETCHED.format(where=where, kind=kind))
     if not media.data:
         raise invalid_argument(f"{where}.media.data is empty")
     if is_video(media):
@@ -41,8 +50,8 @@ def check_media(media, where: str, limits: Limits) -> None:
 
 def _check_file(media, where: str, kind: str, types, max_bytes: int, named: str) -> None:
     """A part of `kind` ("image" or "video"): not a URL, one of `types`, at most max_bytes."""
-    # What the HTTP API makes of a {kind}_url that is no data: URL, and has not fetched (only URLs of
-    # allowed_media_domains are: tpserve/server/media_fetch.py, before these checks).
+    # Bytes of no one type: a URL sent as data (the HTTP API's `data:;base64,` too). Never fetched,
+    # whatever allowed_media_domains says: a URL to fetch goes in media.url.
     if media.mime_type == f"{kind}/*":
         raise invalid_argument(
             f"{where}.media is a URL; this server fetches none: send the {kind}'s bytes (a data: URL)"

@@ -1,4 +1,4 @@
-"""Remote image and video URLs, fetched for the HTTP API when the operator allows their hosts
+"""Remote image and video URLs, fetched for both APIs when the operator allows their hosts
 (allowed_media_domains): https only, the host named exactly, every address it resolves to public.
 
 The host is resolved once, every address checked before any connection, and the connection made
@@ -9,8 +9,9 @@ limit (max_image_bytes, max_video_bytes); the whole fetch (resolution, connectio
 media_fetch_timeout_s. Proxies from the environment are ignored, so the checked address is the
 one reached. Any failure refuses that request alone, INVALID_ARGUMENT (HTTP 400), naming why.
 
-It runs in the HTTP handler's async context before the request is queued, never on the engine's
-thread. gRPC's Media has no URL field: gRPC clients send the bytes.
+A URL is a Media's `url` (gRPC's field; the HTTP API puts an image_url or video_url that is no
+data: URL there). It is fetched before the request is queued, never on the engine's thread: in the
+HTTP handler's async context, or on the gRPC call's own thread (fill_blocking).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tpserve.server.media_hosts import AddressPolicy, IPAddress, public_address_
 from tpserve.server.refusals import invalid_argument
 from tpserve.v1 import serving_pb2
 
-_KINDS = {"image/*": "image", "video/*": "video"}  # what the HTTP API makes of a non-data URL
+_KINDS = ("image", "video")  # a url part's mime_type says which (the HTTP API's: image/*, video/*)
 
 
 class MediaFetcher:
@@ -50,20 +51,28 @@ class MediaFetcher:
         self._address_problem = address_problem
 
     async def fill(self, requests) -> None:
-        """Every URL part of these GenerateRequests replaced by its fetched bytes and type, in
-        place (each URL fetched once: a request's choices repeat its messages)."""
+        """Every URL part of these GenerateRequests (or TokenizeRequests) replaced by its fetched
+        bytes and type, in place (each URL fetched once: a request's choices repeat its messages).
+        A url whose mime_type is no image or video type is left for the media checks to refuse."""
         fetched: dict[tuple[str, str], serving_pb2.Media] = {}
         for request in requests:
             for index, message in enumerate(request.messages):
                 for part_index, part in enumerate(message.parts):
-                    kind = _KINDS.get(part.media.mime_type) if part.HasField("media") else None
-                    if kind is None:
+                    if not part.HasField("media") or not part.media.HasField("url"):
                         continue
-                    url = part.media.data.decode(errors="replace")
+                    kind = part.media.mime_type.partition("/")[0]
+                    if kind not in _KINDS:
+                        continue
+                    url = part.media.url
                     if (url, kind) not in fetched:
                         where = f"messages[{index}].parts[{part_index}].media"
                         fetched[url, kind] = await self.fetch(url, kind, where)
                     part.media.CopyFrom(fetched[url, kind])
+
+    def fill_blocking(self, requests) -> None:
+        """fill, from a thread that runs no event loop (a gRPC call's): in a loop of its own,
+        returning once every URL is fetched or one is refused (within media_fetch_timeout_s each)."""
+        anyio.run(self.fill, requests)
 
     async def fetch(self, url: str, kind: str, where: str) -> serving_pb2.Media:
         """One URL's bytes and Content-Type; `kind` "image" or "video" (its byte limit); `where`
@@ -162,5 +171,5 @@ class MediaFetcher:
                 raise over  # reading stops here; the connection closes unread
         mime_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
         if mime_type.endswith("/*"):
-            mime_type = ""  # a wildcard is no file's type (and reads as a URL in media_checks)
+            mime_type = ""  # a wildcard is no file's type (and marks a URL in media_checks)
         return serving_pb2.Media(mime_type=mime_type, data=bytes(body))

@@ -273,7 +273,8 @@ def _add_part(message: serving_pb2.ChatMessage, part, where: str) -> None:
 
 
 def _media(part: dict, kind: str, where: str) -> serving_pb2.Media:
-    """An image_url or video_url part: a data URL's own type and bytes, else the URL itself."""
+    """An image_url or video_url part: a data URL's own type and bytes, else the URL itself (the
+    media fetcher's to fetch where allowed_media_domains allows its host, else refused)."""
     value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
@@ -285,7 +286,7 @@ def _media(part: dict, kind: str, where: str) -> serving_pb2.Media:
             return serving_pb2.Media(mime_type=header[5:] or fallback, data=base64.b64decode(data))
         except (binascii.Error, ValueError):
             raise FieldRefused(f"{where}.{kind}", f"{where}.{kind}.url is not valid base64") from None
-    return serving_pb2.Media(mime_type=fallback, data=url.encode())
+    return serving_pb2.Media(mime_type=fallback, url=url)
 
 
 def _is_int(value) -> bool:

@@ -6,7 +6,9 @@ disconnects or runs past its deadline cancels its stream, so its lane is freed a
 boundary. A client that stops reading blocks its call's sends once the connection's buffers fill;
 past max_unread_tokens more its stream cancels itself and the call ends RESOURCE_EXHAUSTED at once,
 from the thread that put the token (the call's own thread is stuck in the send), freeing it. A stream ended by a broken engine fails with UNAVAILABLE (a stream's own error ends with
-finish reason ERROR instead). Nothing is decided here.
+finish reason ERROR instead). Media URLs go to the fetcher the HTTP API uses, on the call's own
+thread before the request goes further (allowed_media_domains; without it the media checks refuse
+them). Nothing is decided here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 from tpserve.ranks.version import VERSION
 from tpserve.server.grpc_calls import end_call
 from tpserve.server.lane_stream import Stream, merge_deltas
+from tpserve.server.media_fetch import MediaFetcher
 from tpserve.server.requests import CANCELLED, ERROR, LENGTH, STOP, Finished, Prefilled, TokenDelta
 from tpserve.server.serving_info import ServingInfo
 from tpserve.server.submitter import Submitter
@@ -39,8 +42,18 @@ FINISH_REASONS = {
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    def __init__(self, submitter: Submitter, *, poll_s: float = 0.25, cancel_grace_s: float = 10.0):
+    def __init__(
+        self,
+        submitter: Submitter,
+        *,
+        poll_s: float = 0.25,
+        cancel_grace_s: float = 10.0,
+        media_fetcher: MediaFetcher | None = None,
+    ):
+        """media_fetcher: fetches the allowed hosts' media URLs (tpserve/server/media_fetch.py), the
+        same one the HTTP API uses; None: every URL is refused by the media checks."""
         self._submitter = submitter
+        self._media_fetcher = media_fetcher
         self._overflow_message = submitter.unread_overflow
         self._poll_s = poll_s  # how often a quiet stream looks at whether its client is still there
         self._cancel_grace_s = cancel_grace_s  # how long a cancelled stream waits for its Finished
@@ -49,6 +62,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
     def Generate(self, request, context) -> Iterator[serving_pb2.GenerateResponse]:
         try:
+            self._fetch_media(request)
             stream = self._submitter.submit(request)
         except RequestRefused as refusal:
             context.abort(refusal.code, refusal.message)
@@ -113,10 +127,17 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
     def Tokenize(self, request, context) -> serving_pb2.TokenizeResponse:
         try:
+            self._fetch_media(request)
             token_ids = self._submitter.tokenize(request)
         except RequestRefused as refusal:
             context.abort(refusal.code, refusal.message)
         return serving_pb2.TokenizeResponse(token_ids=token_ids, num_tokens=len(token_ids))
+
+    def _fetch_media(self, request) -> None:
+        """The request's media URLs replaced by their bytes, in place; a refused or failed fetch
+        (a timeout too) raises RequestRefused INVALID_ARGUMENT, worded as over HTTP."""
+        if self._media_fetcher is not None:
+            self._media_fetcher.fill_blocking([request])
 
     def Info(self, request, context) -> serving_pb2.InfoResponse:
         info = self._submitter.info

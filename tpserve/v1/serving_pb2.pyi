@@ -21,12 +21,14 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class Media(_message.Message):
-    __slots__ = ("data", "mime_type")
+    __slots__ = ("data", "url", "mime_type")
     DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     data: bytes
+    url: str
     mime_type: str
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ..., mime_type: _Optional[str] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "media")
