@@ -40,6 +40,10 @@ class Fp8Values:
     values: torch.Tensor
     scales: torch.Tensor
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32: value * scale, the checkpoint's weight."""
         return self.values.float() * self.scales.reshape(-1, 1)
