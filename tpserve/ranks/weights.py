@@ -120,6 +120,7 @@ def _read_pieces(
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
                 kept = torch.float32 if kept_in_float32(config, name) else dtype
+                # float whatever its stored kind: norms, routers and sinks are no quantized product
                 weights.replicated[name] = owned(dequantized(tensor.read()), device, kept)
                 continue
             for local, piece in enumerate(pieces):
