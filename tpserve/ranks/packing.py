@@ -124,7 +124,7 @@ def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | Fp8Valu
     stacked = next(iter(kinds)).stack(parts) if len(kinds) == 1 else None
     if stacked is not None:
         return stacked
-    if STORED_KINDS[Int8Values] not in kinds:  # floats and blocks (a mixed GGUF)
+    if STORED_KINDS[Int8Values] not in kinds:  # floats beside blocks (a mixed GGUF) or fp8
         return MixedParts(parts)
     raise ModelFileError(", ".join(names), "one fused product, stored partly in int8 and partly in float")
 
