@@ -46,6 +46,11 @@ class BlockValues:
     sc: torch.Tensor | None = None  # 6 bits: weight = d * sc * (q - 32)
     bits: int | str = 4  # 4, 5, 6, 8 or MXFP4
 
+    @property
+    def shape(self) -> torch.Size:
+        """[out, in], as the float weight's."""
+        return self.q.shape
+
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32: d * q + m, d * sc * (q - 32) or e2m1(q) * 2^(d - 127), as the `gguf`
         package dequantizes the file's blocks."""

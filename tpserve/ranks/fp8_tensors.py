@@ -5,7 +5,7 @@ A quantized linear `X` is stored as `X.weight` float8_e4m3fn [out, in] beside `X
 (strategy tensor) or [out, 1] (channel), in float32, float16 or bfloat16: weight = value * scale.
 Each piece's rows or columns are read as stored with a scale per output row. On a GPU
 (tpserve/ranks/packing.py fp8_on_gpu) they go to torch._scaled_mm as they are (tpserve/kernels/fp8_linear.py).
-No CPU product here takes fp8, so on the CPU they are dequantized at load (tpserve/ranks/weights.py _owned):
+No CPU product here takes fp8, so on the CPU they are dequantized at load (tpserve/ranks/packing.py owned):
 exact in float32 for a float16 or bfloat16 scale (a 4-bit significand times an 8- or 11-bit one), and rounded
 once for a float32 scale, as compressed-tensors' own dequantize rounds at float32. From there `quantize`
 serves them as it serves a float checkpoint's weights (tpserve/kernels/weight_formats.py).
@@ -39,6 +39,10 @@ class Fp8Values:
 
     values: torch.Tensor
     scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32: value * scale, the checkpoint's weight."""

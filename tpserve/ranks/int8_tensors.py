@@ -36,6 +36,14 @@ class Int8Values:
     values: torch.Tensor
     scales: torch.Tensor
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32: value * scale, the checkpoint's weight."""
+        return self.values.float() * self.scales.reshape(-1, 1)
+
 
 class StoredInt8:
     """One int8 weight in a checkpoint, `stored` + "_scale" beside it; `read` takes a piece's slice.

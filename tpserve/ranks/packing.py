@@ -12,6 +12,7 @@ instead of bfloat16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from tpserve.ranks.block_tensors import MXFP4, BlockValues, cat_blocks
 from tpserve.ranks.errors import ModelFileError
 from tpserve.ranks.fp8_tensors import Fp8Values
 from tpserve.ranks.int8_tensors import Int8Values
+from tpserve.ranks.tensor_fields import owned_fields, owned_tensor, rows_of_fields, rows_of_tensor
 
 # Blocks served as stored, by their values' bits: the kinds that take them as they are, and how.
 # A 4- or 5-bit head goes to 8 bits under q8, as a float head does; a Q6_K head keeps its 6 bits.
@@ -49,24 +51,52 @@ class MixedParts:
     """The parts of one fused product stored in different forms (a Q4_K_M GGUF's Q4_K q and k beside
     its Q6_K v, or blocks beside floats): stacked at packing (pack_weight)."""
 
-    parts: list[torch.Tensor | BlockValues]
+    parts: list[torch.Tensor | BlockValues | Fp8Values]
 
     @property
     def num_rows(self) -> int:
-        return sum(p.q.shape[0] if isinstance(p, BlockValues) else p.shape[0] for p in self.parts)
+        return sum(part.shape[0] for part in self.parts)
 
     def dequantize(self) -> torch.Tensor:
         """[sum of out, in] float32: every part's exact values."""
-        return torch.cat([p.dequantize() if isinstance(p, BlockValues) else p.float() for p in self.parts])
+        return torch.cat([dequantized(part).float() for part in self.parts])
 
 
-def stored_kind(weight) -> type:
+@dataclass(frozen=True)
+class StoredKind:
+    """What is done with a weight of one stored kind, from the file to its served form. None: a step
+    never asked of it (mixed parts are made by fuse, after loading)."""
+
+    own: Callable | None  # (weight, device, dtype): on the device, in storage of its own (at load)
+    take_rows: Callable | None  # (weight, rows): its rows in that order (a partial rotary's reorder)
+    stack: Callable | None  # (parts): stacked by rows as one weight of this kind, or None where they do not
+    dequantize: Callable  # (weight): its exact values in float (a float weight as it is)
+    pack: Callable  # (weight, format, dtype): its served form (pack_weight)
+
+
+def stored_kind(weight) -> StoredKind:
     """The kind a loaded weight is stored in: float (torch.Tensor), a checkpoint's int8 or fp8 values
-    with their scales, blocks (tpserve/ranks/block_tensors.py), or mixed parts: a key of PACKERS."""
-    kind = next((k for k in type(weight).__mro__ if k in PACKERS), None)
+    with their scales, blocks (tpserve/ranks/block_tensors.py), or mixed parts: its entry in STORED_KINDS."""
+    kind = next((k for k in type(weight).__mro__ if k in STORED_KINDS), None)
     if kind is None:
         raise TypeError(f"no served form for a weight stored as {type(weight).__name__}")
-    return kind
+    return STORED_KINDS[kind]
+
+
+def owned(weight, device, dtype: torch.dtype):
+    """`weight` on the device in storage of its own: a float one in `dtype`, values and scales in their own
+    (tpserve/ranks/tensor_fields.py), a CPU's fp8 dequantized to `dtype` (no CPU product takes fp8)."""
+    return stored_kind(weight).own(weight, device, dtype)
+
+
+def rows_taken(weight, rows: torch.Tensor):
+    """`weight`'s rows in the order `rows` gives (each row its own values and scales)."""
+    return stored_kind(weight).take_rows(weight, rows)
+
+
+def dequantized(weight) -> torch.Tensor:
+    """`weight`'s exact values in float: a float weight itself, any other dequantized to float32."""
+    return stored_kind(weight).dequantize(weight)
 
 
 def _stack_scaled(parts: list):
@@ -74,13 +104,16 @@ def _stack_scaled(parts: list):
     return type(parts[0])(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]))
 
 
-# A stored kind -> its parts stacked by rows as one weight of that kind (blocks: of one width).
-STACKED = {
-    torch.Tensor: torch.cat,
-    Int8Values: _stack_scaled,
-    Fp8Values: _stack_scaled,
-    BlockValues: cat_blocks,
-}
+def _stack_blocks(parts: list[BlockValues]) -> BlockValues | None:
+    """Blocks stacked, where all are of one width in bits."""
+    return cat_blocks(parts) if len({part.bits for part in parts}) == 1 else None
+
+
+def _own_fp8(weight: Fp8Values, device, dtype: torch.dtype):
+    """Kept as stored on a GPU (pack_fp8); the CPU's is float."""
+    if torch.device(device).type != "cuda":
+        return owned_tensor(weight.dequantize(), device, dtype)
+    return owned_fields(weight, device, dtype)
 
 
 def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | Fp8Values | BlockValues | MixedParts:
@@ -88,10 +121,10 @@ def fuse(tensors: dict, names: list[str]) -> torch.Tensor | Int8Values | Fp8Valu
     int8 or all fp8 each keeping its scales, or all in blocks of one width (else their MixedParts)."""
     parts = [tensors.pop(name) for name in names]
     kinds = {stored_kind(part) for part in parts}
-    widths = {part.bits for part in parts if isinstance(part, BlockValues)}
-    if len(kinds) == 1 and len(widths) <= 1:
-        return STACKED[kinds.pop()](parts)
-    if Int8Values not in kinds:  # floats and blocks (a mixed GGUF)
+    stacked = next(iter(kinds)).stack(parts) if len(kinds) == 1 else None
+    if stacked is not None:
+        return stacked
+    if STORED_KINDS[Int8Values] not in kinds:  # floats beside blocks (a mixed GGUF) or fp8
         return MixedParts(parts)
     raise ModelFileError(", ".join(names), "one fused product, stored partly in int8 and partly in float")
 
@@ -100,14 +133,14 @@ def pack_weight(
     weight: torch.Tensor | Int8Values | Fp8Values | BlockValues | MixedParts, kind: str, dtype=torch.float32
 ):
     """A weight as the products take it, in the served form its stored kind and `kind` (a format of
-    tpserve/kernels/weight_formats.py) choose: PACKERS, the one table from a stored weight to its
+    tpserve/kernels/weight_formats.py) choose: STORED_KINDS, the one table from a stored weight to its
     served form. A checkpoint's int8 is served as stored whatever `kind` (down_proj included: the
     file chose int8 for it); a GGUF's blocks are served as stored where `kind` is int4 (and 8- and
     6-bit ones where it is q8: a Q6_K head keeps its 6 bits; 4- and 5-bit heads go to 8 bits, as a
     float head does), mixed parts each in its own form, stacked (tpserve/kernels/stacked_weight.py);
     anything else goes through quantize_weight (blocks dequantized first, exactly, to `dtype` where
     they stay float: int8 and none serve a Q6_K's exact values as they serve a Q4's)."""
-    return PACKERS[stored_kind(weight)](weight, kind, dtype)
+    return stored_kind(weight).pack(weight, kind, dtype)
 
 
 def _pack_float(weight: torch.Tensor, kind: str, dtype: torch.dtype):
@@ -144,7 +177,7 @@ def pack_embedding(weight: torch.Tensor | BlockValues | Fp8Values, head_format: 
     packed = pack_weight(weight, "q8") if head_format == "q8" else None
     if isinstance(packed, ROW_FORMATS):
         return packed
-    return weight if stored_kind(weight) is torch.Tensor else weight.dequantize().to(dtype)
+    return dequantized(weight).to(dtype)
 
 
 def _on_gpu_in_int4(weight: BlockValues, kind: str, dtype: torch.dtype) -> bool:
@@ -210,11 +243,13 @@ def describe_serving(kinds: tuple[str, ...], quantize: str, device_type: str = "
     return ", ".join(said) + f", quantize {quantize} applies to {also}those it left in float"
 
 
-# A stored kind -> how it is packed: the one table from a loaded weight to its served form.
-PACKERS = {
-    torch.Tensor: _pack_float,
-    Int8Values: _pack_int8,
-    Fp8Values: pack_fp8,
-    BlockValues: _pack_blocks,
-    MixedParts: _pack_mixed,
+# A stored kind -> what is done with it: the one table from a loaded weight to its served form.
+STORED_KINDS = {
+    torch.Tensor: StoredKind(owned_tensor, rows_of_tensor, torch.cat, lambda w: w, _pack_float),
+    Int8Values: StoredKind(owned_fields, rows_of_fields, _stack_scaled, Int8Values.dequantize, _pack_int8),
+    Fp8Values: StoredKind(_own_fp8, rows_of_fields, _stack_scaled, Fp8Values.dequantize, pack_fp8),
+    BlockValues: StoredKind(
+        owned_fields, rows_of_fields, _stack_blocks, BlockValues.dequantize, _pack_blocks
+    ),
+    MixedParts: StoredKind(None, None, None, MixedParts.dequantize, _pack_mixed),
 }

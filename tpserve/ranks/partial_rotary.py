@@ -11,14 +11,10 @@ o are not touched, so the attention's output is the unreordered one's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from tpserve.kernels.rotary import partial_rotary_order
-from tpserve.ranks.block_tensors import BlockValues
-from tpserve.ranks.errors import ModelFileError
-from tpserve.ranks.int8_tensors import Int8Values
+from tpserve.ranks.packing import rows_taken
 
 
 def reorder_heads(config, weights, pieces) -> None:
@@ -37,19 +33,4 @@ def reorder_heads(config, weights, pieces) -> None:
                 for leaf in ("weight", "bias"):
                     name = f"{attn}{kind}_proj.{leaf}"
                     if name in tensors:
-                        tensors[name] = _take_rows(tensors[name], rows, name)
-
-
-def _take_rows(value, rows: torch.Tensor, name: str):
-    """`value`'s rows in the order `rows` gives: a float tensor, or int8 values and their row scales,
-    or blocks (each row its own blocks and scales)."""
-    if isinstance(value, torch.Tensor):
-        return value[rows.to(value.device)]
-    if isinstance(value, (Int8Values, BlockValues)):
-        fields = {
-            field.name: getattr(value, field.name)[rows.to(getattr(value, field.name).device)]
-            for field in dataclasses.fields(value)
-            if isinstance(getattr(value, field.name), torch.Tensor)
-        }
-        return dataclasses.replace(value, **fields)
-    raise ModelFileError(name, f"a partial rotary cannot reorder a {type(value).__name__}'s rows")
+                        tensors[name] = rows_taken(tensors[name], rows)

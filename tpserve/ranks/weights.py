@@ -26,6 +26,7 @@ from tpserve.ranks.gptq_tensors import StoredAwq, StoredGptq, StoredGptqV2
 from tpserve.ranks.int4_tensors import StoredInt4, holds_int4
 from tpserve.ranks.int8_tensors import Int8Values, StoredInt8, may_be_int8
 from tpserve.ranks.model_config import ModelConfig
+from tpserve.ranks.packing import dequantized, owned
 from tpserve.ranks.sharding import Piece, Split, piece_range, rule_for
 from tpserve.ranks.stacked_experts import StoredExpertPart, stacked_part
 from tpserve.ranks.weight_names import expected_shape, kept_in_float32, required_names
@@ -119,14 +120,13 @@ def _read_pieces(
             split, unit = rule_for(name)
             if split is Split.REPLICATED:
                 kept = torch.float32 if kept_in_float32(config, name) else dtype
-                whole = tensor.read()
-                whole = whole.dequantize() if isinstance(whole, Fp8Values) else whole
-                weights.replicated[name] = _owned(whole, device, kept)
+                # float whatever its stored kind: norms, routers and sinks are no quantized product
+                weights.replicated[name] = owned(dequantized(tensor.read()), device, kept)
                 continue
             for local, piece in enumerate(pieces):
                 start, end = piece_range(config, piece, unit)
                 part = tensor.read(start, end, columns=split is Split.ROW)
-                weights.pieces[local][name] = _owned(part, device, dtype)
+                weights.pieces[local][name] = owned(part, device, dtype)
     return weights
 
 
@@ -227,27 +227,3 @@ def _quantized_refusal(files: dict[str, Path], name: str, stored: str) -> ModelF
         "(only linear projections, experts' included, and lm_head are read quantized; a router, a "
         "gate or an embedding must be float)",
     )
-
-
-def _owned(part, device, dtype: torch.dtype):
-    """`part` on the device in `dtype` (int8 values, their float32 scales and blocks' float16 or
-    float32 scales as they are: a float32 block scale rounded to float16 would be rounded twice), in storage of
-    its own size. A slice of the rows comes back from safetensors as a view of the whole tensor, and
-    `.to()` on the same device and dtype keeps that view: the rank would hold the full tensor, and
-    room would see the memory as taken."""
-    if isinstance(part, Int8Values):
-        return Int8Values(_owned(part.values, device, torch.int8), _owned(part.scales, device, torch.float32))
-    if isinstance(part, Fp8Values):  # kept as stored on a GPU (tpserve/ranks/packing.py); the CPU's is float
-        if torch.device(device).type != "cuda":
-            return _owned(part.dequantize(), device, dtype)
-        return Fp8Values(
-            _owned(part.values, device, part.values.dtype), _owned(part.scales, device, torch.float32)
-        )
-    if isinstance(part, BlockValues):
-        m, sc = (None if t is None else _owned(t, device, t.dtype) for t in (part.m, part.sc))
-        q, d = _owned(part.q, device, part.q.dtype), _owned(part.d, device, part.d.dtype)
-        return BlockValues(q, d, m, sc, part.bits)
-    out = part.to(device=device, dtype=dtype)
-    if not out.is_contiguous() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
-        out = out.clone(memory_format=torch.contiguous_format)
-    return out
