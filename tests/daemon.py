@@ -472,6 +472,7 @@ class Reply:
     code: grpc.StatusCode | None = None  # set when the call failed
     details: str = ""
     ended_at: float = 0.0  # time.monotonic()
+    first_at: float = 0.0  # time.monotonic() at its first message (0: none came)
     logprobs: list = field(default_factory=list)  # serving_pb2.TokenLogprob, when the request asked
 
     @property
@@ -485,6 +486,7 @@ def read_reply(call, reply: Reply | None = None, on_response=None) -> Reply:
     reply = reply if reply is not None else Reply()
     try:
         for response in call:
+            reply.first_at = reply.first_at or time.monotonic()
             reply.prefilled = reply.prefilled or response.prefilled
             if response.token_ids:
                 reply.num_token_messages += 1
