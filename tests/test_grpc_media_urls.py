@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import test_media_urls
 import torch
-import trustme
 from daemon import BackgroundReply, read_reply
 from fake_backend import FakeBackend
 from test_grpc_api import CONTEXT_SIZE, SlowBackend, serving, wait_until
-from test_media_urls import IMAGE, MAX_BYTES, fetcher, https_server, url
+from test_media_urls import IMAGE, MAX_BYTES, fetcher, url
 from tiny_llava import IMAGE_TOKEN, write_tiny_llava
 
 from tpserve.ranks.model_config import load_model_config
@@ -23,19 +23,8 @@ from tpserve.server.vision_input import VisionInput
 from tpserve.v1 import serving_pb2
 
 WHERE = "messages[0].parts[0].media"
-
-
-@pytest.fixture(scope="module")
-def authority():
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
-def media_host(authority):
-    served = https_server(authority, "localhost")
-    yield served
-    served.shutdown()
-    served.server_close()
+# test_media_urls' fixtures: its certificate authority, and its HTTPS host on loopback
+authority, media_host = test_media_urls.authority, test_media_urls.server
 
 
 @pytest.fixture(scope="module")
