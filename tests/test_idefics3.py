@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_lanes import open_lane, tiny_engine
 from hf_reference import cached_greedy
-from multiproc import RankPool, world_collectives
+from image_prompt_checks import check_batch_equals_solo, check_tp2_equals_tp1
 from PIL import Image
 from test_tp_exact import decode_steps
 from tiny_idefics3 import (
@@ -155,31 +155,10 @@ def test_one_tile_images_match_transformers(one_tile_dir):
 
 
 def test_a_batch_with_and_without_images_equals_each_solo_run(model_dir):
-    torch.set_num_threads(1)
-    first = chat_prompt(model_dir, [block_image(1, SIZES[0])])
-    second = chat_prompt(model_dir, [block_image(2, SIZES[2])], "the lazy dog")
-    other = chat_prompt(model_dir, [block_image(3, SIZES[0])])  # the first's tokens, another image
-    prompts = [first[0], (70, 71, 72, 73, 74), second[0], other[0]]
-    images = [first[1], (), second[1], other[1]]
-    together, _ = run_prompts(model_dir, prompts, images)
-    for lane, (prompt, prompt_images) in enumerate(zip(prompts, images)):
-        alone, _ = run_prompts(model_dir, [prompt], [prompt_images])
-        assert torch.equal(together[:, lane], alone[:, 0]), f"stream {lane} differs from its solo run"
-    assert first[0] == other[0] and not torch.equal(together[:, 0], together[:, 3])
-
-
-def _tp2(ctx, model_dir, prompts, images):
-    torch.set_num_threads(1)
-    collectives = world_collectives(ctx, "gloo")
-    return run_prompts(model_dir, prompts, images, ctx.rank, 2, collectives)
+    check_batch_equals_solo(run_prompts, chat_prompt, model_dir, (SIZES[0], SIZES[2]))
 
 
 def test_tp2_equals_tp1_bit_for_bit_with_images(model_dir):
     torch.set_num_threads(1)
     ids, prompt_images = chat_prompt(model_dir, [block_image(4, SIZES[1])])
-    prompts, images = [ids, (70, 71, 72)], [prompt_images, ()]
-    solo_logits, solo_tokens = run_prompts(model_dir, prompts, images)
-    with RankPool(2) as pool:
-        pair_logits, pair_tokens = pool.run(_tp2, model_dir, prompts, images, timeout_s=120)[0]
-    assert pair_tokens == solo_tokens
-    torch.testing.assert_close(pair_logits, solo_logits, rtol=0, atol=0)
+    check_tp2_equals_tp1(run_prompts, model_dir, ids, prompt_images)
