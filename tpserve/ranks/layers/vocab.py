@@ -54,7 +54,8 @@ class VocabEmbedding:
             ]
         self.vocab = [piece.vocab for piece in shard.pieces]
         self.hidden_size, self.group, self.device = config.hidden_size, shard.group, shard.device
-        self.scale = None if scale is None else torch.tensor(scale, dtype=shard.dtype)
+        # rounded to the model's dtype as the reference's, then held in float32 (the rows' dtype here)
+        self.scale = None if scale is None else torch.tensor(scale, dtype=shard.dtype).float()
 
     def forward(self, token_ids: torch.Tensor, width: int, media_rows=None, media=None) -> torch.Tensor:
         """token_ids: [T] -> [T, width] in the model's dtype: the embeddings in the first hidden_size
@@ -70,7 +71,7 @@ class VocabEmbedding:
             # Each row has one nonzero share, so scaling before the all-reduce gives the bits of
             # scaling after it; in float32 the product of two narrower numbers is exact, rounded
             # once as theirs.
-            out *= self.scale.float()
+            out *= self.scale
         if media_rows is not None:
             place_features(out, media_rows, media)
         return self.group.reduce(out)
