@@ -280,6 +280,10 @@ class FakeBackend(FakeKV):
             self._misuse(f"prefill of {len(item.token_ids)} tokens (at most {max_tokens} per pass)")
         if item.start != lane.length:
             self._misuse(f"prefill on lane {item.lane} starts at {item.start}; it holds {lane.length}")
+        end = item.start + len(item.token_ids)
+        for image in item.images:  # as the engine's spans refuse a pass that cuts such an image
+            if image.whole and image.offset < end < image.offset + image.num_tokens:
+                self._misuse(f"prefill on lane {item.lane} ends at {end}, inside an image that goes whole")
         return lane
 
     def _sample(self, lane: FakeLane, sampling: SamplingParams) -> int:
